@@ -1,0 +1,22 @@
+"""zero_kernels: ZeRO (Zero Redundancy Optimizer) for PyTorch, with its own fused kernels.
+
+- `FusedAdam` / `FusedAdamW`: drop-in `torch.optim` optimizers running the one-pass fused step.
+- `ZeroOptimizer`: shards optimizer state (stage 1) and gradients (stage 2) of any torch optimizer
+  across the data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+from .fused_adam import FusedAdam, FusedAdamW
+
+__version__ = "0.1.0"
+__all__ = ["FusedAdam", "FusedAdamW", "ZeroOptimizer", "__version__"]
+
+
+def __getattr__(name: str):
+    # The partitioning layer pulls in torch.distributed; load it only when asked for.
+    if name == "ZeroOptimizer":
+        from .optimizer import ZeroOptimizer
+
+        return ZeroOptimizer
+    raise AttributeError(f"module 'zero_kernels' has no attribute {name!r}")
