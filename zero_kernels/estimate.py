@@ -1,0 +1,388 @@
+"""Per-rank model-state memory and communication per step of each ZeRO stage: the formulas.
+
+Pure functions (no process group, no weights): `zero-kernels estimate` prints them, the demo
+holds its measured bytes against them, and the tests pin the ZeRO paper's figures.
+
+[Note: the formulas]
+Ψ parameters, N data-parallel ranks, p / g bytes per parameter of params / grads, K bytes of
+optimizer state per parameter (fp32 master copy included in mixed precision):
+
+    stage 0 (DDP)   (p + g + K) Ψ             all-reduce of grads          2Ψ elements
+    stage 1         (p + g) Ψ + K Ψ / N       reduce-scatter + all-gather  2Ψ
+    stage 2         p Ψ + (g + K) Ψ / N       reduce-scatter + all-gather  2Ψ
+    stage 3         (p + g + K) Ψ / N + live  all-gather x2 + r-scatter    3Ψ
+
+Mixed-precision Adam: p = g = 2, K = 4 (master) + 4 (exp_avg) + 4 (exp_avg_sq) = 12; for Ψ = 7.5B,
+N = 64 that is 120, 31.4, 16.6 and 1.9 GB (decimal GB), the paper's figure 1.
+"Live" for stage 3 is the window of gathered full parameters (the running layer and the ones
+prefetched) plus the unsharded gradients of the running layer before their reduce-scatter.
+Communication bytes are reported two ways: the payload (size of the full buffer each collective
+reduces or gathers) and what one rank puts on the wire with ring algorithms ((N-1)/N of the
+payload per reduce-scatter or all-gather, twice that per all-reduce).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+__all__ = [
+    "OPTIMIZERS",
+    "PRECISIONS",
+    "STAGES",
+    "ModelInfo",
+    "Precision",
+    "StageEstimate",
+    "estimate",
+    "estimate_stage",
+    "format_bytes",
+    "model_info",
+    "optimizer_state_bytes",
+    "parse_bytes",
+    "parse_count",
+]
+
+STAGES = (0, 1, 2, 3)
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Precision:
+    name: str
+    param_bytes: int  # bytes per parameter of the model's weights
+    grad_bytes: int  # bytes per parameter of the gradients
+    master_bytes: int  # fp32 master copy kept by the optimizer (0 without one)
+    state_elem_bytes: int  # bytes of one optimizer-state element (exp_avg, momentum, ...)
+
+
+PRECISIONS: dict[str, Precision] = {
+    # bf16/fp16 weights and grads, fp32 master weights and fp32 states (the paper's setting)
+    "mixed": Precision("mixed", 2, 2, 4, 4),
+    "fp32": Precision("fp32", 4, 4, 0, 4),
+    # pure bf16: weights, grads and states all bf16, no master copy
+    "bf16": Precision("bf16", 2, 2, 0, 2),
+}
+_PRECISION_ALIASES = {"fp16": "mixed", "amp": "mixed", "float32": "fp32", "pure-bf16": "bf16"}
+
+# Full-size state tensors per parameter; "factored" (Adafactor) is computed from shapes.
+OPTIMIZERS: dict[str, int | str] = {
+    "adam": 2,
+    "adamw": 2,
+    "lamb": 2,
+    "sgd-momentum": 1,
+    "sgd": 0,
+    "muon": 1,  # momentum buffer (the demo's Muon uses AdamW for non-matrix params)
+    "lion": 1,
+    "adagrad": 1,
+    "rmsprop": 1,
+    "adafactor": "factored",
+}
+
+
+def _choice(name: str, value: str, choices: Iterable[str], aliases: dict[str, str]) -> str:
+    v = value.strip().lower()
+    v = aliases.get(v, v)
+    if v not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+    return v
+
+
+def parse_count(text: str | int | float, *, name: str = "--params") -> int:
+    """`7.5B`, `1.3e9`, `125M`, `350k`, `7_000_000` -> an integer count."""
+    if isinstance(text, int | float):
+        value = float(text)
+    else:
+        m = re.fullmatch(r"\s*([0-9][0-9_]*(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBgGtT]?)\s*",
+                         text)
+        if not m:
+            raise ValueError(f"{name} must be a count like 7.5B, 1.3e9, 125M or 350k; got {text!r}")
+        scale = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}[m.group(2).lower()]
+        value = float(m.group(1).replace("_", "")) * scale
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive count; got {text!r}")
+    return int(round(value))
+
+
+def parse_bytes(text: str | int | float, *, name: str = "--gpu-mem") -> int:
+    """`80GB`, `80G`, `80` (GB), `24GiB`, `512MB` -> bytes."""
+    if isinstance(text, int | float):
+        return int(float(text) * GB)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMgGtT]?)(i?)[bB]?\s*", text)
+    if not m or float(m.group(1)) <= 0:
+        raise ValueError(f"{name} must be a size like 80GB, 24GiB or 80 (GB); got {text!r}")
+    unit = m.group(2).lower() or "g"
+    base = 1024 if m.group(3) else 1000
+    return int(float(m.group(1)) * base ** {"k": 1, "m": 2, "g": 3, "t": 4}[unit])
+
+
+def format_bytes(n: float) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {unit}" if n / scale < 100 else f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+# ---------------------------------------------------------------------------------------------
+# Models: parameter shapes from a factory on the meta device or from a config.json
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the formulas need from a model: its trainable parameter shapes, and its largest layer."""
+
+    name: str
+    shapes: tuple[tuple[int, ...], ...]  # unique trainable parameters (tied ones once)
+    largest_layer: int  # parameters of the largest layer (a stage-3 gather unit)
+
+    @property
+    def n_params(self) -> int:
+        return sum(math.prod(s) for s in self.shapes)
+
+
+def _shapes_of_module(module) -> tuple[tuple[tuple[int, ...], ...], int]:
+    import torch
+    from torch import nn
+
+    seen: set[int] = set()
+    shapes = []
+    for p in module.parameters():  # parameters() already yields a tied tensor once
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            shapes.append(tuple(p.shape))
+
+    # A "layer" is what stage 3 gathers at once: an element of a ModuleList/Sequential (a block),
+    # else a leaf module.
+    def count(m: nn.Module) -> int:
+        return sum(p.numel() for p in m.parameters() if p.requires_grad)
+
+    layers = [c for m in module.modules() if isinstance(m, nn.ModuleList | nn.Sequential)
+              for c in m.children()]
+    if not layers:
+        layers = [m for m in module.modules() if not list(m.children())]
+    largest = max((count(m) for m in layers), default=0)
+    del torch
+    return tuple(shapes), largest
+
+
+def _from_factory(spec: str) -> ModelInfo:
+    import torch
+
+    mod_name, _, attr = spec.partition(":")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise ValueError(f"--model: cannot import module {mod_name!r} ({e})") from None
+    factory = mod
+    for part in attr.split("."):
+        if not hasattr(factory, part):
+            raise ValueError(f"--model: module {mod_name!r} has no attribute {attr!r}")
+        factory = getattr(factory, part)
+    if not callable(factory):
+        raise ValueError(f"--model: {spec!r} is not callable")
+    with torch.device("meta"):
+        model = factory()
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"--model: {spec!r} returned {type(model).__name__}, not a torch.nn.Module")
+    shapes, largest = _shapes_of_module(model)
+    return ModelInfo(spec, shapes, largest)
+
+
+def _config_shapes(cfg: dict) -> tuple[tuple[tuple[int, ...], ...], int]:
+    """Parameter shapes of a GPT-2 or LLaMA-style transformers config (no transformers needed)."""
+
+    def get(*keys, default=None):
+        for k in keys:
+            if cfg.get(k) is not None:
+                return cfg[k]
+        if default is None:
+            raise ValueError(f"--model: config.json lacks {' / '.join(keys)}")
+        return default
+
+    kind = str(cfg.get("model_type", "")).lower()
+    vocab = int(get("vocab_size"))
+    if kind in ("gpt2", "gpt_neo", "gpt-2") or "n_embd" in cfg:
+        d = int(get("n_embd", "hidden_size"))
+        n_layer = int(get("n_layer", "num_hidden_layers"))
+        n_pos = int(get("n_positions", "max_position_embeddings", default=1024))
+        inner = int(cfg.get("n_inner") or 4 * d)
+        tied = bool(cfg.get("tie_word_embeddings", True))
+        layer = [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,), (d,), (d,),
+                 (d, inner), (inner,), (inner, d), (d,)]
+        shapes = [(vocab, d), (n_pos, d)] + layer * n_layer + [(d,), (d,)]
+        if not tied:
+            shapes.append((vocab, d))
+    elif "hidden_size" in cfg and "intermediate_size" in cfg:  # LLaMA / Mistral / Qwen style
+        d = int(get("hidden_size"))
+        n_layer = int(get("num_hidden_layers"))
+        inner = int(get("intermediate_size"))
+        heads = int(get("num_attention_heads"))
+        kv = int(cfg.get("num_key_value_heads") or heads)
+        hd = int(cfg.get("head_dim") or d // heads)
+        tied = bool(cfg.get("tie_word_embeddings", False))
+        bias = bool(cfg.get("attention_bias", False))
+        layer = [(heads * hd, d), (kv * hd, d), (kv * hd, d), (d, heads * hd),
+                 (inner, d), (inner, d), (d, inner), (d,), (d,)]
+        if bias:
+            layer += [(heads * hd,), (kv * hd,), (kv * hd,)]
+        shapes = [(vocab, d)] + layer * n_layer + [(d,)]
+        if not tied:
+            shapes.append((vocab, d))
+    else:
+        raise ValueError("--model: config.json is neither GPT-2 style (n_embd, n_layer) nor "
+                         "LLaMA style (hidden_size, intermediate_size, num_hidden_layers)")
+    largest = max(sum(math.prod(s) for s in layer), vocab * d)
+    return tuple(shapes), largest
+
+
+def model_info(spec: str) -> ModelInfo:
+    """A model from `package.module:factory` (built on the meta device) or a `config.json` path."""
+    p = Path(spec)
+    if spec.endswith(".json") or p.is_file() or p.is_dir():
+        if p.is_dir():
+            p = p / "config.json"
+        if not p.is_file():
+            raise ValueError(f"--model: no such file {str(p)!r}")
+        try:
+            cfg = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--model: {str(p)!r} is not valid JSON ({e})") from None
+        shapes, largest = _config_shapes(cfg)
+        return ModelInfo(str(p), shapes, largest)
+    if ":" not in spec:
+        raise ValueError(f"--model must be `package.module:factory` or a config.json path; "
+                         f"got {spec!r}")
+    return _from_factory(spec)
+
+
+# ---------------------------------------------------------------------------------------------
+# The formulas
+# ---------------------------------------------------------------------------------------------
+
+
+def optimizer_state_bytes(
+    optimizer: str, precision: str | Precision, n_params: int,
+    shapes: Sequence[tuple[int, ...]] | None = None,
+) -> float:
+    """Bytes of optimizer state (master copy included) for the whole model, unsharded.
+
+    Adafactor keeps row + column second moments for matrices and a full one for vectors, so it
+    needs `shapes`; without them it is counted as factored to ~0 bytes per parameter.
+    """
+    prec = precision if isinstance(precision, Precision) else PRECISIONS[precision]
+    opt = _choice("--optimizer", optimizer, OPTIMIZERS, {"sgd_momentum": "sgd-momentum"})
+    n_state = OPTIMIZERS[opt]
+    master = prec.master_bytes * n_params
+    if n_state == "factored":
+        if shapes is None:
+            return float(master)
+        elems = sum(s[-2] + s[-1] if len(s) >= 2 else math.prod(s) for s in shapes)
+        return float(master + prec.state_elem_bytes * elems)
+    return float(master + n_state * prec.state_elem_bytes * n_params)
+
+
+@dataclass(frozen=True)
+class StageEstimate:
+    stage: int
+    world_size: int
+    params_bytes: float  # per rank
+    grads_bytes: float
+    optim_bytes: float
+    live_bytes: float  # stage 3's window of gathered layers (0 for stages 0-2)
+    total_bytes: float
+    comm_elements: float  # per step, in units of parameters (2Ψ or 3Ψ)
+    all_reduce_bytes: float  # payload per step
+    reduce_scatter_bytes: float
+    all_gather_bytes: float
+    wire_bytes: float  # bytes one rank sends per step with ring collectives
+    fits: bool | None = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def estimate_stage(
+    stage: int, n_params: int, world_size: int, *, precision: str = "mixed",
+    optimizer: str = "adam", optim_bytes_total: float | None = None,
+    largest_layer: int | None = None, prefetch: int = 1, gpu_mem: int | None = None,
+) -> StageEstimate:
+    """Per-rank model-state bytes and per-step communication of one stage (see the Note above)."""
+    if stage not in STAGES:
+        raise ValueError(f"--stage must be one of {STAGES}; got {stage!r}")
+    if world_size < 1:
+        raise ValueError(f"--world-size must be >= 1; got {world_size}")
+    prec = PRECISIONS[_choice("--precision", precision, PRECISIONS, _PRECISION_ALIASES)]
+    psi, n = float(n_params), float(world_size)
+    p, g = prec.param_bytes * psi, prec.grad_bytes * psi
+    k = optimizer_state_bytes(optimizer, prec, n_params) if optim_bytes_total is None \
+        else float(optim_bytes_total)
+    live = 0.0
+    if stage == 0:
+        pb, gb, ob = p, g, k
+    elif stage == 1:
+        pb, gb, ob = p, g, k / n
+    elif stage == 2:
+        pb, gb, ob = p, g / n, k / n
+    else:
+        pb, gb, ob = p / n, g / n, k / n
+        if largest_layer:
+            live = (1 + prefetch) * largest_layer * prec.param_bytes \
+                + largest_layer * prec.grad_bytes
+    ring = (n - 1) / n
+    if stage == 0:
+        ar, rs, ag, elems = g, 0.0, 0.0, 2.0
+        wire = 2 * ring * g
+    elif stage in (1, 2):
+        ar, rs, ag, elems = 0.0, g, p, 2.0
+        wire = ring * (g + p)
+    else:
+        ar, rs, ag, elems = 0.0, g, 2 * p, 3.0
+        wire = ring * (g + 2 * p)
+    total = pb + gb + ob + live
+    fits = None if gpu_mem is None else total <= gpu_mem
+    return StageEstimate(stage, world_size, pb, gb, ob, live, total, elems * psi, ar, rs, ag,
+                         wire, fits)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    n_params: int
+    world_size: int
+    precision: str
+    optimizer: str
+    model: str | None
+    largest_layer: int | None
+    stages: list[StageEstimate] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["stages"] = [s.as_dict() for s in self.stages]
+        return d
+
+
+def estimate(
+    n_params: int | None = None, world_size: int = 1, *, model: str | None = None,
+    precision: str = "mixed", optimizer: str = "adam", prefetch: int = 1,
+    gpu_mem: int | None = None, stages: Sequence[int] = STAGES,
+) -> Estimate:
+    """All stages for a parameter count or a model spec (see `model_info`)."""
+    shapes = None
+    largest = None
+    if model is not None:
+        info = model_info(model)
+        shapes, largest = info.shapes, info.largest_layer
+        n_params = info.n_params
+    if n_params is None:
+        raise ValueError("give --params or --model")
+    prec = _choice("--precision", precision, PRECISIONS, _PRECISION_ALIASES)
+    opt = _choice("--optimizer", optimizer, OPTIMIZERS, {"sgd_momentum": "sgd-momentum"})
+    k = optimizer_state_bytes(opt, prec, n_params, shapes)
+    rows = [estimate_stage(s, n_params, world_size, precision=prec, optimizer=opt,
+                           optim_bytes_total=k, largest_layer=largest, prefetch=prefetch,
+                           gpu_mem=gpu_mem) for s in stages]
+    return Estimate(n_params, world_size, prec, opt, model, largest, rows)
