@@ -1,0 +1,304 @@
+// The one file that includes torch: checks tensors (device, dtype, contiguity, sizes, naming the
+// argument), splits CPU work over torch's intra-op threads, and calls the torch-free kernels.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "adam_cpu.h"
+#include "flat_copy.h"
+#include "zk_types.h"
+
+#ifdef ZK_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "adam_cuda.h"
+#endif
+
+namespace {
+
+using zk::DType;
+
+constexpr int64_t kGrain = 32768;  // elements per CPU task: large enough to amortise scheduling
+
+zk::CpuIsa g_isa = zk::cpu_isa_best();
+
+DType to_dtype(const at::Tensor& t, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::kF32;
+    case at::kBFloat16: return DType::kBF16;
+    case at::kHalf: return DType::kF16;
+    default:
+      TORCH_CHECK_TYPE(false, name, ".dtype must be float32, bfloat16 or float16, got ",
+                       t.scalar_type());
+  }
+}
+
+void check_like(const at::Tensor& t, const at::Tensor& ref, const char* name) {
+  TORCH_CHECK(t.device() == ref.device(), name, " is on ", t.device(), ", param is on ",
+              ref.device());
+  TORCH_CHECK(t.numel() == ref.numel(), name, ".numel()=", t.numel(), " differs from param.numel()=",
+              ref.numel());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous, got stride ", t.strides());
+}
+
+struct Scalars {
+  double lr, beta1, beta2, eps, weight_decay, step_size, bc2_sqrt, grad_scale;
+  bool adamw, amsgrad, maximize;
+  zk::AdamArgs args() const {
+    TORCH_CHECK(bc2_sqrt > 0.0, "bias_correction2_sqrt must be > 0, got ", bc2_sqrt);
+    return zk::AdamArgs{float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
+                        float(step_size), float(1.0 / bc2_sqrt), float(grad_scale), adamw,
+                        amsgrad, maximize};
+  }
+};
+
+zk::AdamBuffers make_buffers(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m,
+                             const at::Tensor& v, const c10::optional<at::Tensor>& vmax,
+                             const c10::optional<at::Tensor>& out, bool amsgrad) {
+  DType s = to_dtype(p, "param");
+  check_like(g, p, "grad");
+  check_like(m, p, "exp_avg");
+  check_like(v, p, "exp_avg_sq");
+  TORCH_CHECK(p.is_contiguous(), "param must be contiguous, got stride ", p.strides());
+  DType gd = to_dtype(g, "grad");
+  TORCH_CHECK_TYPE(gd == DType::kF32 || gd == s, "grad.dtype must be float32 or param.dtype (",
+                   p.scalar_type(), "), got ", g.scalar_type());
+  TORCH_CHECK_TYPE(m.scalar_type() == p.scalar_type() && v.scalar_type() == p.scalar_type(),
+                   "exp_avg/exp_avg_sq must have param.dtype ", p.scalar_type(), ", got ",
+                   m.scalar_type(), "/", v.scalar_type());
+  void* vmax_ptr = nullptr;
+  if (amsgrad) {
+    TORCH_CHECK(vmax.has_value(), "amsgrad=True needs max_exp_avg_sq, got None");
+    check_like(*vmax, p, "max_exp_avg_sq");
+    TORCH_CHECK_TYPE(vmax->scalar_type() == p.scalar_type(), "max_exp_avg_sq must have dtype ",
+                     p.scalar_type(), ", got ", vmax->scalar_type());
+    vmax_ptr = vmax->data_ptr();
+  }
+  void* out_ptr = nullptr;
+  DType od = DType::kNone;
+  if (out.has_value()) {
+    check_like(*out, p, "out_lowp");
+    od = to_dtype(*out, "out_lowp");
+    TORCH_CHECK_TYPE(od != DType::kF32, "out_lowp.dtype must be bfloat16 or float16, got float32");
+    out_ptr = out->data_ptr();
+  }
+  return zk::AdamBuffers{p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), vmax_ptr,
+                         out_ptr, p.numel(), s, gd, od};
+}
+
+void check_found_inf(const c10::optional<at::Tensor>& found_inf, const at::Tensor& p,
+                     bool check_finite) {
+  if (check_finite) TORCH_CHECK(found_inf.has_value(), "check_finite=True needs found_inf");
+  if (!found_inf.has_value()) return;
+  TORCH_CHECK(found_inf->numel() == 1 && found_inf->scalar_type() == at::kFloat &&
+                  found_inf->device() == p.device(),
+              "found_inf must be one float32 element on ", p.device(), ", got shape ",
+              found_inf->sizes(), " dtype ", found_inf->scalar_type(), " on ", found_inf->device());
+}
+
+// ---- CPU ----
+bool all_finite_range(const void* g, DType gd, float scale, int64_t n) {
+  std::atomic<bool> ok{true};
+  at::parallel_for(0, n, kGrain, [&](int64_t b, int64_t e) {
+    if (ok.load(std::memory_order_relaxed) && !zk::all_finite_cpu(g, gd, scale, b, e, g_isa)) {
+      ok.store(false, std::memory_order_relaxed);
+    }
+  });
+  return ok.load();
+}
+
+void step_cpu(const zk::AdamArgs& a, const std::vector<zk::AdamBuffers>& bufs,
+              const c10::optional<at::Tensor>& found_inf, bool check_finite) {
+  float* flag = found_inf.has_value() ? found_inf->data_ptr<float>() : nullptr;
+  if (flag != nullptr && *flag != 0.0f) return;
+  if (check_finite) {
+    for (const auto& b : bufs) {
+      if (!all_finite_range(b.g, b.grad, a.grad_scale, b.n)) {
+        *flag = 1.0f;
+        return;
+      }
+    }
+  }
+  for (const auto& b : bufs) {
+    at::parallel_for(0, b.n, kGrain, [&](int64_t s, int64_t e) {
+      zk::adam_step_cpu(a, b, s, e, g_isa);
+    });
+  }
+}
+
+#ifdef ZK_WITH_CUDA
+void cuda_ok(int err, const char* what) {
+  TORCH_CHECK(err == 0, what, " failed: ", zk::cuda_error_string(err));
+}
+#endif
+
+void run_step(const std::vector<zk::AdamBuffers>& bufs, const at::Tensor& p0,
+              const c10::optional<at::Tensor>& found_inf, bool check_finite, const Scalars& s) {
+  const zk::AdamArgs a = s.args();
+  if (p0.is_cpu()) return step_cpu(a, bufs, found_inf, check_finite);
+#ifdef ZK_WITH_CUDA
+  TORCH_CHECK(p0.is_cuda(), "param must be a CPU or CUDA tensor, got ", p0.device());
+  c10::cuda::CUDAGuard guard(p0.device());
+  void* stream = at::cuda::getCurrentCUDAStream().stream();
+  float* flag = found_inf.has_value() ? found_inf->data_ptr<float>() : nullptr;
+  if (bufs.size() == 1) {
+    cuda_ok(zk::adam_step_cuda(a, bufs[0], flag, check_finite, stream), "adam_step_cuda");
+  } else {
+    cuda_ok(zk::adam_step_multi_cuda(a, bufs.data(), int(bufs.size()), flag, check_finite, stream),
+            "adam_step_multi_cuda");
+  }
+#else
+  TORCH_CHECK(false, "zero_kernels._C was built without CUDA kernels; param is on ", p0.device());
+#endif
+}
+
+void adam_step(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m, const at::Tensor& v,
+               const c10::optional<at::Tensor>& vmax, const c10::optional<at::Tensor>& out,
+               const c10::optional<at::Tensor>& found_inf, bool check_finite, double lr,
+               double beta1, double beta2, double eps, double weight_decay, double step_size,
+               double bc2_sqrt, double grad_scale, bool adamw, bool amsgrad, bool maximize) {
+  Scalars s{lr, beta1, beta2, eps, weight_decay, step_size, bc2_sqrt, grad_scale, adamw, amsgrad,
+            maximize};
+  check_found_inf(found_inf, p, check_finite);
+  std::vector<zk::AdamBuffers> bufs{make_buffers(p, g, m, v, vmax, out, amsgrad)};
+  run_step(bufs, p, found_inf, check_finite, s);
+}
+
+void adam_step_multi(const std::vector<at::Tensor>& ps, const std::vector<at::Tensor>& gs,
+                     const std::vector<at::Tensor>& ms, const std::vector<at::Tensor>& vs,
+                     const std::vector<at::Tensor>& vmaxes,
+                     const c10::optional<at::Tensor>& found_inf, bool check_finite, double lr,
+                     double beta1, double beta2, double eps, double weight_decay,
+                     double step_size, double bc2_sqrt, double grad_scale, bool adamw,
+                     bool amsgrad, bool maximize) {
+  const size_t n = ps.size();
+  TORCH_CHECK(gs.size() == n && ms.size() == n && vs.size() == n,
+              "params/grads/exp_avgs/exp_avg_sqs must have one length, got ", n, "/", gs.size(),
+              "/", ms.size(), "/", vs.size());
+  TORCH_CHECK(!amsgrad || vmaxes.size() == n, "amsgrad=True needs ", n,
+              " max_exp_avg_sqs, got ", vmaxes.size());
+  if (n == 0) return;
+  Scalars s{lr, beta1, beta2, eps, weight_decay, step_size, bc2_sqrt, grad_scale, adamw, amsgrad,
+            maximize};
+  check_found_inf(found_inf, ps[0], check_finite);
+  std::vector<zk::AdamBuffers> bufs;
+  bufs.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    TORCH_CHECK(ps[i].device() == ps[0].device() && ps[i].scalar_type() == ps[0].scalar_type() &&
+                    gs[i].scalar_type() == gs[0].scalar_type(),
+                "params[", i, "] differs in device or dtype from params[0]; group them first");
+    c10::optional<at::Tensor> vm;
+    if (amsgrad) vm = vmaxes[i];
+    bufs.push_back(make_buffers(ps[i], gs[i], ms[i], vs[i], vm, c10::nullopt, amsgrad));
+  }
+  run_step(bufs, ps[0], found_inf, check_finite, s);
+}
+
+bool all_finite(const at::Tensor& g, double scale) {
+  TORCH_CHECK(g.is_cpu(), "all_finite: grad must be a CPU tensor, got ", g.device());
+  TORCH_CHECK(g.is_contiguous(), "all_finite: grad must be contiguous");
+  return all_finite_range(g.data_ptr(), to_dtype(g, "grad"), float(scale), g.numel());
+}
+
+// ---- flat buffers ----
+// Copy each tensor into flat[offsets[i] : offsets[i] + numel] (to_flat) or back (from flat),
+// converting dtypes. CPU work is split over threads by elements, not by tensors, so one large
+// tensor among many small ones does not serialise the copy.
+void flat_copy(const std::vector<at::Tensor>& tensors, const at::Tensor& flat,
+               const std::vector<int64_t>& offsets, bool to_flat) {
+  TORCH_CHECK(offsets.size() == tensors.size(), "offsets has ", offsets.size(),
+              " entries for ", tensors.size(), " tensors");
+  TORCH_CHECK(flat.dim() == 1 && flat.is_contiguous(), "flat must be a contiguous 1-D tensor");
+  const DType fd = to_dtype(flat, "flat");
+  std::vector<zk::CopySegment> segs;
+  segs.reserve(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    TORCH_CHECK(t.device() == flat.device(), "tensors[", i, "] is on ", t.device(),
+                ", flat is on ", flat.device());
+    TORCH_CHECK(t.is_contiguous(), "tensors[", i, "] must be contiguous, got stride ",
+                t.strides());
+    TORCH_CHECK(offsets[i] >= 0 && offsets[i] + t.numel() <= flat.numel(), "tensors[", i,
+                "] (numel ", t.numel(), ") at offset ", offsets[i],
+                " does not fit in flat of numel ", flat.numel());
+    const DType td = to_dtype(t, "tensors[i]");
+    const size_t fsz = fd == DType::kF32 ? 4 : 2;
+    char* fptr = static_cast<char*>(flat.data_ptr()) + offsets[i] * int64_t(fsz);
+    if (to_flat) {
+      segs.push_back({fptr, fd, t.data_ptr(), td, t.numel()});
+    } else {
+      segs.push_back({t.data_ptr(), td, fptr, fd, t.numel()});
+    }
+  }
+  if (flat.is_cpu()) {
+    std::vector<int64_t> starts = zk::segment_starts(segs);
+    at::parallel_for(0, starts.back(), kGrain, [&](int64_t b, int64_t e) {
+      zk::copy_segments_cpu(segs, starts, b, e);
+    });
+    return;
+  }
+#ifdef ZK_WITH_CUDA
+  c10::cuda::CUDAGuard guard(flat.device());
+  void* stream = at::cuda::getCurrentCUDAStream().stream();
+  for (const auto& s : segs) {
+    cuda_ok(zk::convert_copy_cuda(s.dst, s.dst_dtype, s.src, s.src_dtype, s.n, stream),
+            "convert_copy_cuda");
+  }
+#else
+  TORCH_CHECK(false, "zero_kernels._C was built without CUDA kernels; flat is on ", flat.device());
+#endif
+}
+
+std::string cpu_isa() { return zk::cpu_isa_name(g_isa); }
+
+void set_cpu_isa(const std::string& name) {
+  zk::CpuIsa want;
+  if (name == "auto") {
+    want = zk::cpu_isa_best();
+  } else if (name == "avx512") {
+    want = zk::CpuIsa::kAVX512;
+  } else if (name == "avx2") {
+    want = zk::CpuIsa::kAVX2;
+  } else if (name == "scalar") {
+    want = zk::CpuIsa::kScalar;
+  } else {
+    TORCH_CHECK_VALUE(false, "isa must be one of auto, avx512, avx2, scalar, got '", name, "'");
+  }
+  TORCH_CHECK_VALUE(int(want) <= int(zk::cpu_isa_best()), "isa='", name,
+                    "' is not supported by this CPU (best: ", zk::cpu_isa_name(zk::cpu_isa_best()),
+                    ")");
+  g_isa = want;
+}
+
+bool has_cuda() {
+#ifdef ZK_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "zero_kernels native kernels: fused Adam/AdamW step, flat-buffer copies";
+  m.def("adam_step", &adam_step, "One fused Adam/AdamW step over one flat buffer (in place)",
+        py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
+        py::arg("max_exp_avg_sq"), py::arg("out_lowp"), py::arg("found_inf"),
+        py::arg("check_finite"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
+        py::arg("eps"), py::arg("weight_decay"), py::arg("step_size"), py::arg("bc2_sqrt"),
+        py::arg("grad_scale"), py::arg("adamw"), py::arg("amsgrad"), py::arg("maximize"));
+  m.def("adam_step_multi", &adam_step_multi, "The fused step over lists of tensors");
+  m.def("all_finite", &all_finite, "True when every grad * scale is finite (CPU)",
+        py::arg("grad"), py::arg("scale") = 1.0);
+  m.def("flat_copy", &flat_copy, "Copy tensors into (to_flat) or out of a flat buffer",
+        py::arg("tensors"), py::arg("flat"), py::arg("offsets"), py::arg("to_flat"));
+  m.def("cpu_isa", &cpu_isa, "Instruction set the CPU kernels use now");
+  m.def("set_cpu_isa", &set_cpu_isa, "Force the CPU kernels' instruction set (tests)");
+  m.def("has_cuda", &has_cuda, "Whether the CUDA kernels were compiled in");
+}

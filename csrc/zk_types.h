@@ -1,0 +1,47 @@
+// Plain types shared by the torch-free kernels (CPU and CUDA) and the one binding file.
+#pragma once
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define ZK_HD __host__ __device__ __forceinline__
+#else
+#define ZK_HD inline
+#endif
+
+namespace zk {
+
+// Storage dtypes the kernels read and write. Math is always fp32.
+enum class DType : int { kNone = 0, kF32 = 1, kBF16 = 2, kF16 = 3 };
+
+// Scalars of one Adam/AdamW step, precomputed on the host in double then rounded once.
+// Formula: zero_kernels/ops/hyper.py [Note: one math routine].
+struct AdamArgs {
+  float lr;
+  float beta1;
+  float beta2;
+  float eps;
+  float weight_decay;
+  float step_size;      // lr / (1 - beta1^step)
+  float inv_bc2_sqrt;   // 1 / sqrt(1 - beta2^step)
+  float grad_scale;     // grads are multiplied by this first
+  bool adamw;           // decoupled weight decay (AdamW) instead of L2 (Adam)
+  bool amsgrad;
+  bool maximize;
+};
+
+// One contiguous range of n elements. p, m, v, vmax share `state`; g has `grad`;
+// out (optional) receives the updated params in `out` (bf16 or fp16).
+struct AdamBuffers {
+  void* p;
+  const void* g;
+  void* m;
+  void* v;
+  void* vmax;  // nullptr unless amsgrad
+  void* out;   // nullptr when no low-precision copy-out
+  int64_t n;
+  DType state;
+  DType grad;
+  DType out_dtype;
+};
+
+}  // namespace zk

@@ -1,0 +1,91 @@
+"""Source build of zero_kernels and its extension ``zero_kernels._C``.
+
+    pip install torch==2.13.0            # any torch >= 2.4 that is already installed
+    pip install --no-build-isolation .   # builds against that torch, never downloads one
+
+CPU kernels are always built. CUDA kernels are built when torch is a CUDA build and nvcc is found;
+ZERO_KERNELS_NO_CUDA=1 skips them, ZERO_KERNELS_CUDA_ARCH (default "80;90") picks the GPUs.
+"""
+
+import os
+import shutil
+import sys
+
+from setuptools import find_packages, setup
+
+try:
+    import torch
+    from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
+except ImportError as e:  # pragma: no cover - build-time message
+    sys.exit(
+        "zero_kernels builds against an installed torch: install it first "
+        "(e.g. `pip install torch==2.13.0`), then `pip install --no-build-isolation .` "
+        f"({e})"
+    )
+
+here = os.path.dirname(os.path.abspath(__file__))
+cpu_sources = [
+    "csrc/bindings.cpp",
+    "csrc/adam_cpu_scalar.cpp",
+    "csrc/adam_cpu_avx2.cpp",
+    "csrc/adam_cpu_avx512.cpp",
+    "csrc/flat_copy.cpp",
+]
+cxx_flags = ["-O3", "-std=c++17", "-fopenmp", "-Wall", "-Wno-unknown-pragmas"]
+
+
+def want_cuda() -> bool:
+    if os.environ.get("ZERO_KERNELS_NO_CUDA", "0") not in ("", "0"):
+        print("zero_kernels: ZERO_KERNELS_NO_CUDA set, building CPU kernels only")
+        return False
+    if torch.version.cuda is None:
+        print("zero_kernels: torch is a CPU build, building CPU kernels only")
+        return False
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    if CUDA_HOME is None and shutil.which("nvcc") is None:
+        print("zero_kernels: nvcc not found, building CPU kernels only")
+        return False
+    return True
+
+
+if want_cuda():
+    archs = os.environ.get("ZERO_KERNELS_CUDA_ARCH", "80;90").replace(",", ";").split(";")
+    gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs if a]
+    ext = CUDAExtension(
+        "zero_kernels._C",
+        cpu_sources + ["csrc/adam_cuda.cu"],
+        define_macros=[("ZK_WITH_CUDA", "1")],
+        extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17", *gencode]},
+        extra_link_args=["-fopenmp"],
+    )
+else:
+    ext = CppExtension(
+        "zero_kernels._C",
+        cpu_sources,
+        extra_compile_args={"cxx": cxx_flags},
+        extra_link_args=["-fopenmp"],
+    )
+
+setup(
+    name="zero_kernels",
+    version="0.1.0",
+    description="ZeRO (Zero Redundancy Optimizer) for PyTorch with fused sharded optimizer kernels",
+    long_description=open(os.path.join(here, "README.md")).read()
+    if os.path.exists(os.path.join(here, "README.md"))
+    else "",
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["zero_kernels", "zero_kernels.*"]),
+    package_data={"zero_kernels": ["data/*.txt", "data/*.md"]},
+    python_requires=">=3.9",
+    # torch is not listed: a requirement would let pip replace the installed build with another
+    # (a multi-GB CUDA wheel on a CPU machine); setup.py checks for it at build time instead.
+    install_requires=["numpy"],
+    extras_require={
+        "test": ["pytest", "triton", "matplotlib"],
+        "plot": ["matplotlib"],
+    },
+    ext_modules=[ext],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    entry_points={"console_scripts": ["zero-kernels = zero_kernels.cli.main:main"]},
+)

@@ -1,0 +1,1 @@
+"""The `zero-kernels` command line (see `zero_kernels.cli.main`)."""

@@ -1,0 +1,437 @@
+"""`zero-kernels demo`: train a small GPT with ZeRO on local ranks and report what it saved and cost.
+
+Every rank trains the DDP baseline (stage 0) and then the asked-for stage on the same seed and the
+same batches, so the report can show the largest loss difference between the two, the bytes each
+rank held against the stage's formula (`zero_kernels.estimate`), the bytes reduce-scattered /
+all-gathered / all-reduced per step, the exposed communication time and the step time.
+
+[Note: launching]
+Without torchrun the command spawns its own ranks (torch.multiprocessing, spawn context) and is
+their supervisor: it polls them, and when one fails it terminates the others, prints the failed
+rank's error on one line and exits 1, so no process is left behind. Under torchrun (RANK /
+WORLD_SIZE / LOCAL_RANK in the environment) the process is one rank and torchrun supervises.
+`--nnodes/--node-rank/--master-addr/--master-port` let the self-spawning mode span machines too.
+
+[Note: exposed communication of DDP]
+DDP's buckets are all-reduced through a comm hook that counts their bytes and the time the last
+one was issued; what backward spends after that instant is communication not hidden behind
+compute. ZeroOptimizer measures its own (time blocked in `Handle.wait`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import socket
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..models import MODEL_SIZES, build_gpt, get_batch, load_corpus
+from .optimizers import optimizer_spec
+
+__all__ = ["DemoConfig", "available_stages", "run_demo"]
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    stage: int = 2
+    nproc: int | None = None  # ranks per node; None: one per GPU, else 2
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    steps: int = 200
+    model_size: str = "small"
+    precision: str = "fp32"
+    optimizer: str = "adamw"
+    lr: float | None = None
+    bucket_mb: float = 1.0
+    batch_size: int = 8  # sequences per rank per step
+    seed: int = 0
+    out: str = "zero_kernels_demo"
+    device: str = "auto"
+    baseline: bool = True  # also run DDP (stage 0) for the loss comparison
+    progress: bool = True
+    timeout_s: float = 1800.0
+
+
+def available_stages() -> tuple[int, ...]:
+    """0 (DDP) always; 1 and 2 when ZeroOptimizer is importable; 3 when its wrapper is."""
+    stages = [0]
+    try:
+        from ..optimizer import ZeroOptimizer  # noqa: F401
+
+        stages += [1, 2]
+    except ImportError:
+        pass
+    try:
+        from .. import stage3  # noqa: F401
+
+        stages.append(3)
+    except ImportError:
+        pass
+    return tuple(stages)
+
+
+# ---------------------------------------------------------------------------------------------
+# One rank
+# ---------------------------------------------------------------------------------------------
+
+
+def _tensor_bytes(obj, seen: set[int]) -> int:
+    """Bytes of the distinct tensor storages reachable in obj (dicts, lists, tensors)."""
+    if isinstance(obj, torch.Tensor):
+        key = obj.untyped_storage().data_ptr() if obj.device.type != "meta" else id(obj)
+        if key in seen or obj.numel() == 0:
+            return 0
+        seen.add(key)
+        return obj.untyped_storage().nbytes()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v, seen) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return sum(_tensor_bytes(v, seen) for v in obj)
+    return 0
+
+
+class _DDPHook:
+    """DDP comm hook: averages buckets like DDP's default, counting bytes and issue times."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.bytes = 0
+        self.last_issue = 0.0
+
+    def __call__(self, state, bucket):
+        import torch.distributed as dist
+
+        t = bucket.buffer()
+        self.bytes += t.numel() * t.element_size()
+        t.div_(self.world)
+        fut = dist.all_reduce(t, async_op=True).get_future()
+        self.last_issue = time.perf_counter()
+        return fut.then(lambda f: f.value()[0])
+
+
+def _train(cfg: DemoConfig, stage: int, rank: int, world: int, device: torch.device,
+           data: torch.Tensor, bar_desc: str) -> dict:
+    """Train one stage; returns this rank's losses, step times, bytes held and comm counters."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(cfg.seed)
+    model = build_gpt(cfg.model_size).to(device)
+    lowp = cfg.precision == "bf16"
+    if lowp:
+        model = model.to(torch.bfloat16)
+    opt_cls, opt_kw = optimizer_spec(cfg.optimizer, cfg.lr)
+    block = model.cfg.block_size
+    hook = None
+    master: list[torch.nn.Parameter] = []
+    if stage == 0:
+        ddp = DDP(model, gradient_as_bucket_view=True, bucket_cap_mb=cfg.bucket_mb,
+                  device_ids=[device.index] if device.type == "cuda" else None)
+        hook = _DDPHook(world)
+        ddp.register_comm_hook(None, hook)
+        fwd = ddp
+        if lowp:  # fp32 master weights; the torch optimizer steps those
+            master = [torch.nn.Parameter(p.detach().float()) for p in model.parameters()]
+            opt = opt_cls(master, **opt_kw)
+        else:
+            opt = opt_cls(model.parameters(), **opt_kw)
+    else:
+        from ..optimizer import ZeroOptimizer
+
+        fwd = model
+        opt = ZeroOptimizer(model, opt_cls, stage=stage, bucket_size_mb=cfg.bucket_mb, **opt_kw)
+
+    bar = _progress(cfg, rank, bar_desc)
+    losses, times, exposed = [], [], []
+    mem = None
+    for step in range(cfg.steps):
+        x, y = get_batch(data, cfg.batch_size, block, seed=cfg.seed, step=step, rank=rank)
+        x, y = x.to(device), y.to(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = fwd(x, y)
+        loss.backward()
+        t_bwd = time.perf_counter()
+        if master:
+            for m, p in zip(master, model.parameters()):
+                m.grad = p.grad.float()
+        opt.step()
+        if master:
+            with torch.no_grad():
+                for m, p in zip(master, model.parameters()):
+                    p.copy_(m)
+        if step == cfg.steps - 1:  # bytes held at the end of a step, grads still there
+            mem = _memory(model, opt, master, stage)
+        opt.zero_grad(set_to_none=stage != 0)
+        if master:
+            for m in master:
+                m.grad = None
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        if hook is not None:
+            exposed.append(max(0.0, t_bwd - hook.last_issue) if hook.last_issue else 0.0)
+        times.append(t1 - t0)
+        losses.append(float(loss.detach()))
+        if bar is not None:
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", step_ms=f"{1e3 * times[-1]:.0f}")
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+
+    steps = max(1, cfg.steps)
+    if stage == 0:
+        comm = {"all_reduce_bytes": hook.bytes / steps, "reduce_scatter_bytes": 0.0,
+                "all_gather_bytes": 0.0,
+                "exposed_comm_s": statistics.median(exposed[1:] or exposed or [0.0])}
+    else:
+        comm = _zero_comm(opt, steps)
+    warm = times[min(2, len(times) - 1):] if times else [0.0]
+    return {"stage": stage, "losses": losses, "step_time_s": statistics.median(warm),
+            "memory": mem, "comm": comm}
+
+
+def _memory(model: torch.nn.Module, opt, master: list, stage: int) -> dict:
+    """Bytes of params, grads and optimizer state this rank holds (each storage counted once)."""
+    report = getattr(opt, "memory_report", None)
+    if stage != 0 and callable(report):
+        r = dict(report())
+        return {"params": int(r.get("params", r.get("param_bytes", 0))),
+                "grads": int(r.get("grads", r.get("grad_bytes", 0))),
+                "optim": int(r.get("optim", r.get("optimizer_state", r.get("optim_bytes", 0)))),
+                "source": "ZeroOptimizer.memory_report()"}
+    seen: set[int] = set()
+    params = _tensor_bytes(list(model.parameters()), seen)
+    grads = _tensor_bytes([p.grad for p in model.parameters() if p.grad is not None], seen)
+    inner = getattr(opt, "optim", None) or getattr(opt, "optimizer", None) or opt
+    optim = _tensor_bytes(master, seen) + _tensor_bytes(dict(inner.state), seen)
+    return {"params": params, "grads": grads, "optim": optim, "source": "counted from tensors"}
+
+
+def _zero_comm(opt, steps: int) -> dict:
+    stats = getattr(opt, "comm_stats", None)
+    if callable(stats):
+        stats = stats()
+    if stats is not None and not isinstance(stats, dict):
+        stats = stats.as_dict() if hasattr(stats, "as_dict") else vars(stats)
+    stats = stats or {}
+    return {"all_reduce_bytes": 0.0,
+            "reduce_scatter_bytes": stats.get("reduce_scatter_bytes", 0) / steps,
+            "all_gather_bytes": stats.get("all_gather_bytes", 0) / steps,
+            "exposed_comm_s": stats.get("exposed_comm_s", 0.0) / steps}
+
+
+def _progress(cfg: DemoConfig, rank: int, desc: str):
+    if rank != 0 or not cfg.progress:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _PlainBar(cfg.steps, desc)
+    return tqdm(total=cfg.steps, desc=desc, file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
+
+
+class _PlainBar:
+    """A progress line every 10% when tqdm is not installed."""
+
+    def __init__(self, total: int, desc: str) -> None:
+        self.total, self.desc, self.n, self.post = total, desc, 0, {}
+
+    def set_postfix(self, **kw) -> None:
+        self.post = kw
+
+    def update(self, k: int) -> None:
+        self.n += k
+        if self.n == self.total or self.n % max(1, self.total // 10) == 0:
+            extra = " ".join(f"{k}={v}" for k, v in self.post.items())
+            print(f"{self.desc}: {self.n}/{self.total} {extra}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+def _device_for(cfg: DemoConfig, local_rank: int) -> torch.device:
+    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def run_rank(cfg: DemoConfig, rank: int, world: int, local_rank: int) -> dict | None:
+    """Everything one rank does; returns the report on global rank 0, None elsewhere."""
+    import torch.distributed as dist
+
+    from .. import comm
+
+    device = _device_for(cfg, local_rank)
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=300))
+    try:
+        data = load_corpus()
+        stages = [0, cfg.stage] if cfg.stage != 0 and cfg.baseline else [cfg.stage]
+        runs = {}
+        for s in stages:
+            desc = "stage 0 (DDP)" if s == 0 else f"stage {s} (ZeRO)"
+            runs[s] = _train(cfg, s, rank, world, device, data, desc)
+        per_rank = comm.gather_object(runs, dst=0)
+        if rank != 0:
+            return None
+        from .report import build_report
+
+        return build_report(cfg, world, device, per_rank)
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------
+# Launching and supervising the ranks
+# ---------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _one_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+
+
+def _spawned(local_rank: int, cfg: DemoConfig, nproc: int, port: int, errors) -> None:
+    rank = cfg.node_rank * nproc + local_rank
+    world = cfg.nnodes * nproc
+    os.environ.update(MASTER_ADDR=cfg.master_addr, MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank))
+    try:
+        report = run_rank(cfg, rank, world, local_rank)
+        if report is not None:
+            from .report import write_report
+
+            write_report(cfg, report)
+    except BaseException as e:  # noqa: BLE001 (sent to the supervisor, then exit non-zero)
+        errors.put((rank, _one_line(e), traceback.format_exc()))
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _under_torchrun() -> bool:
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+def run_demo(cfg: DemoConfig) -> int:
+    """Run the demo (spawning ranks unless under torchrun); returns the exit code."""
+    if _under_torchrun():
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        report = run_rank(cfg, rank, world, int(os.environ["LOCAL_RANK"]))
+        if report is not None:
+            from .report import write_report
+
+            write_report(cfg, report)
+        return 0
+
+    import torch.multiprocessing as mp
+
+    nproc = cfg.nproc or (torch.cuda.device_count() if _device_for_parent(cfg) == "cuda" else 2)
+    port = cfg.master_port or _free_port()
+    ctx = mp.get_context("spawn")
+    errors = ctx.Queue()
+    procs = [ctx.Process(target=_spawned, args=(i, cfg, nproc, port, errors), daemon=False)
+             for i in range(nproc)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + cfg.timeout_s
+    failed = None
+    try:
+        while True:
+            codes = [p.exitcode for p in procs]
+            if any(c not in (None, 0) for c in codes):
+                failed = next(i for i, c in enumerate(codes) if c not in (None, 0))
+                break
+            if all(c == 0 for c in codes):
+                break
+            if time.monotonic() > deadline:
+                failed = -1
+                break
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        failed = -2
+    finally:
+        if failed is not None:
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if failed is None:
+        return 0
+    if failed == -1:
+        print(f"zero-kernels demo: error: timed out after {cfg.timeout_s:.0f} s; ranks terminated",
+              file=sys.stderr)
+        return 1
+    if failed == -2:
+        print("zero-kernels demo: interrupted; ranks terminated", file=sys.stderr)
+        return 130
+    msg = None
+    try:
+        rank, line, tb = errors.get(timeout=2)
+        msg = f"rank {rank} failed: {line}"
+        if os.environ.get("ZERO_KERNELS_TRACEBACK"):
+            print(tb, file=sys.stderr)
+    except Exception:  # noqa: BLE001 (the rank died without a Python error, e.g. killed)
+        rank = cfg.node_rank * nproc + failed
+        msg = f"rank {rank} failed with exit code {procs[failed].exitcode}"
+    print(f"zero-kernels demo: error: {msg}", file=sys.stderr)
+    return 1
+
+
+def _device_for_parent(cfg: DemoConfig) -> str:
+    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+        return "cuda"
+    return "cpu"
+
+
+def config_from_args(args) -> DemoConfig:
+    names = {f.name for f in dataclasses.fields(DemoConfig)}
+    return DemoConfig(**{k: v for k, v in vars(args).items() if k in names and v is not None})
+
+
+def validate(cfg: DemoConfig) -> None:
+    """Raise ValueError naming the argument for a bad demo configuration."""
+    if cfg.stage not in available_stages():
+        raise ValueError(f"--stage must be one of {', '.join(map(str, available_stages()))} "
+                         f"(the stages in this build); got {cfg.stage}")
+    if cfg.model_size not in MODEL_SIZES:
+        raise ValueError(f"--model-size must be one of {', '.join(MODEL_SIZES)}; "
+                         f"got {cfg.model_size!r}")
+    for name, v, lo in (("--steps", cfg.steps, 1), ("--nproc", cfg.nproc, 1),
+                        ("--nnodes", cfg.nnodes, 1), ("--batch-size", cfg.batch_size, 1)):
+        if v is not None and v < lo:
+            raise ValueError(f"{name} must be >= {lo}; got {v}")
+    if not 0 <= cfg.node_rank < cfg.nnodes:
+        raise ValueError(f"--node-rank must be in 0..{cfg.nnodes - 1}; got {cfg.node_rank}")
+    if cfg.nnodes > 1 and cfg.master_port is None and not _under_torchrun():
+        raise ValueError("--master-port is required with --nnodes > 1 (the same on every node)")
+    if cfg.bucket_mb <= 0:
+        raise ValueError(f"--bucket-mb must be > 0; got {cfg.bucket_mb}")
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available here; use cpu or auto")
+    optimizer_spec(cfg.optimizer)
+    Path(cfg.out)  # a path is always accepted; it is created when the report is written

@@ -1,0 +1,251 @@
+"""Layout of the flat buffers: which parameter lives where, which rank owns which range. Pure data.
+
+[Note: layout]
+Parameters that train (``requires_grad``, deduplicated: a tied parameter is one parameter) are
+grouped by (param group, dtype); each such set becomes one *flat buffer*. Inside a buffer the
+parameters are laid out in reverse registration order, the order autograd usually produces their
+gradients, each start aligned to ``align`` elements. The buffer is cut into *buckets* of about
+``bucket_numel`` elements; a bucket's end is padded so that its length is a multiple of
+``world_size * align``: it splits into ``world_size`` equal contiguous *shards*, and rank r's
+shard of bucket b is ``[b.start + r * b.shard_numel, b.start + (r + 1) * b.shard_numel)``.
+A rank's whole shard of a buffer is its shard of every bucket, concatenated in bucket order, so
+the shard of bucket b starts at ``b.start // world_size`` inside it.
+
+Two partition modes share this one layout type:
+
+- ``flat``: parameters are contiguous and may straddle shard boundaries; element-wise
+  optimizers run on the flat shard.
+- ``whole``: inside each bucket the parameters are assigned to ranks (largest first to the least
+  loaded rank, counting the whole model so far), each rank's parameters are packed into its
+  shard and the shard length is the largest rank's: every parameter lies wholly inside one
+  rank's shard, so an optimizer that needs whole tensors sees them whole on their owner.
+
+Both modes reduce-scatter and all-gather the same way, one collective per bucket.
+
+    buffer (flat mode, world 2):   |p3 p3 p3 p2 p2|p1 p1 p1 p0 . |  ('.' = padding)
+                                   |---- bucket 0 -|-- bucket 1 -|
+                                   | r0  | r1     | r0  | r1    |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+MODES = ("flat", "whole")
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """What the layout needs to know about one parameter (no tensor)."""
+
+    index: int  # position among the optimizer's parameters, counting across groups in order
+    group: int  # param group index
+    dtype: str  # e.g. "torch.float32"
+    shape: tuple[int, ...]
+    name: str = ""
+    requires_grad: bool = True
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One parameter's range ``[start, start + numel)`` inside its flat buffer."""
+
+    index: int  # ParamSpec.index
+    name: str
+    shape: tuple[int, ...]
+    start: int
+    numel: int
+    bucket: int  # index of the bucket holding the whole range
+    owner: int = -1  # whole mode: the rank whose shard holds the whole range; flat mode: -1
+
+    @property
+    def end(self) -> int:
+        return self.start + self.numel
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """``[start, start + world_size * shard_numel)`` of a flat buffer, reduced as one collective."""
+
+    index: int
+    start: int
+    shard_numel: int  # length of each rank's equal contiguous shard
+    slots: tuple[int, ...]  # positions in FlatBuffer.slots of the parameters inside
+
+    def numel(self, world_size: int) -> int:
+        return self.shard_numel * world_size
+
+    def shard_start(self, rank: int) -> int:
+        """Start of ``rank``'s shard inside the flat buffer."""
+        return self.start + rank * self.shard_numel
+
+
+@dataclass(frozen=True)
+class FlatBuffer:
+    """One flat buffer: the trainable parameters of one (param group, dtype)."""
+
+    group: int
+    dtype: str
+    numel: int  # padded total, a multiple of world_size
+    slots: tuple[Slot, ...]
+    buckets: tuple[Bucket, ...]
+
+    def shard_numel(self, world_size: int) -> int:
+        """Length of one rank's shard of the whole buffer."""
+        return self.numel // world_size
+
+    def owners(self, slot: Slot, world_size: int) -> list[tuple[int, int, int]]:
+        """``(rank, offset in slot, length)`` for each rank's share of ``slot``."""
+        b = self.buckets[slot.bucket]
+        out = []
+        for r in range(world_size):
+            lo = max(slot.start, b.shard_start(r))
+            hi = min(slot.end, b.shard_start(r) + b.shard_numel)
+            if hi > lo:
+                out.append((r, lo - slot.start, hi - lo))
+        return out
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Every flat buffer of one optimizer at one world size."""
+
+    world_size: int
+    mode: str
+    align: int
+    buffers: tuple[FlatBuffer, ...]
+    frozen: tuple[int, ...] = field(default=())  # indices of params that do not train
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict) -> Layout:
+        bufs = []
+        for b in d["buffers"]:
+            slots = tuple(Slot(**{**s, "shape": tuple(s["shape"])}) for s in b["slots"])
+            buckets = tuple(Bucket(**{**k, "slots": tuple(k["slots"])}) for k in b["buckets"])
+            bufs.append(FlatBuffer(b["group"], b["dtype"], b["numel"], slots, buckets))
+        return Layout(d["world_size"], d["mode"], d["align"], tuple(bufs), tuple(d["frozen"]))
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def build_layout(
+    specs: Sequence[ParamSpec],
+    world_size: int,
+    *,
+    bucket_numel: int,
+    mode: str = "flat",
+    align: int = 16,
+) -> Layout:
+    """Lay out ``specs`` (in registration order) for ``world_size`` ranks; see [Note: layout]."""
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got world_size={world_size!r}")
+    if bucket_numel < 1:
+        raise ValueError(f"bucket_numel must be >= 1, got bucket_numel={bucket_numel!r}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got mode={mode!r}")
+    if align < 1:
+        raise ValueError(f"align must be >= 1, got align={align!r}")
+    keys: list[tuple[int, str]] = []
+    members: dict[tuple[int, str], list[ParamSpec]] = {}
+    for s in specs:
+        if not s.requires_grad:
+            continue
+        k = (s.group, s.dtype)
+        if k not in members:
+            keys.append(k)
+            members[k] = []
+        members[k].append(s)
+    load = [0] * world_size  # whole mode: elements owned per rank so far, across buffers
+    buffers = []
+    for k in sorted(keys, key=lambda k: (k[0], keys.index(k))):
+        ordered = list(reversed(members[k]))
+        groups = _cut(ordered, bucket_numel, align)
+        if mode == "flat":
+            buffers.append(_flat_buffer(k, groups, world_size, align))
+        else:
+            buffers.append(_whole_buffer(k, groups, world_size, align, load))
+    frozen = tuple(s.index for s in specs if not s.requires_grad)
+    return Layout(world_size, mode, align, tuple(buffers), frozen)
+
+
+def _cut(ordered: list[ParamSpec], bucket_numel: int, align: int) -> list[list[ParamSpec]]:
+    """Split params (in arrival order) into consecutive groups of about ``bucket_numel``."""
+    out: list[list[ParamSpec]] = []
+    cur: list[ParamSpec] = []
+    size = 0
+    for s in ordered:
+        cur.append(s)
+        size += _round_up(s.numel, align)
+        if size >= bucket_numel:
+            out.append(cur)
+            cur, size = [], 0
+    if cur:
+        out.append(cur)
+    return out
+
+
+def _flat_buffer(key, groups, world_size: int, align: int) -> FlatBuffer:
+    slots: list[Slot] = []
+    buckets: list[Bucket] = []
+    pos = 0
+    for bi, members in enumerate(groups):
+        start = pos
+        idx = []
+        for s in members:
+            idx.append(len(slots))
+            slots.append(Slot(s.index, s.name, tuple(s.shape), pos, s.numel, bi))
+            pos += _round_up(s.numel, align)
+        length = _round_up(max(pos - start, 1), world_size * align)
+        buckets.append(Bucket(bi, start, length // world_size, tuple(idx)))
+        pos = start + length
+    return FlatBuffer(key[0], key[1], pos, tuple(slots), tuple(buckets))
+
+
+def _whole_buffer(key, groups, world_size: int, align: int, load: list[int]) -> FlatBuffer:
+    slots: list[Slot] = []
+    buckets: list[Bucket] = []
+    pos = 0
+    for bi, members in enumerate(groups):
+        per_rank: list[list[ParamSpec]] = [[] for _ in range(world_size)]
+        fill = [0] * world_size
+        # Largest first to the rank owning the least so far (model-wide), ties to the lower rank.
+        for s in sorted(members, key=lambda s: -s.numel):
+            r = min(range(world_size), key=lambda r: (load[r], fill[r], r))
+            per_rank[r].append(s)
+            fill[r] += _round_up(s.numel, align)
+            load[r] += s.numel
+        shard = _round_up(max(max(fill), 1), align)
+        start = pos
+        idx = []
+        for r in range(world_size):
+            p = start + r * shard
+            for s in sorted(per_rank[r], key=lambda s: -s.index):  # keep arrival order inside
+                idx.append(len(slots))
+                slots.append(Slot(s.index, s.name, tuple(s.shape), p, s.numel, bi, r))
+                p += _round_up(s.numel, align)
+        buckets.append(Bucket(bi, start, shard, tuple(idx)))
+        pos = start + shard * world_size
+    return FlatBuffer(key[0], key[1], pos, tuple(slots), tuple(buckets))
+
+
+def shard_bytes(layout: Layout, rank: int, itemsize: int) -> int:
+    """Bytes of ``rank``'s shard over every buffer at ``itemsize`` bytes per element."""
+    del rank  # shards are equal by construction
+    return sum(b.shard_numel(layout.world_size) for b in layout.buffers) * itemsize
+
+
+__all__ = ["MODES", "Bucket", "FlatBuffer", "Layout", "ParamSpec", "Slot", "build_layout",
+           "shard_bytes"]

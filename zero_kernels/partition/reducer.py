@@ -1,0 +1,166 @@
+"""Gradient reduction: post-accumulate-grad hooks fill buckets and fire their reduce-scatters.
+
+[Note: overlap]
+Each trainable parameter has a post-accumulate-grad hook. The hook adds the fresh ``.grad`` into
+the parameter's range of its bucket (then drops ``.grad``), and when a bucket has every grad it
+waits for, its reduce-scatter starts at once, asynchronously, while autograd keeps computing the
+grads of earlier layers. Buckets are launched in one fixed order, the same on every rank (by
+the expected arrival order, from the layout), so that ranks never issue collectives in different
+orders: a bucket that is ready before its predecessor waits for it. At the end of the backward
+pass (an autograd engine callback) any bucket still not launched, because some parameter got no
+grad in this pass, is launched with zeros for the missing grads, and all are waited for.
+
+    autograd   | grads L3 | grads L2 | grads L1 | grads L0 |end|
+    comm                  | RS bkt0  ...| RS bkt1 ...| RS bkt2 ...| RS b3|
+    step                                                             wait|opt step + AG|
+                                                              exposed ^^^^
+
+Only the tail after the end of backward ("exposed") costs time; `CommLog.exposed_comm_s`
+measures it. Stage 1 under ``no_sync`` only accumulates into its full-size buffer and reduces at
+the next synchronising backward; stage 2 has no full-size buffer, so it reduces every micro-batch
+and accumulates the reduced shards (the same sum, see [Note: averaging] in `zero_kernels.comm`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import comm
+from ..buffers import GradStore
+from ..layout import Layout
+
+__all__ = ["Reducer"]
+
+
+class Reducer:
+    def __init__(self, layout: Layout, params: dict[int, torch.Tensor], grads: GradStore,
+                 rank: int, group, log: comm.CommLog):
+        self.layout, self.grads, self.rank, self.group, self.log = layout, grads, rank, group, log
+        self.stage = grads.stage
+        self.sync = True  # False inside no_sync()
+        self.overlap = True  # False: launch every bucket at the end of backward instead
+        # Global launch order over (buffer, bucket): by the largest param index inside, descending,
+        # i.e. the order in which autograd usually finishes the buckets.
+        order = []
+        for i, buf in enumerate(layout.buffers):
+            for b in buf.buckets:
+                key = max((buf.slots[s].index for s in b.slots), default=-1)
+                order.append((-key, i, b.index))
+        self.order = [(i, b) for _, i, b in sorted(order)]
+        self.need = {(i, b.index): len(b.slots) for i, buf in enumerate(layout.buffers)
+                     for b in buf.buckets}
+        self.fresh = {k: True for k in self.need}  # stage 2: next reduce overwrites the shard
+        self._reset_pass()
+        self.handles: list[tuple[int, int, comm.Handle, torch.Tensor | None]] = []
+        self.dirty = False  # grads accumulated locally and not yet reduced
+        self._hooks = []
+        for i, buf in enumerate(layout.buffers):
+            for pos, slot in enumerate(buf.slots):
+                p = params[slot.index]
+                self._hooks.append(p.register_post_accumulate_grad_hook(
+                    self._make_hook(i, pos)))
+
+    def _reset_pass(self) -> None:
+        self.arrived = {k: 0 for k in self.need}
+        self.launched: set[tuple[int, int]] = set()
+        self.next = 0
+        self.callback_queued = False
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    def _make_hook(self, i: int, pos: int):
+        buf = self.layout.buffers[i]
+        slot = buf.slots[pos]
+        b = slot.bucket
+        off = slot.start - buf.buckets[b].start
+
+        def hook(p: torch.Tensor) -> None:
+            g = p.grad
+            p.grad = None
+            if g is None:
+                return
+            syncing = self.sync or self.stage == 2
+            if syncing and not self.callback_queued:
+                self.callback_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+            if (i, b) in self.launched:  # a second grad for it in this pass (retain_graph)
+                self.wait_all()
+                self.launched.discard((i, b))
+                self.arrived[(i, b)] = 0
+            dst = self.grads.bucket(i, b)
+            dst[off:off + slot.numel].add_(g.reshape(-1))
+            self.dirty = True
+            if syncing:
+                self.arrived[(i, b)] += 1
+                if self.overlap:
+                    self._launch_ready()
+
+        return hook
+
+    def _launch_ready(self) -> None:
+        while self.next < len(self.order):
+            k = self.order[self.next]
+            if k not in self.launched and self.arrived[k] < self.need[k]:
+                return
+            if k not in self.launched:
+                self._launch(*k)
+            self.next += 1
+
+    def _launch(self, i: int, b: int) -> None:
+        buf = self.layout.buffers[i]
+        bk = buf.buckets[b]
+        off = bk.start // self.layout.world_size
+        shard = self.grads.shards[i][off:off + bk.shard_numel]
+        inp = self.grads.bucket(i, b)
+        tmp = None
+        if self.stage == 2 and not self.fresh[(i, b)]:
+            tmp = torch.empty_like(shard)  # accumulate into the shard after the reduce
+            out = tmp
+        else:
+            out = shard  # stage 1: the full buffer holds the running sum, overwrite
+        self.fresh[(i, b)] = False
+        h = comm.reduce_scatter(out, inp, group=self.group, avg=True, log=self.log)
+        self.handles.append((i, b, h, tmp))
+        self.launched.add((i, b))
+
+    def wait_all(self) -> None:
+        for i, b, h, tmp in self.handles:
+            h.wait()
+            if tmp is not None:
+                bk = self.layout.buffers[i].buckets[b]
+                off = bk.start // self.layout.world_size
+                self.grads.shards[i][off:off + bk.shard_numel].add_(tmp)
+            if self.stage == 2:
+                self.grads.release(i, b)
+        self.handles.clear()
+
+    def finish(self) -> None:
+        """End of a synchronising backward: launch what is left, in order, and wait for all."""
+        for k in self.order:
+            if k not in self.launched:
+                self._launch(*k)
+        self.wait_all()
+        self._reset_pass()
+        self.dirty = False
+
+    def flush(self) -> None:
+        """Before the step: reduce whatever was accumulated but not reduced (e.g. after no_sync)."""
+        if self.dirty or self.handles:
+            self.finish()
+
+    def zero_grad(self) -> None:
+        self.flush_pending_waits()
+        for k in list(self.grads.live):
+            self.grads.release(*k)
+        self.grads.zero()
+        for k in self.fresh:
+            self.fresh[k] = True
+        self._reset_pass()
+        self.dirty = False
+
+    def flush_pending_waits(self) -> None:
+        if self.handles:
+            self.wait_all()
