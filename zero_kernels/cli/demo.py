@@ -108,15 +108,16 @@ class _DDPHook:
         self.bytes = 0
         self.last_issue = 0.0
 
-    def __call__(self, state, bucket):
-        import torch.distributed as dist
 
-        t = bucket.buffer()
-        self.bytes += t.numel() * t.element_size()
-        t.div_(self.world)
-        fut = dist.all_reduce(t, async_op=True).get_future()
-        self.last_issue = time.perf_counter()
-        return fut.then(lambda f: f.value()[0])
+def _ddp_hook(state: _DDPHook, bucket):
+    import torch.distributed as dist
+
+    t = bucket.buffer()
+    state.bytes += t.numel() * t.element_size()
+    t.div_(state.world)
+    fut = dist.all_reduce(t, async_op=True).get_future()
+    state.last_issue = time.perf_counter()
+    return fut.then(lambda f: f.value()[0])
 
 
 def _train(cfg: DemoConfig, stage: int, rank: int, world: int, device: torch.device,
@@ -137,7 +138,7 @@ def _train(cfg: DemoConfig, stage: int, rank: int, world: int, device: torch.dev
         ddp = DDP(model, gradient_as_bucket_view=True, bucket_cap_mb=cfg.bucket_mb,
                   device_ids=[device.index] if device.type == "cuda" else None)
         hook = _DDPHook(world)
-        ddp.register_comm_hook(None, hook)
+        ddp.register_comm_hook(hook, _ddp_hook)
         fwd = ddp
         if lowp:  # fp32 master weights; the torch optimizer steps those
             master = [torch.nn.Parameter(p.detach().float()) for p in model.parameters()]
@@ -325,6 +326,8 @@ def _spawned(local_rank: int, cfg: DemoConfig, nproc: int, port: int, errors) ->
             write_report(cfg, report)
     except BaseException as e:  # noqa: BLE001 (sent to the supervisor, then exit non-zero)
         errors.put((rank, _one_line(e), traceback.format_exc()))
+        errors.close()
+        errors.join_thread()  # the message must leave before this process does
         sys.stderr.flush()
         os._exit(1)
 

@@ -78,7 +78,7 @@ def build_report(cfg, world: int, device: torch.device, per_rank: list[dict]) ->
     main = str(cfg.stage)
     base = runs.get("0")
     diff = None
-    if base is not None:
+    if base is not None and cfg.stage != 0:
         diff = max((abs(a - b) for a, b in zip(runs[main]["loss"], base["loss"])), default=0.0)
     all_stages = est.estimate(n_params, world, precision=precision,
                               optimizer=_EST_OPT[cfg.optimizer])
