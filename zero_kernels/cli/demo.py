@@ -207,25 +207,22 @@ def _memory(model: torch.nn.Module, opt, master: list, stage: int) -> dict:
     report = getattr(opt, "memory_report", None)
     if stage != 0 and callable(report):
         r = dict(report())
-        return {"params": int(r.get("params", r.get("param_bytes", 0))),
-                "grads": int(r.get("grads", r.get("grad_bytes", 0))),
-                "optim": int(r.get("optim", r.get("optimizer_state", r.get("optim_bytes", 0)))),
+        return {"params": int(r["param_bytes"]), "grads": int(r["grad_bytes"]),
+                "optim": int(r.get("master_bytes", 0)) + int(r["optim_state_bytes"]),
+                "grads_peak": int(r.get("grad_peak_bytes", r["grad_bytes"])),
                 "source": "ZeroOptimizer.memory_report()"}
     seen: set[int] = set()
     params = _tensor_bytes(list(model.parameters()), seen)
     grads = _tensor_bytes([p.grad for p in model.parameters() if p.grad is not None], seen)
     inner = getattr(opt, "optim", None) or getattr(opt, "optimizer", None) or opt
     optim = _tensor_bytes(master, seen) + _tensor_bytes(dict(inner.state), seen)
-    return {"params": params, "grads": grads, "optim": optim, "source": "counted from tensors"}
+    return {"params": params, "grads": grads, "optim": optim, "grads_peak": grads,
+            "source": "counted from tensors"}
 
 
 def _zero_comm(opt, steps: int) -> dict:
-    stats = getattr(opt, "comm_stats", None)
-    if callable(stats):
-        stats = stats()
-    if stats is not None and not isinstance(stats, dict):
-        stats = stats.as_dict() if hasattr(stats, "as_dict") else vars(stats)
-    stats = stats or {}
+    stats = dict(opt.comm_stats)
+    steps = stats.get("steps") or steps
     return {"all_reduce_bytes": 0.0,
             "reduce_scatter_bytes": stats.get("reduce_scatter_bytes", 0) / steps,
             "all_gather_bytes": stats.get("all_gather_bytes", 0) / steps,

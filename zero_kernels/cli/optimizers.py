@@ -20,13 +20,13 @@ OPTIMIZER_CHOICES = ("adamw", "adam", "fused-adamw", "sgd", "adafactor", "muon")
 def optimizer_spec(name: str, lr: float | None = None) -> tuple[type, dict]:
     """(optimizer class, constructor keyword arguments) for a demo optimizer name."""
     if name == "adamw":
-        return torch.optim.AdamW, {"lr": lr or 3e-3, "weight_decay": 0.01}
+        return torch.optim.AdamW, {"lr": lr or 1e-3, "weight_decay": 0.01}
     if name == "adam":
-        return torch.optim.Adam, {"lr": lr or 3e-3}
+        return torch.optim.Adam, {"lr": lr or 1e-3}
     if name == "fused-adamw":
         from ..fused_adam import FusedAdamW
 
-        return FusedAdamW, {"lr": lr or 3e-3, "weight_decay": 0.01}
+        return FusedAdamW, {"lr": lr or 1e-3, "weight_decay": 0.01}
     if name == "sgd":
         return torch.optim.SGD, {"lr": lr or 0.3, "momentum": 0.9}
     if name == "adafactor":
