@@ -63,6 +63,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         partition: "auto" (element-wise optimizers get flat shards, the rest whole params),
             "flat" or "whole" to force.
         fused_adam: use `zero_kernels.ops.adam_step` for torch Adam/AdamW (flat mode).
+        kernel_backend: the ``backend`` of `zero_kernels.ops.adam_step` ("auto", "reference"...).
         loss_scale: None, a float (static) or "dynamic"; default "dynamic" with fp16 params.
         **defaults: passed to ``optimizer_class``.
 
@@ -80,7 +81,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def __init__(self, params, optimizer_class, *, stage: int = 2, process_group=None,
                  bucket_size_mb: float = 25.0, overlap_comm: bool = True,
                  partition: str = "auto", fused_adam: bool = True,
-                 loss_scale: float | str | None = "auto", **defaults):
+                 loss_scale: float | str | None = "auto", kernel_backend: str = "auto",
+                 **defaults):
         if stage not in (1, 2):
             raise ValueError(f"stage must be 1 or 2, got stage={stage!r}")
         if not bucket_size_mb > 0:
@@ -130,7 +132,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         fusable = (optimizer_class in FUSED_ADAM_CLASSES and fused_adam and
                    not any(g.get(k) or defaults.get(k) for g in group_opts for k in _UNFUSABLE))
         self._runner = ShardRunner(self.layout, self._flats, self._grads, self.rank,
-                                   optimizer_class, group_opts, defaults, fused=fusable)
+                                   optimizer_class, group_opts, defaults, fused=fusable,
+                                   backend=kernel_backend)
         super().__init__(user_groups, dict(self._runner.inner.defaults))
         # ---- loss scaling
         has_fp16 = any(p.dtype == torch.float16 and p.requires_grad

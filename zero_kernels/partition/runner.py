@@ -31,7 +31,8 @@ FUSED_ADAM_CLASSES = (torch.optim.Adam, torch.optim.AdamW)
 
 class ShardRunner:
     def __init__(self, layout: Layout, flats: list[torch.Tensor], grads: GradStore, rank: int,
-                 optimizer_class, group_opts: list[dict], defaults: dict, *, fused: bool):
+                 optimizer_class, group_opts: list[dict], defaults: dict, *, fused: bool,
+                 backend: str = "auto"):
         self.layout, self.flats, self.grads, self.rank = layout, flats, grads, rank
         self.optimizer_class = optimizer_class
         n = layout.world_size
@@ -68,6 +69,7 @@ class ShardRunner:
                   for i, buf in enumerate(layout.buffers)]
         self.inner = optimizer_class(groups, **defaults)
         self.fused = fused and layout.mode == "flat"
+        self.backend = backend
 
     # ---------------------------------------------------------------- step
     def sync_hyper(self, user_groups: list[dict]) -> None:
@@ -91,7 +93,7 @@ class ShardRunner:
                     adam_step(self.masters[i][sl], self.grads.shards[i][sl], st["exp_avg"][sl],
                               st["exp_avg_sq"][sl], hyper,
                               max_exp_avg_sq=st["max_exp_avg_sq"][sl] if hyper.amsgrad else None,
-                              out_lowp=dst if lowp else None)
+                              out_lowp=dst if lowp else None, backend=self.backend)
                     if not lowp:
                         dst.copy_(self.masters[i][sl])
                     handles.append(self._gather(i, b.index, log, group))
