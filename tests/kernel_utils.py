@@ -12,12 +12,13 @@ TOL = {
     torch.bfloat16: (2 ** -7, 1e-6),
     torch.float16: (2 ** -10, 1e-6),
 }
-# After many steps errors compound (the second moment feeds the denominator): fp32 parity with
-# torch.optim over 20+ steps.
+# After many steps errors compound (the second moment feeds the denominator). For bf16/fp16 state
+# a one-ulp difference in exp_avg moves the param by a fraction of lr each later step, so the
+# absolute tolerance is a tenth of the tests' lr (1e-2).
 TOL_MULTISTEP = {
     torch.float32: (1e-5, 1e-6),
-    torch.bfloat16: (2 ** -6, 1e-4),
-    torch.float16: (2 ** -8, 1e-4),
+    torch.bfloat16: (2 ** -5, 1e-3),
+    torch.float16: (2 ** -8, 1e-3),
 }
 
 
