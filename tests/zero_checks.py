@@ -244,7 +244,8 @@ def check_features(rank: int, world: int) -> dict:
                      "weight_decay": 0.3}]
 
         m_z, m_d, zo, to, _ = train_pair("mlp", O.AdamW, dict(lr=1e-2), stage, rank, steps=7,
-                                         sched=True, groups=groups)
+                                         sched=True, groups=groups,
+                                         zkw={"kernel_backend": "reference"})
         assert_params_close(m_z, m_d, 1e-6, f"groups+StepLR stage={stage}")
         assert [g["lr"] for g in zo.param_groups] == [g["lr"] for g in to.param_groups]
         # -- consolidated state dict == the DDP-side torch optimizer's, loadable by torch
@@ -314,3 +315,237 @@ def _assert_state_close(full: dict, ref: dict, what: str) -> None:
         assert g1["params"] == g2["params"], (what, g1["params"], g2["params"])
         for key in g2:
             assert key in g1 and g1[key] == g2[key], (what, key, g1.get(key), g2[key])
+
+
+class OddNet(nn.Module):
+    """Frozen, zero-size, tied and sometimes-unused parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(7, 13)
+        self.frozen = nn.Linear(13, 13)
+        self.frozen.requires_grad_(False)
+        self.empty = nn.Parameter(torch.zeros(0))
+        self.branch = nn.Linear(13, 13)  # used on even steps only
+        self.b = nn.Linear(13, 7, bias=False)
+        self.c = nn.Linear(7, 13, bias=False)
+        self.c.weight = nn.Parameter(self.b.weight.t().contiguous())
+        self.tied = nn.Linear(13, 13, bias=False)
+        self.tied2 = self.tied  # the same module twice: tied parameter
+        self.use_branch = True
+
+    def forward(self, x):
+        h = torch.tanh(self.frozen(self.a(x))) + self.empty.sum()
+        if self.use_branch:
+            h = h + self.branch(h)
+        h = self.tied2(self.tied(h))
+        return self.b(h)
+
+
+def _zero_missing(model):
+    # ZeroOptimizer's documented semantic: a trainable param without a grad counts as zero grad
+    for p in model.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
+
+
+def check_odd(rank: int, world: int) -> dict:
+    """Odd params, accumulation, overlap off, comm pattern and memory, for both stages."""
+    out = {}
+    for stage in (1, 2):
+        for overlap in (True, False):
+            torch.manual_seed(0)
+            base = OddNet()
+            m_z, m_d = copy.deepcopy(base), copy.deepcopy(base)
+            zo = ZeroOptimizer(m_z, O.AdamW, stage=stage, bucket_size_mb=0.0004,
+                               overlap_comm=overlap, kernel_backend="reference", lr=1e-2,
+                               weight_decay=0.1)
+            ddp = DDP(m_d, find_unused_parameters=True)
+            to = O.AdamW(m_d.parameters(), lr=1e-2, weight_decay=0.1)
+            frozen_before = m_z.frozen.weight.detach().clone()
+            for step in range(6):
+                m_z.use_branch = m_d.use_branch = step % 2 == 0
+                g = torch.Generator().manual_seed(step * 10 + rank)
+                x = torch.randn(5, 7, generator=g)
+                zo.zero_grad()
+                to.zero_grad()
+                m_z(x).pow(2).mean().backward()
+                ddp(x).pow(2).mean().backward()
+                _zero_missing(m_d)
+                zo.step()
+                to.step()
+            what = f"odd params stage={stage} overlap={overlap}"
+            assert_params_close(m_z, m_d, 1e-6, what)
+            assert torch.equal(m_z.frozen.weight, frozen_before), what
+            assert m_z.tied.weight is m_z.tied2.weight
+        # -- accumulation: k micro-batches under no_sync == one k-times larger batch
+        k = 3
+        base = make_model("mlp")
+        m_z, m_d = copy.deepcopy(base), copy.deepcopy(base)
+        zo = ZeroOptimizer(m_z, O.SGD, stage=stage, bucket_size_mb=0.002, lr=0.1, momentum=0.9)
+        ddp = DDP(m_d)
+        to = O.SGD(m_d.parameters(), lr=0.1, momentum=0.9)
+        for step in range(4):
+            xs, ys = zip(*(batch("mlp", rank, step * k + j) for j in range(k)))
+            zo.zero_grad()
+            for j in range(k):
+                ctx = zo.no_sync() if j < k - 1 else _null()
+                with ctx:
+                    (loss_fn("mlp", m_z(xs[j]), ys[j]) / k).backward()
+            to.zero_grad()
+            loss_fn("mlp", ddp(torch.cat(xs)), torch.cat(ys)).backward()
+            zo.step()
+            to.step()
+        assert_params_close(m_z, m_d, 1e-6, f"accumulation stage={stage}")
+        # -- the collectives: one reduce-scatter and one all-gather per bucket, of bucket size,
+        #    no all-reduce of gradients
+        calls = _trace_collectives(zo, m_z, rank, stage)
+        nb = sum(len(b.buckets) for b in zo.layout.buffers)
+        sizes = sorted(b.numel(world) for buf in zo.layout.buffers for b in buf.buckets)
+        rs = [c for c in calls if c[0] == "reduce_scatter"]
+        ag = [c for c in calls if c[0] == "all_gather"]
+        ar = [c for c in calls if c[0] == "all_reduce"]
+        assert sorted(n for _, n in rs) == sizes and len(rs) == nb, (stage, rs, sizes)
+        assert sorted(n for _, n in ag) == sizes and len(ag) == nb, (stage, ag, sizes)
+        assert all(n <= 2 for _, n in ar), (stage, ar)
+        out[f"stage={stage} calls"] = calls
+    return out
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def _trace_collectives(zo, model, rank, stage) -> list:
+    """Collectives that reach torch.distributed during one training step."""
+    import zero_kernels.comm as zc
+
+    calls = []
+    orig = (zc._reduce_scatter, zc._all_gather, dist.all_reduce, dist.reduce)
+
+    def rs(out, inp, *a, **k):
+        calls.append(("reduce_scatter", inp.numel()))
+        return orig[0](out, inp, *a, **k)
+
+    def ag(out, inp, *a, **k):
+        calls.append(("all_gather", out.numel()))
+        return orig[1](out, inp, *a, **k)
+
+    def ar(t, *a, **k):
+        calls.append(("all_reduce", t.numel()))
+        return orig[2](t, *a, **k)
+
+    def red(t, *a, **k):
+        calls.append(("reduce", t.numel()))
+        return orig[3](t, *a, **k)
+
+    zc._reduce_scatter, zc._all_gather, dist.all_reduce, dist.reduce = rs, ag, ar, red
+    try:
+        x, y = batch("mlp", rank, 99)
+        zo.zero_grad()
+        loss_fn("mlp", model(x), y).backward()
+        zo.step()
+    finally:
+        zc._reduce_scatter, zc._all_gather, dist.all_reduce, dist.reduce = orig
+    return calls
+
+
+def check_precision(rank: int, world: int) -> dict:
+    """bf16 params with fp32 masters; fp16 dynamic loss scaling skipping on every rank alike."""
+    out = {}
+    for stage in (1, 2):
+        base = make_model("mlp")
+        m_lp, m_32 = copy.deepcopy(base).to(torch.bfloat16), copy.deepcopy(base)
+        z_lp = ZeroOptimizer(m_lp, O.AdamW, stage=stage, bucket_size_mb=0.002, lr=1e-2)
+        z_32 = ZeroOptimizer(m_32, O.AdamW, stage=stage, bucket_size_mb=0.002, lr=1e-2)
+        for step in range(5):
+            x, y = batch("mlp", rank, step)
+            for z, m in ((z_lp, m_lp), (z_32, m_32)):
+                z.zero_grad()
+                loss_fn("mlp", m(x.to(next(m.parameters()).dtype)), y).float().backward()
+                z.step()
+        # the bf16 params are exactly the fp32 masters rounded; close to fp32 training
+        r = z_lp._runner
+        for i, buf in enumerate(z_lp.layout.buffers):
+            for b in buf.buckets:
+                lo = b.shard_start(rank)
+                off = b.start // world
+                got = z_lp._flats[i][lo:lo + b.shard_numel]
+                want = r.masters[i][off:off + b.shard_numel].to(torch.bfloat16)
+                assert torch.equal(got, want), f"bf16 copy-out stage={stage}"
+            assert r.masters[i].dtype == torch.float32
+        assert_params_close(m_lp, m_32, 3e-2, f"bf16 vs fp32 stage={stage}")
+        # every rank holds the same full params
+        for p in m_lp.parameters():
+            ref = p.detach().float().clone()
+            dist.broadcast(ref, 0)
+            assert torch.equal(ref, p.detach().float())
+        # fp16 with dynamic loss scaling: an overflow on one rank skips the step everywhere
+        m16 = copy.deepcopy(base).to(torch.float16)
+        z16 = ZeroOptimizer(m16, O.Adam, stage=stage, bucket_size_mb=0.002, lr=1e-3)
+        assert z16.loss_scale == 2.0**16
+        z16.loss_scale = 2.0**8  # 2**16 overflows this model's fp16 grads for real
+        for step in range(3):
+            x, y = batch("mlp", rank, step)
+            before = [p.detach().clone() for p in m16.parameters()]
+            z16.zero_grad()
+            loss = loss_fn("mlp", m16(x.half()), y.half()).float()
+            if step == 1 and rank == world - 1:
+                loss = loss * float("inf")
+            z16.scale_loss(loss).backward()
+            z16.step()
+            same = all(torch.equal(a, b) for a, b in zip(before, m16.parameters()))
+            assert same == (step == 1), f"fp16 step {step} stage={stage}: unchanged={same}"
+        assert z16.skipped_steps == 1 and z16.loss_scale == 2.0**7, (z16.loss_scale,)
+        out[f"precision stage={stage}"] = "ok"
+    return out
+
+
+def check_memory(rank: int, world: int) -> dict:
+    """Per-rank bytes from the tensors against the DESIGN.md formula (fp32 params, Adam)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)])
+    psi = sum(p.numel() for p in model.parameters())
+    rep = {}
+    for stage in (1, 2):
+        m = copy.deepcopy(model)
+        bucket_mb = 0.005
+        zo = ZeroOptimizer(m, O.Adam, stage=stage, bucket_size_mb=bucket_mb, lr=1e-3)
+        for step in range(2):
+            x = torch.randn(4, 64)
+            zo.zero_grad()
+            m(x).pow(2).mean().backward()
+            zo.step()
+        r = zo.memory_report()
+        bucket = int(bucket_mb * 2**20) // 4
+        pad = sum(len(b.buckets) for b in zo.layout.buffers) * world * 16 + 16 * len(
+            list(model.parameters()))
+        assert 4 * psi <= r["param_bytes"] <= 4 * (psi + pad)
+        assert 8 * psi / world <= r["optim_state_bytes"] <= 8 * (psi + pad) / world + 64
+        assert 4 * psi / world <= r["master_bytes"] <= 4 * (psi + pad) / world
+        if stage == 1:
+            want = 4 * psi + 4 * psi / world
+            assert want <= r["grad_bytes"] <= 4 * (psi + pad) * (1 + 1 / world), (r, want)
+        else:
+            shard = 4 * psi / world
+            assert shard <= r["grad_bytes"], r
+            # shard + the buckets in flight (at most ~2 buckets + one parameter of overshoot)
+            limit = 4 * (psi + pad) / world + 4 * 3 * (bucket + 64 * 64 + world * 16)
+            assert r["grad_peak_bytes"] <= limit, (r, limit)
+            if world > 1:
+                assert r["grad_peak_bytes"] < 4 * psi, r  # never a full-size grad buffer
+        rep[f"stage={stage}"] = {"psi": psi, **r}
+    return rep
+
+
+def features_all(rank, world):
+    out = {}
+    out.update(check_features(rank, world))
+    out.update(check_odd(rank, world))
+    out.update(check_precision(rank, world))
+    out.update(check_memory(rank, world))
+    return out

@@ -274,7 +274,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         grad = self._grads.nbytes()
         state = self._runner.state_bytes()
         master = self._runner.master_bytes()
-        peak = grad - self._grads.live_bytes + self._grads.peak_live_bytes
+        g = self._grads
+        peak = sum(t.numel() * t.element_size() for t in g.shards) + g.peak_live_bytes
+        if g.full is not None:
+            peak += sum(t.numel() * t.element_size() for t in g.full)
         return dict(param_bytes=pb, grad_bytes=grad, grad_peak_bytes=peak, master_bytes=master,
                     optim_state_bytes=state, total_bytes=pb + grad + master + state)
 

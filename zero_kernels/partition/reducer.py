@@ -39,6 +39,7 @@ class Reducer:
         self.stage = grads.stage
         self.sync = True  # False inside no_sync()
         self.overlap = True  # False: launch every bucket at the end of backward instead
+        self.max_inflight = 2  # stage 2: reduce-scatters in flight before the oldest is waited
         # Global launch order over (buffer, bucket): by the largest param index inside, descending,
         # i.e. the order in which autograd usually finishes the buckets.
         order = []
@@ -125,16 +126,23 @@ class Reducer:
         h = comm.reduce_scatter(out, inp, group=self.group, avg=True, log=self.log)
         self.handles.append((i, b, h, tmp))
         self.launched.add((i, b))
+        if self.stage == 2:  # bound the gradient memory: shard + a few buckets in flight
+            while self.handles and (len(self.handles) > self.max_inflight or
+                                    _completed(self.handles[0][2])):
+                self._finalize(*self.handles.pop(0))
+
+    def _finalize(self, i: int, b: int, h: comm.Handle, tmp: torch.Tensor | None) -> None:
+        h.wait()
+        if tmp is not None:
+            bk = self.layout.buffers[i].buckets[b]
+            off = bk.start // self.layout.world_size
+            self.grads.shards[i][off:off + bk.shard_numel].add_(tmp)
+        if self.stage == 2:
+            self.grads.release(i, b)
 
     def wait_all(self) -> None:
-        for i, b, h, tmp in self.handles:
-            h.wait()
-            if tmp is not None:
-                bk = self.layout.buffers[i].buckets[b]
-                off = bk.start // self.layout.world_size
-                self.grads.shards[i][off:off + bk.shard_numel].add_(tmp)
-            if self.stage == 2:
-                self.grads.release(i, b)
+        for item in self.handles:
+            self._finalize(*item)
         self.handles.clear()
 
     def finish(self) -> None:
@@ -164,3 +172,7 @@ class Reducer:
     def flush_pending_waits(self) -> None:
         if self.handles:
             self.wait_all()
+
+
+def _completed(h: comm.Handle) -> bool:
+    return h.work is None or h.work.is_completed()
