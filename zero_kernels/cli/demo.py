@@ -154,7 +154,10 @@ def _train(cfg: DemoConfig, stage: int, rank: int, world: int, device: torch.dev
     bar = _progress(cfg, rank, bar_desc)
     losses, times, exposed = [], [], []
     mem = None
+    fail_rank = os.environ.get("ZERO_KERNELS_DEMO_FAIL_RANK")  # fault injection for the tests
     for step in range(cfg.steps):
+        if fail_rank == str(rank) and step == 1:
+            raise RuntimeError(f"injected failure on rank {rank} (ZERO_KERNELS_DEMO_FAIL_RANK)")
         x, y = get_batch(data, cfg.batch_size, block, seed=cfg.seed, step=step, rank=rank)
         x, y = x.to(device), y.to(device)
         if device.type == "cuda":
@@ -277,22 +280,23 @@ def run_rank(cfg: DemoConfig, rank: int, world: int, local_rank: int) -> dict | 
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=300))
-    try:
-        data = load_corpus()
-        stages = [0, cfg.stage] if cfg.stage != 0 and cfg.baseline else [cfg.stage]
-        runs = {}
-        for s in stages:
-            desc = "stage 0 (DDP)" if s == 0 else f"stage {s} (ZeRO)"
-            runs[s] = _train(cfg, s, rank, world, device, data, desc)
-        per_rank = comm.gather_object(runs, dst=0)
-        if rank != 0:
-            return None
+    # On an error there is no barrier and no teardown: the peers may be blocked in a collective;
+    # the supervisor (or torchrun) stops them once this rank has exited non-zero.
+    data = load_corpus()
+    stages = [0, cfg.stage] if cfg.stage != 0 and cfg.baseline else [cfg.stage]
+    runs = {}
+    for s in stages:
+        desc = "stage 0 (DDP)" if s == 0 else f"stage {s} (ZeRO)"
+        runs[s] = _train(cfg, s, rank, world, device, data, desc)
+    per_rank = comm.gather_object(runs, dst=0)
+    report = None
+    if rank == 0:
         from .report import build_report
 
-        return build_report(cfg, world, device, per_rank)
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
+        report = build_report(cfg, world, device, per_rank)
+    dist.barrier()
+    dist.destroy_process_group()
+    return report
 
 
 # ---------------------------------------------------------------------------------------------

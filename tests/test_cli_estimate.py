@@ -1,0 +1,119 @@
+"""The estimator: the ZeRO paper's figures, parsing, config.json / meta-device models."""
+
+import json
+import pytest
+
+from zero_kernels import estimate as est
+from zero_kernels.cli.main import main
+
+
+def test_paper_figures():
+    # ZeRO paper, figure 1: Ψ = 7.5B, N = 64, mixed-precision Adam (K = 12).
+    e = est.estimate(est.parse_count("7.5B"), 64)
+    assert [round(s.total_bytes / 1e9, 1) for s in e.stages] == [120.0, 31.4, 16.6, 1.9]
+    assert [s.comm_elements / 7.5e9 for s in e.stages] == [2, 2, 2, 3]
+
+
+def test_paper_figures_printed(capsys):
+    assert main(["estimate", "--params", "7.5B", "--world-size", "64"]) == 0
+    out = capsys.readouterr().out
+    for figure in ("120.0 GB", "31.4 GB", "16.6 GB", "1.88 GB"):
+        assert figure in out, out
+    assert "K = 12" in out
+
+
+def test_fits(capsys):
+    assert main(["estimate", "--params", "7.5B", "-n", "64", "--gpu-mem", "32GB"]) == 0
+    rows = [ln.split() for ln in capsys.readouterr().out.splitlines()[2:6]]
+    assert [r[-1] for r in rows] == ["no", "yes", "yes", "yes"]
+
+
+@pytest.mark.parametrize("text,value", [("7.5B", 7_500_000_000), ("1.3e9", 1_300_000_000),
+                                        ("125M", 125_000_000), ("350k", 350_000),
+                                        ("7_000_000", 7_000_000)])
+def test_parse_count(text, value):
+    assert est.parse_count(text) == value
+
+
+@pytest.mark.parametrize("bad", ["", "7.5Q", "-3B", "abc", "0"])
+def test_parse_count_rejects(bad):
+    with pytest.raises(ValueError, match="--params"):
+        est.parse_count(bad)
+
+
+def test_parse_bytes():
+    assert est.parse_bytes("80GB") == 80e9
+    assert est.parse_bytes("80") == 80e9
+    assert est.parse_bytes("24GiB") == 24 * 2**30
+    with pytest.raises(ValueError, match="--gpu-mem"):
+        est.parse_bytes("lots")
+
+
+def test_precisions_and_optimizers():
+    psi = 1_000_000
+    fp32 = est.estimate_stage(0, psi, 1, precision="fp32", optimizer="adam")
+    assert (fp32.params_bytes, fp32.grads_bytes, fp32.optim_bytes) == (4 * psi, 4 * psi, 8 * psi)
+    sgd = est.estimate_stage(0, psi, 1, precision="mixed", optimizer="sgd-momentum")
+    assert sgd.optim_bytes == 8 * psi  # master 4 + momentum 4
+    s2 = est.estimate_stage(2, psi, 4, precision="mixed", optimizer="adam")
+    assert s2.total_bytes == 2 * psi + 14 * psi / 4
+    assert s2.reduce_scatter_bytes == 2 * psi and s2.all_gather_bytes == 2 * psi
+    assert s2.wire_bytes == pytest.approx(0.75 * 4 * psi)
+
+
+def test_adafactor_factored_from_shapes():
+    shapes = [(100, 200), (200,)]
+    got = est.optimizer_state_bytes("adafactor", "fp32", 100 * 200 + 200, shapes)
+    assert got == 4 * (100 + 200 + 200)
+
+
+def _write(tmp_path, cfg):
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(cfg))
+    return str(p)
+
+
+def test_gpt2_config(tmp_path):
+    p = _write(tmp_path, {"model_type": "gpt2", "vocab_size": 50257, "n_embd": 768,
+                          "n_layer": 12, "n_positions": 1024, "n_head": 12})
+    assert est.model_info(p).n_params == 124_439_808  # GPT-2 small, tied head
+
+
+def test_llama_config(tmp_path, capsys):
+    p = _write(tmp_path, {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096,
+                          "intermediate_size": 11008, "num_hidden_layers": 32,
+                          "num_attention_heads": 32, "num_key_value_heads": 32})
+    info = est.model_info(p)
+    assert info.n_params == 6_738_415_616  # Llama-2-7B
+    assert main(["estimate", "--model", p, "-n", "8"]) == 0
+    assert "6.738B params" in capsys.readouterr().out
+
+
+def test_meta_factory_matches_real_model():
+    import torch
+
+    from zero_kernels.models import build_gpt
+
+    info = est.model_info("zero_kernels.models:gpt_small")
+    real = build_gpt("small")
+    assert info.n_params == sum(p.numel() for p in real.parameters())  # tied head counted once
+    assert info.largest_layer == sum(p.numel() for p in real.blocks[0].parameters())
+    e = est.estimate(model="zero_kernels.models:gpt_small", world_size=4)
+    s3 = e.stages[3]
+    assert s3.live_bytes == 2 * info.largest_layer * 2 + info.largest_layer * 2
+    assert not any(t.is_meta for t in real.parameters())
+    del torch
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["estimate", "--params", "1B", "--precision", "fp8"], "--precision"),
+    (["estimate", "--params", "1B", "--optimizer", "nadam2"], "--optimizer"),
+    (["estimate", "--params", "1B", "--world-size", "0"], "--world-size"),
+    (["estimate", "--model", "nosuchmodule_xyz:factory"], "--model"),
+    (["estimate", "--model", "/nonexistent/config.json"], "--model"),
+    (["estimate"], "--params"),
+])
+def test_estimate_bad_arguments(argv, needle, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
