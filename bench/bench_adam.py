@@ -22,7 +22,13 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import machine, markdown_table, memory_bandwidth, side_by_side, write_results  # noqa: E402
+from harness import (  # noqa: E402
+    machine,
+    markdown_table,
+    memory_bandwidth,
+    side_by_side,
+    write_results,
+)
 
 from zero_kernels import FusedAdamW, ops  # noqa: E402
 from zero_kernels.ops import AdamHyper  # noqa: E402
@@ -44,8 +50,10 @@ def _deepspeed_adam(p):
 
         return DeepSpeedCPUAdam([p], lr=LR, weight_decay=WD, adamw_mode=True)
     except Exception as e:  # not installed, or its op failed to build
-        print(f"  DeepSpeedCPUAdam skipped: {type(e).__name__}: {str(e).splitlines()[0][:120]} "
-              "(install: pip install --no-deps deepspeed, DS_ACCELERATOR=cpu)")
+        print(
+            f"  DeepSpeedCPUAdam skipped: {type(e).__name__}: {str(e).splitlines()[0][:120]} "
+            "(install: pip install --no-deps deepspeed, DS_ACCELERATOR=cpu)"
+        )
         return None
 
 
@@ -59,8 +67,11 @@ def plain_step(n: int, device: str, repeats: int, with_deepspeed: bool) -> dict:
 
     p = _param(n, device, 0)
     add("zero_kernels FusedAdamW", FusedAdamW([p], lr=LR, weight_decay=WD, backend=backend), p)
-    for name, kw in (("torch AdamW default", {}), ("torch AdamW foreach", {"foreach": True}),
-                     ("torch AdamW fused", {"fused": True})):
+    for name, kw in (
+        ("torch AdamW default", {}),
+        ("torch AdamW foreach", {"foreach": True}),
+        ("torch AdamW fused", {"fused": True}),
+    ):
         p = _param(n, device, 0)
         add(name, torch.optim.AdamW([p], lr=LR, weight_decay=WD, **kw), p)
     if with_deepspeed and device == "cpu":
@@ -84,10 +95,19 @@ def shard_step(n: int, device: str, repeats: int) -> dict:
 
     def ours():
         state["step"] += 1
-        h = AdamHyper(lr=LR, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=WD,
-                      step=state["step"], adamw=True, grad_scale=scale)
-        ops.adam_step(p.data, g, m, v, h, out_lowp=out, found_inf=found, check_finite=True,
-                      backend=backend)
+        h = AdamHyper(
+            lr=LR,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+            weight_decay=WD,
+            step=state["step"],
+            adamw=True,
+            grad_scale=scale,
+        )
+        ops.adam_step(
+            p.data, g, m, v, h, out_lowp=out, found_inf=found, check_finite=True, backend=backend
+        )
 
     # torch: unscale + inf check (one op), fused AdamW, copy-out
     q = _param(n, device, 1)
@@ -106,9 +126,15 @@ def shard_step(n: int, device: str, repeats: int) -> dict:
     def restore_only():
         q.grad.copy_(grad_copy)
 
-    res = side_by_side({"zero_kernels one pass": ours, "torch pipeline": torch_pipeline,
-                        "(grad restore, subtracted)": restore_only}, repeats=repeats,
-                       device=device)
+    res = side_by_side(
+        {
+            "zero_kernels one pass": ours,
+            "torch pipeline": torch_pipeline,
+            "(grad restore, subtracted)": restore_only,
+        },
+        repeats=repeats,
+        device=device,
+    )
     restore = res.pop("(grad restore, subtracted)")["median_s"]
     res["torch pipeline"]["median_s"] -= restore
     res["torch pipeline"]["min_s"] -= restore
@@ -119,8 +145,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="1e6,1e7,5e7", help="comma-separated param counts")
     ap.add_argument("--quick", action="store_true", help="smoke run: 1e6 and 4e6, 3 repeats")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                    choices=["cpu", "cuda"])
+    ap.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"]
+    )
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--no-deepspeed", action="store_true")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
@@ -134,31 +161,58 @@ def main(argv=None) -> int:
         sizes, repeats = [1_000_000, 4_000_000], 3
     info = machine()
     bw = memory_bandwidth(max(sizes) if not args.quick else 4_000_000, args.device)
-    print(f"machine: {info['cpu']} ({info['cores']} cores, {info['torch_threads']} torch threads),"
-          f" torch {info['torch']}, isa {info.get('zero_kernels_cpu_isa')}")
+    print(
+        f"machine: {info['cpu']} ({info['cores']} cores, {info['torch_threads']} torch threads),"
+        f" torch {info['torch']}, isa {info.get('zero_kernels_cpu_isa')}"
+    )
     print(f"bandwidth: copy {bw['copy_GBps']} GB/s, in-place rmw {bw['rmw_GBps']} GB/s")
     rows = []
     for n in sizes:
         plain = plain_step(n, args.device, repeats, not args.no_deepspeed)
         for name, r in plain.items():
             gbps = 28 * n / r["median_s"] / 1e9
-            rows.append({"kind": "plain step", "params": n, "candidate": name,
-                         "median_ms": round(1e3 * r["median_s"], 3),
-                         "GBps": round(gbps, 2), "bw_fraction": round(gbps / bw["floor_GBps"], 3)})
+            rows.append(
+                {
+                    "kind": "plain step",
+                    "params": n,
+                    "candidate": name,
+                    "median_ms": round(1e3 * r["median_s"], 3),
+                    "GBps": round(gbps, 2),
+                    "bw_fraction": round(gbps / bw["floor_GBps"], 3),
+                }
+            )
         shard = shard_step(n, args.device, repeats)
         for name, r in shard.items():
             gbps = 34 * n / r["median_s"] / 1e9
-            rows.append({"kind": "shard step", "params": n, "candidate": name,
-                         "median_ms": round(1e3 * r["median_s"], 3),
-                         "GBps": round(gbps, 2), "bw_fraction": round(gbps / bw["floor_GBps"], 3)})
+            rows.append(
+                {
+                    "kind": "shard step",
+                    "params": n,
+                    "candidate": name,
+                    "median_ms": round(1e3 * r["median_s"], 3),
+                    "GBps": round(gbps, 2),
+                    "bw_fraction": round(gbps / bw["floor_GBps"], 3),
+                }
+            )
         base = {r["candidate"]: r["median_ms"] for r in rows if r["params"] == n}
         for r in rows:
             if r["params"] == n:
-                ref = base["torch AdamW fused"] if r["kind"] == "plain step" else base["torch pipeline"]
+                ref = (
+                    base["torch AdamW fused"]
+                    if r["kind"] == "plain step"
+                    else base["torch pipeline"]
+                )
                 r["speedup_vs_torch_best"] = round(ref / r["median_ms"], 3)
         print(f"n={n:,} done", flush=True)
-    keys = ["kind", "params", "candidate", "median_ms", "GBps", "bw_fraction",
-            "speedup_vs_torch_best"]
+    keys = [
+        "kind",
+        "params",
+        "candidate",
+        "median_ms",
+        "GBps",
+        "bw_fraction",
+        "speedup_vs_torch_best",
+    ]
     print(markdown_table(rows, keys))
     name = f"adam_{args.device}" + ("_quick" if args.quick else "")
     j, c = write_results(args.out, name, {"machine": info, "bandwidth": bw}, rows)

@@ -27,8 +27,9 @@ def machine() -> dict:
     except (OSError, StopIteration):
         pass
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, timeout=10).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
     except OSError:
         commit = ""
     info = {
@@ -57,8 +58,9 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def side_by_side(cands: dict[str, Callable[[], object]], repeats: int = 7, warmup: int = 2,
-                 device: str = "cpu") -> dict[str, dict]:
+def side_by_side(
+    cands: dict[str, Callable[[], object]], repeats: int = 7, warmup: int = 2, device: str = "cpu"
+) -> dict[str, dict]:
     """Median and min seconds per call of each candidate, timed alternately."""
     for fn in cands.values():
         for _ in range(warmup):
@@ -72,8 +74,10 @@ def side_by_side(cands: dict[str, Callable[[], object]], repeats: int = 7, warmu
             fn()
             _sync(device)
             times[name].append(time.perf_counter() - t0)
-    return {k: {"median_s": statistics.median(v), "min_s": min(v), "n": len(v)}
-            for k, v in times.items()}
+    return {
+        k: {"median_s": statistics.median(v), "min_s": min(v), "n": len(v)}
+        for k, v in times.items()
+    }
 
 
 def memory_bandwidth(n_floats: int = 50_000_000, device: str = "cpu", repeats: int = 7) -> dict:
@@ -86,12 +90,19 @@ def memory_bandwidth(n_floats: int = 50_000_000, device: str = "cpu", repeats: i
     """
     a = torch.rand(n_floats, device=device)
     b = torch.rand(n_floats, device=device)
-    res = side_by_side({"copy": lambda: b.copy_(a), "rmw": lambda: a.add_(b, alpha=1e-9)},
-                       repeats=repeats, device=device)
+    res = side_by_side(
+        {"copy": lambda: b.copy_(a), "rmw": lambda: a.add_(b, alpha=1e-9)},
+        repeats=repeats,
+        device=device,
+    )
     copy = 8 * n_floats / res["copy"]["median_s"] / 1e9
     rmw = 12 * n_floats / res["rmw"]["median_s"] / 1e9
-    return {"copy_GBps": round(copy, 2), "rmw_GBps": round(rmw, 2),
-            "floor_GBps": round(max(copy, rmw), 2), "n_floats": n_floats}
+    return {
+        "copy_GBps": round(copy, 2),
+        "rmw_GBps": round(rmw, 2),
+        "floor_GBps": round(max(copy, rmw), 2),
+        "n_floats": n_floats,
+    }
 
 
 def write_results(out_dir: str, name: str, payload: dict, rows: list[dict]) -> tuple[str, str]:

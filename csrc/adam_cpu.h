@@ -9,7 +9,7 @@ namespace zk {
 
 enum class CpuIsa : int { kScalar = 0, kAVX2 = 1, kAVX512 = 2 };
 
-CpuIsa cpu_isa_best();          // the widest instruction set this CPU runs (cpuid)
+CpuIsa cpu_isa_best();  // the widest instruction set this CPU runs (cpuid)
 const char* cpu_isa_name(CpuIsa isa);
 
 // One Adam/AdamW step over elements [begin, end). Every dtype combination of AdamBuffers runs;

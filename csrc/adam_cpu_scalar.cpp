@@ -119,8 +119,10 @@ bool all_finite_cpu(const void* grad, DType dtype, float scale, int64_t begin, i
   switch (dtype) {
     case DType::kF32:
 #if defined(__x86_64__)
-      if (isa == CpuIsa::kAVX512) return finite_f32_avx512(static_cast<const float*>(grad), scale, begin, end);
-      if (isa == CpuIsa::kAVX2) return finite_f32_avx2(static_cast<const float*>(grad), scale, begin, end);
+      if (isa == CpuIsa::kAVX512)
+        return finite_f32_avx512(static_cast<const float*>(grad), scale, begin, end);
+      if (isa == CpuIsa::kAVX2)
+        return finite_f32_avx2(static_cast<const float*>(grad), scale, begin, end);
 #endif
       return finite_f32_scalar(static_cast<const float*>(grad), scale, begin, end);
     case DType::kBF16: return finite_typed<DType::kBF16>(grad, scale, begin, end);

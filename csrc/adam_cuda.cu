@@ -165,9 +165,15 @@ int dispatch(DType s, DType g, DType o, const F& f) {
 int scan(const void* g, DType gd, int64_t n, float scale, float* found_inf, cudaStream_t st) {
   const int grid = grid_for(n, 8);
   switch (gd) {
-    case DType::kF32: finite_scan_kernel<DType::kF32><<<grid, kThreads, 0, st>>>(g, n, scale, found_inf); break;
-    case DType::kBF16: finite_scan_kernel<DType::kBF16><<<grid, kThreads, 0, st>>>(g, n, scale, found_inf); break;
-    case DType::kF16: finite_scan_kernel<DType::kF16><<<grid, kThreads, 0, st>>>(g, n, scale, found_inf); break;
+    case DType::kF32:
+      finite_scan_kernel<DType::kF32><<<grid, kThreads, 0, st>>>(g, n, scale, found_inf);
+      break;
+    case DType::kBF16:
+      finite_scan_kernel<DType::kBF16><<<grid, kThreads, 0, st>>>(g, n, scale, found_inf);
+      break;
+    case DType::kF16:
+      finite_scan_kernel<DType::kF16><<<grid, kThreads, 0, st>>>(g, n, scale, found_inf);
+      break;
     default: return int(cudaErrorInvalidValue);
   }
   return int(cudaGetLastError());
@@ -228,7 +234,8 @@ int adam_step_multi_cuda(const AdamArgs& a, const AdamBuffers* bufs, int n, floa
     // every scan before any update: an overflow in the last tensor leaves the first untouched
     for (int t = 0; t < n; ++t) {
       if (bufs[t].n == 0) continue;
-      if (int err = scan(bufs[t].g, bufs[t].grad, bufs[t].n, a.grad_scale, found_inf, st)) return err;
+      if (int err = scan(bufs[t].g, bufs[t].grad, bufs[t].n, a.grad_scale, found_inf, st))
+        return err;
     }
   }
   MultiMeta meta{};
@@ -236,7 +243,8 @@ int adam_step_multi_cuda(const AdamArgs& a, const AdamBuffers* bufs, int n, floa
   auto flush = [&]() -> int {
     if (nblocks == 0) return 0;
     const AdamBuffers& b0 = meta.bufs[0];
-    int err = dispatch(b0.state, b0.grad, b0.out_dtype, MultiLaunch{a, meta, nblocks, found_inf, st});
+    int err =
+        dispatch(b0.state, b0.grad, b0.out_dtype, MultiLaunch{a, meta, nblocks, found_inf, st});
     ntensors = 0;
     nblocks = 0;
     return err;
@@ -270,10 +278,10 @@ int convert_copy_cuda(void* dst, DType dd, const void* src, DType sd, int64_t n,
     return int(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, st));
   }
   const int grid = grid_for(n, 4);
-#define ZK_CONVERT(D, S)                                                       \
-  if (dd == D && sd == S) {                                                    \
-    convert_kernel<D, S><<<grid, kThreads, 0, st>>>(dst, src, n);              \
-    return int(cudaGetLastError());                                            \
+#define ZK_CONVERT(D, S)                                          \
+  if (dd == D && sd == S) {                                       \
+    convert_kernel<D, S><<<grid, kThreads, 0, st>>>(dst, src, n); \
+    return int(cudaGetLastError());                               \
   }
   ZK_CONVERT(DType::kF32, DType::kBF16)
   ZK_CONVERT(DType::kF32, DType::kF16)

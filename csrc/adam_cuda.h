@@ -8,8 +8,8 @@
 
 namespace zk {
 
-constexpr int kMultiMaxTensors = 16;  // tensors per multi-tensor launch
-constexpr int kMultiMaxBlocks = 320;  // blocks per multi-tensor launch
+constexpr int kMultiMaxTensors = 16;    // tensors per multi-tensor launch
+constexpr int kMultiMaxBlocks = 320;    // blocks per multi-tensor launch
 constexpr int64_t kMultiChunk = 65536;  // elements per block in a multi-tensor launch
 
 // One step over one flat buffer. found_inf (device float[1], may be null when not needed) is

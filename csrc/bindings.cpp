@@ -41,8 +41,8 @@ DType to_dtype(const at::Tensor& t, const char* name) {
 void check_like(const at::Tensor& t, const at::Tensor& ref, const char* name) {
   TORCH_CHECK(t.device() == ref.device(), name, " is on ", t.device(), ", param is on ",
               ref.device());
-  TORCH_CHECK(t.numel() == ref.numel(), name, ".numel()=", t.numel(), " differs from param.numel()=",
-              ref.numel());
+  TORCH_CHECK(t.numel() == ref.numel(), name, ".numel()=", t.numel(),
+              " differs from param.numel()=", ref.numel());
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous, got stride ", t.strides());
 }
 
@@ -51,9 +51,10 @@ struct Scalars {
   bool adamw, amsgrad, maximize;
   zk::AdamArgs args() const {
     TORCH_CHECK(bc2_sqrt > 0.0, "bias_correction2_sqrt must be > 0, got ", bc2_sqrt);
-    return zk::AdamArgs{float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
-                        float(step_size), float(1.0 / bc2_sqrt), float(grad_scale), adamw,
-                        amsgrad, maximize};
+    return zk::AdamArgs{
+        float(lr),        float(beta1),          float(beta2),      float(eps), float(weight_decay),
+        float(step_size), float(1.0 / bc2_sqrt), float(grad_scale), adamw,      amsgrad,
+        maximize};
   }
 };
 
@@ -87,8 +88,11 @@ zk::AdamBuffers make_buffers(const at::Tensor& p, const at::Tensor& g, const at:
     TORCH_CHECK_TYPE(od != DType::kF32, "out_lowp.dtype must be bfloat16 or float16, got float32");
     out_ptr = out->data_ptr();
   }
-  return zk::AdamBuffers{p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), vmax_ptr,
-                         out_ptr, p.numel(), s, gd, od};
+  return zk::AdamBuffers{p.data_ptr(), g.data_ptr(),
+                         m.data_ptr(), v.data_ptr(),
+                         vmax_ptr,     out_ptr,
+                         p.numel(),    s,
+                         gd,           od};
 }
 
 void check_found_inf(const c10::optional<at::Tensor>& found_inf, const at::Tensor& p,
@@ -125,9 +129,8 @@ void step_cpu(const zk::AdamArgs& a, const std::vector<zk::AdamBuffers>& bufs,
     }
   }
   for (const auto& b : bufs) {
-    at::parallel_for(0, b.n, kGrain, [&](int64_t s, int64_t e) {
-      zk::adam_step_cpu(a, b, s, e, g_isa);
-    });
+    at::parallel_for(0, b.n, kGrain,
+                     [&](int64_t s, int64_t e) { zk::adam_step_cpu(a, b, s, e, g_isa); });
   }
 }
 
@@ -162,8 +165,8 @@ void adam_step(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m, co
                const c10::optional<at::Tensor>& found_inf, bool check_finite, double lr,
                double beta1, double beta2, double eps, double weight_decay, double step_size,
                double bc2_sqrt, double grad_scale, bool adamw, bool amsgrad, bool maximize) {
-  Scalars s{lr, beta1, beta2, eps, weight_decay, step_size, bc2_sqrt, grad_scale, adamw, amsgrad,
-            maximize};
+  Scalars s{lr,       beta1,      beta2, eps,     weight_decay, step_size,
+            bc2_sqrt, grad_scale, adamw, amsgrad, maximize};
   check_found_inf(found_inf, p, check_finite);
   std::vector<zk::AdamBuffers> bufs{make_buffers(p, g, m, v, vmax, out, amsgrad)};
   run_step(bufs, p, found_inf, check_finite, s);
@@ -173,18 +176,17 @@ void adam_step_multi(const std::vector<at::Tensor>& ps, const std::vector<at::Te
                      const std::vector<at::Tensor>& ms, const std::vector<at::Tensor>& vs,
                      const std::vector<at::Tensor>& vmaxes,
                      const c10::optional<at::Tensor>& found_inf, bool check_finite, double lr,
-                     double beta1, double beta2, double eps, double weight_decay,
-                     double step_size, double bc2_sqrt, double grad_scale, bool adamw,
-                     bool amsgrad, bool maximize) {
+                     double beta1, double beta2, double eps, double weight_decay, double step_size,
+                     double bc2_sqrt, double grad_scale, bool adamw, bool amsgrad, bool maximize) {
   const size_t n = ps.size();
   TORCH_CHECK(gs.size() == n && ms.size() == n && vs.size() == n,
               "params/grads/exp_avgs/exp_avg_sqs must have one length, got ", n, "/", gs.size(),
               "/", ms.size(), "/", vs.size());
-  TORCH_CHECK(!amsgrad || vmaxes.size() == n, "amsgrad=True needs ", n,
-              " max_exp_avg_sqs, got ", vmaxes.size());
+  TORCH_CHECK(!amsgrad || vmaxes.size() == n, "amsgrad=True needs ", n, " max_exp_avg_sqs, got ",
+              vmaxes.size());
   if (n == 0) return;
-  Scalars s{lr, beta1, beta2, eps, weight_decay, step_size, bc2_sqrt, grad_scale, adamw, amsgrad,
-            maximize};
+  Scalars s{lr,       beta1,      beta2, eps,     weight_decay, step_size,
+            bc2_sqrt, grad_scale, adamw, amsgrad, maximize};
   check_found_inf(found_inf, ps[0], check_finite);
   std::vector<zk::AdamBuffers> bufs;
   bufs.reserve(n);
@@ -211,18 +213,17 @@ bool all_finite(const at::Tensor& g, double scale) {
 // tensor among many small ones does not serialise the copy.
 void flat_copy(const std::vector<at::Tensor>& tensors, const at::Tensor& flat,
                const std::vector<int64_t>& offsets, bool to_flat) {
-  TORCH_CHECK(offsets.size() == tensors.size(), "offsets has ", offsets.size(),
-              " entries for ", tensors.size(), " tensors");
+  TORCH_CHECK(offsets.size() == tensors.size(), "offsets has ", offsets.size(), " entries for ",
+              tensors.size(), " tensors");
   TORCH_CHECK(flat.dim() == 1 && flat.is_contiguous(), "flat must be a contiguous 1-D tensor");
   const DType fd = to_dtype(flat, "flat");
   std::vector<zk::CopySegment> segs;
   segs.reserve(tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& t = tensors[i];
-    TORCH_CHECK(t.device() == flat.device(), "tensors[", i, "] is on ", t.device(),
-                ", flat is on ", flat.device());
-    TORCH_CHECK(t.is_contiguous(), "tensors[", i, "] must be contiguous, got stride ",
-                t.strides());
+    TORCH_CHECK(t.device() == flat.device(), "tensors[", i, "] is on ", t.device(), ", flat is on ",
+                flat.device());
+    TORCH_CHECK(t.is_contiguous(), "tensors[", i, "] must be contiguous, got stride ", t.strides());
     TORCH_CHECK(offsets[i] >= 0 && offsets[i] + t.numel() <= flat.numel(), "tensors[", i,
                 "] (numel ", t.numel(), ") at offset ", offsets[i],
                 " does not fit in flat of numel ", flat.numel());
@@ -237,9 +238,8 @@ void flat_copy(const std::vector<at::Tensor>& tensors, const at::Tensor& flat,
   }
   if (flat.is_cpu()) {
     std::vector<int64_t> starts = zk::segment_starts(segs);
-    at::parallel_for(0, starts.back(), kGrain, [&](int64_t b, int64_t e) {
-      zk::copy_segments_cpu(segs, starts, b, e);
-    });
+    at::parallel_for(0, starts.back(), kGrain,
+                     [&](int64_t b, int64_t e) { zk::copy_segments_cpu(segs, starts, b, e); });
     return;
   }
 #ifdef ZK_WITH_CUDA
@@ -290,12 +290,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("adam_step", &adam_step, "One fused Adam/AdamW step over one flat buffer (in place)",
         py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
         py::arg("max_exp_avg_sq"), py::arg("out_lowp"), py::arg("found_inf"),
-        py::arg("check_finite"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
-        py::arg("eps"), py::arg("weight_decay"), py::arg("step_size"), py::arg("bc2_sqrt"),
-        py::arg("grad_scale"), py::arg("adamw"), py::arg("amsgrad"), py::arg("maximize"));
+        py::arg("check_finite"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+        py::arg("weight_decay"), py::arg("step_size"), py::arg("bc2_sqrt"), py::arg("grad_scale"),
+        py::arg("adamw"), py::arg("amsgrad"), py::arg("maximize"));
   m.def("adam_step_multi", &adam_step_multi, "The fused step over lists of tensors");
-  m.def("all_finite", &all_finite, "True when every grad * scale is finite (CPU)",
-        py::arg("grad"), py::arg("scale") = 1.0);
+  m.def("all_finite", &all_finite, "True when every grad * scale is finite (CPU)", py::arg("grad"),
+        py::arg("scale") = 1.0);
   m.def("flat_copy", &flat_copy, "Copy tensors into (to_flat) or out of a flat buffer",
         py::arg("tensors"), py::arg("flat"), py::arg("offsets"), py::arg("to_flat"));
   m.def("cpu_isa", &cpu_isa, "Instruction set the CPU kernels use now");

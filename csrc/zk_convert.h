@@ -17,7 +17,10 @@ ZK_HD float bits_to_float(uint32_t u) {
 #if defined(__CUDA_ARCH__)
   return __uint_as_float(u);
 #else
-  union { uint32_t u; float f; } x{u};
+  union {
+    uint32_t u;
+    float f;
+  } x{u};
   return x.f;
 #endif
 }
@@ -25,7 +28,10 @@ ZK_HD uint32_t float_to_bits(float f) {
 #if defined(__CUDA_ARCH__)
   return __float_as_uint(f);
 #else
-  union { float f; uint32_t u; } x{f};
+  union {
+    float f;
+    uint32_t u;
+  } x{f};
   return x.u;
 #endif
 }
@@ -55,7 +61,7 @@ ZK_HD uint16_t float_to_f16(float f) {
   uint32_t u = float_to_bits(f);
   uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
   uint32_t a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);  // nan
+  if (a > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);   // nan
   if (a >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // >= 65520 rounds to inf
   if (a < 0x38800000u) {  // below 2^-14: subnormal or zero
     // value / 2^-24, rounded to nearest even
@@ -69,18 +75,22 @@ ZK_HD uint16_t float_to_f16(float f) {
   return static_cast<uint16_t>(sign | ((r - (112u << 23)) >> 13));
 }
 
-template <DType D> struct Storage;
-template <> struct Storage<DType::kF32> {
+template <DType D>
+struct Storage;
+template <>
+struct Storage<DType::kF32> {
   using T = float;
   static ZK_HD float load(const T* p, int64_t i) { return p[i]; }
   static ZK_HD void store(T* p, int64_t i, float x) { p[i] = x; }
 };
-template <> struct Storage<DType::kBF16> {
+template <>
+struct Storage<DType::kBF16> {
   using T = uint16_t;
   static ZK_HD float load(const T* p, int64_t i) { return bf16_to_float(p[i]); }
   static ZK_HD void store(T* p, int64_t i, float x) { p[i] = float_to_bf16(x); }
 };
-template <> struct Storage<DType::kF16> {
+template <>
+struct Storage<DType::kF16> {
   using T = uint16_t;
   static ZK_HD float load(const T* p, int64_t i) { return f16_to_float(p[i]); }
   static ZK_HD void store(T* p, int64_t i, float x) { p[i] = float_to_f16(x); }

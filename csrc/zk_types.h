@@ -21,10 +21,10 @@ struct AdamArgs {
   float beta2;
   float eps;
   float weight_decay;
-  float step_size;      // lr / (1 - beta1^step)
-  float inv_bc2_sqrt;   // 1 / sqrt(1 - beta2^step)
-  float grad_scale;     // grads are multiplied by this first
-  bool adamw;           // decoupled weight decay (AdamW) instead of L2 (Adam)
+  float step_size;     // lr / (1 - beta1^step)
+  float inv_bc2_sqrt;  // 1 / sqrt(1 - beta2^step)
+  float grad_scale;    // grads are multiplied by this first
+  bool adamw;          // decoupled weight decay (AdamW) instead of L2 (Adam)
   bool amsgrad;
   bool maximize;
 };

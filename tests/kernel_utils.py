@@ -9,16 +9,16 @@ import torch
 # storing, so at most one ulp of the storage dtype after.
 TOL = {
     torch.float32: (2e-6, 1e-6),  # atol: cancellation in m = b1*m + (1-b1)*g (operands ~1)
-    torch.bfloat16: (2 ** -7, 1e-6),
-    torch.float16: (2 ** -10, 1e-6),
+    torch.bfloat16: (2**-7, 1e-6),
+    torch.float16: (2**-10, 1e-6),
 }
 # After many steps errors compound (the second moment feeds the denominator). For bf16/fp16 state
 # a one-ulp difference in exp_avg moves the param by a fraction of lr each later step, so the
 # absolute tolerance is a tenth of the tests' lr (1e-2).
 TOL_MULTISTEP = {
     torch.float32: (1e-5, 1e-6),
-    torch.bfloat16: (2 ** -5, 1e-3),
-    torch.float16: (2 ** -8, 1e-3),
+    torch.bfloat16: (2**-5, 1e-3),
+    torch.float16: (2**-8, 1e-3),
 }
 
 
@@ -36,4 +36,5 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, tol=No
         rows = ", ".join(f"[{i}] {a[i].item():.9g} vs {e[i].item():.9g}" for i in idx)
         raise AssertionError(
             f"{what} ({dtype}, rtol={rtol}, atol={atol}): {int(bad.sum())}/{a.numel()} "
-            f"mismatches, first: {rows}")
+            f"mismatches, first: {rows}"
+        )

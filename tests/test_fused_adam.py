@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 import torch
-
 from kernel_utils import TOL_MULTISTEP, assert_close
+
 from zero_kernels import FusedAdam, FusedAdamW, _native
 
 BACKENDS = (["cpu"] if _native.load() is not None else []) + ["reference"]
@@ -43,13 +43,23 @@ def test_parity_fp32_every_variant(backend, ours, theirs):
         big = [(2**20 + 3,)] if (amsgrad, maximize, wd) == (True, True, 0.05) else []
         shapes = [(1,), (7,), (31, 33), (1023,)] + big
         pa, pb = twin_params(shapes)
-        kw = dict(lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=wd, amsgrad=amsgrad,
-                  maximize=maximize)
+        kw = dict(
+            lr=1e-2,
+            betas=(0.8, 0.95),
+            eps=1e-6,
+            weight_decay=wd,
+            amsgrad=amsgrad,
+            maximize=maximize,
+        )
         oa, ob = ours(pa, backend=backend, **kw), theirs(pb, **kw)
         drive(oa, ob, pa, pb, steps=20)
         for x, y in zip(pa, pb):
-            assert_close(x, y, f"{ours.__name__} ams={amsgrad} max={maximize} wd={wd}",
-                         TOL_MULTISTEP[torch.float32])
+            assert_close(
+                x,
+                y,
+                f"{ours.__name__} ams={amsgrad} max={maximize} wd={wd}",
+                TOL_MULTISTEP[torch.float32],
+            )
         for x, y in zip(pa, pb):
             for key in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ()):
                 assert_close(oa.state[x][key], ob.state[y][key], key, TOL_MULTISTEP[torch.float32])
@@ -71,10 +81,13 @@ def test_parity_bf16_matches_torch_fused(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_param_groups_scheduler_and_missing_grads(backend):
     pa, pb = twin_params([(10,), (20,), (5, 5), (3,)])
-    groups = lambda ps: [  # noqa: E731
-        {"params": ps[:2], "lr": 1e-2, "weight_decay": 0.0},
-        {"params": ps[2:], "lr": 3e-3, "weight_decay": 0.2, "betas": (0.5, 0.9)},
-    ]
+
+    def groups(ps):
+        return [
+            {"params": ps[:2], "lr": 1e-2, "weight_decay": 0.0},
+            {"params": ps[2:], "lr": 3e-3, "weight_decay": 0.2, "betas": (0.5, 0.9)},
+        ]
+
     oa = FusedAdamW(groups(pa), backend=backend)
     ob = torch.optim.AdamW(groups(pb))
     sa = torch.optim.lr_scheduler.StepLR(oa, step_size=5, gamma=0.5)
@@ -120,8 +133,11 @@ def test_non_contiguous_and_mixed_dtypes():
     # (0.07 off after 5 steps) when a grad's strides differ from its param's, the case below.
     gen = torch.Generator().manual_seed(0)
     t = torch.randn(8, 6, generator=gen)
-    pa = [torch.nn.Parameter(t.clone().t()), torch.nn.Parameter(torch.randn(5, generator=gen)),
-          torch.nn.Parameter(torch.randn(6, generator=gen).to(torch.bfloat16))]
+    pa = [
+        torch.nn.Parameter(t.clone().t()),
+        torch.nn.Parameter(torch.randn(5, generator=gen)),
+        torch.nn.Parameter(torch.randn(6, generator=gen).to(torch.bfloat16)),
+    ]
     pb = [torch.nn.Parameter(x.detach().clone()) for x in pa[:2]]
     pc = [torch.nn.Parameter(pa[2].detach().clone())]
     oa = FusedAdamW(pa, lr=1e-2)
@@ -142,10 +158,14 @@ def test_non_contiguous_and_mixed_dtypes():
 
 def test_bad_hyperparameters_raise_like_torch():
     p = [torch.nn.Parameter(torch.randn(3))]
-    for kw, msg in [({"lr": -1.0}, "learning rate"), ({"eps": -1.0}, "epsilon"),
-                    ({"betas": (1.0, 0.9)}, "beta parameter at index 0"),
-                    ({"betas": (0.9, -0.1)}, "beta parameter at index 1"),
-                    ({"weight_decay": -0.1}, "weight_decay"), ({"backend": "tpu"}, "backend")]:
+    for kw, msg in [
+        ({"lr": -1.0}, "learning rate"),
+        ({"eps": -1.0}, "epsilon"),
+        ({"betas": (1.0, 0.9)}, "beta parameter at index 0"),
+        ({"betas": (0.9, -0.1)}, "beta parameter at index 1"),
+        ({"weight_decay": -0.1}, "weight_decay"),
+        ({"backend": "tpu"}, "backend"),
+    ]:
         with pytest.raises(ValueError, match=msg):
             FusedAdamW(p, **kw)
     with pytest.raises(NotImplementedError, match="capturable"):

@@ -7,13 +7,15 @@ import os
 
 import pytest
 import torch
-
 from kernel_utils import assert_close
+
 from zero_kernels import _native, ops
 from zero_kernels.ops import AdamHyper, reference
 
 _C = _native.load()
-needs_native = pytest.mark.skipif(_C is None, reason=f"native extension not built: {_native.error()}")
+needs_native = pytest.mark.skipif(
+    _C is None, reason=f"native extension not built: {_native.error()}"
+)
 
 try:
     import triton  # noqa: F401
@@ -21,7 +23,9 @@ try:
     HAVE_TRITON = os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()
 except ImportError:
     HAVE_TRITON = False
-needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton missing (tests set TRITON_INTERPRET=1)")
+needs_triton = pytest.mark.skipif(
+    not HAVE_TRITON, reason="triton missing (tests set TRITON_INTERPRET=1)"
+)
 
 SIZES = [1, 7, 1023, 2**20 + 3]
 
@@ -56,14 +60,25 @@ def run(backend, hyper, state, out_dtype=None, check_finite=False, found_inf=Non
     p, g, m, v, vm = (t.clone() if t is not None else None for t in state)
     out = torch.full_like(p, 7.0, dtype=out_dtype) if out_dtype is not None else None
     f = None if found_inf is None else found_inf.clone()
-    f = ops.adam_step(p, g, m, v, hyper, max_exp_avg_sq=vm, out_lowp=out, found_inf=f,
-                      check_finite=check_finite, backend=backend)
+    f = ops.adam_step(
+        p,
+        g,
+        m,
+        v,
+        hyper,
+        max_exp_avg_sq=vm,
+        out_lowp=out,
+        found_inf=f,
+        check_finite=check_finite,
+        backend=backend,
+    )
     return p, m, v, vm, out, f
 
 
 def compare(got, want, tag):
-    for name, a, e in zip(("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "out_lowp"),
-                          got[:5], want[:5]):
+    for name, a, e in zip(
+        ("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "out_lowp"), got[:5], want[:5]
+    ):
         if e is None:
             assert a is None
             continue
@@ -74,8 +89,18 @@ VARIANTS = list(itertools.product([True, False], [False, True], [False, True], [
 
 
 def hyper_for(adamw, amsgrad, maximize, wd, step=5, grad_scale=0.37):
-    return AdamHyper(lr=3e-3, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=wd, step=step,
-                     adamw=adamw, amsgrad=amsgrad, maximize=maximize, grad_scale=grad_scale)
+    return AdamHyper(
+        lr=3e-3,
+        beta1=0.9,
+        beta2=0.99,
+        eps=1e-8,
+        weight_decay=wd,
+        step=step,
+        adamw=adamw,
+        amsgrad=amsgrad,
+        maximize=maximize,
+        grad_scale=grad_scale,
+    )
 
 
 @needs_native
@@ -86,22 +111,33 @@ def test_cpu_fp32_all_variants(isa, n):
         h = hyper_for(adamw, amsgrad, maximize, wd)
         state = make_state(n, torch.float32, torch.float32, seed=n, amsgrad=amsgrad)
         for out_dtype in (None, torch.bfloat16, torch.float16):
-            compare(run("cpu", h, state, out_dtype), run("reference", h, state, out_dtype),
-                    f"{isa} n={n} adamw={adamw} ams={amsgrad} max={maximize} wd={wd} out={out_dtype}")
+            compare(
+                run("cpu", h, state, out_dtype),
+                run("reference", h, state, out_dtype),
+                f"{isa} n={n} adamw={adamw} ams={amsgrad} max={maximize} wd={wd} out={out_dtype}",
+            )
 
 
 @needs_native
-@pytest.mark.parametrize("dtype,grad_dtype", [(torch.bfloat16, torch.bfloat16),
-                                              (torch.bfloat16, torch.float32),
-                                              (torch.float16, torch.float16),
-                                              (torch.float16, torch.float32)])
+@pytest.mark.parametrize(
+    "dtype,grad_dtype",
+    [
+        (torch.bfloat16, torch.bfloat16),
+        (torch.bfloat16, torch.float32),
+        (torch.float16, torch.float16),
+        (torch.float16, torch.float32),
+    ],
+)
 @pytest.mark.parametrize("n", [1, 7, 1023, 70001])
 def test_cpu_low_precision_state(dtype, grad_dtype, n):
     for adamw, amsgrad in ((True, False), (False, True)):
         h = hyper_for(adamw, amsgrad, False, 0.05)
         state = make_state(n, dtype, grad_dtype, seed=3, amsgrad=amsgrad)
-        compare(run("cpu", h, state, torch.bfloat16), run("reference", h, state, torch.bfloat16),
-                f"{dtype}/{grad_dtype} n={n}")
+        compare(
+            run("cpu", h, state, torch.bfloat16),
+            run("reference", h, state, torch.bfloat16),
+            f"{dtype}/{grad_dtype} n={n}",
+        )
 
 
 @needs_triton
@@ -110,18 +146,22 @@ def test_triton_matches_reference(n):
     for adamw, amsgrad, maximize, wd in VARIANTS[::3]:
         h = hyper_for(adamw, amsgrad, maximize, wd)
         state = make_state(n, torch.float32, torch.float32, seed=n, amsgrad=amsgrad)
-        compare(run("triton", h, state, torch.bfloat16), run("reference", h, state, torch.bfloat16),
-                f"triton n={n}")
+        compare(
+            run("triton", h, state, torch.bfloat16),
+            run("reference", h, state, torch.bfloat16),
+            f"triton n={n}",
+        )
     h = hyper_for(True, False, False, 0.1)
     state = make_state(n, torch.bfloat16, torch.bfloat16, seed=1)
     got, want = run("triton", h, state), run("reference", h, state)
     # the interpreter's bf16 cast may round the other way on a tie: one more ulp allowed
     for a, e, name in zip(got[:3], want[:3], ("param", "exp_avg", "exp_avg_sq")):
-        assert_close(a, e, f"triton bf16 {name}", tol=(2 ** -6, 1e-6))
+        assert_close(a, e, f"triton bf16 {name}", tol=(2**-6, 1e-6))
 
 
-BACKENDS_FOR_FLAG = (["cpu"] if _C is not None else []) + ["reference"] + (
-    ["triton"] if HAVE_TRITON else [])
+BACKENDS_FOR_FLAG = (
+    (["cpu"] if _C is not None else []) + ["reference"] + (["triton"] if HAVE_TRITON else [])
+)
 
 
 @pytest.mark.parametrize("backend", BACKENDS_FOR_FLAG)
@@ -168,8 +208,9 @@ def test_multi_tensor_scan_happens_before_any_update():
     ms = [torch.zeros_like(p) for p in ps]
     vs = [torch.zeros_like(p) for p in ps]
     before = [p.clone() for p in ps]
-    f = ops.adam_step_multi(ps, gs, ms, vs, hyper_for(True, False, False, 0.1), check_finite=True,
-                            backend="cpu")
+    f = ops.adam_step_multi(
+        ps, gs, ms, vs, hyper_for(True, False, False, 0.1), check_finite=True, backend="cpu"
+    )
     assert f.item() == 1.0
     assert all(torch.equal(a, b) for a, b in zip(ps, before))
 
@@ -205,19 +246,53 @@ def test_explicit_backend_that_cannot_run_raises():
 
 @needs_native
 def test_conversions_are_bit_exact_against_torch():
-    specials = torch.tensor([0.0, -0.0, 1.0, -1.0, 65504.0, 65519.0, 65520.0, 1e5, -1e5, 6e-8,
-                             3e-8, 2.9802322e-08, 5.96e-8, 6.1e-5, 6.09e-5, 1e-40, 3.4e38,
-                             float("inf"), float("-inf"), 1.00390625, 1.01171875, 1.0009765625,
-                             1.0029296875, 2.0 ** -24, 2.0 ** -25, 1.5 * 2.0 ** -24])
-    x = torch.cat([specials, torch.randn(100003) * 10, torch.randn(5000) * 1e-6,
-                   (torch.rand(5000) - 0.5) * 1.4e5])
+    specials = torch.tensor(
+        [
+            0.0,
+            -0.0,
+            1.0,
+            -1.0,
+            65504.0,
+            65519.0,
+            65520.0,
+            1e5,
+            -1e5,
+            6e-8,
+            3e-8,
+            2.9802322e-08,
+            5.96e-8,
+            6.1e-5,
+            6.09e-5,
+            1e-40,
+            3.4e38,
+            float("inf"),
+            float("-inf"),
+            1.00390625,
+            1.01171875,
+            1.0009765625,
+            1.0029296875,
+            2.0**-24,
+            2.0**-25,
+            1.5 * 2.0**-24,
+        ]
+    )
+    x = torch.cat(
+        [
+            specials,
+            torch.randn(100003) * 10,
+            torch.randn(5000) * 1e-6,
+            (torch.rand(5000) - 0.5) * 1.4e5,
+        ]
+    )
     for dt in (torch.bfloat16, torch.float16):
         flat = torch.empty(x.numel(), dtype=dt)
         _C.flat_copy([x], flat, [0], True)
         want = x.to(dt)
         same = flat.view(torch.int16) == want.view(torch.int16)
-        assert bool(same.all()), (f"{dt}: first mismatch at {(~same).nonzero()[:5].view(-1).tolist()}"
-                                  f" value {x[~same][:5].tolist()}")
+        assert bool(same.all()), (
+            f"{dt}: first mismatch at {(~same).nonzero()[:5].view(-1).tolist()}"
+            f" value {x[~same][:5].tolist()}"
+        )
         back = torch.empty_like(x)
         _C.flat_copy([back], flat, [0], False)
         assert torch.equal(back, want.float())
@@ -238,7 +313,7 @@ def test_flat_copy_many_tensors_round_trip():
     flat = torch.zeros(off + 1)
     _C.flat_copy(ts, flat, offsets, True)
     for t, o in zip(ts, offsets):
-        assert torch.equal(flat[o:o + t.numel()], t)
+        assert torch.equal(flat[o : o + t.numel()], t)
     outs = [torch.empty_like(t) for t in ts]
     _C.flat_copy(outs, flat, offsets, False)
     assert all(torch.equal(a, b) for a, b in zip(outs, ts))
@@ -251,8 +326,16 @@ def test_reference_is_the_documented_formula():
     import math
 
     p, g, m, v = (torch.tensor([x]) for x in (1.0, 0.5, 0.1, 0.2))
-    h = AdamHyper(lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.01, step=2, adamw=True,
-                  grad_scale=2.0)
+    h = AdamHyper(
+        lr=0.1,
+        beta1=0.9,
+        beta2=0.99,
+        eps=1e-8,
+        weight_decay=0.01,
+        step=2,
+        adamw=True,
+        grad_scale=2.0,
+    )
     reference.adam_step(p, g, m, v, h)
     gg = 1.0
     pp = 1.0 * (1 - 0.1 * 0.01)

@@ -26,13 +26,13 @@ def _dense_flat(t: torch.Tensor) -> torch.Tensor | None:
     """A 1-D view over ``t``'s memory when it is non-overlapping and dense, else None."""
     if t.is_contiguous():
         return t.view(-1)
-    if torch._C._is_non_overlapping_and_dense(t) if hasattr(torch._C, "_is_non_overlapping_and_dense") \
-            else _dense_by_strides(t):
+    if _dense_by_strides(t):
         return t.as_strided((t.numel(),), (1,), t.storage_offset())
     return None
 
 
 def _dense_by_strides(t: torch.Tensor) -> bool:
+    """True when the elements fill one gap-free block of memory (any dimension order)."""
     expected = 1
     for size, stride in sorted(zip(t.shape, t.stride()), key=lambda s: s[1]):
         if size == 1:
@@ -83,16 +83,26 @@ class FusedAdam(torch.optim.Optimizer):
         if capturable or differentiable:
             raise NotImplementedError(
                 f"{type(self).__name__}: capturable={capturable} / differentiable="
-                f"{differentiable} are not supported; use torch.optim for those")
+                f"{differentiable} are not supported; use torch.optim for those"
+            )
         if backend not in ops.BACKENDS:
             raise ValueError(f"backend must be one of {ops.BACKENDS}, got backend={backend!r}")
         if decoupled_weight_decay is None:
             decoupled_weight_decay = self._decoupled_default
         self.backend = backend
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                        maximize=maximize, foreach=foreach, capturable=False,
-                        differentiable=False, fused=fused,
-                        decoupled_weight_decay=decoupled_weight_decay)
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            maximize=maximize,
+            foreach=foreach,
+            capturable=False,
+            differentiable=False,
+            fused=fused,
+            decoupled_weight_decay=decoupled_weight_decay,
+        )
         super().__init__(params, defaults)
 
     def __setstate__(self, state):
@@ -133,11 +143,15 @@ class FusedAdam(torch.optim.Optimizer):
             if p.grad is None:
                 continue
             if p.grad.is_sparse:
-                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients, "
-                                   f"got a sparse grad for a param of shape {tuple(p.shape)}")
+                raise RuntimeError(
+                    f"{type(self).__name__} does not support sparse gradients, "
+                    f"got a sparse grad for a param of shape {tuple(p.shape)}"
+                )
             if p.dtype not in _FLOAT_DTYPES:
-                raise TypeError(f"{type(self).__name__}: params must be one of {_FLOAT_DTYPES}, "
-                                f"got p.dtype={p.dtype}")
+                raise TypeError(
+                    f"{type(self).__name__}: params must be one of {_FLOAT_DTYPES}, "
+                    f"got p.dtype={p.dtype}"
+                )
             if torch.is_complex(p.grad):
                 raise TypeError(f"{type(self).__name__}: complex grads are not supported")
             state = self._init_state(p, amsgrad)
@@ -146,10 +160,17 @@ class FusedAdam(torch.optim.Optimizer):
             grad = p.grad if p.grad.dtype in (torch.float32, p.dtype) else p.grad.to(p.dtype)
             buckets[(p.device, p.dtype, grad.dtype, step)].append((p, grad, state))
         for (_, _, _, step), items in buckets.items():
-            hyper = AdamHyper(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                              weight_decay=group["weight_decay"], step=step,
-                              adamw=group["decoupled_weight_decay"], amsgrad=amsgrad,
-                              maximize=group["maximize"])
+            hyper = AdamHyper(
+                lr=float(group["lr"]),
+                beta1=beta1,
+                beta2=beta2,
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                step=step,
+                adamw=group["decoupled_weight_decay"],
+                amsgrad=amsgrad,
+                maximize=group["maximize"],
+            )
             self._run(items, hyper, amsgrad)
 
     def _run(self, items: list, hyper: AdamHyper, amsgrad: bool) -> None:
@@ -164,12 +185,22 @@ class FusedAdam(torch.optim.Optimizer):
             if not same or any(v is None for v in views):
                 # e.g. a param whose grad came with other strides: step on copies, write back
                 views = [t.contiguous().view(-1) for t in tensors]
-                write_back += [(t, v) for t, v in zip(tensors, views)
-                               if t is not g and v.data_ptr() != t.data_ptr()]
+                write_back += [
+                    (t, v)
+                    for t, v in zip(tensors, views)
+                    if t is not g and v.data_ptr() != t.data_ptr()
+                ]
             for i, v in enumerate(views):
                 flat[i].append(v)
-        ops.adam_step_multi(flat[0], flat[1], flat[2], flat[3], hyper,
-                            max_exp_avg_sqs=flat[4] if amsgrad else None, backend=self.backend)
+        ops.adam_step_multi(
+            flat[0],
+            flat[1],
+            flat[2],
+            flat[3],
+            hyper,
+            max_exp_avg_sqs=flat[4] if amsgrad else None,
+            backend=self.backend,
+        )
         for t, v in write_back:
             t.copy_(v.view_as(t))
 
@@ -179,7 +210,15 @@ class FusedAdamW(FusedAdam):
 
     _decoupled_default = True
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
-                 amsgrad=False, **kwargs) -> None:
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=1e-2,
+        amsgrad=False,
+        **kwargs,
+    ) -> None:
         kwargs.setdefault("decoupled_weight_decay", True)
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)

@@ -74,7 +74,8 @@ void test_fp32_step(zk::CpuIsa isa, int64_t n) {
   std::mt19937 rng(static_cast<unsigned>(n));
   std::normal_distribution<float> normal;
   for (int variant = 0; variant < 16; ++variant) {
-    const zk::AdamArgs a = make_args(variant & 1, variant & 2, variant & 4, (variant & 8) ? 0.1f : 0);
+    const zk::AdamArgs a =
+        make_args(variant & 1, variant & 2, variant & 4, (variant & 8) ? 0.1f : 0);
     std::vector<float> p(n), g(n), m(n), v(n), vm(n);
     std::vector<uint16_t> out(n);
     for (int64_t i = 0; i < n; ++i) {
@@ -85,8 +86,9 @@ void test_fp32_step(zk::CpuIsa isa, int64_t n) {
       vm[i] = v[i] * 1.5f;
     }
     std::vector<float> p0 = p, m0 = m, v0 = v, vm0 = vm;
-    zk::AdamBuffers b{p.data(), g.data(), m.data(), v.data(), a.amsgrad ? vm.data() : nullptr,
-                      out.data(), n, zk::DType::kF32, zk::DType::kF32, zk::DType::kBF16};
+    zk::AdamBuffers b{
+        p.data(),   g.data(), m.data(),        v.data(),        a.amsgrad ? vm.data() : nullptr,
+        out.data(), n,        zk::DType::kF32, zk::DType::kF32, zk::DType::kBF16};
     // split into two uneven ranges, as threads would
     const int64_t mid = n / 3;
     zk::adam_step_cpu(a, b, 0, mid, isa);
@@ -112,17 +114,23 @@ void test_scan(zk::CpuIsa isa) {
       for (float bad : {INFINITY, -INFINITY, NAN}) {
         std::vector<float> h(n, 1.0f);
         h[where] = bad;
-        expect(!zk::all_finite_cpu(h.data(), zk::DType::kF32, 1.0f, 0, n, isa), "non-finite", where, 0, 1);
+        expect(!zk::all_finite_cpu(h.data(), zk::DType::kF32, 1.0f, 0, n, isa), "non-finite", where,
+               0, 1);
       }
     }
     g[n - 1] = 3e38f;  // finite, but not after scaling by 10
-    expect(!zk::all_finite_cpu(g.data(), zk::DType::kF32, 10.0f, 0, n, isa), "scaled overflow", n, 0, 1);
+    expect(!zk::all_finite_cpu(g.data(), zk::DType::kF32, 10.0f, 0, n, isa), "scaled overflow", n,
+           0, 1);
   }
 }
 
 void test_conversions() {
   // exact cases: ties to even, overflow, subnormals, NaN
-  struct Case { float x; uint16_t bf16; uint16_t f16; };
+  struct Case {
+    float x;
+    uint16_t bf16;
+    uint16_t f16;
+  };
   const Case cases[] = {
       {1.0f, 0x3f80, 0x3c00},          {-2.0f, 0xc000, 0xc000},
       {65504.0f, 0x4780, 0x7bff},      {65520.0f, 0x4780, 0x7c00},
@@ -159,11 +167,15 @@ void test_flat_copy() {
   zk::copy_segments_cpu(segs, starts, 3, 40000);
   zk::copy_segments_cpu(segs, starts, 40000, starts.back());
   expect(flat[0] == 0 && flat[6] == 0, "untouched gap", 0, flat[0] + flat[6], 0);
-  for (int i = 0; i < 5; ++i) expect(zk::bf16_to_float(flat[1 + i]) == 1.5f, "seg a", i, zk::bf16_to_float(flat[1 + i]), 1.5);
+  for (int i = 0; i < 5; ++i)
+    expect(zk::bf16_to_float(flat[1 + i]) == 1.5f, "seg a", i, zk::bf16_to_float(flat[1 + i]), 1.5);
   for (int i = 0; i < 70001; ++i) {
-    if (zk::bf16_to_float(flat[7 + i]) != -2.0f) expect(false, "seg b", i, zk::bf16_to_float(flat[7 + i]), -2);
+    if (zk::bf16_to_float(flat[7 + i]) != -2.0f)
+      expect(false, "seg b", i, zk::bf16_to_float(flat[7 + i]), -2);
   }
-  for (int i = 0; i < 3; ++i) expect(zk::bf16_to_float(flat[70008 + i]) == 0.25f, "seg c", i, zk::bf16_to_float(flat[70008 + i]), 0.25);
+  for (int i = 0; i < 3; ++i)
+    expect(zk::bf16_to_float(flat[70008 + i]) == 0.25f, "seg c", i,
+           zk::bf16_to_float(flat[70008 + i]), 0.25);
 }
 
 }  // namespace

@@ -48,8 +48,10 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         if dev == "cpu":
             if _native.load() is not None:
                 return "cpu"
-            _say_once(f"zero_kernels: native extension not loaded ({_native.error()}); "
-                      "using the pure-torch reference kernels")
+            _say_once(
+                f"zero_kernels: native extension not loaded ({_native.error()}); "
+                "using the pure-torch reference kernels"
+            )
             return "reference"
         if dev == "cuda":
             if _native.has_cuda_kernels():
@@ -64,7 +66,9 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         if dev != "cpu":
             raise ValueError(f"backend='cpu' needs CPU tensors, got device={dev!r}")
         if _native.load() is None:
-            raise RuntimeError(f"backend='cpu': native extension failed to load: {_native.error()!r}")
+            raise RuntimeError(
+                f"backend='cpu': native extension failed to load: {_native.error()!r}"
+            )
     elif backend == "cuda":
         if dev != "cuda":
             raise ValueError(f"backend='cuda' needs CUDA tensors, got device={dev!r}")
@@ -86,8 +90,9 @@ def _check(name: str, t: torch.Tensor, ref: torch.Tensor, dtypes: Sequence[torch
     if t.device != ref.device:
         raise ValueError(f"adam_step: {name} is on {t.device}, param is on {ref.device}")
     if t.numel() != ref.numel():
-        raise ValueError(f"adam_step: {name}.numel()={t.numel()} differs from "
-                         f"param.numel()={ref.numel()}")
+        raise ValueError(
+            f"adam_step: {name}.numel()={t.numel()} differs from param.numel()={ref.numel()}"
+        )
     if not t.is_contiguous():
         raise ValueError(f"adam_step: {name} must be contiguous, got {name}.stride()={t.stride()}")
 
@@ -129,30 +134,69 @@ def adam_step(
     if found_inf is not None:
         _check("found_inf", found_inf.view(-1), found_inf.view(-1), (torch.float32,))
         if found_inf.numel() != 1 or found_inf.device != param.device:
-            raise ValueError(f"adam_step: found_inf must be one fp32 element on {param.device}, "
-                             f"got shape={tuple(found_inf.shape)} device={found_inf.device}")
+            raise ValueError(
+                f"adam_step: found_inf must be one fp32 element on {param.device}, "
+                f"got shape={tuple(found_inf.shape)} device={found_inf.device}"
+            )
     name = resolve_backend(backend, param.device)
     if param.numel() == 0:
         return found_inf
     if name == "reference":
-        reference.adam_step(param, grad, exp_avg, exp_avg_sq, hyper, max_exp_avg_sq=max_exp_avg_sq,
-                            out_lowp=out_lowp, found_inf=found_inf, check_finite=check_finite)
+        reference.adam_step(
+            param,
+            grad,
+            exp_avg,
+            exp_avg_sq,
+            hyper,
+            max_exp_avg_sq=max_exp_avg_sq,
+            out_lowp=out_lowp,
+            found_inf=found_inf,
+            check_finite=check_finite,
+        )
     elif name == "triton":
         from . import triton_adam
 
-        triton_adam.adam_step(param, grad, exp_avg, exp_avg_sq, hyper,
-                              max_exp_avg_sq=max_exp_avg_sq, out_lowp=out_lowp,
-                              found_inf=found_inf, check_finite=check_finite)
+        triton_adam.adam_step(
+            param,
+            grad,
+            exp_avg,
+            exp_avg_sq,
+            hyper,
+            max_exp_avg_sq=max_exp_avg_sq,
+            out_lowp=out_lowp,
+            found_inf=found_inf,
+            check_finite=check_finite,
+        )
     else:
-        _native.load().adam_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, out_lowp,
-                                 found_inf, check_finite, *_scalars(hyper))
+        _native.load().adam_step(
+            param,
+            grad,
+            exp_avg,
+            exp_avg_sq,
+            max_exp_avg_sq,
+            out_lowp,
+            found_inf,
+            check_finite,
+            *_scalars(hyper),
+        )
     return found_inf
 
 
 def _scalars(h: AdamHyper) -> tuple:
     """The positional scalars the native binding takes, in its order."""
-    return (h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.step_size, h.bias_correction2_sqrt,
-            h.grad_scale, h.adamw, h.amsgrad, h.maximize)
+    return (
+        h.lr,
+        h.beta1,
+        h.beta2,
+        h.eps,
+        h.weight_decay,
+        h.step_size,
+        h.bias_correction2_sqrt,
+        h.grad_scale,
+        h.adamw,
+        h.amsgrad,
+        h.maximize,
+    )
 
 
 def adam_step_multi(
@@ -188,16 +232,32 @@ def adam_step_multi(
     vmaxes = list(max_exp_avg_sqs) if hyper.amsgrad else [None] * n
     if name == "cuda" and n > 1:
         mod = _native.load()
-        mod.adam_step_multi(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs),
-                            vmaxes if hyper.amsgrad else [], found_inf, check_finite,
-                            *_scalars(hyper))
+        mod.adam_step_multi(
+            list(params),
+            list(grads),
+            list(exp_avgs),
+            list(exp_avg_sqs),
+            vmaxes if hyper.amsgrad else [],
+            found_inf,
+            check_finite,
+            *_scalars(hyper),
+        )
         return found_inf
     if check_finite:
         for g in grads:
             _scan_finite(name, g, hyper.grad_scale, found_inf)
     for p, g, m, v, vm in zip(params, grads, exp_avgs, exp_avg_sqs, vmaxes):
-        adam_step(p, g, m, v, hyper, max_exp_avg_sq=vm, found_inf=found_inf,
-                  check_finite=False, backend=name)
+        adam_step(
+            p,
+            g,
+            m,
+            v,
+            hyper,
+            max_exp_avg_sq=vm,
+            found_inf=found_inf,
+            check_finite=False,
+            backend=name,
+        )
     return found_inf
 
 

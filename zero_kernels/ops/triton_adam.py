@@ -27,10 +27,30 @@ def _finite_scan_kernel(g_ptr, found_ptr, n, scale, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, out_ptr, found_ptr, n,
-                 lr, beta1, beta2, eps, weight_decay, step_size, inv_bc2_sqrt, grad_scale,
-                 ADAMW: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
-                 HAS_OUT: tl.constexpr, HAS_FLAG: tl.constexpr, BLOCK: tl.constexpr):
+def _adam_kernel(
+    p_ptr,
+    g_ptr,
+    m_ptr,
+    v_ptr,
+    vmax_ptr,
+    out_ptr,
+    found_ptr,
+    n,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    step_size,
+    inv_bc2_sqrt,
+    grad_scale,
+    ADAMW: tl.constexpr,
+    AMSGRAD: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    HAS_OUT: tl.constexpr,
+    HAS_FLAG: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     if HAS_FLAG:
@@ -63,22 +83,44 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, out_ptr, found_ptr, n,
         tl.store(out_ptr + offs, p.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
-              exp_avg_sq: torch.Tensor, hyper: AdamHyper, *,
-              max_exp_avg_sq: torch.Tensor | None = None, out_lowp: torch.Tensor | None = None,
-              found_inf: torch.Tensor | None = None, check_finite: bool = False) -> None:
+def adam_step(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    hyper: AdamHyper,
+    *,
+    max_exp_avg_sq: torch.Tensor | None = None,
+    out_lowp: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+    check_finite: bool = False,
+) -> None:
     """In-place step; arguments already checked by `zero_kernels.ops.adam_step`."""
     n = param.numel()
     grid = (triton.cdiv(n, BLOCK),)
     if check_finite:
         _finite_scan_kernel[grid](grad, found_inf, n, hyper.grad_scale, BLOCK=BLOCK)
     _adam_kernel[grid](
-        param, grad, exp_avg, exp_avg_sq,
+        param,
+        grad,
+        exp_avg,
+        exp_avg_sq,
         max_exp_avg_sq if max_exp_avg_sq is not None else param,
         out_lowp if out_lowp is not None else param,
         found_inf if found_inf is not None else param,
-        n, hyper.lr, hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay, hyper.step_size,
-        1.0 / hyper.bias_correction2_sqrt, hyper.grad_scale,
-        ADAMW=hyper.adamw, AMSGRAD=hyper.amsgrad, MAXIMIZE=hyper.maximize,
-        HAS_OUT=out_lowp is not None, HAS_FLAG=found_inf is not None, BLOCK=BLOCK,
+        n,
+        hyper.lr,
+        hyper.beta1,
+        hyper.beta2,
+        hyper.eps,
+        hyper.weight_decay,
+        hyper.step_size,
+        1.0 / hyper.bias_correction2_sqrt,
+        hyper.grad_scale,
+        ADAMW=hyper.adamw,
+        AMSGRAD=hyper.amsgrad,
+        MAXIMIZE=hyper.maximize,
+        HAS_OUT=out_lowp is not None,
+        HAS_FLAG=found_inf is not None,
+        BLOCK=BLOCK,
     )
