@@ -13,8 +13,8 @@
 #include "zk_types.h"
 
 #ifdef ZK_WITH_CUDA
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 
 #include "adam_cuda.h"
 #endif
@@ -147,7 +147,7 @@ void run_step(const std::vector<zk::AdamBuffers>& bufs, const at::Tensor& p0,
 #ifdef ZK_WITH_CUDA
   TORCH_CHECK(p0.is_cuda(), "param must be a CPU or CUDA tensor, got ", p0.device());
   c10::cuda::CUDAGuard guard(p0.device());
-  void* stream = at::cuda::getCurrentCUDAStream().stream();
+  void* stream = c10::cuda::getCurrentCUDAStream().stream();
   float* flag = found_inf.has_value() ? found_inf->data_ptr<float>() : nullptr;
   if (bufs.size() == 1) {
     cuda_ok(zk::adam_step_cuda(a, bufs[0], flag, check_finite, stream), "adam_step_cuda");
@@ -244,7 +244,7 @@ void flat_copy(const std::vector<at::Tensor>& tensors, const at::Tensor& flat,
   }
 #ifdef ZK_WITH_CUDA
   c10::cuda::CUDAGuard guard(flat.device());
-  void* stream = at::cuda::getCurrentCUDAStream().stream();
+  void* stream = c10::cuda::getCurrentCUDAStream().stream();
   for (const auto& s : segs) {
     cuda_ok(zk::convert_copy_cuda(s.dst, s.dst_dtype, s.src, s.src_dtype, s.n, stream),
             "convert_copy_cuda");
