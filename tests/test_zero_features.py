@@ -2,7 +2,6 @@
 ZeroOptimizer (gloo, spawned ranks; several checks per spawned group)."""
 
 import pytest
-
 import zero_checks
 from dist_utils import run_workers
 

@@ -1,9 +1,8 @@
 """ZeroOptimizer stages 1 and 2 against DDP + the same torch optimizer (gloo, spawned ranks)."""
 
 import pytest
-
-from dist_utils import run_workers
 import zero_checks
+from dist_utils import run_workers
 
 pytestmark = pytest.mark.distributed
 

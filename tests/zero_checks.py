@@ -517,7 +517,7 @@ def check_memory(rank: int, world: int) -> dict:
         m = copy.deepcopy(model)
         bucket_mb = 0.005
         zo = ZeroOptimizer(m, O.Adam, stage=stage, bucket_size_mb=bucket_mb, lr=1e-3)
-        for step in range(2):
+        for _ in range(2):
             x = torch.randn(4, 64)
             zo.zero_grad()
             m(x).pow(2).mean().backward()

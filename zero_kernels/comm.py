@@ -98,7 +98,7 @@ _avg_ok: dict = {}
 
 
 def avg_supported(group=None) -> bool:
-    """Whether reduce-scatter with ``ReduceOp.AVG`` works on ``group`` (probed once, collectively)."""
+    """Whether reduce-scatter with ``ReduceOp.AVG`` works on ``group`` (probed once, collective)."""
     key = id(group)
     if key not in _avg_ok:
         n = world_size(group)
