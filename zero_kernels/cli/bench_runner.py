@@ -2,8 +2,8 @@
 
 Each `bench/bench_*.py` is a script run in its own process with ``--out DIR`` (and ``--quick``
 when asked, if its ``--help`` lists it). The end-to-end comparison of the stages against DDP is
-also run from here with the demo's machinery (``e2e_stages``), unless bench/ has its own
-`bench_stages.py`. Optional peers that are not installed are skipped with a line saying how to
+also run from here with the demo's machinery (``e2e_stages``: step time and measured memory
+per rank against the formula). Optional peers that are not installed are skipped with a line saying how to
 install them.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 import time
@@ -63,9 +64,18 @@ def _run_script(script: Path, out: Path, quick: bool, timeout_s: float) -> dict:
     help_text = _flags(script)
     cmd = [sys.executable, str(script)]
     if "--out" in help_text:
-        cmd += ["--out", str(dest)]
+        # a script whose --out default is a .json file gets a file in its folder, else the folder
+        src = script.read_text(errors="replace")
+        to_file = re.search(r"""add_argument\(\s*["']--out["'].{0,300}?\.json["']""", src, re.S)
+        cmd += ["--out", str(dest / f"{name.removeprefix('bench_')}.json") if to_file
+                else str(dest)]
     if quick and "--quick" in help_text:
         cmd.append("--quick")
+    elif quick:  # no --quick: shrink what its flags allow
+        shrink = [("--repeats", "2"), ("--warmup", "1"), ("--steps", "5")]
+        extra = [x for flag, v in shrink if re.search(rf"{flag}\b", help_text) for x in (flag, v)]
+        cmd += extra
+        print(f"[bench] {name} has no --quick; running it with {' '.join(extra) or 'defaults'}")
     print(f"[bench] {name}: {' '.join(cmd[1:])}", flush=True)
     t0 = time.perf_counter()
     try:
@@ -182,7 +192,7 @@ def run_bench(*, quick: bool = False, out: str = "bench_results", only: list[str
     for script in scripts:
         if wanted(script.stem):
             results.append(_run_script(script, out_p, quick, timeout_s))
-    if wanted("e2e_stages") and not any(s.stem == "bench_stages" for s in scripts):
+    if wanted("e2e_stages"):
         results.append(e2e_stages(out_p, quick))
     if not results:
         print(f"[bench] nothing matched --only {only}")

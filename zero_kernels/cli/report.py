@@ -107,9 +107,9 @@ def _print_summary(report: dict, out: Path, png: Path | None) -> None:
           f"({report['machine']['backend']}), GPT '{cfg['model_size']}' "
           f"{report['n_params'] / 1e6:.2f}M params, {cfg['precision']}, {cfg['optimizer']}, "
           f"{cfg['steps']} steps")
-    if report["loss_max_abs_diff_vs_ddp"] is not None:
-        print(f"  loss: {r['loss'][0]:.4f} -> {r['loss'][-1]:.4f}; "
-              f"largest difference to DDP {report['loss_max_abs_diff_vs_ddp']:.2e}")
+    diff = report["loss_max_abs_diff_vs_ddp"]
+    print(f"  loss: {r['loss'][0]:.4f} -> {r['loss'][-1]:.4f}"
+          + (f"; largest difference to DDP {diff:.2e}" if diff is not None else ""))
     print(f"  {'per rank':<14}{'measured':>14}{'formula':>14}{'error':>9}")
     for k in ("params", "grads", "optim", "total"):
         meas = (sum(m[k] for m in r["memory_per_rank"]) / len(r["memory_per_rank"])
