@@ -1,6 +1,7 @@
 """The estimator: the ZeRO paper's figures, parsing, config.json / meta-device models."""
 
 import json
+
 import pytest
 
 from zero_kernels import estimate as est

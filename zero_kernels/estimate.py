@@ -134,7 +134,7 @@ def format_bytes(n: float) -> str:
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """What the formulas need from a model: its trainable parameter shapes, and its largest layer."""
+    """What the formulas need from a model: its trainable parameter shapes and largest layer."""
 
     name: str
     shapes: tuple[tuple[int, ...], ...]  # unique trainable parameters (tied ones once)
@@ -188,7 +188,8 @@ def _from_factory(spec: str) -> ModelInfo:
     with torch.device("meta"):
         model = factory()
     if not isinstance(model, torch.nn.Module):
-        raise ValueError(f"--model: {spec!r} returned {type(model).__name__}, not a torch.nn.Module")
+        raise ValueError(f"--model: {spec!r} returned {type(model).__name__}, "
+                         "not a torch.nn.Module")
     shapes, largest = _shapes_of_module(model)
     return ModelInfo(spec, shapes, largest)
 

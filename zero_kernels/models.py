@@ -126,7 +126,7 @@ def load_corpus() -> torch.Tensor:
 def get_batch(
     data: torch.Tensor, batch_size: int, block_size: int, *, seed: int, step: int, rank: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Batch for (step, rank): a pure function of its arguments, so every stage sees the same data."""
+    """Batch for (step, rank): a pure function of its arguments, so all stages see the same data."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank)
     ix = torch.randint(len(data) - block_size - 1, (batch_size,), generator=g)
     x = torch.stack([data[i : i + block_size] for i in ix.tolist()]).long()

@@ -3,8 +3,8 @@
 Each `bench/bench_*.py` is a script run in its own process with ``--out DIR`` (and ``--quick``
 when asked, if its ``--help`` lists it). The end-to-end comparison of the stages against DDP is
 also run from here with the demo's machinery (``e2e_stages``: step time and measured memory
-per rank against the formula). Optional peers that are not installed are skipped with a line saying how to
-install them.
+per rank against the formula). Optional peers that are not installed are skipped with a line
+saying how to install them.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def e2e_stages(out: Path, quick: bool) -> dict:
         if code != 0:
             continue
         rep = json.loads((dest / f"stage{s}" / "report.json").read_text())
-        for key, r in sorted(rep["runs"].items()):
+        for _, r in sorted(rep["runs"].items()):
             if any(row["stage"] == r["stage"] for row in rows):
                 continue
             mem = sum(r["memory_total_per_rank"]) / len(r["memory_total_per_rank"])

@@ -1,4 +1,4 @@
-"""`zero-kernels demo`: train a small GPT with ZeRO on local ranks and report what it saved and cost.
+"""`zero-kernels demo`: train a small GPT with ZeRO on local ranks; report what it saved and cost.
 
 Every rank trains the DDP baseline (stage 0) and then the asked-for stage on the same seed and the
 same batches, so the report can show the largest loss difference between the two, the bytes each

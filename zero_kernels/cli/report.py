@@ -153,7 +153,7 @@ def _plot(report: dict, path: Path) -> Path | None:
     ax1.set_xlabel("ZeRO stage")
     ax1.set_ylabel("model-state MB per rank")
     ax1.set_title(f"memory per rank, N={report['world_size']}")
-    ax1.legend(fontsize=7)
+    ax1.legend(fontsize=7, loc="lower left")
     for s, r in sorted(report["runs"].items()):
         ax2.plot(r["loss"], label="DDP" if s == "0" else f"ZeRO stage {s}",
                  linestyle="-" if s == "0" else "--")
