@@ -21,13 +21,13 @@ ZK_HD void adam_math(const AdamArgs& a, V& p, V g, V& m, V& v, V* vmax) {
   if (a.maximize) g = V(0.0f) - g;
   if (a.weight_decay != 0.0f) {
     if (a.adamw) {
-      p = p * V(1.0f - a.lr * a.weight_decay);
+      p = p * V(a.decay);
     } else {
       g = fma(p, V(a.weight_decay), g);
     }
   }
-  m = fma(m, V(a.beta1), g * V(1.0f - a.beta1));
-  v = fma(v, V(a.beta2), (g * g) * V(1.0f - a.beta2));
+  m = fma(m, V(a.beta1), g * V(a.one_minus_beta1));
+  v = fma(v, V(a.beta2), (g * g) * V(a.one_minus_beta2));
   V src = v;
   if (a.amsgrad) {
     *vmax = vmax_of(*vmax, v);

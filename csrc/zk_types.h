@@ -21,10 +21,13 @@ struct AdamArgs {
   float beta2;
   float eps;
   float weight_decay;
-  float step_size;     // lr / (1 - beta1^step)
-  float inv_bc2_sqrt;  // 1 / sqrt(1 - beta2^step)
-  float grad_scale;    // grads are multiplied by this first
-  bool adamw;          // decoupled weight decay (AdamW) instead of L2 (Adam)
+  float step_size;        // lr / (1 - beta1^step)
+  float inv_bc2_sqrt;     // 1 / sqrt(1 - beta2^step)
+  float grad_scale;       // grads are multiplied by this first
+  float one_minus_beta1;  // 1 - beta1, formed in double then rounded once (as torch does)
+  float one_minus_beta2;  // 1 - beta2, likewise: 1.0f - 0.999f is 1.3e-5 off relative
+  float decay;            // 1 - lr * weight_decay (AdamW), likewise
+  bool adamw;             // decoupled weight decay (AdamW) instead of L2 (Adam)
   bool amsgrad;
   bool maximize;
 };

@@ -37,13 +37,13 @@ void model_step(const zk::AdamArgs& a, double& p, double g, double& m, double& v
   if (a.maximize) g = -g;
   if (a.weight_decay != 0) {
     if (a.adamw) {
-      p *= 1.0 - double(a.lr) * a.weight_decay;
+      p *= a.decay;
     } else {
       g += double(a.weight_decay) * p;
     }
   }
-  m = a.beta1 * m + (1.0 - a.beta1) * g;
-  v = a.beta2 * v + (1.0 - a.beta2) * g * g;
+  m = a.beta1 * m + double(a.one_minus_beta1) * g;
+  v = a.beta2 * v + double(a.one_minus_beta2) * g * g;
   double src = v;
   if (a.amsgrad) {
     vm = std::max(vm, v);
@@ -64,6 +64,9 @@ zk::AdamArgs make_args(bool adamw, bool amsgrad, bool maximize, float wd) {
   a.step_size = float(lr / (1 - std::pow(b1, step)));
   a.inv_bc2_sqrt = float(1 / std::sqrt(1 - std::pow(b2, step)));
   a.grad_scale = 0.5f;
+  a.one_minus_beta1 = float(1 - b1);
+  a.one_minus_beta2 = float(1 - b2);
+  a.decay = float(1 - lr * wd);
   a.adamw = adamw;
   a.amsgrad = amsgrad;
   a.maximize = maximize;

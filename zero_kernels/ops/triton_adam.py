@@ -36,9 +36,11 @@ def _adam_kernel(
     out_ptr,
     found_ptr,
     n,
-    lr,
     beta1,
     beta2,
+    one_minus_beta1,
+    one_minus_beta2,
+    decay,
     eps,
     weight_decay,
     step_size,
@@ -63,11 +65,11 @@ def _adam_kernel(
     if MAXIMIZE:
         g = -g
     if ADAMW:
-        p = p * (1.0 - lr * weight_decay)
+        p = p * decay
     else:
         g = p * weight_decay + g
-    m = m * beta1 + g * (1.0 - beta1)
-    v = v * beta2 + (g * g) * (1.0 - beta2)
+    m = m * beta1 + g * one_minus_beta1
+    v = v * beta2 + (g * g) * one_minus_beta2
     src = v
     if AMSGRAD:
         vm = tl.load(vmax_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -109,9 +111,11 @@ def adam_step(
         out_lowp if out_lowp is not None else param,
         found_inf if found_inf is not None else param,
         n,
-        hyper.lr,
         hyper.beta1,
         hyper.beta2,
+        1.0 - hyper.beta1,  # formed in double, rounded once (kernel args are fp32)
+        1.0 - hyper.beta2,
+        1.0 - hyper.lr * hyper.weight_decay,
         hyper.eps,
         hyper.weight_decay,
         hyper.step_size,
