@@ -26,6 +26,8 @@ void adam_f32_scalar(const AdamArgs&, const AdamBuffers&, int64_t, int64_t);
 void adam_f32_avx2(const AdamArgs&, const AdamBuffers&, int64_t, int64_t);
 void adam_f32_avx512(const AdamArgs&, const AdamBuffers&, int64_t, int64_t);
 void adam_mixed_scalar(const AdamArgs&, const AdamBuffers&, int64_t, int64_t);
+void adam_mixed_avx2(const AdamArgs&, const AdamBuffers&, int64_t, int64_t);
+void adam_mixed_avx512(const AdamArgs&, const AdamBuffers&, int64_t, int64_t);
 bool finite_f32_scalar(const float*, float, int64_t, int64_t);
 bool finite_f32_avx2(const float*, float, int64_t, int64_t);
 bool finite_f32_avx512(const float*, float, int64_t, int64_t);

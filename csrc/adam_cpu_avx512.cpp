@@ -64,6 +64,9 @@ struct Avx512Traits {
 void adam_f32_avx512(const AdamArgs& a, const AdamBuffers& b, int64_t begin, int64_t end) {
   adam_f32_range<Avx512Traits>(a, b, begin, end);
 }
+void adam_mixed_avx512(const AdamArgs& a, const AdamBuffers& b, int64_t begin, int64_t end) {
+  adam_mixed_range(a, b, begin, end);
+}
 bool finite_f32_avx512(const float* g, float scale, int64_t begin, int64_t end) {
   return finite_f32_range<Avx512Traits>(g, scale, begin, end);
 }

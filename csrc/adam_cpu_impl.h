@@ -3,6 +3,8 @@
 // load(const float*), store(float*, V), store_bf16(uint16_t*, V), store_f16(uint16_t*, V),
 // finite_acc(V acc, V x) and all_zero(V acc) for the non-finite scan.
 #pragma once
+#include <stdexcept>
+
 #include "adam_math.h"
 
 namespace zk {
@@ -67,6 +69,60 @@ bool finite_f32_range(const float* g, float scale, int64_t begin, int64_t end) {
   bool ok = VT::all_zero(acc);
   for (; i < end; ++i) ok = ok && is_finite_f(g[i] * scale);
   return ok;
+}
+
+template <DType S, DType G, DType O>
+void mixed_range_impl(const AdamArgs& a, const AdamBuffers& b, int64_t begin, int64_t end) {
+  using ST = typename Storage<S>::T;
+  using GT = typename Storage<G>::T;
+  ST* p = static_cast<ST*>(b.p);
+  const GT* g = static_cast<const GT*>(b.g);
+  ST* m = static_cast<ST*>(b.m);
+  ST* v = static_cast<ST*>(b.v);
+  ST* vmax = static_cast<ST*>(b.vmax);
+  for (int64_t i = begin; i < end; ++i) {
+    Scalar pp(Storage<S>::load(p, i)), mm(Storage<S>::load(m, i)), vv(Storage<S>::load(v, i));
+    Scalar vm(a.amsgrad ? Storage<S>::load(vmax, i) : 0.0f);
+    adam_math(a, pp, Scalar(Storage<G>::load(g, i)), mm, vv, &vm);
+    Storage<S>::store(p, i, pp.x);
+    Storage<S>::store(m, i, mm.x);
+    Storage<S>::store(v, i, vv.x);
+    if (a.amsgrad) Storage<S>::store(vmax, i, vm.x);
+    if constexpr (O != DType::kNone) {
+      Storage<O>::store(static_cast<typename Storage<O>::T*>(b.out), i, pp.x);
+    }
+  }
+}
+
+template <DType S, DType G>
+void mixed_out_impl(const AdamArgs& a, const AdamBuffers& b, int64_t begin, int64_t end) {
+  switch (b.out_dtype) {
+    case DType::kNone: return mixed_range_impl<S, G, DType::kNone>(a, b, begin, end);
+    case DType::kBF16: return mixed_range_impl<S, G, DType::kBF16>(a, b, begin, end);
+    case DType::kF16: return mixed_range_impl<S, G, DType::kF16>(a, b, begin, end);
+    default: throw std::invalid_argument("adam_step_cpu: out dtype must be none, bf16 or fp16");
+  }
+}
+
+template <DType S>
+void mixed_grad_impl(const AdamArgs& a, const AdamBuffers& b, int64_t begin, int64_t end) {
+  switch (b.grad) {
+    case DType::kF32: return mixed_out_impl<S, DType::kF32>(a, b, begin, end);
+    case DType::kBF16: return mixed_out_impl<S, DType::kBF16>(a, b, begin, end);
+    case DType::kF16: return mixed_out_impl<S, DType::kF16>(a, b, begin, end);
+    default: throw std::invalid_argument("adam_step_cpu: grad dtype must be fp32, bf16 or fp16");
+  }
+}
+
+// Any dtype combination, element by element (the compiler vectorises it for the ISA it is
+// compiled for).
+inline void adam_mixed_range(const AdamArgs& a, const AdamBuffers& b, int64_t begin, int64_t end) {
+  switch (b.state) {
+    case DType::kF32: return mixed_grad_impl<DType::kF32>(a, b, begin, end);
+    case DType::kBF16: return mixed_grad_impl<DType::kBF16>(a, b, begin, end);
+    case DType::kF16: return mixed_grad_impl<DType::kF16>(a, b, begin, end);
+    default: throw std::invalid_argument("adam_step_cpu: state dtype must be fp32, bf16 or fp16");
+  }
 }
 
 }  // namespace ZK_ISA_NS

@@ -10,49 +10,6 @@ namespace zk {
 
 namespace {
 
-template <DType S, DType G, DType O>
-void mixed_range(const AdamArgs& a, const AdamBuffers& b, int64_t begin, int64_t end) {
-  using ST = typename Storage<S>::T;
-  using GT = typename Storage<G>::T;
-  ST* p = static_cast<ST*>(b.p);
-  const GT* g = static_cast<const GT*>(b.g);
-  ST* m = static_cast<ST*>(b.m);
-  ST* v = static_cast<ST*>(b.v);
-  ST* vmax = static_cast<ST*>(b.vmax);
-  for (int64_t i = begin; i < end; ++i) {
-    Scalar pp(Storage<S>::load(p, i)), mm(Storage<S>::load(m, i)), vv(Storage<S>::load(v, i));
-    Scalar vm(a.amsgrad ? Storage<S>::load(vmax, i) : 0.0f);
-    adam_math(a, pp, Scalar(Storage<G>::load(g, i)), mm, vv, &vm);
-    Storage<S>::store(p, i, pp.x);
-    Storage<S>::store(m, i, mm.x);
-    Storage<S>::store(v, i, vv.x);
-    if (a.amsgrad) Storage<S>::store(vmax, i, vm.x);
-    if constexpr (O != DType::kNone) {
-      Storage<O>::store(static_cast<typename Storage<O>::T*>(b.out), i, pp.x);
-    }
-  }
-}
-
-template <DType S, DType G>
-void mixed_out(const AdamArgs& a, const AdamBuffers& b, int64_t begin, int64_t end) {
-  switch (b.out_dtype) {
-    case DType::kNone: return mixed_range<S, G, DType::kNone>(a, b, begin, end);
-    case DType::kBF16: return mixed_range<S, G, DType::kBF16>(a, b, begin, end);
-    case DType::kF16: return mixed_range<S, G, DType::kF16>(a, b, begin, end);
-    default: throw std::invalid_argument("adam_step_cpu: out dtype must be none, bf16 or fp16");
-  }
-}
-
-template <DType S>
-void mixed_grad(const AdamArgs& a, const AdamBuffers& b, int64_t begin, int64_t end) {
-  switch (b.grad) {
-    case DType::kF32: return mixed_out<S, DType::kF32>(a, b, begin, end);
-    case DType::kBF16: return mixed_out<S, DType::kBF16>(a, b, begin, end);
-    case DType::kF16: return mixed_out<S, DType::kF16>(a, b, begin, end);
-    default: throw std::invalid_argument("adam_step_cpu: grad dtype must be fp32, bf16 or fp16");
-  }
-}
-
 template <DType G>
 bool finite_typed(const void* grad, float scale, int64_t begin, int64_t end) {
   using GT = typename Storage<G>::T;
@@ -65,12 +22,7 @@ bool finite_typed(const void* grad, float scale, int64_t begin, int64_t end) {
 }  // namespace
 
 void adam_mixed_scalar(const AdamArgs& a, const AdamBuffers& b, int64_t begin, int64_t end) {
-  switch (b.state) {
-    case DType::kF32: return mixed_grad<DType::kF32>(a, b, begin, end);
-    case DType::kBF16: return mixed_grad<DType::kBF16>(a, b, begin, end);
-    case DType::kF16: return mixed_grad<DType::kF16>(a, b, begin, end);
-    default: throw std::invalid_argument("adam_step_cpu: state dtype must be fp32, bf16 or fp16");
-  }
+  adam_mixed_range(a, b, begin, end);
 }
 
 void adam_f32_scalar(const AdamArgs& a, const AdamBuffers& b, int64_t begin, int64_t end) {
@@ -106,7 +58,13 @@ void adam_step_cpu(const AdamArgs& a, const AdamBuffers& b, int64_t begin, int64
   if (begin < 0 || end > b.n || begin > end) {
     throw std::out_of_range("adam_step_cpu: range outside the buffer");
   }
-  if (b.state != DType::kF32 || b.grad != DType::kF32) return adam_mixed_scalar(a, b, begin, end);
+  if (b.state != DType::kF32 || b.grad != DType::kF32) {
+#if defined(__x86_64__)
+    if (isa == CpuIsa::kAVX512) return adam_mixed_avx512(a, b, begin, end);
+    if (isa == CpuIsa::kAVX2) return adam_mixed_avx2(a, b, begin, end);
+#endif
+    return adam_mixed_scalar(a, b, begin, end);
+  }
 #if defined(__x86_64__)
   if (isa == CpuIsa::kAVX512) return adam_f32_avx512(a, b, begin, end);
   if (isa == CpuIsa::kAVX2) return adam_f32_avx2(a, b, begin, end);

@@ -51,7 +51,11 @@ ZK_HD Scalar operator/(Scalar a, Scalar b) { return Scalar(a.x / b.x); }
 ZK_HD Scalar fma(Scalar a, Scalar b, Scalar c) { return Scalar(__fmaf_rn(a.x, b.x, c.x)); }
 ZK_HD Scalar vsqrt(Scalar a) { return Scalar(__fsqrt_rn(a.x)); }
 #else
+#if defined(__FMA__)
 ZK_HD Scalar fma(Scalar a, Scalar b, Scalar c) { return Scalar(__builtin_fmaf(a.x, b.x, c.x)); }
+#else  // no FMA unit for this file's target: a software fmaf would be 20x slower
+ZK_HD Scalar fma(Scalar a, Scalar b, Scalar c) { return Scalar(a.x * b.x + c.x); }
+#endif
 ZK_HD Scalar vsqrt(Scalar a) { return Scalar(__builtin_sqrtf(a.x)); }
 #endif
 // max that keeps NaN from either side, like torch.maximum
