@@ -22,14 +22,11 @@ bool all_finite_cpu(const void* grad, DType dtype, float scale, int64_t begin, i
                     CpuIsa isa);
 
 // Per-ISA entry points (defined in adam_cpu_{scalar,avx2,avx512}.cpp).
-void adam_f32_scalar(const AdamArgs&, const AdamBuffers&, int64_t, int64_t);
-void adam_f32_avx2(const AdamArgs&, const AdamBuffers&, int64_t, int64_t);
-void adam_f32_avx512(const AdamArgs&, const AdamBuffers&, int64_t, int64_t);
-void adam_mixed_scalar(const AdamArgs&, const AdamBuffers&, int64_t, int64_t);
-void adam_mixed_avx2(const AdamArgs&, const AdamBuffers&, int64_t, int64_t);
-void adam_mixed_avx512(const AdamArgs&, const AdamBuffers&, int64_t, int64_t);
-bool finite_f32_scalar(const float*, float, int64_t, int64_t);
-bool finite_f32_avx2(const float*, float, int64_t, int64_t);
-bool finite_f32_avx512(const float*, float, int64_t, int64_t);
+void adam_range_scalar(const AdamArgs&, const AdamBuffers&, int64_t, int64_t);
+void adam_range_avx2(const AdamArgs&, const AdamBuffers&, int64_t, int64_t);
+void adam_range_avx512(const AdamArgs&, const AdamBuffers&, int64_t, int64_t);
+bool finite_range_scalar(const void*, DType, float, int64_t, int64_t);
+bool finite_range_avx2(const void*, DType, float, int64_t, int64_t);
+bool finite_range_avx512(const void*, DType, float, int64_t, int64_t);
 
 }  // namespace zk

@@ -37,6 +37,13 @@ struct Avx2Traits {
   using V = V8;
   static constexpr int W = 8;
   static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V load_bf16(const uint16_t* p) {
+    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  static V load_f16(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
   static void store(float* p, V v) { _mm256_storeu_ps(p, v.x); }
   static void store_bf16(uint16_t* p, V v) {
     __m256i u = _mm256_castps_si256(v.x);
@@ -62,14 +69,11 @@ struct Avx2Traits {
 
 }  // namespace avx2
 
-void adam_f32_avx2(const AdamArgs& a, const AdamBuffers& b, int64_t begin, int64_t end) {
-  adam_f32_range<Avx2Traits>(a, b, begin, end);
+void adam_range_avx2(const AdamArgs& a, const AdamBuffers& b, int64_t begin, int64_t end) {
+  adam_range<Avx2Traits>(a, b, begin, end);
 }
-void adam_mixed_avx2(const AdamArgs& a, const AdamBuffers& b, int64_t begin, int64_t end) {
-  adam_mixed_range(a, b, begin, end);
-}
-bool finite_f32_avx2(const float* g, float scale, int64_t begin, int64_t end) {
-  return finite_f32_range<Avx2Traits>(g, scale, begin, end);
+bool finite_range_avx2(const void* g, DType d, float scale, int64_t begin, int64_t end) {
+  return finite_range<Avx2Traits>(g, d, scale, begin, end);
 }
 
 }  // namespace zk

@@ -39,6 +39,13 @@ struct Avx512Traits {
   using V = V16;
   static constexpr int W = 16;
   static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V load_bf16(const uint16_t* p) {
+    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  static V load_f16(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
   static void store(float* p, V v) { _mm512_storeu_ps(p, v.x); }
   static void store_bf16(uint16_t* p, V v) {
     __m512i u = _mm512_castps_si512(v.x);
@@ -61,14 +68,11 @@ struct Avx512Traits {
 
 }  // namespace avx512
 
-void adam_f32_avx512(const AdamArgs& a, const AdamBuffers& b, int64_t begin, int64_t end) {
-  adam_f32_range<Avx512Traits>(a, b, begin, end);
+void adam_range_avx512(const AdamArgs& a, const AdamBuffers& b, int64_t begin, int64_t end) {
+  adam_range<Avx512Traits>(a, b, begin, end);
 }
-void adam_mixed_avx512(const AdamArgs& a, const AdamBuffers& b, int64_t begin, int64_t end) {
-  adam_mixed_range(a, b, begin, end);
-}
-bool finite_f32_avx512(const float* g, float scale, int64_t begin, int64_t end) {
-  return finite_f32_range<Avx512Traits>(g, scale, begin, end);
+bool finite_range_avx512(const void* g, DType d, float scale, int64_t begin, int64_t end) {
+  return finite_range<Avx512Traits>(g, d, scale, begin, end);
 }
 
 }  // namespace zk

@@ -1,7 +1,10 @@
-// The range loop of the fp32 CPU step, written once over a vector-traits type VT and included by
-// each ISA's file after it has defined VT. VT provides: V (the adam_math vector type), W (lanes),
-// load(const float*), store(float*, V), store_bf16(uint16_t*, V), store_f16(uint16_t*, V),
-// finite_acc(V acc, V x) and all_zero(V acc) for the non-finite scan.
+// The CPU range loops, written once over a vector-traits type VT and included by each ISA's file
+// after it has defined VT (adam_cpu_{scalar,avx2,avx512}.cpp). VT provides:
+//   V (the adam_math vector type), W (lanes),
+//   load(const float*), load_bf16(const uint16_t*), load_f16(const uint16_t*),
+//   store(float*, V), store_bf16(uint16_t*, V), store_f16(uint16_t*, V),
+//   finite_acc(V acc, V x) and all_zero(V acc) for the non-finite scan.
+// Every dtype combination runs W lanes at a time; the tail runs the same math one lane at a time.
 #pragma once
 #include <stdexcept>
 
@@ -10,118 +13,115 @@
 namespace zk {
 inline namespace ZK_ISA_NS {
 
-inline void adam_f32_tail(const AdamArgs& a, const AdamBuffers& b, int64_t i, int64_t end) {
-  float* p = static_cast<float*>(b.p);
-  const float* g = static_cast<const float*>(b.g);
-  float* m = static_cast<float*>(b.m);
-  float* v = static_cast<float*>(b.v);
-  float* vmax = static_cast<float*>(b.vmax);
-  for (; i < end; ++i) {
-    Scalar pp(p[i]), mm(m[i]), vv(v[i]), vm(a.amsgrad ? vmax[i] : 0.0f);
-    adam_math(a, pp, Scalar(g[i]), mm, vv, &vm);
-    p[i] = pp.x;
-    m[i] = mm.x;
-    v[i] = vv.x;
-    if (a.amsgrad) vmax[i] = vm.x;
-    if (b.out_dtype == DType::kBF16) {
-      static_cast<uint16_t*>(b.out)[i] = float_to_bf16(pp.x);
-    } else if (b.out_dtype == DType::kF16) {
-      static_cast<uint16_t*>(b.out)[i] = float_to_f16(pp.x);
-    }
+// One-lane traits: the tail of every range, and the whole range on CPUs without AVX2.
+struct ScalarTraits {
+  using V = Scalar;
+  static constexpr int W = 1;
+  static V load(const float* p) { return Scalar(*p); }
+  static V load_bf16(const uint16_t* p) { return Scalar(bf16_to_float(*p)); }
+  static V load_f16(const uint16_t* p) { return Scalar(f16_to_float(*p)); }
+  static void store(float* p, V v) { *p = v.x; }
+  static void store_bf16(uint16_t* p, V v) { *p = float_to_bf16(v.x); }
+  static void store_f16(uint16_t* p, V v) { *p = float_to_f16(v.x); }
+  static V finite_acc(V acc, V x) { return acc + (x - x); }
+  static bool all_zero(V acc) { return acc.x == 0.0f; }
+};
+
+template <class VT, DType D>
+inline typename VT::V vload(const void* base, int64_t i) {
+  if constexpr (D == DType::kF32) {
+    return VT::load(static_cast<const float*>(base) + i);
+  } else if constexpr (D == DType::kBF16) {
+    return VT::load_bf16(static_cast<const uint16_t*>(base) + i);
+  } else {
+    return VT::load_f16(static_cast<const uint16_t*>(base) + i);
   }
 }
 
-template <class VT>
-void adam_f32_range(const AdamArgs& a, const AdamBuffers& b, int64_t begin, int64_t end) {
+template <class VT, DType D>
+inline void vstore(void* base, int64_t i, typename VT::V v) {
+  if constexpr (D == DType::kF32) {
+    VT::store(static_cast<float*>(base) + i, v);
+  } else if constexpr (D == DType::kBF16) {
+    VT::store_bf16(static_cast<uint16_t*>(base) + i, v);
+  } else {
+    VT::store_f16(static_cast<uint16_t*>(base) + i, v);
+  }
+}
+
+// Elements [i, end) with VT's lanes; returns where the full-width part stopped.
+template <class VT, DType S, DType G, DType O>
+int64_t adam_lanes(const AdamArgs& a, const AdamBuffers& b, int64_t i, int64_t end) {
   using V = typename VT::V;
-  constexpr int W = VT::W;
-  float* p = static_cast<float*>(b.p);
-  const float* g = static_cast<const float*>(b.g);
-  float* m = static_cast<float*>(b.m);
-  float* v = static_cast<float*>(b.v);
-  float* vmax = static_cast<float*>(b.vmax);
-  uint16_t* out = static_cast<uint16_t*>(b.out);
-  int64_t i = begin;
-  for (; i + W <= end; i += W) {
-    V pp = VT::load(p + i), mm = VT::load(m + i), vv = VT::load(v + i);
-    V vm = a.amsgrad ? VT::load(vmax + i) : V(0.0f);
-    adam_math(a, pp, VT::load(g + i), mm, vv, &vm);
-    VT::store(p + i, pp);
-    VT::store(m + i, mm);
-    VT::store(v + i, vv);
-    if (a.amsgrad) VT::store(vmax + i, vm);
-    if (b.out_dtype == DType::kBF16) {
-      VT::store_bf16(out + i, pp);
-    } else if (b.out_dtype == DType::kF16) {
-      VT::store_f16(out + i, pp);
-    }
+  for (; i + VT::W <= end; i += VT::W) {
+    V p = vload<VT, S>(b.p, i), m = vload<VT, S>(b.m, i), v = vload<VT, S>(b.v, i);
+    V vm = a.amsgrad ? vload<VT, S>(b.vmax, i) : V(0.0f);
+    adam_math(a, p, vload<VT, G>(b.g, i), m, v, &vm);
+    vstore<VT, S>(b.p, i, p);
+    vstore<VT, S>(b.m, i, m);
+    vstore<VT, S>(b.v, i, v);
+    if (a.amsgrad) vstore<VT, S>(b.vmax, i, vm);
+    if constexpr (O != DType::kNone) vstore<VT, O>(b.out, i, p);
   }
-  adam_f32_tail(a, b, i, end);
+  return i;
 }
 
-template <class VT>
-bool finite_f32_range(const float* g, float scale, int64_t begin, int64_t end) {
-  using V = typename VT::V;
-  constexpr int W = VT::W;
-  V acc(0.0f);
-  int64_t i = begin;
-  for (; i + W <= end; i += W) acc = VT::finite_acc(acc, VT::load(g + i) * V(scale));
-  bool ok = VT::all_zero(acc);
-  for (; i < end; ++i) ok = ok && is_finite_f(g[i] * scale);
-  return ok;
+template <class VT, DType S, DType G, DType O>
+void adam_typed(const AdamArgs& a, const AdamBuffers& b, int64_t begin, int64_t end) {
+  const int64_t i = adam_lanes<VT, S, G, O>(a, b, begin, end);
+  adam_lanes<ScalarTraits, S, G, O>(a, b, i, end);
 }
 
-template <DType S, DType G, DType O>
-void mixed_range_impl(const AdamArgs& a, const AdamBuffers& b, int64_t begin, int64_t end) {
-  using ST = typename Storage<S>::T;
-  using GT = typename Storage<G>::T;
-  ST* p = static_cast<ST*>(b.p);
-  const GT* g = static_cast<const GT*>(b.g);
-  ST* m = static_cast<ST*>(b.m);
-  ST* v = static_cast<ST*>(b.v);
-  ST* vmax = static_cast<ST*>(b.vmax);
-  for (int64_t i = begin; i < end; ++i) {
-    Scalar pp(Storage<S>::load(p, i)), mm(Storage<S>::load(m, i)), vv(Storage<S>::load(v, i));
-    Scalar vm(a.amsgrad ? Storage<S>::load(vmax, i) : 0.0f);
-    adam_math(a, pp, Scalar(Storage<G>::load(g, i)), mm, vv, &vm);
-    Storage<S>::store(p, i, pp.x);
-    Storage<S>::store(m, i, mm.x);
-    Storage<S>::store(v, i, vv.x);
-    if (a.amsgrad) Storage<S>::store(vmax, i, vm.x);
-    if constexpr (O != DType::kNone) {
-      Storage<O>::store(static_cast<typename Storage<O>::T*>(b.out), i, pp.x);
-    }
-  }
-}
-
-template <DType S, DType G>
-void mixed_out_impl(const AdamArgs& a, const AdamBuffers& b, int64_t begin, int64_t end) {
+template <class VT, DType S, DType G>
+void adam_by_out(const AdamArgs& a, const AdamBuffers& b, int64_t begin, int64_t end) {
   switch (b.out_dtype) {
-    case DType::kNone: return mixed_range_impl<S, G, DType::kNone>(a, b, begin, end);
-    case DType::kBF16: return mixed_range_impl<S, G, DType::kBF16>(a, b, begin, end);
-    case DType::kF16: return mixed_range_impl<S, G, DType::kF16>(a, b, begin, end);
+    case DType::kNone: return adam_typed<VT, S, G, DType::kNone>(a, b, begin, end);
+    case DType::kBF16: return adam_typed<VT, S, G, DType::kBF16>(a, b, begin, end);
+    case DType::kF16: return adam_typed<VT, S, G, DType::kF16>(a, b, begin, end);
     default: throw std::invalid_argument("adam_step_cpu: out dtype must be none, bf16 or fp16");
   }
 }
 
-template <DType S>
-void mixed_grad_impl(const AdamArgs& a, const AdamBuffers& b, int64_t begin, int64_t end) {
+template <class VT, DType S>
+void adam_by_grad(const AdamArgs& a, const AdamBuffers& b, int64_t begin, int64_t end) {
   switch (b.grad) {
-    case DType::kF32: return mixed_out_impl<S, DType::kF32>(a, b, begin, end);
-    case DType::kBF16: return mixed_out_impl<S, DType::kBF16>(a, b, begin, end);
-    case DType::kF16: return mixed_out_impl<S, DType::kF16>(a, b, begin, end);
+    case DType::kF32: return adam_by_out<VT, S, DType::kF32>(a, b, begin, end);
+    case DType::kBF16: return adam_by_out<VT, S, DType::kBF16>(a, b, begin, end);
+    case DType::kF16: return adam_by_out<VT, S, DType::kF16>(a, b, begin, end);
     default: throw std::invalid_argument("adam_step_cpu: grad dtype must be fp32, bf16 or fp16");
   }
 }
 
-// Any dtype combination, element by element (the compiler vectorises it for the ISA it is
-// compiled for).
-inline void adam_mixed_range(const AdamArgs& a, const AdamBuffers& b, int64_t begin, int64_t end) {
+// The step over [begin, end) for any dtype combination.
+template <class VT>
+void adam_range(const AdamArgs& a, const AdamBuffers& b, int64_t begin, int64_t end) {
   switch (b.state) {
-    case DType::kF32: return mixed_grad_impl<DType::kF32>(a, b, begin, end);
-    case DType::kBF16: return mixed_grad_impl<DType::kBF16>(a, b, begin, end);
-    case DType::kF16: return mixed_grad_impl<DType::kF16>(a, b, begin, end);
+    case DType::kF32: return adam_by_grad<VT, DType::kF32>(a, b, begin, end);
+    case DType::kBF16: return adam_by_grad<VT, DType::kBF16>(a, b, begin, end);
+    case DType::kF16: return adam_by_grad<VT, DType::kF16>(a, b, begin, end);
     default: throw std::invalid_argument("adam_step_cpu: state dtype must be fp32, bf16 or fp16");
+  }
+}
+
+template <class VT, DType G>
+bool finite_typed(const void* g, float scale, int64_t begin, int64_t end) {
+  using V = typename VT::V;
+  V acc(0.0f);
+  int64_t i = begin;
+  for (; i + VT::W <= end; i += VT::W) acc = VT::finite_acc(acc, vload<VT, G>(g, i) * V(scale));
+  bool ok = VT::all_zero(acc);
+  for (; i < end; ++i) ok = ok && is_finite_f(vload<ScalarTraits, G>(g, i).x * scale);
+  return ok;
+}
+
+// True when every g[i] * scale, i in [begin, end), is finite.
+template <class VT>
+bool finite_range(const void* g, DType dtype, float scale, int64_t begin, int64_t end) {
+  switch (dtype) {
+    case DType::kF32: return finite_typed<VT, DType::kF32>(g, scale, begin, end);
+    case DType::kBF16: return finite_typed<VT, DType::kBF16>(g, scale, begin, end);
+    case DType::kF16: return finite_typed<VT, DType::kF16>(g, scale, begin, end);
+    default: throw std::invalid_argument("all_finite_cpu: dtype must be fp32, bf16 or fp16");
   }
 }
 

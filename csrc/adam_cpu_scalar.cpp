@@ -1,5 +1,4 @@
-// Scalar CPU path: any dtype combination (fp32 / bf16 / fp16 state, grad and copy-out), the
-// fallback for CPUs without AVX2, and the ISA dispatch.
+// Scalar CPU path (CPUs without AVX2) and the ISA dispatch of the CPU step.
 #include <cstdlib>
 #include <stdexcept>
 
@@ -8,29 +7,12 @@
 
 namespace zk {
 
-namespace {
-
-template <DType G>
-bool finite_typed(const void* grad, float scale, int64_t begin, int64_t end) {
-  using GT = typename Storage<G>::T;
-  const GT* g = static_cast<const GT*>(grad);
-  bool ok = true;
-  for (int64_t i = begin; i < end; ++i) ok &= is_finite_f(Storage<G>::load(g, i) * scale);
-  return ok;
+void adam_range_scalar(const AdamArgs& a, const AdamBuffers& b, int64_t begin, int64_t end) {
+  adam_range<ScalarTraits>(a, b, begin, end);
 }
 
-}  // namespace
-
-void adam_mixed_scalar(const AdamArgs& a, const AdamBuffers& b, int64_t begin, int64_t end) {
-  adam_mixed_range(a, b, begin, end);
-}
-
-void adam_f32_scalar(const AdamArgs& a, const AdamBuffers& b, int64_t begin, int64_t end) {
-  adam_f32_tail(a, b, begin, end);
-}
-
-bool finite_f32_scalar(const float* g, float scale, int64_t begin, int64_t end) {
-  return finite_typed<DType::kF32>(g, scale, begin, end);
+bool finite_range_scalar(const void* g, DType d, float scale, int64_t begin, int64_t end) {
+  return finite_range<ScalarTraits>(g, d, scale, begin, end);
 }
 
 CpuIsa cpu_isa_best() {
@@ -58,35 +40,20 @@ void adam_step_cpu(const AdamArgs& a, const AdamBuffers& b, int64_t begin, int64
   if (begin < 0 || end > b.n || begin > end) {
     throw std::out_of_range("adam_step_cpu: range outside the buffer");
   }
-  if (b.state != DType::kF32 || b.grad != DType::kF32) {
 #if defined(__x86_64__)
-    if (isa == CpuIsa::kAVX512) return adam_mixed_avx512(a, b, begin, end);
-    if (isa == CpuIsa::kAVX2) return adam_mixed_avx2(a, b, begin, end);
+  if (isa == CpuIsa::kAVX512) return adam_range_avx512(a, b, begin, end);
+  if (isa == CpuIsa::kAVX2) return adam_range_avx2(a, b, begin, end);
 #endif
-    return adam_mixed_scalar(a, b, begin, end);
-  }
-#if defined(__x86_64__)
-  if (isa == CpuIsa::kAVX512) return adam_f32_avx512(a, b, begin, end);
-  if (isa == CpuIsa::kAVX2) return adam_f32_avx2(a, b, begin, end);
-#endif
-  adam_f32_scalar(a, b, begin, end);
+  adam_range_scalar(a, b, begin, end);
 }
 
 bool all_finite_cpu(const void* grad, DType dtype, float scale, int64_t begin, int64_t end,
                     CpuIsa isa) {
-  switch (dtype) {
-    case DType::kF32:
 #if defined(__x86_64__)
-      if (isa == CpuIsa::kAVX512)
-        return finite_f32_avx512(static_cast<const float*>(grad), scale, begin, end);
-      if (isa == CpuIsa::kAVX2)
-        return finite_f32_avx2(static_cast<const float*>(grad), scale, begin, end);
+  if (isa == CpuIsa::kAVX512) return finite_range_avx512(grad, dtype, scale, begin, end);
+  if (isa == CpuIsa::kAVX2) return finite_range_avx2(grad, dtype, scale, begin, end);
 #endif
-      return finite_f32_scalar(static_cast<const float*>(grad), scale, begin, end);
-    case DType::kBF16: return finite_typed<DType::kBF16>(grad, scale, begin, end);
-    case DType::kF16: return finite_typed<DType::kF16>(grad, scale, begin, end);
-    default: throw std::invalid_argument("all_finite_cpu: dtype must be fp32, bf16 or fp16");
-  }
+  return finite_range_scalar(grad, dtype, scale, begin, end);
 }
 
 }  // namespace zk

@@ -119,6 +119,7 @@ def test_cpu_fp32_all_variants(isa, n):
 
 
 @needs_native
+@pytest.mark.parametrize("isa", cpu_isas(), indirect=True)
 @pytest.mark.parametrize(
     "dtype,grad_dtype",
     [
@@ -129,7 +130,7 @@ def test_cpu_fp32_all_variants(isa, n):
     ],
 )
 @pytest.mark.parametrize("n", [1, 7, 1023, 70001])
-def test_cpu_low_precision_state(dtype, grad_dtype, n):
+def test_cpu_low_precision_state(isa, dtype, grad_dtype, n):
     for adamw, amsgrad in ((True, False), (False, True)):
         h = hyper_for(adamw, amsgrad, False, 0.05)
         state = make_state(n, dtype, grad_dtype, seed=3, amsgrad=amsgrad)
