@@ -141,22 +141,12 @@ def adam_step(
     name = resolve_backend(backend, param.device)
     if param.numel() == 0:
         return found_inf
-    if name == "reference":
-        reference.adam_step(
-            param,
-            grad,
-            exp_avg,
-            exp_avg_sq,
-            hyper,
-            max_exp_avg_sq=max_exp_avg_sq,
-            out_lowp=out_lowp,
-            found_inf=found_inf,
-            check_finite=check_finite,
-        )
-    elif name == "triton":
-        from . import triton_adam
-
-        triton_adam.adam_step(
+    if name in ("reference", "triton"):
+        if name == "triton":
+            from . import triton_adam as impl
+        else:
+            impl = reference
+        impl.adam_step(
             param,
             grad,
             exp_avg,
