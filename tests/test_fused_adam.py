@@ -67,15 +67,19 @@ def test_parity_fp32_every_variant(backend, ours, theirs):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_parity_bf16_matches_torch_fused(backend):
+@pytest.mark.parametrize("ours,theirs", PAIRS)
+def test_parity_bf16_matches_torch_fused(backend, ours, theirs):
     # torch's fused=True also runs bf16 params with fp32 math and bf16 state
-    pa, pb = twin_params([(7,), (1023,), (64, 65)], dtype=torch.bfloat16)
-    oa = FusedAdamW(pa, lr=1e-2, weight_decay=0.1, backend=backend)
-    ob = torch.optim.AdamW(pb, lr=1e-2, weight_decay=0.1, fused=True)
-    drive(oa, ob, pa, pb, steps=20)
-    for x, y in zip(pa, pb):
-        assert x.dtype == torch.bfloat16 and oa.state[x]["exp_avg"].dtype == torch.bfloat16
-        assert_close(x, y, "bf16 param", TOL_MULTISTEP[torch.bfloat16])
+    for amsgrad, maximize in ((False, False), (True, True)):
+        big = [(2**20 + 3,)] if not amsgrad and backend == "cpu" else []
+        pa, pb = twin_params([(1,), (7,), (1023,), (64, 65)] + big, dtype=torch.bfloat16)
+        kw = dict(lr=1e-2, weight_decay=0.1, amsgrad=amsgrad, maximize=maximize)
+        oa = ours(pa, backend=backend, **kw)
+        ob = theirs(pb, fused=True, **kw)
+        drive(oa, ob, pa, pb, steps=20)
+        for x, y in zip(pa, pb):
+            assert x.dtype == torch.bfloat16 and oa.state[x]["exp_avg"].dtype == torch.bfloat16
+            assert_close(x, y, f"bf16 param ams={amsgrad}", TOL_MULTISTEP[torch.bfloat16])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
