@@ -208,6 +208,13 @@ def timing_worker(name, rank, world, port, args, cmd_q, res_q):
     try:
         waits = _Waits()  # before any import binds torch.distributed functions
         _init(rank, world, port)
+        if name.startswith("deepspeed"):  # the library's own import is not training memory
+            import deepspeed  # noqa: F401
+            from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: F401
+        elif name.startswith("ours"):
+            import zero_kernels  # noqa: F401
+        else:
+            from torch.distributed.optim import ZeroRedundancyOptimizer  # noqa: F401
         rss_import = _status_bytes("VmRSS")
         torch.manual_seed(0)
         model = GPT(args.vocab, args.d, args.layers)
@@ -253,7 +260,7 @@ def timing_worker(name, rank, world, port, args, cmd_q, res_q):
                                              "exposed_comm_s": exposed,
                                              "loss": float(loss.detach())}))
         ru = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        final = {"peak_rss": max(ru, _status_bytes("VmHWM"))}
+        final = {"peak_rss": max(ru, _status_bytes("VmHWM")), "end_rss": _status_bytes("VmRSS")}
         if name.startswith("ours"):
             final["comm_stats"] = opt.comm_stats
             try:
@@ -331,6 +338,14 @@ def summarize_timing(raw: dict, cands: list[str]) -> list[dict]:
     def med(name, key, agg=max):
         return statistics.median(agg(s[key] for s in st.values()) for st in steps[name])
 
+    def paired(name, other):
+        """Median over rounds of this candidate's step time / ``other``'s in the same round."""
+        if other not in steps:
+            return ""
+        return round(statistics.median(
+            max(s["step_s"] for s in a.values()) / max(s["step_s"] for s in b.values())
+            for a, b in zip(steps[name], steps[other], strict=True)), 3)
+
     base = med("ddp", "step_s") if "ddp" in steps else None
     for name in cands:
         step = med(name, "step_s")
@@ -340,6 +355,7 @@ def summarize_timing(raw: dict, cands: list[str]) -> list[dict]:
             "candidate": name,
             "median_step_s": round(step, 4),
             "vs_ddp": round(step / base, 3) if base else "",
+            "vs_ddp_paired": paired(name, "ddp"),
             "min_step_s": round(min(max(s["step_s"] for s in st.values())
                                     for st in steps[name]), 4),
             "fwd_s": round(med(name, "fwd_s"), 4),
@@ -350,6 +366,7 @@ def summarize_timing(raw: dict, cands: list[str]) -> list[dict]:
             "rss_after_import_MB": round(max(s["rss_after_import"] for s in su.values()) / MB, 1),
             "peak_minus_import_MB": round(max(fin[r]["peak_rss"] - su[r]["rss_after_import"]
                                               for r in fin) / MB, 1),
+            "end_rss_MB": round(max(f["end_rss"] for f in fin.values()) / MB, 1),
             "last_loss_rank0": round(steps[name][-1][0]["loss"], 5),
             "n": len(steps[name]),
         }
@@ -365,6 +382,7 @@ def summarize_timing(raw: dict, cands: list[str]) -> list[dict]:
                 if other:
                     row[f"speedup_vs_{ds}"] = round(other["median_step_s"] /
                                                     row["median_step_s"], 3)
+                    row[f"speedup_vs_{ds}_paired"] = paired(ds, row["candidate"])
     return rows
 
 
@@ -472,6 +490,7 @@ def run_memory(args, world_sizes: list[int]) -> list[dict]:
                 "total_MB": round(total / MB, 2),
                 "total_formula_MB": round(est.total_bytes / MB, 2),
                 "total_vs_formula": round(total / est.total_bytes, 4),
+                "total_minus_formula_B": int(total - est.total_bytes),
                 "total_minus_master_vs_formula": round(
                     (total - mx("master_bytes")) / est.total_bytes, 4),
             })
@@ -495,7 +514,7 @@ def main():
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=10, help="measured rounds")
+    ap.add_argument("--repeats", type=int, default=16, help="measured rounds")
     ap.add_argument("--bucket-mb", type=float, default=25.0)
     ap.add_argument("--ds-adam", choices=("torch", "cpu", "both", "none"), default=None,
                     help="DeepSpeed's optimizer: torch AdamW, DeepSpeedCPUAdam, both or skip "
@@ -533,12 +552,21 @@ def main():
     info = machine()
     info["command"] = "python bench/bench_stages.py " + " ".join(sys.argv[1:])
     info["deepspeed"] = ds_version
+    try:  # other work may be in progress in this tree: say whether the library was committed
+        import subprocess
+
+        info["zero_kernels_uncommitted_changes"] = subprocess.run(
+            ["git", "status", "--porcelain", "--", "zero_kernels", "csrc"], capture_output=True,
+            text=True, timeout=10, cwd=os.path.join(HERE, "..")).stdout.split("\n")[:20]
+    except OSError:
+        pass
     info["date"] = time.strftime("%Y-%m-%d %H:%M %Z")
     info["load_avg_at_start"] = os.getloadavg()
     config = {k: getattr(args, k) for k in ("layers", "d", "vocab", "batch", "tokens", "lr",
                                             "warmup", "repeats", "bucket_mb", "ds_adam")}
     if not args.skip_timing:
         raw = run_timing(args, cands, log)
+        info["load_avg_after_timing"] = os.getloadavg()
         rows = summarize_timing(raw, cands)
         psi = raw["setup"]["ddp"][0]["psi"]
         ours = {n: raw["finals"][n][0] for n in cands if n.startswith("ours")}
@@ -546,9 +574,9 @@ def main():
             "machine": info, "config": config, "world_size": 2, "params": psi,
             "ours": ours, "per_step": raw["steps"], "setup": raw["setup"]}, rows)
         log(f"[stages] {psi / 1e6:.2f}M params, world size 2; wrote {j} {c}")
-        log(markdown_table(rows, ["candidate", "median_step_s", "vs_ddp", "fwd_s", "bwd_s",
-                                  "opt_s", "exposed_comm_s", "peak_rss_MB",
-                                  "peak_minus_import_MB", "last_loss_rank0"]))
+        log(markdown_table(rows, ["candidate", "median_step_s", "vs_ddp", "vs_ddp_paired",
+                                  "fwd_s", "bwd_s", "opt_s", "exposed_comm_s", "peak_rss_MB",
+                                  "peak_minus_import_MB", "end_rss_MB", "last_loss_rank0"]))
         for r in rows:
             extra = {k: v for k, v in r.items() if k.startswith(("speedup", "own_"))}
             if extra:
@@ -565,7 +593,8 @@ def main():
                                    "grads_MB", "grads_peak_MB", "grads_formula_MB",
                                    "comm_buffers_MB",
                                    "optim_state_MB", "master_MB", "optim_formula_MB",
-                                   "total_MB", "total_formula_MB", "total_vs_formula"]))
+                                   "total_MB", "total_formula_MB", "total_vs_formula",
+                                   "total_minus_formula_B"]))
     log(f"[stages] done in {time.perf_counter() - t_start:.0f}s")
 
 
