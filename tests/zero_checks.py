@@ -507,7 +507,9 @@ def check_precision(rank: int, world: int) -> dict:
 
 
 def check_memory(rank: int, world: int) -> dict:
-    """Per-rank bytes from the tensors against the DESIGN.md formula (fp32 params, Adam)."""
+    """Per-rank bytes from the tensors against the DESIGN.md formula (fp32 params, Adam): no
+    master copy of fp32 params, stage 1 = one full grad buffer and no separate shard, stage 2 =
+    the grad shard + at most ``max_inflight_buckets`` bucket buffers."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)])
     psi = sum(p.numel() for p in model.parameters())
@@ -522,23 +524,40 @@ def check_memory(rank: int, world: int) -> dict:
             m(x).pow(2).mean().backward()
             zo.step()
         r = zo.memory_report()
-        bucket = int(bucket_mb * 2**20) // 4
         pad = sum(len(b.buckets) for b in zo.layout.buffers) * world * 16 + 16 * len(
             list(model.parameters()))
         assert 4 * psi <= r["param_bytes"] <= 4 * (psi + pad)
-        assert 8 * psi / world <= r["optim_state_bytes"] <= 8 * (psi + pad) / world + 64
-        assert 4 * psi / world <= r["master_bytes"] <= 4 * (psi + pad) / world
+        assert 8 * psi / world <= r["optim_state_bytes"] <= 8 * (psi + pad) / world + 64 * 8
+        # fp32 params: the optimizer steps views of the param buffer, no master copy
+        assert r["master_bytes"] == 0, r
+        flat_ptrs = [(f.untyped_storage().data_ptr(), f.untyped_storage().nbytes())
+                     for f in zo._flats]
+        for g in zo._runner.inner.param_groups:
+            for p in g["params"]:
+                ptr = p.untyped_storage().data_ptr()
+                assert any(ptr == fp for fp, _ in flat_ptrs), "inner param is not a view"
+        grads = zo._grads
+        full_bucket = 4 * grads.bucket_numel
         if stage == 1:
-            want = 4 * psi + 4 * psi / world
-            assert want <= r["grad_bytes"] <= 4 * (psi + pad) * (1 + 1 / world), (r, want)
+            # the full buffer only; the reduced shard is a view of it
+            assert 4 * psi <= r["grad_bytes"] <= 4 * (psi + pad), (r, psi)
+            assert grads.shards is None
+            full_ptrs = {t.untyped_storage().data_ptr() for t in grads.full}
+            assert all(t.untyped_storage().data_ptr() in full_ptrs
+                       for t in grads.shard_tensors())
+            assert r["comm_buffer_bytes"] == 0, r
         else:
             shard = 4 * psi / world
-            assert shard <= r["grad_bytes"], r
-            # shard + the buckets in flight (at most ~2 buckets + one parameter of overshoot)
-            limit = 4 * (psi + pad) / world + 4 * 3 * (bucket + 64 * 64 + world * 16)
-            assert r["grad_peak_bytes"] <= limit, (r, limit)
+            assert shard <= r["grad_bytes"] <= 4 * (psi + pad) / world, r
+            # the bucket pool: at most max_inflight_buckets (2) buffers, kept between steps
+            assert r["comm_buffer_bytes"] <= 2 * full_bucket, (r, full_bucket)
+            assert r["comm_buffer_peak_bytes"] <= 2 * full_bucket, (r, full_bucket)
+            assert r["grad_peak_bytes"] <= r["grad_bytes"] + 2 * full_bucket, r
             if world > 1:
                 assert r["grad_peak_bytes"] < 4 * psi, r  # never a full-size grad buffer
+        assert r["model_state_bytes"] == (r["param_bytes"] + r["grad_bytes"] +
+                                          r["master_bytes"] + r["optim_state_bytes"])
+        assert r["total_bytes"] == r["model_state_bytes"] + r["comm_buffer_bytes"]
         rep[f"stage={stage}"] = {"psi": psi, **r}
     return rep
 

@@ -2,14 +2,21 @@
 
 See [Note: layout] in `zero_kernels.layout` for where everything lives.
 
-Gradient storage (reduce dtype, fp32 by default):
+[Note: gradient storage]
+Gradients are held in the reduce dtype (fp32 by default), and nothing is held twice:
 
 - stage 1: one full-size buffer per flat buffer, where local grads accumulate (also across
-  ``no_sync`` micro-batches); a bucket is a slice of it.
-- stage 2: bucket buffers exist only from a bucket's first grad until its reduce-scatter is
-  finished, drawn from a small pool; nothing full-size is kept.
-- both: the rank's reduced gradient shard (``numel / world_size`` per flat buffer), the ``.grad``
-  of the fp32 master shard the optimizer steps.
+  ``no_sync`` micro-batches); a bucket is a slice of it. Its reduce-scatter runs in place: the
+  output is the rank's own shard of the bucket inside the input, so after it the rank's reduced
+  gradient *is* that slice (the local values there are no longer needed) and no separate shard
+  exists. `GradStore.shard` returns those views.
+- stage 2: the rank's reduced shard of each flat buffer (``numel / world_size``), plus bucket
+  buffers that exist only from a bucket's first grad until its reduce-scatter is finished. They
+  come from a pool of at most ``max_inflight`` buffers of the largest bucket's size (the reducer
+  waits for the oldest reduce-scatter before a new bucket would exceed it); the pool is kept
+  between steps and counted as communication buffers, not as gradients.
+
+The optimizer steps the reduced shard of every bucket: views, never copies.
 """
 
 from __future__ import annotations
@@ -51,64 +58,90 @@ def shard_view(flat: torch.Tensor, layout: Layout, buf: FlatBuffer, rank: int,
 
 
 class GradStore:
-    """Where gradients live between the autograd hooks and the optimizer step."""
+    """Where gradients live between the autograd hooks and the optimizer step.
+
+    See [Note: gradient storage]. ``max_inflight`` bounds the stage-2 bucket buffers.
+    """
 
     def __init__(self, layout: Layout, stage: int, device: torch.device,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, *, rank: int = 0, max_inflight: int = 2):
         if stage not in (1, 2):
             raise ValueError(f"stage must be 1 or 2, got stage={stage!r}")
         self.layout, self.stage, self.device, self.dtype = layout, stage, device, dtype
+        self.rank, self.max_inflight = rank, max_inflight
         n = layout.world_size
-        # The reduced shard of every flat buffer: the master shard's .grad.
-        self.shards = [torch.zeros(b.shard_numel(n), dtype=dtype, device=device)
-                       for b in layout.buffers]
-        # Stage 1: full-size local accumulation buffers.
-        self.full = ([torch.zeros(b.numel, dtype=dtype, device=device) for b in layout.buffers]
-                     if stage == 1 else None)
-        self.live: dict[tuple[int, int], torch.Tensor] = {}  # stage 2: buckets in flight
-        self._pool: dict[int, list[torch.Tensor]] = {}
-        self.live_bytes = 0
-        self.peak_live_bytes = 0
+        if stage == 1:  # full-size local accumulation buffers; the shards are views into them
+            self.full = [torch.zeros(b.numel, dtype=dtype, device=device) for b in layout.buffers]
+            self.shards = None
+        else:  # the reduced shard of every flat buffer
+            self.full = None
+            self.shards = [torch.zeros(b.shard_numel(n), dtype=dtype, device=device)
+                           for b in layout.buffers]
+        self.bucket_numel = max(bk.numel(n) for b in layout.buffers for bk in b.buckets)
+        self.live: dict[tuple[int, int], torch.Tensor] = {}  # stage 2: buckets in use
+        self._free: list[torch.Tensor] = []  # stage 2: pool buffers not in use
+        self._pool_count = 0
+        self.peak_live = 0  # most stage-2 bucket buffers in use at once
+
+    def shard(self, i: int, b: int) -> torch.Tensor:
+        """This rank's reduced gradient of bucket ``b`` of buffer ``i`` (a view)."""
+        buf = self.layout.buffers[i]
+        bk = buf.buckets[b]
+        if self.full is not None:
+            lo = bk.shard_start(self.rank)
+            return self.full[i][lo:lo + bk.shard_numel]
+        off = bk.start // self.layout.world_size
+        return self.shards[i][off:off + bk.shard_numel]
+
+    def shard_tensors(self) -> list[torch.Tensor]:
+        """Every reduced gradient tensor of this rank (norms, overflow checks)."""
+        if self.shards is not None:
+            return list(self.shards)
+        return [self.shard(i, bk.index) for i, buf in enumerate(self.layout.buffers)
+                for bk in buf.buckets]
 
     def bucket(self, i: int, b: int, create: bool = True) -> torch.Tensor | None:
         """Local (unreduced) gradient storage of bucket ``b`` of buffer ``i``."""
-        buf = self.layout.buffers[i]
-        bk = buf.buckets[b]
+        bk = self.layout.buffers[i].buckets[b]
         n = bk.numel(self.layout.world_size)
         if self.full is not None:
             return self.full[i][bk.start:bk.start + n]
         t = self.live.get((i, b))
         if t is None and create:
-            free = self._pool.get(n)
-            t = free.pop() if free else torch.empty(n, dtype=self.dtype, device=self.device)
+            if self._free:
+                base = self._free.pop()
+            else:
+                base = torch.empty(self.bucket_numel, dtype=self.dtype, device=self.device)
+                self._pool_count += 1
+            t = base[:n]
             t.zero_()
             self.live[(i, b)] = t
-            self.live_bytes += n * t.element_size()
-            self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
+            self.peak_live = max(self.peak_live, len(self.live))
         return t
 
     def release(self, i: int, b: int) -> None:
-        """Stage 2: the bucket's reduce-scatter is done; return its storage to the pool."""
+        """Stage 2: the bucket's reduce-scatter is done; return its buffer to the pool."""
         t = self.live.pop((i, b), None)
         if t is not None:
-            self.live_bytes -= t.numel() * t.element_size()
-            self._pool.setdefault(t.numel(), []).append(t)
+            self._free.append(t._base if t._base is not None else t)
 
     def drop_pool(self) -> None:
-        self._pool.clear()
+        """Free the pool buffers not in use (they are allocated again when needed)."""
+        self._pool_count -= len(self._free)
+        self._free.clear()
 
     def zero(self) -> None:
-        if self.full is not None:
-            for t in self.full:
-                t.zero_()
-        for t in self.shards:
+        for t in (self.full or self.shards):
             t.zero_()
 
     def nbytes(self) -> int:
-        """Bytes of gradient storage held now (shards, full buffers, live buckets, pool)."""
-        tot = sum(t.numel() * t.element_size() for t in self.shards)
-        if self.full is not None:
-            tot += sum(t.numel() * t.element_size() for t in self.full)
-        tot += self.live_bytes
-        tot += sum(t.numel() * t.element_size() for ts in self._pool.values() for t in ts)
-        return tot
+        """Bytes of gradient storage held now: full buffers (stage 1) or shards (stage 2)."""
+        return sum(t.numel() * t.element_size() for t in (self.full or self.shards))
+
+    def comm_nbytes(self) -> int:
+        """Bytes of the stage-2 bucket pool held now (in use or free)."""
+        return self._pool_count * self.bucket_numel * torch.finfo(self.dtype).bits // 8
+
+    def comm_peak_nbytes(self) -> int:
+        """Bytes of the most stage-2 bucket buffers in use at once."""
+        return self.peak_live * self.bucket_numel * torch.finfo(self.dtype).bits // 8

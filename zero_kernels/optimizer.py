@@ -65,13 +65,26 @@ class ZeroOptimizer(torch.optim.Optimizer):
         fused_adam: use `zero_kernels.ops.adam_step` for torch Adam/AdamW (flat mode).
         kernel_backend: the ``backend`` of `zero_kernels.ops.adam_step` ("auto", "reference"...).
         loss_scale: None, a float (static) or "dynamic"; default "dynamic" with fp16 params.
+        max_inflight_buckets: stage 2: most bucket buffers held at once (being filled or
+            reduce-scattered); when a bucket needs one beyond it, the oldest reduce-scatter is
+            waited for and its buffer reused. Bounds stage 2's communication buffers to this
+            many buckets of ``bucket_size_mb``; 1 disables overlap. Default 2.
         **defaults: passed to ``optimizer_class``.
 
+    Memory: with fp32 params there is no master copy: the optimizer steps the rank's shard of
+    the param buffer in place. Stage 1 holds one full-size gradient buffer (the reduced shard
+    is a view of it), stage 2 the reduced shard plus at most ``max_inflight_buckets`` bucket
+    buffers (see [Note: gradient storage] in `zero_kernels.buffers`).
+
     Telemetry:
-        ``memory_report() -> dict(param_bytes=, grad_bytes=, grad_peak_bytes=, master_bytes=,
-        optim_state_bytes=, total_bytes=)``: this rank's bytes counted from its tensors
-        (``optim_state_bytes`` excludes the fp32 master shard, ``grad_peak_bytes`` is the most
-        gradient storage held at once, in-flight stage-2 buckets included).
+        ``memory_report() -> dict(param_bytes=, grad_bytes=, master_bytes=, optim_state_bytes=,
+        model_state_bytes=, comm_buffer_bytes=, comm_buffer_peak_bytes=, grad_peak_bytes=,
+        total_bytes=)``: this rank's bytes counted from its tensors. Model states (what the
+        ZeRO formula counts) are params + grads + master + optimizer state
+        (``optim_state_bytes`` excludes the fp32 master shard); ``comm_buffer_bytes`` are the
+        stage-2 bucket buffers held now (kept between steps), ``comm_buffer_peak_bytes`` the
+        most of them in use at once, ``grad_peak_bytes`` = grads + that peak;
+        ``total_bytes`` = model states + comm buffers.
         ``comm_stats -> dict(reduce_scatter_bytes=, all_gather_bytes=, reduce_scatter_calls=,
         all_gather_calls=, all_reduce_calls=, exposed_comm_s=, steps=)``: cumulative since
         construction or ``reset_comm_stats()``; bytes are full bucket sizes per collective,
@@ -82,11 +95,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  bucket_size_mb: float = 25.0, overlap_comm: bool = True,
                  partition: str = "auto", fused_adam: bool = True,
                  loss_scale: float | str | None = "auto", kernel_backend: str = "auto",
-                 **defaults):
+                 max_inflight_buckets: int = 2, **defaults):
         if stage not in (1, 2):
             raise ValueError(f"stage must be 1 or 2, got stage={stage!r}")
         if not bucket_size_mb > 0:
             raise ValueError(f"bucket_size_mb must be > 0, got bucket_size_mb={bucket_size_mb!r}")
+        if not (isinstance(max_inflight_buckets, int) and max_inflight_buckets >= 1):
+            raise ValueError("max_inflight_buckets must be an int >= 1, got "
+                             f"max_inflight_buckets={max_inflight_buckets!r}")
         self.mode, why = choose_mode(optimizer_class, partition)
         self.stage, self.group, self.overlap_comm = stage, process_group, overlap_comm
         self.optimizer_class = optimizer_class
@@ -123,7 +139,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             comm.broadcast(f, 0, group=process_group)
         self.comm_log = comm.CommLog()
         self._steps = 0
-        self._grads = GradStore(self.layout, stage, self.device)
+        self._grads = GradStore(self.layout, stage, self.device, rank=self.rank,
+                                max_inflight=max_inflight_buckets)
         self._reducer = Reducer(self.layout, self._params, self._grads, self.rank,
                                 process_group, self.comm_log)
         self._reducer.overlap = bool(overlap_comm)
@@ -192,7 +209,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._grad_factor = 1.0 / self.loss_scale
             if self.loss_scale != 1.0 or self._dynamic:
                 bad = torch.zeros(1, device=self.device)
-                for g in self._grads.shards:
+                for g in self._grads.shard_tensors():
                     if not bool(torch.isfinite(g).all()):
                         bad.fill_(1.0)
                         break
@@ -210,7 +227,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if norm_type < 0 or math.isnan(norm_type):
             raise ValueError(f"norm_type must be >= 0 or inf, got norm_type={norm_type!r}")
         self._finish_reduction()
-        shards = self._grads.shards
+        shards = self._grads.shard_tensors()
         if math.isinf(norm_type):
             local = max((float(g.abs().max()) for g in shards if g.numel()), default=0.0)
             t = torch.tensor([local], dtype=torch.float64, device=self.device)
@@ -262,7 +279,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ telemetry
     def memory_report(self) -> dict:
-        """This rank's bytes of params, grads, master and optimizer state, from the tensors."""
+        """This rank's bytes of params, grads, master, optimizer state and comm buffers."""
         seen, pb = set(), 0
         for f in self._flats:
             pb += f.numel() * f.element_size()
@@ -271,15 +288,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if id(p) not in seen:
                 seen.add(id(p))
                 pb += p.numel() * p.element_size()
-        grad = self._grads.nbytes()
+        g = self._grads
+        grad = g.nbytes()
         state = self._runner.state_bytes()
         master = self._runner.master_bytes()
-        g = self._grads
-        peak = sum(t.numel() * t.element_size() for t in g.shards) + g.peak_live_bytes
-        if g.full is not None:
-            peak += sum(t.numel() * t.element_size() for t in g.full)
-        return dict(param_bytes=pb, grad_bytes=grad, grad_peak_bytes=peak, master_bytes=master,
-                    optim_state_bytes=state, total_bytes=pb + grad + master + state)
+        model = pb + grad + master + state
+        comm_now = g.comm_nbytes()
+        return dict(param_bytes=pb, grad_bytes=grad, master_bytes=master,
+                    optim_state_bytes=state, model_state_bytes=model,
+                    comm_buffer_bytes=comm_now, comm_buffer_peak_bytes=g.comm_peak_nbytes(),
+                    grad_peak_bytes=grad + g.comm_peak_nbytes(), total_bytes=model + comm_now)
 
     @property
     def comm_stats(self) -> dict:

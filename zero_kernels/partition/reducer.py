@@ -19,6 +19,18 @@ Only the tail after the end of backward ("exposed") costs time; `CommLog.exposed
 measures it. Stage 1 under ``no_sync`` only accumulates into its full-size buffer and reduces at
 the next synchronising backward; stage 2 has no full-size buffer, so it reduces every micro-batch
 and accumulates the reduced shards (the same sum, see [Note: averaging] in `zero_kernels.comm`).
+
+Stage 1 reduce-scatters in place (see [Note: gradient storage] in `zero_kernels.buffers`): after
+it, the rank's slice of the bucket holds the average R and the other slices stale local values.
+Before more grads are added to such a bucket (accumulation across synchronising backwards, or a
+bucket re-reduced), it is *rebased*: its own slice is multiplied by N and the rest zeroed, so the
+next averaged reduce-scatter yields (N R + sum of new local grads) / N = R + their average.
+
+Stage 2 holds at most ``max_inflight`` bucket buffers (filling or being reduced): when a bucket
+needs one and the limit is reached, the oldest reduce-scatter is waited for and its buffer reused.
+
+    autograd   | fill b0 | fill b1 | wait RS b0, fill b2 | wait RS b1, fill b3 |
+    buffers      A         A B       B A (reused)          A B (reused)
 """
 
 from __future__ import annotations
@@ -39,7 +51,7 @@ class Reducer:
         self.stage = grads.stage
         self.sync = True  # False inside no_sync()
         self.overlap = True  # False: launch every bucket at the end of backward instead
-        self.max_inflight = 2  # stage 2: reduce-scatters in flight before the oldest is waited
+        self.max_inflight = grads.max_inflight  # stage 2: bucket buffers held at once
         # Global launch order over (buffer, bucket): by the largest param index inside, descending,
         # i.e. the order in which autograd usually finishes the buckets.
         order = []
@@ -51,6 +63,7 @@ class Reducer:
         self.need = {(i, b.index): len(b.slots) for i, buf in enumerate(layout.buffers)
                      for b in buf.buckets}
         self.fresh = {k: True for k in self.need}  # stage 2: next reduce overwrites the shard
+        self.reduced = {k: False for k in self.need}  # stage 1: reduced in place, not rebased
         self._reset_pass()
         self.handles: list[tuple[int, int, comm.Handle, torch.Tensor | None]] = []
         self.dirty = False  # grads accumulated locally and not yet reduced
@@ -91,7 +104,7 @@ class Reducer:
                 self.wait_all()
                 self.launched.discard((i, b))
                 self.arrived[(i, b)] = 0
-            dst = self.grads.bucket(i, b)
+            dst = self._bucket(i, b)
             dst[off:off + slot.numel].add_(g.reshape(-1))
             self.dirty = True
             if syncing:
@@ -110,33 +123,51 @@ class Reducer:
                 self._launch(*k)
             self.next += 1
 
+    def _bucket(self, i: int, b: int) -> torch.Tensor:
+        """The bucket's local grad storage, ready to accumulate into."""
+        if self.stage == 1:
+            if self.reduced[(i, b)]:
+                self._rebase(i, b)
+        elif (i, b) not in self.grads.live:
+            # bound the buffers: wait for the oldest reduce-scatters until one is free
+            while self.handles and len(self.grads.live) >= self.max_inflight:
+                self._finalize(*self.handles.pop(0))
+        return self.grads.bucket(i, b)
+
+    def _rebase(self, i: int, b: int) -> None:
+        """Stage 1: make a reduced-in-place bucket accumulate again (see [Note: overlap])."""
+        bk = self.layout.buffers[i].buckets[b]
+        n = self.layout.world_size
+        t = self.grads.bucket(i, b)
+        lo = bk.shard_start(self.rank) - bk.start
+        t[:lo].zero_()
+        t[lo + bk.shard_numel:].zero_()
+        if n > 1:
+            t[lo:lo + bk.shard_numel].mul_(n)
+        self.reduced[(i, b)] = False
+
     def _launch(self, i: int, b: int) -> None:
-        buf = self.layout.buffers[i]
-        bk = buf.buckets[b]
-        off = bk.start // self.layout.world_size
-        shard = self.grads.shards[i][off:off + bk.shard_numel]
-        inp = self.grads.bucket(i, b)
+        inp = self._bucket(i, b)
         tmp = None
-        if self.stage == 2 and not self.fresh[(i, b)]:
-            tmp = torch.empty_like(shard)  # accumulate into the shard after the reduce
-            out = tmp
+        if self.stage == 1:
+            out = self.grads.shard(i, b)  # in place: the rank's slice of ``inp``
+            self.reduced[(i, b)] = True
+        elif not self.fresh[(i, b)]:
+            tmp = out = torch.empty_like(self.grads.shard(i, b))  # added to the shard after
         else:
-            out = shard  # stage 1: the full buffer holds the running sum, overwrite
+            out = self.grads.shard(i, b)
         self.fresh[(i, b)] = False
         h = comm.reduce_scatter(out, inp, group=self.group, avg=True, log=self.log)
         self.handles.append((i, b, h, tmp))
         self.launched.add((i, b))
-        if self.stage == 2:  # bound the gradient memory: shard + a few buckets in flight
-            while self.handles and (len(self.handles) > self.max_inflight or
-                                    _completed(self.handles[0][2])):
+        if self.stage == 2:  # release the buffers of finished reduce-scatters early
+            while self.handles and _completed(self.handles[0][2]):
                 self._finalize(*self.handles.pop(0))
 
     def _finalize(self, i: int, b: int, h: comm.Handle, tmp: torch.Tensor | None) -> None:
         h.wait()
         if tmp is not None:
-            bk = self.layout.buffers[i].buckets[b]
-            off = bk.start // self.layout.world_size
-            self.grads.shards[i][off:off + bk.shard_numel].add_(tmp)
+            self.grads.shard(i, b).add_(tmp)
         if self.stage == 2:
             self.grads.release(i, b)
 
@@ -166,6 +197,7 @@ class Reducer:
         self.grads.zero()
         for k in self.fresh:
             self.fresh[k] = True
+            self.reduced[k] = False
         self._reset_pass()
         self.dirty = False
 

@@ -1,18 +1,24 @@
 """The optimizer over this rank's shard: fp32 master shards, the inner torch optimizer, the step.
 
 [Note: modes]
-- ``flat``: one fp32 master tensor per flat buffer, this rank's shard (every bucket's shard,
-  concatenated); its ``.grad`` is the reduced gradient shard. The inner torch optimizer has one
-  param group per flat buffer, holding that one tensor: right for element-wise optimizers only.
-  Adam/AdamW skip the inner step and run `zero_kernels.ops.adam_step` bucket by bucket (grad
-  scale, update, copy-out into the low-precision param shard in one pass); their state stays in
-  the inner optimizer's ``state`` in torch's format.
+What the optimizer steps: for fp32 params, the rank's shard of each bucket *inside the param
+buffer* (no master copy: the step updates the params in place and the all-gather input is
+already there); for other dtypes, a separate fp32 master shard per flat buffer (every bucket's
+shard, concatenated), copied (cast) into the param buffer after the step. Gradients are views of
+`GradStore.shard` (never copies).
+
+- ``flat``: the inner torch optimizer has one param group per flat buffer, holding one tensor per
+  bucket (the bucket's shard, as above; its ``.grad`` the reduced gradient of the bucket): right
+  for element-wise optimizers only. Adam/AdamW skip the inner step and run
+  `zero_kernels.ops.adam_step` bucket by bucket (grad scale, update, copy-out into the
+  low-precision param shard in one pass); their state stays in the inner optimizer's ``state``
+  in torch's format.
 - ``whole``: every parameter lies wholly in its owner's shard (see [Note: layout]); the inner
   optimizer sees, per flat buffer, shaped views of the master shard for the owned parameters,
   so per-tensor optimizers (Adafactor, Muon, LAMB-like) compute exactly the unsharded result.
 
-After the step each bucket's updated shard is copied (cast) into the rank's slice of the flat
-param buffer and all-gathered, in the params' dtype, in place.
+After the step each bucket's updated shard (copied or cast from the master where there is one)
+is all-gathered from the rank's slice of the flat param buffer, in the params' dtype, in place.
 """
 
 from __future__ import annotations
@@ -36,31 +42,37 @@ class ShardRunner:
         self.layout, self.flats, self.grads, self.rank = layout, flats, grads, rank
         self.optimizer_class = optimizer_class
         n = layout.world_size
-        self.masters: list[torch.Tensor] = []
+        # fp32 master shard per flat buffer; None for fp32 params (see [Note: modes])
+        self.masters: list[torch.Tensor | None] = []
         for i, buf in enumerate(layout.buffers):
+            if flats[i].dtype == torch.float32:
+                self.masters.append(None)
+                continue
             m = torch.empty(buf.shard_numel(n), dtype=torch.float32, device=flats[i].device)
             for b in buf.buckets:
                 src, dst = shard_view(flats[i], layout, buf, rank, b.index)
                 m[dst].copy_(src)
-            m.grad = grads.shards[i]
             self.masters.append(m)
-        # inner params per flat buffer: the master shard (flat) or owned shaped views (whole)
+        # inner params per flat buffer: one per bucket (flat) or owned shaped views (whole)
         self.inner_params: list[list[torch.Tensor]] = []
         self.owned: list[list[int]] = []  # whole mode: param indices in inner order, per buffer
         for i, buf in enumerate(layout.buffers):
             if layout.mode == "flat":
-                self.inner_params.append([self.masters[i]])
+                ps = []
+                for b in buf.buckets:
+                    p = self.master_view(i, b.index)
+                    p.grad = grads.shard(i, b.index)
+                    ps.append(p)
+                self.inner_params.append(ps)
                 self.owned.append([])
                 continue
             views, owned = [], []
             for slot in buf.slots:
                 if slot.owner != rank:
                     continue
-                bk = buf.buckets[slot.bucket]
-                lo = bk.shard_start(rank)
-                off = bk.start // n + slot.start - lo
-                v = self.masters[i][off:off + slot.numel].view(slot.shape)
-                v.grad = grads.shards[i][off:off + slot.numel].view(slot.shape)
+                lo = slot.start - buf.buckets[slot.bucket].shard_start(rank)
+                v = self.master_view(i, slot.bucket)[lo:lo + slot.numel].view(slot.shape)
+                v.grad = grads.shard(i, slot.bucket)[lo:lo + slot.numel].view(slot.shape)
                 views.append(v)
                 owned.append(slot.index)
             self.inner_params.append(views)
@@ -70,6 +82,14 @@ class ShardRunner:
         self.inner = optimizer_class(groups, **defaults)
         self.fused = fused and layout.mode == "flat"
         self.backend = backend
+
+    def master_view(self, i: int, b: int) -> torch.Tensor:
+        """The fp32 values the optimizer steps for this rank's shard of bucket ``b`` of buffer
+        ``i``: a view of the master shard, or of the param buffer itself for fp32 params."""
+        buf = self.layout.buffers[i]
+        dst, sl = shard_view(self.flats[i], self.layout, buf, self.rank, b)
+        m = self.masters[i]
+        return dst if m is None else m[sl]
 
     # ---------------------------------------------------------------- step
     def sync_hyper(self, user_groups: list[dict]) -> None:
@@ -83,29 +103,25 @@ class ShardRunner:
     def step(self, grad_scale: float, log: comm.CommLog, group) -> list[comm.Handle]:
         """One optimizer step on the shard; returns the all-gather handles of the new params."""
         handles: list[comm.Handle] = []
-        if self.fused:
-            for i, buf in enumerate(self.layout.buffers):
-                g = self.inner.param_groups[i]
-                hyper, st = self._adam_hyper(g, self.masters[i], grad_scale)
-                lowp = self.flats[i].dtype in (torch.bfloat16, torch.float16)
-                for b in buf.buckets:
-                    dst, sl = shard_view(self.flats[i], self.layout, buf, self.rank, b.index)
-                    adam_step(self.masters[i][sl], self.grads.shards[i][sl], st["exp_avg"][sl],
-                              st["exp_avg_sq"][sl], hyper,
-                              max_exp_avg_sq=st["max_exp_avg_sq"][sl] if hyper.amsgrad else None,
-                              out_lowp=dst if lowp else None, backend=self.backend)
-                    if not lowp:
-                        dst.copy_(self.masters[i][sl])
-                    handles.append(self._gather(i, b.index, log, group))
-            return handles
-        if grad_scale != 1.0:
-            for t in self.grads.shards:
-                t.mul_(grad_scale)
-        self.inner.step()
+        if not self.fused:
+            if grad_scale != 1.0:
+                for t in self.grads.shard_tensors():
+                    t.mul_(grad_scale)
+            self.inner.step()
         for i, buf in enumerate(self.layout.buffers):
+            m = self.masters[i]
+            lowp = self.flats[i].dtype in (torch.bfloat16, torch.float16)
+            g = self.inner.param_groups[i]
             for b in buf.buckets:
                 dst, sl = shard_view(self.flats[i], self.layout, buf, self.rank, b.index)
-                dst.copy_(self.masters[i][sl])
+                if self.fused:
+                    p = self.inner_params[i][b.index]
+                    hyper, st = self._adam_hyper(g, p, grad_scale)
+                    adam_step(p, p.grad, st["exp_avg"], st["exp_avg_sq"], hyper,
+                              max_exp_avg_sq=st["max_exp_avg_sq"] if hyper.amsgrad else None,
+                              out_lowp=dst if lowp else None, backend=self.backend)
+                if m is not None and not (self.fused and lowp):
+                    dst.copy_(m[sl])
                 handles.append(self._gather(i, b.index, log, group))
         return handles
 
@@ -147,4 +163,5 @@ class ShardRunner:
         return tot
 
     def master_bytes(self) -> int:
-        return sum(m.numel() * m.element_size() for m in self.masters)
+        """Bytes of separate fp32 master shards (0 for fp32 params: they are stepped in place)."""
+        return sum(m.numel() * m.element_size() for m in self.masters if m is not None)

@@ -27,13 +27,20 @@ def _elementwise(key: str, v, numel: int, shape=None) -> bool:
 
 
 def local_payload(layout: Layout, runner) -> list[dict]:
-    """This rank's state per flat buffer: ``{key: value}`` (flat) or ``{index: {key: value}}``."""
+    """This rank's state per flat buffer: ``{key: value}`` (flat: element-wise values over the
+    rank's whole shard of the buffer, the buckets' concatenated) or ``{index: {key: value}}``."""
     out = []
-    for i in range(len(layout.buffers)):
+    for i, buf in enumerate(layout.buffers):
         if layout.mode == "flat":
-            st = runner.inner.state.get(runner.masters[i], {})
-            out.append({k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
-                        for k, v in st.items()})
+            sts = [runner.inner.state.get(p, {}) for p in runner.inner_params[i]]
+            d = {}
+            if all(sts):
+                for k, v in sts[0].items():
+                    if _elementwise(k, v, buf.buckets[0].shard_numel):
+                        d[k] = torch.cat([st[k].detach().reshape(-1) for st in sts])
+                    else:
+                        d[k] = v.detach().clone() if isinstance(v, torch.Tensor) else v
+            out.append(d)
         else:
             d = {}
             for idx, p in zip(runner.owned[i], runner.inner_params[i]):
@@ -98,14 +105,15 @@ def shard_state(layout: Layout, runner, rank: int, full_state: dict) -> dict:
                     out[j] = dict(full_state[idx])
                 j += 1
             continue
-        master = runner.masters[i]
         have = [s for s in buf.slots if s.index in full_state and full_state[s.index]]
         if have:
             st0 = full_state[have[0].index]
+            shard = buf.shard_numel(n)
             st: dict = {}
+            split = set()  # element-wise keys, cut per bucket below
             for key, v in st0.items():
                 if _elementwise(key, v, have[0].numel, have[0].shape):
-                    t = torch.zeros_like(master, dtype=v.dtype)
+                    t = torch.zeros(shard, dtype=v.dtype, device=v.device)
                     for slot in have:
                         src = full_state[slot.index][key].reshape(-1)
                         b = buf.buckets[slot.bucket]
@@ -115,8 +123,15 @@ def shard_state(layout: Layout, runner, rank: int, full_state: dict) -> dict:
                             off = b.start // n + lo - b.shard_start(rank)
                             t[off:off + hi - lo] = src[lo - slot.start:hi - slot.start]
                     st[key] = t
+                    split.add(key)
                 else:
-                    st[key] = v.clone() if isinstance(v, torch.Tensor) else v
-            out[j] = st
-        j += 1
+                    st[key] = v
+            # one entry per bucket: the inner params (see [Note: modes] in .runner)
+            for b in buf.buckets:
+                off = b.start // n
+                out[j + b.index] = {
+                    k: v[off:off + b.shard_numel].clone() if k in split
+                    else (v.clone() if isinstance(v, torch.Tensor) else v)
+                    for k, v in st.items()}
+        j += len(buf.buckets)
     return out
