@@ -118,3 +118,24 @@ def test_estimate_bad_arguments(argv, needle, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0], err
+
+
+def test_comm_buffers_beside_model_states(capsys):
+    # stage 2's in-flight bucket buffers (2 x ZeroOptimizer's 25 MiB): reported, not in totals
+    e = est.estimate(est.parse_count("7.5B"), 64)
+    assert [s.comm_buffer_bytes for s in e.stages] == [0, 0, 2 * 25 * 2**20, 0]
+    assert [round(s.total_bytes / 1e9, 1) for s in e.stages] == [120.0, 31.4, 16.6, 1.9]
+    assert main(["estimate", "--params", "1M", "-n", "4", "--precision", "fp32",
+                 "--bucket-mb", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "stage 2: + 2.1 MB of comm buffers" in out, out
+
+
+def test_mixed_fp32_grads_is_what_zero_holds(capsys):
+    psi = 1_000_000
+    s1 = est.estimate_stage(1, psi, 4, precision="mixed-fp32-grads")
+    assert s1.total_bytes == (2 + 4) * psi + 12 * psi / 4
+    s2 = est.estimate_stage(2, psi, 4, precision="mixed-fp32-grads")
+    assert s2.total_bytes == 2 * psi + (4 + 12) * psi / 4
+    assert main(["estimate", "--params", "7.5B", "-n", "64"]) == 0
+    assert "mixed-fp32-grads" in capsys.readouterr().out  # the default says what it counts

@@ -13,12 +13,19 @@ optimizer state per parameter (fp32 master copy included in mixed precision):
     stage 3         (p + g + K) Ψ / N + live  all-gather x2 + r-scatter    3Ψ
 
 Mixed-precision Adam: p = g = 2, K = 4 (master) + 4 (exp_avg) + 4 (exp_avg_sq) = 12; for Ψ = 7.5B,
-N = 64 that is 120, 31.4, 16.6 and 1.9 GB (decimal GB), the paper's figure 1.
+N = 64 that is 120, 31.4, 16.6 and 1.9 GB (decimal GB), the paper's figure 1. ZeroOptimizer
+reduces and holds gradients in fp32 whatever the params' dtype: precision "mixed-fp32-grads"
+(g = 4) is what it holds with bf16/fp16 params; fp32 training has no master copy (K = 8).
 "Live" for stage 3 is the window of gathered full parameters (the running layer and the ones
 prefetched) plus the unsharded gradients of the running layer before their reduce-scatter.
 Communication bytes are reported two ways: the payload (size of the full buffer each collective
 reduces or gathers) and what one rank puts on the wire with ring algorithms ((N-1)/N of the
 payload per reduce-scatter or all-gather, twice that per all-reduce).
+
+Communication buffers are not model states and not in the totals, but real memory, reported on
+their own (``comm_buffer_bytes``): stage 2 holds up to ``max_inflight_buckets`` bucket buffers of
+``bucket_mb`` MiB (fp32 grads) while reducing; stage 1 reduce-scatters in place in its full
+gradient buffer and DDP's grads are views of its buckets (``gradient_as_bucket_view``): none.
 """
 
 from __future__ import annotations
@@ -49,6 +56,8 @@ __all__ = [
 
 STAGES = (0, 1, 2, 3)
 GB = 1e9
+DEFAULT_BUCKET_MB = 25.0  # ZeroOptimizer's bucket_size_mb (MiB of fp32 gradient per bucket)
+GRAD_REDUCE_BYTES = 4  # ZeroOptimizer reduces gradients in fp32
 
 
 @dataclass(frozen=True)
@@ -64,6 +73,8 @@ PRECISIONS: dict[str, Precision] = {
     # bf16/fp16 weights and grads, fp32 master weights and fp32 states (the paper's setting)
     "mixed": Precision("mixed", 2, 2, 4, 4),
     "fp32": Precision("fp32", 4, 4, 0, 4),
+    # bf16/fp16 weights, fp32 grads (ZeroOptimizer reduces and holds grads in fp32), fp32 master
+    "mixed-fp32-grads": Precision("mixed-fp32-grads", 2, 4, 4, 4),
     # pure bf16: weights, grads and states all bf16, no master copy
     "bf16": Precision("bf16", 2, 2, 0, 2),
 }
@@ -295,13 +306,14 @@ class StageEstimate:
     grads_bytes: float
     optim_bytes: float
     live_bytes: float  # stage 3's window of gathered layers (0 for stages 0-2)
-    total_bytes: float
+    total_bytes: float  # model states (+ stage 3's live window); comm buffers not included
     comm_elements: float  # per step, in units of parameters (2Ψ or 3Ψ)
     all_reduce_bytes: float  # payload per step
     reduce_scatter_bytes: float
     all_gather_bytes: float
     wire_bytes: float  # bytes one rank sends per step with ring collectives
     fits: bool | None = None
+    comm_buffer_bytes: float = 0.0  # stage 2's in-flight bucket buffers (see the Note)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -311,8 +323,10 @@ def estimate_stage(
     stage: int, n_params: int, world_size: int, *, precision: str = "mixed",
     optimizer: str = "adam", optim_bytes_total: float | None = None,
     largest_layer: int | None = None, prefetch: int = 1, gpu_mem: int | None = None,
+    bucket_mb: float = DEFAULT_BUCKET_MB, max_inflight_buckets: int = 2,
 ) -> StageEstimate:
-    """Per-rank model-state bytes and per-step communication of one stage (see the Note above)."""
+    """Per-rank model-state bytes, comm buffers and per-step communication of one stage (see
+    the Note above); ``bucket_mb`` / ``max_inflight_buckets`` as ZeroOptimizer's."""
     if stage not in STAGES:
         raise ValueError(f"--stage must be one of {STAGES}; got {stage!r}")
     if world_size < 1:
@@ -345,9 +359,12 @@ def estimate_stage(
         ar, rs, ag, elems = 0.0, g, 2 * p, 3.0
         wire = ring * (g + 2 * p)
     total = pb + gb + ob + live
-    fits = None if gpu_mem is None else total <= gpu_mem
+    buffers = 0.0
+    if stage == 2:
+        buffers = max_inflight_buckets * min(bucket_mb * 2**20, GRAD_REDUCE_BYTES * psi)
+    fits = None if gpu_mem is None else total + buffers <= gpu_mem
     return StageEstimate(stage, world_size, pb, gb, ob, live, total, elems * psi, ar, rs, ag,
-                         wire, fits)
+                         wire, fits, buffers)
 
 
 @dataclass(frozen=True)
@@ -359,6 +376,7 @@ class Estimate:
     model: str | None
     largest_layer: int | None
     stages: list[StageEstimate] = field(default_factory=list)
+    bucket_mb: float = DEFAULT_BUCKET_MB
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -370,6 +388,7 @@ def estimate(
     n_params: int | None = None, world_size: int = 1, *, model: str | None = None,
     precision: str = "mixed", optimizer: str = "adam", prefetch: int = 1,
     gpu_mem: int | None = None, stages: Sequence[int] = STAGES,
+    bucket_mb: float = DEFAULT_BUCKET_MB, max_inflight_buckets: int = 2,
 ) -> Estimate:
     """All stages for a parameter count or a model spec (see `model_info`)."""
     shapes = None
@@ -385,5 +404,6 @@ def estimate(
     k = optimizer_state_bytes(opt, prec, n_params, shapes)
     rows = [estimate_stage(s, n_params, world_size, precision=prec, optimizer=opt,
                            optim_bytes_total=k, largest_layer=largest, prefetch=prefetch,
-                           gpu_mem=gpu_mem) for s in stages]
-    return Estimate(n_params, world_size, prec, opt, model, largest, rows)
+                           gpu_mem=gpu_mem, bucket_mb=bucket_mb,
+                           max_inflight_buckets=max_inflight_buckets) for s in stages]
+    return Estimate(n_params, world_size, prec, opt, model, largest, rows, bucket_mb)

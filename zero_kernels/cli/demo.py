@@ -213,14 +213,16 @@ def _memory(model: torch.nn.Module, opt, master: list, stage: int) -> dict:
         return {"params": int(r["param_bytes"]), "grads": int(r["grad_bytes"]),
                 "optim": int(r.get("master_bytes", 0)) + int(r["optim_state_bytes"]),
                 "grads_peak": int(r.get("grad_peak_bytes", r["grad_bytes"])),
+                "comm_buffers": int(r.get("comm_buffer_bytes", 0)),
                 "source": "ZeroOptimizer.memory_report()"}
     seen: set[int] = set()
     params = _tensor_bytes(list(model.parameters()), seen)
     grads = _tensor_bytes([p.grad for p in model.parameters() if p.grad is not None], seen)
     inner = getattr(opt, "optim", None) or getattr(opt, "optimizer", None) or opt
     optim = _tensor_bytes(master, seen) + _tensor_bytes(dict(inner.state), seen)
+    # DDP's grads are views of its buckets (gradient_as_bucket_view): no separate comm buffers
     return {"params": params, "grads": grads, "optim": optim, "grads_peak": grads,
-            "source": "counted from tensors"}
+            "comm_buffers": 0, "source": "counted from tensors"}
 
 
 def _zero_comm(opt, steps: int) -> dict:

@@ -88,12 +88,16 @@ def _build_parser() -> argparse.ArgumentParser:
                                      "transformers config.json")
     e.add_argument("--world-size", "-n", type=int, default=1, help="data-parallel ranks")
     e.add_argument("--precision", default="mixed",
-                   help="mixed (bf16/fp16 + fp32 master, default), fp32 or bf16 (pure)")
+                   help="mixed (bf16/fp16 + fp32 master, default), mixed-fp32-grads (what "
+                        "ZeroOptimizer holds with bf16/fp16 params), fp32 or bf16 (pure)")
     e.add_argument("--optimizer", default="adam",
                    help="adam (K=12 mixed), sgd-momentum, sgd, adafactor, muon, lion, ...")
     e.add_argument("--gpu-mem", default=None, help="memory of one device (80GB, 24GiB): "
                                                    "says which stages fit")
     e.add_argument("--prefetch", type=int, default=1, help="stage-3 layers prefetched (default 1)")
+    e.add_argument("--bucket-mb", type=_positive_float("bucket-mb"), default=None,
+                   help="ZeroOptimizer bucket size in MiB, for stage 2's comm buffers "
+                        "(default 25, as ZeroOptimizer)")
     e.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     b = sub.add_parser("bench", help="run the bench/ suite and write JSON/CSV/PNG",
@@ -118,12 +122,15 @@ def _cmd_estimate(args) -> int:
         raise ValueError(f"--world-size must be >= 1; got {args.world_size}")
     if args.prefetch < 0:
         raise ValueError(f"--prefetch must be >= 0; got {args.prefetch}")
+    bucket_mb = args.bucket_mb if args.bucket_mb is not None else est.DEFAULT_BUCKET_MB
     e = est.estimate(n_params, args.world_size, model=args.model, precision=args.precision,
-                     optimizer=args.optimizer, prefetch=args.prefetch, gpu_mem=gpu_mem)
+                     optimizer=args.optimizer, prefetch=args.prefetch, gpu_mem=gpu_mem,
+                     bucket_mb=bucket_mb)
     if args.json:
         print(json.dumps(e.as_dict(), indent=1))
         return 0
     prec = {"mixed": "mixed precision (16-bit params/grads, fp32 master)", "fp32": "fp32",
+            "mixed-fp32-grads": "mixed precision (16-bit params, fp32 grads and master)",
             "bf16": "pure bf16"}[e.precision]
     k = e.stages[0].optim_bytes / e.n_params
     count = f"{e.n_params / 1e9:.4g}B" if e.n_params >= 1e9 else f"{e.n_params / 1e6:.4g}M"
@@ -145,9 +152,17 @@ def _cmd_estimate(args) -> int:
         if gpu_mem is not None:
             row += f"{'yes' if s.fits else 'no':>16}"
         print(row)
+    for s in e.stages:
+        if s.comm_buffer_bytes:
+            print(f"{'buffers':<8}stage {s.stage}: + {f(s.comm_buffer_bytes)} of comm buffers "
+                  f"(2 in-flight buckets of {e.bucket_mb:g} MiB, fp32 grads), not in the "
+                  "totals above")
     notes = ["model states only: activations, temporary buffers and fragmentation come on top",
              "comm/step: bytes of the buffers reduced/gathered (2Ψ elements for stages 0-2, "
              "3Ψ for 3); wire/rank: what one rank sends with ring collectives"]
+    if e.precision == "mixed":
+        notes.append("mixed counts 16-bit grads (the paper); ZeroOptimizer reduces and holds "
+                     "grads in fp32: --precision mixed-fp32-grads for what it holds")
     if e.largest_layer is None:
         notes.append("stage-3 live window needs --model (largest layer)")
     if e.optimizer == "adafactor" and e.model is None:

@@ -45,18 +45,24 @@ def build_report(cfg, world: int, device: torch.device, per_rank: list[dict]) ->
     shapes = model_shapes(cfg.model_size)
     n_params = sum(math.prod(s) for s in shapes)
     precision = "mixed" if cfg.precision == "bf16" else "fp32"
+    # ZeroOptimizer reduces and holds grads in fp32 whatever the params' dtype
+    zero_precision = "mixed-fp32-grads" if cfg.precision == "bf16" else "fp32"
     k_total = optimizer_state_total(cfg.optimizer, precision, shapes)
     stages_run = sorted(per_rank[0])
     runs = {}
     for s in stages_run:
         rs = [r[s] for r in per_rank]
         loss = [_mean([r["losses"][i] for r in rs]) for i in range(len(rs[0]["losses"]))]
-        f = est.estimate_stage(s, n_params, world, precision=precision,
-                               optimizer=_EST_OPT[cfg.optimizer], optim_bytes_total=k_total)
+        f = est.estimate_stage(s, n_params, world,
+                               precision=precision if s == 0 else zero_precision,
+                               optimizer=_EST_OPT[cfg.optimizer], optim_bytes_total=k_total,
+                               bucket_mb=cfg.bucket_mb)
         mem = [r["memory"] for r in rs]
+        # model states (what the formula counts); comm buffers are reported beside them
         measured_total = [m["params"] + m["grads"] + m["optim"] for m in mem]
         formula = {"params": f.params_bytes, "grads": f.grads_bytes, "optim": f.optim_bytes,
-                   "total": f.total_bytes}
+                   "total": f.total_bytes, "comm_buffers": f.comm_buffer_bytes,
+                   "precision": precision if s == 0 else zero_precision}
         rel = {k: (_mean([m[k] for m in mem]) - formula[k]) / formula[k] if formula[k] else 0.0
                for k in ("params", "grads", "optim")}
         rel["total"] = (_mean(measured_total) - f.total_bytes) / f.total_bytes
@@ -67,6 +73,7 @@ def build_report(cfg, world: int, device: torch.device, per_rank: list[dict]) ->
             "step_time_s": max(r["step_time_s"] for r in rs),
             "memory_per_rank": mem,
             "memory_total_per_rank": measured_total,
+            "comm_buffers_per_rank": [m.get("comm_buffers", 0) for m in mem],
             "memory_formula": formula,
             "memory_rel_error": rel,
             "comm_per_step": comm,
@@ -81,7 +88,7 @@ def build_report(cfg, world: int, device: torch.device, per_rank: list[dict]) ->
     if base is not None and cfg.stage != 0:
         diff = max((abs(a - b) for a, b in zip(runs[main]["loss"], base["loss"])), default=0.0)
     all_stages = est.estimate(n_params, world, precision=precision,
-                              optimizer=_EST_OPT[cfg.optimizer])
+                              optimizer=_EST_OPT[cfg.optimizer], bucket_mb=cfg.bucket_mb)
     return {
         "command": "zero-kernels " + " ".join(sys.argv[1:]) if sys.argv else "",
         "config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
@@ -117,6 +124,12 @@ def _print_summary(report: dict, out: Path, png: Path | None) -> None:
                 len(r["memory_total_per_rank"]))
         print(f"  {k:<14}{b(meas):>14}{b(r['memory_formula'][k]):>14}"
               f"{100 * r['memory_rel_error'][k]:>8.1f}%")
+    bufs = r.get("comm_buffers_per_rank") or [0]
+    print(f"  {'comm buffers':<14}{b(max(bufs)):>14}"
+          f"{b(r['memory_formula'].get('comm_buffers', 0)):>14}   (not model states: "
+          "stage 2's in-flight buckets)")
+    if r["memory_formula"].get("precision") == "mixed-fp32-grads":
+        print("  (formula with fp32 grads: ZeroOptimizer reduces and holds grads in fp32)")
     c = r["comm_per_step"]
     print(f"  per step: all-reduce {b(c['all_reduce_bytes'])}, reduce-scatter "
           f"{b(c['reduce_scatter_bytes'])}, all-gather {b(c['all_gather_bytes'])}; "
