@@ -361,7 +361,8 @@ def estimate_stage(
     total = pb + gb + ob + live
     buffers = 0.0
     if stage == 2:
-        buffers = max_inflight_buckets * min(bucket_mb * 2**20, GRAD_REDUCE_BYTES * psi)
+        bucket = min(bucket_mb * 2**20, GRAD_REDUCE_BYTES * psi)  # a bucket is at most the model
+        buffers = min(max_inflight_buckets, math.ceil(GRAD_REDUCE_BYTES * psi / bucket)) * bucket
     fits = None if gpu_mem is None else total + buffers <= gpu_mem
     return StageEstimate(stage, world_size, pb, gb, ob, live, total, elems * psi, ar, rs, ag,
                          wire, fits, buffers)
