@@ -504,7 +504,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true",
-                    help="smoke run (< 1 min): tiny model, 1 warm-up + 2 rounds, world sizes 1-2")
+                    help="smoke run (~1 min): tiny model, 1 warm-up + 2 rounds, memory at N=2")
     ap.add_argument("--out", default=os.path.join(HERE, "results"),
                     help="folder for stages_ws2.{json,csv} and stages_memory.{json,csv}")
     ap.add_argument("--layers", type=int, default=6)
@@ -526,7 +526,7 @@ def main():
     if args.quick:
         args.layers, args.d, args.vocab, args.tokens = 2, 64, 1024, 32
         args.warmup, args.repeats = 1, 2
-        args.mem_world_sizes = "1,2"
+        args.mem_world_sizes = "2"
     if args.ds_adam is None:
         args.ds_adam = "torch" if args.quick else "both"
     t_start = time.perf_counter()
