@@ -562,10 +562,38 @@ def check_memory(rank: int, world: int) -> dict:
     return rep
 
 
+def check_sync_accumulation(rank: int, world: int) -> dict:
+    """Two synchronising backwards before a step sum like DDP's (stage 1 reduces in place and
+    rebases, stage 2 adds reduced shards); after zero_grad with no backward the grads are 0."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(8, 32), nn.Linear(32, 4))
+    for stage in (1, 2):
+        m1, m2 = copy.deepcopy(base), copy.deepcopy(base)
+        zo = ZeroOptimizer(m1, O.SGD, stage=stage, bucket_size_mb=0.0005, lr=0.1, momentum=0.9)
+        d = DDP(m2)
+        so = O.SGD(m2.parameters(), lr=0.1, momentum=0.9)
+        for step in range(3):
+            zo.zero_grad()
+            so.zero_grad()
+            for mb in range(2):
+                g = torch.Generator().manual_seed(100 * step + 10 * mb + rank)
+                x = torch.randn(5, 8, generator=g)
+                m1(x).pow(2).mean().backward()
+                d(x).pow(2).mean().backward()
+            zo.step()
+            so.step()
+        assert_params_close(m1, m2, 1e-6, f"sync accumulation stage={stage}")
+        zo.zero_grad()
+        zo._finish_reduction()
+        assert all(bool((t == 0).all()) for t in zo._grads.shard_tensors()), "stale grads"
+    return {"sync accumulation": "ok"}
+
+
 def features_all(rank, world):
     out = {}
     out.update(check_features(rank, world))
     out.update(check_odd(rank, world))
     out.update(check_precision(rank, world))
     out.update(check_memory(rank, world))
+    out.update(check_sync_accumulation(rank, world))
     return out

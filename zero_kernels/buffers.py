@@ -131,8 +131,11 @@ class GradStore:
         self._free.clear()
 
     def zero(self) -> None:
-        for t in (self.full or self.shards):
-            t.zero_()
+        """Stage 2: zero the shards. Stage 1's full buffers are overwritten by the first grads
+        instead (see [Note: overlap] in `zero_kernels.partition.reducer`)."""
+        if self.shards is not None:
+            for t in self.shards:
+                t.zero_()
 
     def nbytes(self) -> int:
         """Bytes of gradient storage held now: full buffers (stage 1) or shards (stage 2)."""

@@ -26,6 +26,10 @@ Before more grads are added to such a bucket (accumulation across synchronising 
 bucket re-reduced), it is *rebased*: its own slice is multiplied by N and the rest zeroed, so the
 next averaged reduce-scatter yields (N R + sum of new local grads) / N = R + their average.
 
+Stage 1 never zeroes its full buffer: since `zero_grad` the first grad of a parameter is copied
+into its range, later ones added; a bucket's ranges that got no grad are zeroed when it is
+launched (padding stays zero: nothing writes it but reduce-scatters of zeros).
+
 Stage 2 holds at most ``max_inflight`` bucket buffers (filling or being reduced): when a bucket
 needs one and the limit is reached, the oldest reduce-scatter is waited for and its buffer reused.
 
@@ -64,6 +68,8 @@ class Reducer:
                      for b in buf.buckets}
         self.fresh = {k: True for k in self.need}  # stage 2: next reduce overwrites the shard
         self.reduced = {k: False for k in self.need}  # stage 1: reduced in place, not rebased
+        # stage 1: slot positions written since zero_grad, per bucket (the rest is stale)
+        self.written: dict[tuple[int, int], set[int]] = {k: set() for k in self.need}
         self._reset_pass()
         self.handles: list[tuple[int, int, comm.Handle, torch.Tensor | None]] = []
         self.dirty = False  # grads accumulated locally and not yet reduced
@@ -104,8 +110,12 @@ class Reducer:
                 self.wait_all()
                 self.launched.discard((i, b))
                 self.arrived[(i, b)] = 0
-            dst = self._bucket(i, b)
-            dst[off:off + slot.numel].add_(g.reshape(-1))
+            dst = self._bucket(i, b)[off:off + slot.numel]
+            if self.stage == 1 and pos not in self.written[(i, b)]:
+                dst.copy_(g.reshape(-1))
+                self.written[(i, b)].add(pos)
+            else:
+                dst.add_(g.reshape(-1))
             self.dirty = True
             if syncing:
                 self.arrived[(i, b)] += 1
@@ -146,10 +156,24 @@ class Reducer:
             t[lo:lo + bk.shard_numel].mul_(n)
         self.reduced[(i, b)] = False
 
+    def _zero_unwritten(self, i: int, b: int) -> None:
+        """Stage 1: zero the ranges of bucket ``b`` that got no grad since zero_grad."""
+        buf = self.layout.buffers[i]
+        bk = buf.buckets[b]
+        done = self.written[(i, b)]
+        if len(done) < len(bk.slots):
+            full = self.grads.full[i]
+            for pos in bk.slots:
+                if pos not in done:
+                    slot = buf.slots[pos]
+                    full[slot.start:slot.end].zero_()
+            done.update(bk.slots)
+
     def _launch(self, i: int, b: int) -> None:
         inp = self._bucket(i, b)
         tmp = None
         if self.stage == 1:
+            self._zero_unwritten(i, b)
             out = self.grads.shard(i, b)  # in place: the rank's slice of ``inp``
             self.reduced[(i, b)] = True
         elif not self.fresh[(i, b)]:
@@ -189,6 +213,11 @@ class Reducer:
         """Before the step: reduce whatever was accumulated but not reduced (e.g. after no_sync)."""
         if self.dirty or self.handles:
             self.finish()
+        if self.stage == 1:  # buckets not reduced since zero_grad: zero grads
+            for k, done in self.reduced.items():
+                if not done:
+                    self._zero_unwritten(*k)
+                    self.grads.shard(*k).zero_()
 
     def zero_grad(self) -> None:
         self.flush_pending_waits()
@@ -198,6 +227,7 @@ class Reducer:
         for k in self.fresh:
             self.fresh[k] = True
             self.reduced[k] = False
+            self.written[k].clear()
         self._reset_pass()
         self.dirty = False
 
