@@ -165,7 +165,10 @@ def main(argv=None) -> int:
         f"machine: {info['cpu']} ({info['cores']} cores, {info['torch_threads']} torch threads),"
         f" torch {info['torch']}, isa {info.get('zero_kernels_cpu_isa')}"
     )
-    print(f"bandwidth: copy {bw['copy_GBps']} GB/s, in-place rmw {bw['rmw_GBps']} GB/s")
+    print(
+        f"bandwidth: copy {bw['copy_GBps']} GB/s, in-place rmw {bw['rmw_GBps']} GB/s, "
+        f"step pattern {bw.get('step_pattern_GBps', '-')} GB/s -> floor {bw['floor_GBps']} GB/s"
+    )
     rows = []
     for n in sizes:
         plain = plain_step(n, args.device, repeats, not args.no_deepspeed)

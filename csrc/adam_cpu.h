@@ -21,6 +21,10 @@ void adam_step_cpu(const AdamArgs& args, const AdamBuffers& buf, int64_t begin, 
 bool all_finite_cpu(const void* grad, DType dtype, float scale, int64_t begin, int64_t end,
                     CpuIsa isa);
 
+// The step's memory traffic without its math (benchmarks' bandwidth floor), elements [begin, end).
+void stream_probe_cpu(float* p, const float* g, float* m, float* v, int64_t begin, int64_t end,
+                      CpuIsa isa);
+
 // Per-ISA entry points (defined in adam_cpu_{scalar,avx2,avx512}.cpp).
 void adam_range_scalar(const AdamArgs&, const AdamBuffers&, int64_t, int64_t);
 void adam_range_avx2(const AdamArgs&, const AdamBuffers&, int64_t, int64_t);
@@ -28,5 +32,8 @@ void adam_range_avx512(const AdamArgs&, const AdamBuffers&, int64_t, int64_t);
 bool finite_range_scalar(const void*, DType, float, int64_t, int64_t);
 bool finite_range_avx2(const void*, DType, float, int64_t, int64_t);
 bool finite_range_avx512(const void*, DType, float, int64_t, int64_t);
+void stream_probe_scalar(float*, const float*, float*, float*, int64_t, int64_t);
+void stream_probe_avx2(float*, const float*, float*, float*, int64_t, int64_t);
+void stream_probe_avx512(float*, const float*, float*, float*, int64_t, int64_t);
 
 }  // namespace zk

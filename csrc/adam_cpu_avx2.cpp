@@ -72,6 +72,9 @@ struct Avx2Traits {
 void adam_range_avx2(const AdamArgs& a, const AdamBuffers& b, int64_t begin, int64_t end) {
   adam_range<Avx2Traits>(a, b, begin, end);
 }
+void stream_probe_avx2(float* p, const float* g, float* m, float* v, int64_t b, int64_t e) {
+  stream_probe_range<Avx2Traits>(p, g, m, v, b, e);
+}
 bool finite_range_avx2(const void* g, DType d, float scale, int64_t begin, int64_t end) {
   return finite_range<Avx2Traits>(g, d, scale, begin, end);
 }

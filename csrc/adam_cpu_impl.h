@@ -125,5 +125,24 @@ bool finite_range(const void* g, DType dtype, float scale, int64_t begin, int64_
   }
 }
 
+// The optimizer step's memory traffic with no math: p += g, m += g, v += g (read 4 streams,
+// write 3 in place, 28 bytes per element). Benchmarks time it as the bandwidth floor of the step.
+template <class VT>
+void stream_probe_range(float* p, const float* g, float* m, float* v, int64_t begin, int64_t end) {
+  using V = typename VT::V;
+  int64_t i = begin;
+  for (; i + VT::W <= end; i += VT::W) {
+    const V gi = VT::load(g + i);
+    VT::store(p + i, VT::load(p + i) + gi);
+    VT::store(m + i, VT::load(m + i) + gi);
+    VT::store(v + i, VT::load(v + i) + gi);
+  }
+  for (; i < end; ++i) {
+    p[i] += g[i];
+    m[i] += g[i];
+    v[i] += g[i];
+  }
+}
+
 }  // namespace ZK_ISA_NS
 }  // namespace zk

@@ -11,6 +11,9 @@ void adam_range_scalar(const AdamArgs& a, const AdamBuffers& b, int64_t begin, i
   adam_range<ScalarTraits>(a, b, begin, end);
 }
 
+void stream_probe_scalar(float* p, const float* g, float* m, float* v, int64_t b, int64_t e) {
+  stream_probe_range<ScalarTraits>(p, g, m, v, b, e);
+}
 bool finite_range_scalar(const void* g, DType d, float scale, int64_t begin, int64_t end) {
   return finite_range<ScalarTraits>(g, d, scale, begin, end);
 }
@@ -45,6 +48,15 @@ void adam_step_cpu(const AdamArgs& a, const AdamBuffers& b, int64_t begin, int64
   if (isa == CpuIsa::kAVX2) return adam_range_avx2(a, b, begin, end);
 #endif
   adam_range_scalar(a, b, begin, end);
+}
+
+void stream_probe_cpu(float* p, const float* g, float* m, float* v, int64_t begin, int64_t end,
+                      CpuIsa isa) {
+#if defined(__x86_64__)
+  if (isa == CpuIsa::kAVX512) return stream_probe_avx512(p, g, m, v, begin, end);
+  if (isa == CpuIsa::kAVX2) return stream_probe_avx2(p, g, m, v, begin, end);
+#endif
+  stream_probe_scalar(p, g, m, v, begin, end);
 }
 
 bool all_finite_cpu(const void* grad, DType dtype, float scale, int64_t begin, int64_t end,

@@ -266,6 +266,26 @@ void flat_copy(const std::vector<at::Tensor>& tensors, const at::Tensor& flat,
 #endif
 }
 
+// p += g, m += g, v += g over CPU fp32 tensors: the step's memory traffic without its math.
+void stream_probe(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m,
+                  const at::Tensor& v) {
+  TORCH_CHECK(p.is_cpu() && p.scalar_type() == at::kFloat && p.is_contiguous(),
+              "stream_probe: p must be a contiguous float32 CPU tensor");
+  check_like(g, p, "g");
+  check_like(m, p, "m");
+  check_like(v, p, "v");
+  TORCH_CHECK(g.scalar_type() == at::kFloat && m.scalar_type() == at::kFloat &&
+                  v.scalar_type() == at::kFloat,
+              "stream_probe: g, m, v must be float32");
+  float* pp = p.data_ptr<float>();
+  const float* gp = g.data_ptr<float>();
+  float* mp = m.data_ptr<float>();
+  float* vp = v.data_ptr<float>();
+  at::parallel_for(0, p.numel(), kGrain, [&](int64_t s, int64_t e) {
+    zk::stream_probe_cpu(pp, gp, mp, vp, s, e, g_isa);
+  });
+}
+
 std::string cpu_isa() { return zk::cpu_isa_name(g_isa); }
 
 void set_cpu_isa(const std::string& name) {
@@ -310,6 +330,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scale") = 1.0);
   m.def("flat_copy", &flat_copy, "Copy tensors into (to_flat) or out of a flat buffer",
         py::arg("tensors"), py::arg("flat"), py::arg("offsets"), py::arg("to_flat"));
+  m.def("stream_probe", &stream_probe, "p += g, m += g, v += g (bandwidth floor of the step)");
   m.def("cpu_isa", &cpu_isa, "Instruction set the CPU kernels use now");
   m.def("set_cpu_isa", &set_cpu_isa, "Force the CPU kernels' instruction set (tests)");
   m.def("has_cuda", &has_cuda, "Whether the CUDA kernels were compiled in");
