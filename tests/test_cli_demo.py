@@ -17,8 +17,19 @@ TOP = max(available_stages())
 
 def _demo(tmp_path, *args) -> dict:
     out = tmp_path / "out"
-    rc = main(["demo", "--model-size", "tiny", "--batch-size", "4", "--no-progress",
-               "--out", str(out), *args])
+    rc = main(
+        [
+            "demo",
+            "--model-size",
+            "tiny",
+            "--batch-size",
+            "4",
+            "--no-progress",
+            "--out",
+            str(out),
+            *args,
+        ]
+    )
     assert rc == 0
     return json.loads((out / "report.json").read_text())
 
@@ -80,8 +91,24 @@ def test_estimate_matches_measured(tmp_path, world, stage):
 
 def test_failing_rank_fails_the_command(tmp_path, capfd, monkeypatch):
     monkeypatch.setenv("ZERO_KERNELS_DEMO_FAIL_RANK", "1")
-    rc = main(["demo", "--stage", "0", "--nproc", "2", "--steps", "5", "--model-size", "tiny",
-               "--no-progress", "--out", str(tmp_path / "out"), "--timeout", "120"])
+    rc = main(
+        [
+            "demo",
+            "--stage",
+            "0",
+            "--nproc",
+            "2",
+            "--steps",
+            "5",
+            "--model-size",
+            "tiny",
+            "--no-progress",
+            "--out",
+            str(tmp_path / "out"),
+            "--timeout",
+            "120",
+        ]
+    )
     err = capfd.readouterr().err
     assert rc == 1
     assert "rank 1 failed: RuntimeError: injected failure on rank 1" in err, err

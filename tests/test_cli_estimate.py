@@ -29,9 +29,16 @@ def test_fits(capsys):
     assert [r[-1] for r in rows] == ["no", "yes", "yes", "yes"]
 
 
-@pytest.mark.parametrize("text,value", [("7.5B", 7_500_000_000), ("1.3e9", 1_300_000_000),
-                                        ("125M", 125_000_000), ("350k", 350_000),
-                                        ("7_000_000", 7_000_000)])
+@pytest.mark.parametrize(
+    "text,value",
+    [
+        ("7.5B", 7_500_000_000),
+        ("1.3e9", 1_300_000_000),
+        ("125M", 125_000_000),
+        ("350k", 350_000),
+        ("7_000_000", 7_000_000),
+    ],
+)
 def test_parse_count(text, value):
     assert est.parse_count(text) == value
 
@@ -75,15 +82,33 @@ def _write(tmp_path, cfg):
 
 
 def test_gpt2_config(tmp_path):
-    p = _write(tmp_path, {"model_type": "gpt2", "vocab_size": 50257, "n_embd": 768,
-                          "n_layer": 12, "n_positions": 1024, "n_head": 12})
+    p = _write(
+        tmp_path,
+        {
+            "model_type": "gpt2",
+            "vocab_size": 50257,
+            "n_embd": 768,
+            "n_layer": 12,
+            "n_positions": 1024,
+            "n_head": 12,
+        },
+    )
     assert est.model_info(p).n_params == 124_439_808  # GPT-2 small, tied head
 
 
 def test_llama_config(tmp_path, capsys):
-    p = _write(tmp_path, {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096,
-                          "intermediate_size": 11008, "num_hidden_layers": 32,
-                          "num_attention_heads": 32, "num_key_value_heads": 32})
+    p = _write(
+        tmp_path,
+        {
+            "model_type": "llama",
+            "vocab_size": 32000,
+            "hidden_size": 4096,
+            "intermediate_size": 11008,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 32,
+        },
+    )
     info = est.model_info(p)
     assert info.n_params == 6_738_415_616  # Llama-2-7B
     assert main(["estimate", "--model", p, "-n", "8"]) == 0
@@ -106,14 +131,17 @@ def test_meta_factory_matches_real_model():
     del torch
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["estimate", "--params", "1B", "--precision", "fp8"], "--precision"),
-    (["estimate", "--params", "1B", "--optimizer", "nadam2"], "--optimizer"),
-    (["estimate", "--params", "1B", "--world-size", "0"], "--world-size"),
-    (["estimate", "--model", "nosuchmodule_xyz:factory"], "--model"),
-    (["estimate", "--model", "/nonexistent/config.json"], "--model"),
-    (["estimate"], "--params"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["estimate", "--params", "1B", "--precision", "fp8"], "--precision"),
+        (["estimate", "--params", "1B", "--optimizer", "nadam2"], "--optimizer"),
+        (["estimate", "--params", "1B", "--world-size", "0"], "--world-size"),
+        (["estimate", "--model", "nosuchmodule_xyz:factory"], "--model"),
+        (["estimate", "--model", "/nonexistent/config.json"], "--model"),
+        (["estimate"], "--params"),
+    ],
+)
 def test_estimate_bad_arguments(argv, needle, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -125,8 +153,10 @@ def test_comm_buffers_beside_model_states(capsys):
     e = est.estimate(est.parse_count("7.5B"), 64)
     assert [s.comm_buffer_bytes for s in e.stages] == [0, 0, 2 * 25 * 2**20, 0]
     assert [round(s.total_bytes / 1e9, 1) for s in e.stages] == [120.0, 31.4, 16.6, 1.9]
-    assert main(["estimate", "--params", "1M", "-n", "4", "--precision", "fp32",
-                 "--bucket-mb", "1"]) == 0
+    assert (
+        main(["estimate", "--params", "1M", "-n", "4", "--precision", "fp32", "--bucket-mb", "1"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "stage 2: + 2.1 MB of comm buffers" in out, out
 

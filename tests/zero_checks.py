@@ -34,8 +34,9 @@ class TinyLM(nn.Module):
     def __init__(self, vocab: int = 29, d: int = 16):
         super().__init__()
         self.emb = nn.Embedding(vocab, d)
-        self.block = nn.TransformerEncoderLayer(d, 2, dim_feedforward=24, dropout=0.0,
-                                                batch_first=True, bias=False)
+        self.block = nn.TransformerEncoderLayer(
+            d, 2, dim_feedforward=24, dropout=0.0, batch_first=True, bias=False
+        )
         # no attention biases: the key bias gets an exactly-zero gradient (softmax shift
         # invariance), i.e. pure rounding noise that Adam-like optimizers blow up to +-lr
         self.norm = nn.LayerNorm(d)
@@ -158,16 +159,31 @@ def assert_params_close(m1, m2, tol: float, what: str) -> float:
     return worst
 
 
-def train_pair(kind: str, cls, kw: dict, stage: int, rank: int, steps: int = 10,
-               zkw: dict | None = None, clip: float | None = None, norm_type: float = 2.0,
-               sched: bool = False, groups=None):
+def train_pair(
+    kind: str,
+    cls,
+    kw: dict,
+    stage: int,
+    rank: int,
+    steps: int = 10,
+    zkw: dict | None = None,
+    clip: float | None = None,
+    norm_type: float = 2.0,
+    sched: bool = False,
+    groups=None,
+):
     """Train a ZeroOptimizer model and a DDP model side by side; returns both and the worst error
     seen. ``groups(model)`` builds param groups."""
     base = make_model(kind)
     m_z, m_d = copy.deepcopy(base), copy.deepcopy(base)
-    zo = ZeroOptimizer(groups(m_z) if groups else m_z, cls, stage=stage,
-                       bucket_size_mb=(zkw or {}).pop("bucket_size_mb", 0.002), **(zkw or {}),
-                       **kw)
+    zo = ZeroOptimizer(
+        groups(m_z) if groups else m_z,
+        cls,
+        stage=stage,
+        bucket_size_mb=(zkw or {}).pop("bucket_size_mb", 0.002),
+        **(zkw or {}),
+        **kw,
+    )
     ddp = DDP(m_d)
     to = cls(groups(m_d) if groups else m_d.parameters(), **kw)
     s_z = torch.optim.lr_scheduler.StepLR(zo, 3, gamma=0.5) if sched else None
@@ -231,20 +247,30 @@ def check_features(rank: int, world: int) -> dict:
     for stage in (1, 2):
         # -- clipping: returned norm and the update equal torch's on the unsharded model
         for p in (2.0, math.inf, 1.0, 3.0):
-            m_z, m_d, _, _, norms = train_pair("mlp", O.SGD, dict(lr=0.1, momentum=0.9), stage,
-                                               rank, steps=4, clip=0.05, norm_type=p)
+            m_z, m_d, _, _, norms = train_pair(
+                "mlp",
+                O.SGD,
+                dict(lr=0.1, momentum=0.9),
+                stage,
+                rank,
+                steps=4,
+                clip=0.05,
+                norm_type=p,
+            )
             for nz, nd in norms:
                 assert abs(nz - nd) <= 1e-5 * abs(nd), f"clip p={p} stage={stage}: {nz} vs {nd}"
             assert_params_close(m_z, m_d, 1e-6, f"clip p={p} stage={stage}")
+
         # -- several groups with their own lr / weight decay, StepLR on both
         def groups(m):
-            return [{"params": list(m.l1.parameters()), "lr": 0.02, "weight_decay": 0.0},
-                    {"params": list(m.l2.parameters()) + list(m.l3.parameters()),
-                     "weight_decay": 0.3}]
+            return [
+                {"params": list(m.l1.parameters()), "lr": 0.02, "weight_decay": 0.0},
+                {"params": list(m.l2.parameters()) + list(m.l3.parameters()), "weight_decay": 0.3},
+            ]
 
-        m_z, m_d, zo, to, _ = train_pair("mlp", O.AdamW, dict(lr=1e-2), stage, rank, steps=7,
-                                         sched=True, groups=groups,
-                                         zkw={})
+        m_z, m_d, zo, to, _ = train_pair(
+            "mlp", O.AdamW, dict(lr=1e-2), stage, rank, steps=7, sched=True, groups=groups, zkw={}
+        )
         assert_params_close(m_z, m_d, 1e-6, f"groups+StepLR stage={stage}")
         assert [g["lr"] for g in zo.param_groups] == [g["lr"] for g in to.param_groups]
         # -- consolidated state dict == the DDP-side torch optimizer's, loadable by torch
@@ -279,8 +305,9 @@ def check_features(rank: int, world: int) -> dict:
             _assert_state_close(full, to.state_dict(), f"consolidated {cls.__name__}")
             cls(copy.deepcopy(m_d).parameters(), **kw).load_state_dict(full)
     # -- forced modes and refusal
-    m_z, m_d, zo, _, _ = train_pair("mlp", O.Adam, dict(lr=1e-2), 2, rank, steps=5,
-                                    zkw={"partition": "whole"})
+    m_z, m_d, zo, _, _ = train_pair(
+        "mlp", O.Adam, dict(lr=1e-2), 2, rank, steps=5, zkw={"partition": "whole"}
+    )
     assert zo.mode == "whole"
     assert_params_close(m_z, m_d, 1e-6, "Adam forced whole")
     try:
@@ -356,9 +383,15 @@ def check_odd(rank: int, world: int) -> dict:
             torch.manual_seed(0)
             base = OddNet()
             m_z, m_d = copy.deepcopy(base), copy.deepcopy(base)
-            zo = ZeroOptimizer(m_z, O.AdamW, stage=stage, bucket_size_mb=0.0004,
-                               overlap_comm=overlap, lr=1e-2,
-                               weight_decay=0.1)
+            zo = ZeroOptimizer(
+                m_z,
+                O.AdamW,
+                stage=stage,
+                bucket_size_mb=0.0004,
+                overlap_comm=overlap,
+                lr=1e-2,
+                weight_decay=0.1,
+            )
             ddp = DDP(m_d, find_unused_parameters=True)
             to = O.AdamW(m_d.parameters(), lr=1e-2, weight_decay=0.1)
             frozen_before = m_z.frozen.weight.detach().clone()
@@ -475,8 +508,8 @@ def check_precision(rank: int, world: int) -> dict:
             for b in buf.buckets:
                 lo = b.shard_start(rank)
                 off = b.start // world
-                got = z_lp._flats[i][lo:lo + b.shard_numel]
-                want = r.masters[i][off:off + b.shard_numel].to(torch.bfloat16)
+                got = z_lp._flats[i][lo : lo + b.shard_numel]
+                want = r.masters[i][off : off + b.shard_numel].to(torch.bfloat16)
                 assert torch.equal(got, want), f"bf16 copy-out stage={stage}"
             assert r.masters[i].dtype == torch.float32
         assert_params_close(m_lp, m_32, 3e-2, f"bf16 vs fp32 stage={stage}")
@@ -525,13 +558,15 @@ def check_memory(rank: int, world: int) -> dict:
             zo.step()
         r = zo.memory_report()
         pad = sum(len(b.buckets) for b in zo.layout.buffers) * world * 16 + 16 * len(
-            list(model.parameters()))
+            list(model.parameters())
+        )
         assert 4 * psi <= r["param_bytes"] <= 4 * (psi + pad)
         assert 8 * psi / world <= r["optim_state_bytes"] <= 8 * (psi + pad) / world + 64 * 8
         # fp32 params: the optimizer steps views of the param buffer, no master copy
         assert r["master_bytes"] == 0, r
-        flat_ptrs = [(f.untyped_storage().data_ptr(), f.untyped_storage().nbytes())
-                     for f in zo._flats]
+        flat_ptrs = [
+            (f.untyped_storage().data_ptr(), f.untyped_storage().nbytes()) for f in zo._flats
+        ]
         for g in zo._runner.inner.param_groups:
             for p in g["params"]:
                 ptr = p.untyped_storage().data_ptr()
@@ -543,8 +578,7 @@ def check_memory(rank: int, world: int) -> dict:
             assert 4 * psi <= r["grad_bytes"] <= 4 * (psi + pad), (r, psi)
             assert grads.shards is None
             full_ptrs = {t.untyped_storage().data_ptr() for t in grads.full}
-            assert all(t.untyped_storage().data_ptr() in full_ptrs
-                       for t in grads.shard_tensors())
+            assert all(t.untyped_storage().data_ptr() in full_ptrs for t in grads.shard_tensors())
             assert r["comm_buffer_bytes"] == 0, r
         else:
             shard = 4 * psi / world
@@ -555,8 +589,9 @@ def check_memory(rank: int, world: int) -> dict:
             assert r["grad_peak_bytes"] <= r["grad_bytes"] + 2 * full_bucket, r
             if world > 1:
                 assert r["grad_peak_bytes"] < 4 * psi, r  # never a full-size grad buffer
-        assert r["model_state_bytes"] == (r["param_bytes"] + r["grad_bytes"] +
-                                          r["master_bytes"] + r["optim_state_bytes"])
+        assert r["model_state_bytes"] == (
+            r["param_bytes"] + r["grad_bytes"] + r["master_bytes"] + r["optim_state_bytes"]
+        )
         assert r["total_bytes"] == r["model_state_bytes"] + r["comm_buffer_bytes"]
         rep[f"stage={stage}"] = {"psi": psi, **r}
     return rep

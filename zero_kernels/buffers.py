@@ -36,25 +36,27 @@ def dtype_of(name: str) -> torch.dtype:
     return dt
 
 
-def flatten_params(buf: FlatBuffer, params: dict[int, torch.Tensor],
-                   device: torch.device) -> torch.Tensor:
+def flatten_params(
+    buf: FlatBuffer, params: dict[int, torch.Tensor], device: torch.device
+) -> torch.Tensor:
     """Copy ``buf``'s parameters into one new flat tensor and make each ``param.data`` its view."""
     flat = torch.zeros(buf.numel, dtype=dtype_of(buf.dtype), device=device)
     for slot in buf.slots:
         p = params[slot.index]
-        view = flat[slot.start:slot.end]
+        view = flat[slot.start : slot.end]
         view.copy_(p.detach().reshape(-1))
         p.data = view.view(slot.shape)
     return flat
 
 
-def shard_view(flat: torch.Tensor, layout: Layout, buf: FlatBuffer, rank: int,
-               bucket: int) -> tuple[torch.Tensor, slice]:
+def shard_view(
+    flat: torch.Tensor, layout: Layout, buf: FlatBuffer, rank: int, bucket: int
+) -> tuple[torch.Tensor, slice]:
     """``rank``'s shard of one bucket inside ``flat`` and its slice inside the rank's shard."""
     b = buf.buckets[bucket]
     lo = b.shard_start(rank)
     off = b.start // layout.world_size
-    return flat[lo:lo + b.shard_numel], slice(off, off + b.shard_numel)
+    return flat[lo : lo + b.shard_numel], slice(off, off + b.shard_numel)
 
 
 class GradStore:
@@ -63,8 +65,16 @@ class GradStore:
     See [Note: gradient storage]. ``max_inflight`` bounds the stage-2 bucket buffers.
     """
 
-    def __init__(self, layout: Layout, stage: int, device: torch.device,
-                 dtype: torch.dtype = torch.float32, *, rank: int = 0, max_inflight: int = 2):
+    def __init__(
+        self,
+        layout: Layout,
+        stage: int,
+        device: torch.device,
+        dtype: torch.dtype = torch.float32,
+        *,
+        rank: int = 0,
+        max_inflight: int = 2,
+    ):
         if stage not in (1, 2):
             raise ValueError(f"stage must be 1 or 2, got stage={stage!r}")
         self.layout, self.stage, self.device, self.dtype = layout, stage, device, dtype
@@ -75,8 +85,9 @@ class GradStore:
             self.shards = None
         else:  # the reduced shard of every flat buffer
             self.full = None
-            self.shards = [torch.zeros(b.shard_numel(n), dtype=dtype, device=device)
-                           for b in layout.buffers]
+            self.shards = [
+                torch.zeros(b.shard_numel(n), dtype=dtype, device=device) for b in layout.buffers
+            ]
         self.bucket_numel = max(bk.numel(n) for b in layout.buffers for bk in b.buckets)
         self.live: dict[tuple[int, int], torch.Tensor] = {}  # stage 2: buckets in use
         self._free: list[torch.Tensor] = []  # stage 2: pool buffers not in use
@@ -89,23 +100,26 @@ class GradStore:
         bk = buf.buckets[b]
         if self.full is not None:
             lo = bk.shard_start(self.rank)
-            return self.full[i][lo:lo + bk.shard_numel]
+            return self.full[i][lo : lo + bk.shard_numel]
         off = bk.start // self.layout.world_size
-        return self.shards[i][off:off + bk.shard_numel]
+        return self.shards[i][off : off + bk.shard_numel]
 
     def shard_tensors(self) -> list[torch.Tensor]:
         """Every reduced gradient tensor of this rank (norms, overflow checks)."""
         if self.shards is not None:
             return list(self.shards)
-        return [self.shard(i, bk.index) for i, buf in enumerate(self.layout.buffers)
-                for bk in buf.buckets]
+        return [
+            self.shard(i, bk.index)
+            for i, buf in enumerate(self.layout.buffers)
+            for bk in buf.buckets
+        ]
 
     def bucket(self, i: int, b: int, create: bool = True) -> torch.Tensor | None:
         """Local (unreduced) gradient storage of bucket ``b`` of buffer ``i``."""
         bk = self.layout.buffers[i].buckets[b]
         n = bk.numel(self.layout.world_size)
         if self.full is not None:
-            return self.full[i][bk.start:bk.start + n]
+            return self.full[i][bk.start : bk.start + n]
         t = self.live.get((i, b))
         if t is None and create:
             if self._free:

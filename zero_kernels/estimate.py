@@ -108,8 +108,9 @@ def parse_count(text: str | int | float, *, name: str = "--params") -> int:
     if isinstance(text, int | float):
         value = float(text)
     else:
-        m = re.fullmatch(r"\s*([0-9][0-9_]*(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBgGtT]?)\s*",
-                         text)
+        m = re.fullmatch(
+            r"\s*([0-9][0-9_]*(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBgGtT]?)\s*", text
+        )
         if not m:
             raise ValueError(f"{name} must be a count like 7.5B, 1.3e9, 125M or 350k; got {text!r}")
         scale = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}[m.group(2).lower()]
@@ -172,8 +173,12 @@ def _shapes_of_module(module) -> tuple[tuple[tuple[int, ...], ...], int]:
     def count(m: nn.Module) -> int:
         return sum(p.numel() for p in m.parameters() if p.requires_grad)
 
-    layers = [c for m in module.modules() if isinstance(m, nn.ModuleList | nn.Sequential)
-              for c in m.children()]
+    layers = [
+        c
+        for m in module.modules()
+        if isinstance(m, nn.ModuleList | nn.Sequential)
+        for c in m.children()
+    ]
     if not layers:
         layers = [m for m in module.modules() if not list(m.children())]
     largest = max((count(m) for m in layers), default=0)
@@ -199,8 +204,9 @@ def _from_factory(spec: str) -> ModelInfo:
     with torch.device("meta"):
         model = factory()
     if not isinstance(model, torch.nn.Module):
-        raise ValueError(f"--model: {spec!r} returned {type(model).__name__}, "
-                         "not a torch.nn.Module")
+        raise ValueError(
+            f"--model: {spec!r} returned {type(model).__name__}, not a torch.nn.Module"
+        )
     shapes, largest = _shapes_of_module(model)
     return ModelInfo(spec, shapes, largest)
 
@@ -224,8 +230,20 @@ def _config_shapes(cfg: dict) -> tuple[tuple[tuple[int, ...], ...], int]:
         n_pos = int(get("n_positions", "max_position_embeddings", default=1024))
         inner = int(cfg.get("n_inner") or 4 * d)
         tied = bool(cfg.get("tie_word_embeddings", True))
-        layer = [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,), (d,), (d,),
-                 (d, inner), (inner,), (inner, d), (d,)]
+        layer = [
+            (d,),
+            (d,),
+            (d, 3 * d),
+            (3 * d,),
+            (d, d),
+            (d,),
+            (d,),
+            (d,),
+            (d, inner),
+            (inner,),
+            (inner, d),
+            (d,),
+        ]
         shapes = [(vocab, d), (n_pos, d)] + layer * n_layer + [(d,), (d,)]
         if not tied:
             shapes.append((vocab, d))
@@ -238,16 +256,27 @@ def _config_shapes(cfg: dict) -> tuple[tuple[tuple[int, ...], ...], int]:
         hd = int(cfg.get("head_dim") or d // heads)
         tied = bool(cfg.get("tie_word_embeddings", False))
         bias = bool(cfg.get("attention_bias", False))
-        layer = [(heads * hd, d), (kv * hd, d), (kv * hd, d), (d, heads * hd),
-                 (inner, d), (inner, d), (d, inner), (d,), (d,)]
+        layer = [
+            (heads * hd, d),
+            (kv * hd, d),
+            (kv * hd, d),
+            (d, heads * hd),
+            (inner, d),
+            (inner, d),
+            (d, inner),
+            (d,),
+            (d,),
+        ]
         if bias:
             layer += [(heads * hd,), (kv * hd,), (kv * hd,)]
         shapes = [(vocab, d)] + layer * n_layer + [(d,)]
         if not tied:
             shapes.append((vocab, d))
     else:
-        raise ValueError("--model: config.json is neither GPT-2 style (n_embd, n_layer) nor "
-                         "LLaMA style (hidden_size, intermediate_size, num_hidden_layers)")
+        raise ValueError(
+            "--model: config.json is neither GPT-2 style (n_embd, n_layer) nor "
+            "LLaMA style (hidden_size, intermediate_size, num_hidden_layers)"
+        )
     largest = max(sum(math.prod(s) for s in layer), vocab * d)
     return tuple(shapes), largest
 
@@ -267,8 +296,9 @@ def model_info(spec: str) -> ModelInfo:
         shapes, largest = _config_shapes(cfg)
         return ModelInfo(str(p), shapes, largest)
     if ":" not in spec:
-        raise ValueError(f"--model must be `package.module:factory` or a config.json path; "
-                         f"got {spec!r}")
+        raise ValueError(
+            f"--model must be `package.module:factory` or a config.json path; got {spec!r}"
+        )
     return _from_factory(spec)
 
 
@@ -278,7 +308,9 @@ def model_info(spec: str) -> ModelInfo:
 
 
 def optimizer_state_bytes(
-    optimizer: str, precision: str | Precision, n_params: int,
+    optimizer: str,
+    precision: str | Precision,
+    n_params: int,
     shapes: Sequence[tuple[int, ...]] | None = None,
 ) -> float:
     """Bytes of optimizer state (master copy included) for the whole model, unsharded.
@@ -320,10 +352,18 @@ class StageEstimate:
 
 
 def estimate_stage(
-    stage: int, n_params: int, world_size: int, *, precision: str = "mixed",
-    optimizer: str = "adam", optim_bytes_total: float | None = None,
-    largest_layer: int | None = None, prefetch: int = 1, gpu_mem: int | None = None,
-    bucket_mb: float = DEFAULT_BUCKET_MB, max_inflight_buckets: int = 2,
+    stage: int,
+    n_params: int,
+    world_size: int,
+    *,
+    precision: str = "mixed",
+    optimizer: str = "adam",
+    optim_bytes_total: float | None = None,
+    largest_layer: int | None = None,
+    prefetch: int = 1,
+    gpu_mem: int | None = None,
+    bucket_mb: float = DEFAULT_BUCKET_MB,
+    max_inflight_buckets: int = 2,
 ) -> StageEstimate:
     """Per-rank model-state bytes, comm buffers and per-step communication of one stage (see
     the Note above); ``bucket_mb`` / ``max_inflight_buckets`` as ZeroOptimizer's."""
@@ -334,8 +374,11 @@ def estimate_stage(
     prec = PRECISIONS[_choice("--precision", precision, PRECISIONS, _PRECISION_ALIASES)]
     psi, n = float(n_params), float(world_size)
     p, g = prec.param_bytes * psi, prec.grad_bytes * psi
-    k = optimizer_state_bytes(optimizer, prec, n_params) if optim_bytes_total is None \
+    k = (
+        optimizer_state_bytes(optimizer, prec, n_params)
+        if optim_bytes_total is None
         else float(optim_bytes_total)
+    )
     live = 0.0
     if stage == 0:
         pb, gb, ob = p, g, k
@@ -346,8 +389,9 @@ def estimate_stage(
     else:
         pb, gb, ob = p / n, g / n, k / n
         if largest_layer:
-            live = (1 + prefetch) * largest_layer * prec.param_bytes \
-                + largest_layer * prec.grad_bytes
+            live = (
+                1 + prefetch
+            ) * largest_layer * prec.param_bytes + largest_layer * prec.grad_bytes
     ring = (n - 1) / n
     if stage == 0:
         ar, rs, ag, elems = g, 0.0, 0.0, 2.0
@@ -364,8 +408,9 @@ def estimate_stage(
         bucket = min(bucket_mb * 2**20, GRAD_REDUCE_BYTES * psi)  # a bucket is at most the model
         buffers = min(max_inflight_buckets, math.ceil(GRAD_REDUCE_BYTES * psi / bucket)) * bucket
     fits = None if gpu_mem is None else total + buffers <= gpu_mem
-    return StageEstimate(stage, world_size, pb, gb, ob, live, total, elems * psi, ar, rs, ag,
-                         wire, fits, buffers)
+    return StageEstimate(
+        stage, world_size, pb, gb, ob, live, total, elems * psi, ar, rs, ag, wire, fits, buffers
+    )
 
 
 @dataclass(frozen=True)
@@ -386,10 +431,17 @@ class Estimate:
 
 
 def estimate(
-    n_params: int | None = None, world_size: int = 1, *, model: str | None = None,
-    precision: str = "mixed", optimizer: str = "adam", prefetch: int = 1,
-    gpu_mem: int | None = None, stages: Sequence[int] = STAGES,
-    bucket_mb: float = DEFAULT_BUCKET_MB, max_inflight_buckets: int = 2,
+    n_params: int | None = None,
+    world_size: int = 1,
+    *,
+    model: str | None = None,
+    precision: str = "mixed",
+    optimizer: str = "adam",
+    prefetch: int = 1,
+    gpu_mem: int | None = None,
+    stages: Sequence[int] = STAGES,
+    bucket_mb: float = DEFAULT_BUCKET_MB,
+    max_inflight_buckets: int = 2,
 ) -> Estimate:
     """All stages for a parameter count or a model spec (see `model_info`)."""
     shapes = None
@@ -403,8 +455,20 @@ def estimate(
     prec = _choice("--precision", precision, PRECISIONS, _PRECISION_ALIASES)
     opt = _choice("--optimizer", optimizer, OPTIMIZERS, {"sgd_momentum": "sgd-momentum"})
     k = optimizer_state_bytes(opt, prec, n_params, shapes)
-    rows = [estimate_stage(s, n_params, world_size, precision=prec, optimizer=opt,
-                           optim_bytes_total=k, largest_layer=largest, prefetch=prefetch,
-                           gpu_mem=gpu_mem, bucket_mb=bucket_mb,
-                           max_inflight_buckets=max_inflight_buckets) for s in stages]
+    rows = [
+        estimate_stage(
+            s,
+            n_params,
+            world_size,
+            precision=prec,
+            optimizer=opt,
+            optim_bytes_total=k,
+            largest_layer=largest,
+            prefetch=prefetch,
+            gpu_mem=gpu_mem,
+            bucket_mb=bucket_mb,
+            max_inflight_buckets=max_inflight_buckets,
+        )
+        for s in stages
+    ]
     return Estimate(n_params, world_size, prec, opt, model, largest, rows, bucket_mb)

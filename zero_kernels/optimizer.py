@@ -91,18 +91,31 @@ class ZeroOptimizer(torch.optim.Optimizer):
         ``exposed_comm_s`` is time spent waiting on collectives (after backward, after step).
     """
 
-    def __init__(self, params, optimizer_class, *, stage: int = 2, process_group=None,
-                 bucket_size_mb: float = 25.0, overlap_comm: bool = True,
-                 partition: str = "auto", fused_adam: bool = True,
-                 loss_scale: float | str | None = "auto", kernel_backend: str = "auto",
-                 max_inflight_buckets: int = 2, **defaults):
+    def __init__(
+        self,
+        params,
+        optimizer_class,
+        *,
+        stage: int = 2,
+        process_group=None,
+        bucket_size_mb: float = 25.0,
+        overlap_comm: bool = True,
+        partition: str = "auto",
+        fused_adam: bool = True,
+        loss_scale: float | str | None = "auto",
+        kernel_backend: str = "auto",
+        max_inflight_buckets: int = 2,
+        **defaults,
+    ):
         if stage not in (1, 2):
             raise ValueError(f"stage must be 1 or 2, got stage={stage!r}")
         if not bucket_size_mb > 0:
             raise ValueError(f"bucket_size_mb must be > 0, got bucket_size_mb={bucket_size_mb!r}")
         if not (isinstance(max_inflight_buckets, int) and max_inflight_buckets >= 1):
-            raise ValueError("max_inflight_buckets must be an int >= 1, got "
-                             f"max_inflight_buckets={max_inflight_buckets!r}")
+            raise ValueError(
+                "max_inflight_buckets must be an int >= 1, got "
+                f"max_inflight_buckets={max_inflight_buckets!r}"
+            )
         self.mode, why = choose_mode(optimizer_class, partition)
         self.stage, self.group, self.overlap_comm = stage, process_group, overlap_comm
         self.optimizer_class = optimizer_class
@@ -116,8 +129,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for p in g["params"]:
                 index_of[id(p)] = len(specs)
                 idx.append(len(specs))
-                specs.append(ParamSpec(len(specs), gi, str(p.dtype), tuple(p.shape),
-                                       names.get(id(p), ""), p.requires_grad))
+                specs.append(
+                    ParamSpec(
+                        len(specs),
+                        gi,
+                        str(p.dtype),
+                        tuple(p.shape),
+                        names.get(id(p), ""),
+                        p.requires_grad,
+                    )
+                )
             self._group_indices.append(idx)
         self._params = {index_of[id(p)]: p for g in user_groups for p in g["params"]}
         if not any(s.requires_grad for s in specs):
@@ -126,42 +147,68 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if len(devices) != 1:
             raise ValueError(f"ZeroOptimizer: all params must be on one device, got {devices}")
         self.device = devices.pop()
-        self.layout: Layout = build_layout(specs, self.world_size,
-                                           bucket_numel=max(1, int(bucket_size_mb * 2**20) // 4),
-                                           mode=self.mode)
+        self.layout: Layout = build_layout(
+            specs,
+            self.world_size,
+            bucket_numel=max(1, int(bucket_size_mb * 2**20) // 4),
+            mode=self.mode,
+        )
         self._check_same_layout(specs)
-        log.info("ZeroOptimizer: stage %d, %s mode (%s), %d flat buffer(s), %d bucket(s), "
-                 "world size %d", stage, self.mode, why, len(self.layout.buffers),
-                 sum(len(b.buckets) for b in self.layout.buffers), self.world_size)
+        log.info(
+            "ZeroOptimizer: stage %d, %s mode (%s), %d flat buffer(s), %d bucket(s), world size %d",
+            stage,
+            self.mode,
+            why,
+            len(self.layout.buffers),
+            sum(len(b.buckets) for b in self.layout.buffers),
+            self.world_size,
+        )
         # ---- buffers: params become views; rank 0's values win (as DDP does)
         self._flats = [flatten_params(b, self._params, self.device) for b in self.layout.buffers]
         for f in self._flats:
             comm.broadcast(f, 0, group=process_group)
         self.comm_log = comm.CommLog()
         self._steps = 0
-        self._grads = GradStore(self.layout, stage, self.device, rank=self.rank,
-                                max_inflight=max_inflight_buckets)
-        self._reducer = Reducer(self.layout, self._params, self._grads, self.rank,
-                                process_group, self.comm_log)
+        self._grads = GradStore(
+            self.layout, stage, self.device, rank=self.rank, max_inflight=max_inflight_buckets
+        )
+        self._reducer = Reducer(
+            self.layout, self._params, self._grads, self.rank, process_group, self.comm_log
+        )
         self._reducer.overlap = bool(overlap_comm)
         # ---- the inner optimizer over this rank's master shard
         group_opts = [{k: v for k, v in g.items() if k != "params"} for g in user_groups]
-        fusable = (optimizer_class in FUSED_ADAM_CLASSES and fused_adam and
-                   not any(g.get(k) or defaults.get(k) for g in group_opts for k in _UNFUSABLE))
-        self._runner = ShardRunner(self.layout, self._flats, self._grads, self.rank,
-                                   optimizer_class, group_opts, defaults, fused=fusable,
-                                   backend=kernel_backend)
+        fusable = (
+            optimizer_class in FUSED_ADAM_CLASSES
+            and fused_adam
+            and not any(g.get(k) or defaults.get(k) for g in group_opts for k in _UNFUSABLE)
+        )
+        self._runner = ShardRunner(
+            self.layout,
+            self._flats,
+            self._grads,
+            self.rank,
+            optimizer_class,
+            group_opts,
+            defaults,
+            fused=fusable,
+            backend=kernel_backend,
+        )
         super().__init__(user_groups, dict(self._runner.inner.defaults))
         # ---- loss scaling
-        has_fp16 = any(p.dtype == torch.float16 and p.requires_grad
-                       for p in self._params.values())
+        has_fp16 = any(p.dtype == torch.float16 and p.requires_grad for p in self._params.values())
         if loss_scale == "auto":
             loss_scale = "dynamic" if has_fp16 else None
         self._dynamic = loss_scale == "dynamic"
-        if loss_scale is not None and not self._dynamic and not (
-                isinstance(loss_scale, (int, float)) and loss_scale > 0):
-            raise ValueError("loss_scale must be None, 'auto', 'dynamic' or a positive number, "
-                             f"got loss_scale={loss_scale!r}")
+        if (
+            loss_scale is not None
+            and not self._dynamic
+            and not (isinstance(loss_scale, (int, float)) and loss_scale > 0)
+        ):
+            raise ValueError(
+                "loss_scale must be None, 'auto', 'dynamic' or a positive number, "
+                f"got loss_scale={loss_scale!r}"
+            )
         self.loss_scale = 2.0**16 if self._dynamic else float(loss_scale or 1.0)
         self._growth_tracker = 0
         self.growth_interval = 2000
@@ -176,9 +223,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         t = torch.tensor([h, -h], dtype=torch.int64, device=self.device)
         comm.all_reduce(t, "max", group=self.group)
         if int(t[0]) != h or int(t[1]) != -h:
-            raise ValueError("ZeroOptimizer: ranks were given different parameters (shapes, "
-                             f"dtypes, groups or requires_grad differ); rank {self.rank} has "
-                             f"{len(specs)} params")
+            raise ValueError(
+                "ZeroOptimizer: ranks were given different parameters (shapes, "
+                f"dtypes, groups or requires_grad differ); rank {self.rank} has "
+                f"{len(specs)} params"
+            )
 
     # ------------------------------------------------------------------ training loop API
     @contextlib.contextmanager
@@ -219,8 +268,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self._overflow = False
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
-                        error_if_nonfinite: bool = False) -> torch.Tensor:
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
         """Clip the (reduced, unscaled) gradients to ``max_norm``; returns the global norm,
         exactly as ``torch.nn.utils.clip_grad_norm_`` on the unsharded model."""
         norm_type = float(norm_type)
@@ -234,15 +284,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
             comm.all_reduce(t, "max", group=self.group, log=self.comm_log)
             total = float(t.item())
         else:
-            s = sum(float(torch.linalg.vector_norm(g, norm_type).double() ** norm_type)
-                    if norm_type != 0 else float((g != 0).sum()) for g in shards)
+            s = sum(
+                float(torch.linalg.vector_norm(g, norm_type).double() ** norm_type)
+                if norm_type != 0
+                else float((g != 0).sum())
+                for g in shards
+            )
             t = torch.tensor([s], dtype=torch.float64, device=self.device)
             comm.all_reduce(t, "sum", group=self.group, log=self.comm_log)
             total = float(t.item()) if norm_type == 0 else float(t.item()) ** (1.0 / norm_type)
         total *= abs(self._grad_factor)
         if error_if_nonfinite and not math.isfinite(total):
-            raise RuntimeError(f"clip_grad_norm_: the total norm of order {norm_type} is "
-                               f"non-finite ({total}), error_if_nonfinite=True")
+            raise RuntimeError(
+                f"clip_grad_norm_: the total norm of order {norm_type} is "
+                f"non-finite ({total}), error_if_nonfinite=True"
+            )
         out = torch.tensor(total, dtype=torch.float32)
         coef = float(max_norm) / (float(out) + 1e-6)
         self._grad_factor *= min(coef, 1.0) if math.isfinite(coef) else coef
@@ -260,8 +316,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if self._dynamic:
                 self.loss_scale = max(self.loss_scale / 2.0, 1.0)
                 self._growth_tracker = 0
-            log.info("ZeroOptimizer: non-finite gradients, step skipped on every rank; "
-                     "loss scale now %g", self.loss_scale)
+            log.info(
+                "ZeroOptimizer: non-finite gradients, step skipped on every rank; "
+                "loss scale now %g",
+                self.loss_scale,
+            )
         else:
             self._runner.sync_hyper(self.param_groups)
             handles = self._runner.step(self._grad_factor, self.comm_log, self.group)
@@ -294,10 +353,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
         master = self._runner.master_bytes()
         model = pb + grad + master + state
         comm_now = g.comm_nbytes()
-        return dict(param_bytes=pb, grad_bytes=grad, master_bytes=master,
-                    optim_state_bytes=state, model_state_bytes=model,
-                    comm_buffer_bytes=comm_now, comm_buffer_peak_bytes=g.comm_peak_nbytes(),
-                    grad_peak_bytes=grad + g.comm_peak_nbytes(), total_bytes=model + comm_now)
+        return dict(
+            param_bytes=pb,
+            grad_bytes=grad,
+            master_bytes=master,
+            optim_state_bytes=state,
+            model_state_bytes=model,
+            comm_buffer_bytes=comm_now,
+            comm_buffer_peak_bytes=g.comm_peak_nbytes(),
+            grad_peak_bytes=grad + g.comm_peak_nbytes(),
+            total_bytes=model + comm_now,
+        )
 
     @property
     def comm_stats(self) -> dict:
@@ -311,25 +377,36 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """This rank's shard: the inner optimizer's state plus the layout needed to check it."""
         return {
-            "zero": {"stage": self.stage, "mode": self.mode, "rank": self.rank,
-                     "world_size": self.world_size, "layout": self.layout.to_dict(),
-                     "loss_scale": self.loss_scale, "growth_tracker": self._growth_tracker},
+            "zero": {
+                "stage": self.stage,
+                "mode": self.mode,
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "layout": self.layout.to_dict(),
+                "loss_scale": self.loss_scale,
+                "growth_tracker": self._growth_tracker,
+            },
             "inner": self._runner.inner.state_dict(),
-            "param_groups": [{k: v for k, v in g.items() if k != "params"}
-                             for g in self.param_groups],
+            "param_groups": [
+                {k: v for k, v in g.items() if k != "params"} for g in self.param_groups
+            ],
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a `state_dict` of this rank (same layout), or a full torch-format one
         (``consolidated_state_dict``, or a plain torch optimizer's) at any world size."""
         if not isinstance(state_dict, dict) or "param_groups" not in state_dict:
-            raise ValueError("load_state_dict: expected a dict with 'param_groups', got "
-                             f"{type(state_dict).__name__} with keys "
-                             f"{list(state_dict)[:5] if isinstance(state_dict, dict) else None}")
+            raise ValueError(
+                "load_state_dict: expected a dict with 'param_groups', got "
+                f"{type(state_dict).__name__} with keys "
+                f"{list(state_dict)[:5] if isinstance(state_dict, dict) else None}"
+            )
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
-            raise ValueError(f"load_state_dict: len(param_groups)={len(groups)} differs from "
-                             f"this optimizer's {len(self.param_groups)}")
+            raise ValueError(
+                f"load_state_dict: len(param_groups)={len(groups)} differs from "
+                f"this optimizer's {len(self.param_groups)}"
+            )
         inner = self._runner.inner
         if "zero" in state_dict:
             meta = state_dict["zero"]
@@ -339,17 +416,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     "load_state_dict: shard saved at world_size="
                     f"{meta['world_size']} rank={meta['rank']} mode={meta['mode']} does not "
                     f"match this optimizer (world_size={self.world_size}, rank={self.rank}, "
-                    f"mode={self.mode}); load a consolidated_state_dict() instead")
+                    f"mode={self.mode}); load a consolidated_state_dict() instead"
+                )
             inner.load_state_dict(state_dict["inner"])
             self.loss_scale = float(meta.get("loss_scale", self.loss_scale))
             self._growth_tracker = int(meta.get("growth_tracker", 0))
         else:
             for g, mine in zip(groups, self._group_indices):
                 if len(g["params"]) != len(mine):
-                    raise ValueError(f"load_state_dict: a param group has {len(g['params'])} "
-                                     f"params, this optimizer's has {len(mine)}")
-            remap = {old: new for g, mine in zip(groups, self._group_indices)
-                     for old, new in zip(g["params"], mine)}
+                    raise ValueError(
+                        f"load_state_dict: a param group has {len(g['params'])} "
+                        f"params, this optimizer's has {len(mine)}"
+                    )
+            remap = {
+                old: new
+                for g, mine in zip(groups, self._group_indices)
+                for old, new in zip(g["params"], mine)
+            }
             full = {remap[int(k)]: v for k, v in state_dict["state"].items()}
             st = shard_state(self.layout, self._runner, self.rank, full)
             inner_groups = []
@@ -381,9 +464,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return consolidate(self.layout, got, self.param_groups, self._group_indices)
 
     def __repr__(self) -> str:
-        return (f"ZeroOptimizer(stage={self.stage}, mode={self.mode!r}, "
-                f"optimizer_class={self.optimizer_class.__name__}, "
-                f"world_size={self.world_size}, rank={self.rank})")
+        return (
+            f"ZeroOptimizer(stage={self.stage}, mode={self.mode!r}, "
+            f"optimizer_class={self.optimizer_class.__name__}, "
+            f"world_size={self.world_size}, rank={self.rank})"
+        )
 
 
 def _param_groups(params) -> tuple[list[dict], dict[int, str]]:
@@ -394,8 +479,9 @@ def _param_groups(params) -> tuple[list[dict], dict[int, str]]:
             names.setdefault(id(p), n)
         params = list(params.parameters())
     if isinstance(params, torch.Tensor):
-        raise TypeError("params must be an iterable of tensors or dicts, or an nn.Module, got "
-                        "a single Tensor")
+        raise TypeError(
+            "params must be an iterable of tensors or dicts, or an nn.Module, got a single Tensor"
+        )
     params = list(params)
     if not params:
         raise ValueError("ZeroOptimizer got an empty parameter list")
@@ -410,12 +496,13 @@ def _param_groups(params) -> tuple[list[dict], dict[int, str]]:
                 names.setdefault(id(p[1]), p[0])
                 p = p[1]
             if not isinstance(p, torch.Tensor):
-                raise TypeError(f"param group {gi}: params must be tensors, got "
-                                f"{type(p).__name__}")
+                raise TypeError(f"param group {gi}: params must be tensors, got {type(p).__name__}")
             if id(p) in seen:
                 if seen[id(p)] != gi:
-                    raise ValueError(f"param {names.get(id(p), tuple(p.shape))} appears in "
-                                     f"param groups {seen[id(p)]} and {gi}")
+                    raise ValueError(
+                        f"param {names.get(id(p), tuple(p.shape))} appears in "
+                        f"param groups {seen[id(p)]} and {gi}"
+                    )
                 continue  # tied: counted once
             seen[id(p)] = gi
             uniq.append(p)

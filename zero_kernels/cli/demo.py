@@ -120,8 +120,15 @@ def _ddp_hook(state: _DDPHook, bucket):
     return fut.then(lambda f: f.value()[0])
 
 
-def _train(cfg: DemoConfig, stage: int, rank: int, world: int, device: torch.device,
-           data: torch.Tensor, bar_desc: str) -> dict:
+def _train(
+    cfg: DemoConfig,
+    stage: int,
+    rank: int,
+    world: int,
+    device: torch.device,
+    data: torch.Tensor,
+    bar_desc: str,
+) -> dict:
     """Train one stage; returns this rank's losses, step times, bytes held and comm counters."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -135,8 +142,12 @@ def _train(cfg: DemoConfig, stage: int, rank: int, world: int, device: torch.dev
     hook = None
     master: list[torch.nn.Parameter] = []
     if stage == 0:
-        ddp = DDP(model, gradient_as_bucket_view=True, bucket_cap_mb=cfg.bucket_mb,
-                  device_ids=[device.index] if device.type == "cuda" else None)
+        ddp = DDP(
+            model,
+            gradient_as_bucket_view=True,
+            bucket_cap_mb=cfg.bucket_mb,
+            device_ids=[device.index] if device.type == "cuda" else None,
+        )
         hook = _DDPHook(world)
         ddp.register_comm_hook(hook, _ddp_hook)
         fwd = ddp
@@ -195,14 +206,22 @@ def _train(cfg: DemoConfig, stage: int, rank: int, world: int, device: torch.dev
 
     steps = max(1, cfg.steps)
     if stage == 0:
-        comm = {"all_reduce_bytes": hook.bytes / steps, "reduce_scatter_bytes": 0.0,
-                "all_gather_bytes": 0.0,
-                "exposed_comm_s": statistics.median(exposed[1:] or exposed or [0.0])}
+        comm = {
+            "all_reduce_bytes": hook.bytes / steps,
+            "reduce_scatter_bytes": 0.0,
+            "all_gather_bytes": 0.0,
+            "exposed_comm_s": statistics.median(exposed[1:] or exposed or [0.0]),
+        }
     else:
         comm = _zero_comm(opt, steps)
-    warm = times[min(2, len(times) - 1):] if times else [0.0]
-    return {"stage": stage, "losses": losses, "step_time_s": statistics.median(warm),
-            "memory": mem, "comm": comm}
+    warm = times[min(2, len(times) - 1) :] if times else [0.0]
+    return {
+        "stage": stage,
+        "losses": losses,
+        "step_time_s": statistics.median(warm),
+        "memory": mem,
+        "comm": comm,
+    }
 
 
 def _memory(model: torch.nn.Module, opt, master: list, stage: int) -> dict:
@@ -210,28 +229,39 @@ def _memory(model: torch.nn.Module, opt, master: list, stage: int) -> dict:
     report = getattr(opt, "memory_report", None)
     if stage != 0 and callable(report):
         r = dict(report())
-        return {"params": int(r["param_bytes"]), "grads": int(r["grad_bytes"]),
-                "optim": int(r.get("master_bytes", 0)) + int(r["optim_state_bytes"]),
-                "grads_peak": int(r.get("grad_peak_bytes", r["grad_bytes"])),
-                "comm_buffers": int(r.get("comm_buffer_bytes", 0)),
-                "source": "ZeroOptimizer.memory_report()"}
+        return {
+            "params": int(r["param_bytes"]),
+            "grads": int(r["grad_bytes"]),
+            "optim": int(r.get("master_bytes", 0)) + int(r["optim_state_bytes"]),
+            "grads_peak": int(r.get("grad_peak_bytes", r["grad_bytes"])),
+            "comm_buffers": int(r.get("comm_buffer_bytes", 0)),
+            "source": "ZeroOptimizer.memory_report()",
+        }
     seen: set[int] = set()
     params = _tensor_bytes(list(model.parameters()), seen)
     grads = _tensor_bytes([p.grad for p in model.parameters() if p.grad is not None], seen)
     inner = getattr(opt, "optim", None) or getattr(opt, "optimizer", None) or opt
     optim = _tensor_bytes(master, seen) + _tensor_bytes(dict(inner.state), seen)
     # DDP's grads are views of its buckets (gradient_as_bucket_view): no separate comm buffers
-    return {"params": params, "grads": grads, "optim": optim, "grads_peak": grads,
-            "comm_buffers": 0, "source": "counted from tensors"}
+    return {
+        "params": params,
+        "grads": grads,
+        "optim": optim,
+        "grads_peak": grads,
+        "comm_buffers": 0,
+        "source": "counted from tensors",
+    }
 
 
 def _zero_comm(opt, steps: int) -> dict:
     stats = dict(opt.comm_stats)
     steps = stats.get("steps") or steps
-    return {"all_reduce_bytes": 0.0,
-            "reduce_scatter_bytes": stats.get("reduce_scatter_bytes", 0) / steps,
-            "all_gather_bytes": stats.get("all_gather_bytes", 0) / steps,
-            "exposed_comm_s": stats.get("exposed_comm_s", 0.0) / steps}
+    return {
+        "all_reduce_bytes": 0.0,
+        "reduce_scatter_bytes": stats.get("reduce_scatter_bytes", 0) / steps,
+        "all_gather_bytes": stats.get("all_gather_bytes", 0) / steps,
+        "exposed_comm_s": stats.get("exposed_comm_s", 0.0) / steps,
+    }
 
 
 def _progress(cfg: DemoConfig, rank: int, desc: str):
@@ -280,8 +310,12 @@ def run_rank(cfg: DemoConfig, rank: int, world: int, local_rank: int) -> dict | 
     if device.type == "cpu":
         torch.set_num_threads(1)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank,
-                                world_size=world, timeout=datetime.timedelta(seconds=300))
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=300),
+        )
     # On an error there is no barrier and no teardown: the peers may be blocked in a collective;
     # the supervisor (or torchrun) stops them once this rank has exited non-zero.
     data = load_corpus()
@@ -319,8 +353,13 @@ def _one_line(e: BaseException) -> str:
 def _spawned(local_rank: int, cfg: DemoConfig, nproc: int, port: int, errors) -> None:
     rank = cfg.node_rank * nproc + local_rank
     world = cfg.nnodes * nproc
-    os.environ.update(MASTER_ADDR=cfg.master_addr, MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank))
+    os.environ.update(
+        MASTER_ADDR=cfg.master_addr,
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(local_rank),
+    )
     try:
         report = run_rank(cfg, rank, world, local_rank)
         if report is not None:
@@ -356,8 +395,10 @@ def run_demo(cfg: DemoConfig) -> int:
     port = cfg.master_port or _free_port()
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
-    procs = [ctx.Process(target=_spawned, args=(i, cfg, nproc, port, errors), daemon=False)
-             for i in range(nproc)]
+    procs = [
+        ctx.Process(target=_spawned, args=(i, cfg, nproc, port, errors), daemon=False)
+        for i in range(nproc)
+    ]
     for p in procs:
         p.start()
     deadline = time.monotonic() + cfg.timeout_s
@@ -389,8 +430,10 @@ def run_demo(cfg: DemoConfig) -> int:
     if failed is None:
         return 0
     if failed == -1:
-        print(f"zero-kernels demo: error: timed out after {cfg.timeout_s:.0f} s; ranks terminated",
-              file=sys.stderr)
+        print(
+            f"zero-kernels demo: error: timed out after {cfg.timeout_s:.0f} s; ranks terminated",
+            file=sys.stderr,
+        )
         return 1
     if failed == -2:
         print("zero-kernels demo: interrupted; ranks terminated", file=sys.stderr)
@@ -422,13 +465,20 @@ def config_from_args(args) -> DemoConfig:
 def validate(cfg: DemoConfig) -> None:
     """Raise ValueError naming the argument for a bad demo configuration."""
     if cfg.stage not in available_stages():
-        raise ValueError(f"--stage must be one of {', '.join(map(str, available_stages()))} "
-                         f"(the stages in this build); got {cfg.stage}")
+        raise ValueError(
+            f"--stage must be one of {', '.join(map(str, available_stages()))} "
+            f"(the stages in this build); got {cfg.stage}"
+        )
     if cfg.model_size not in MODEL_SIZES:
-        raise ValueError(f"--model-size must be one of {', '.join(MODEL_SIZES)}; "
-                         f"got {cfg.model_size!r}")
-    for name, v, lo in (("--steps", cfg.steps, 1), ("--nproc", cfg.nproc, 1),
-                        ("--nnodes", cfg.nnodes, 1), ("--batch-size", cfg.batch_size, 1)):
+        raise ValueError(
+            f"--model-size must be one of {', '.join(MODEL_SIZES)}; got {cfg.model_size!r}"
+        )
+    for name, v, lo in (
+        ("--steps", cfg.steps, 1),
+        ("--nproc", cfg.nproc, 1),
+        ("--nnodes", cfg.nnodes, 1),
+        ("--batch-size", cfg.batch_size, 1),
+    ):
         if v is not None and v < lo:
             raise ValueError(f"{name} must be >= {lo}; got {v}")
     if not 0 <= cfg.node_rank < cfg.nnodes:

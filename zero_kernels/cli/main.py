@@ -43,73 +43,133 @@ def _build_parser() -> argparse.ArgumentParser:
     from ..models import MODEL_SIZES
     from .optimizers import OPTIMIZER_CHOICES
 
-    p = _Parser(prog=PROG, description="ZeRO for PyTorch: train a demo, estimate memory, "
-                                       "run the benchmarks.")
+    p = _Parser(
+        prog=PROG,
+        description="ZeRO for PyTorch: train a demo, estimate memory, run the benchmarks.",
+    )
     p.add_argument("--version", action="store_true", help="print the version and exit")
     sub = p.add_subparsers(dest="command", parser_class=_Parser, metavar="{demo,estimate,bench}")
 
-    d = sub.add_parser("demo", help="train a small GPT with ZeRO on local ranks and report",
-                       description="Train a small GPT on the shipped corpus with ZeRO and DDP on "
-                                   "the same data and seed; report memory, communication, time.")
+    d = sub.add_parser(
+        "demo",
+        help="train a small GPT with ZeRO on local ranks and report",
+        description="Train a small GPT on the shipped corpus with ZeRO and DDP on "
+        "the same data and seed; report memory, communication, time.",
+    )
     d.add_argument("--stage", type=int, default=2, help="ZeRO stage: 0 = DDP, 1, 2 (default 2)")
-    d.add_argument("--nproc", type=int, default=None,
-                   help="ranks on this node (default: one per GPU, else 2); ignored under torchrun")
+    d.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="ranks on this node (default: one per GPU, else 2); ignored under torchrun",
+    )
     d.add_argument("--nnodes", type=int, default=1, help="machines (default 1)")
     d.add_argument("--node-rank", type=int, default=0, help="this machine's index (default 0)")
     d.add_argument("--master-addr", default="127.0.0.1", help="address of node 0")
     d.add_argument("--master-port", type=int, default=None, help="port on node 0 (default free)")
     d.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
-    d.add_argument("--model-size", default="small", choices=list(MODEL_SIZES),
-                   help="GPT size (default small, 0.84M params)")
-    d.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
-                   help="fp32, or bf16 weights/grads with fp32 master weights (default fp32)")
-    d.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZER_CHOICES),
-                   help="optimizer (default adamw)")
+    d.add_argument(
+        "--model-size",
+        default="small",
+        choices=list(MODEL_SIZES),
+        help="GPT size (default small, 0.84M params)",
+    )
+    d.add_argument(
+        "--precision",
+        default="fp32",
+        choices=["fp32", "bf16"],
+        help="fp32, or bf16 weights/grads with fp32 master weights (default fp32)",
+    )
+    d.add_argument(
+        "--optimizer",
+        default="adamw",
+        choices=list(OPTIMIZER_CHOICES),
+        help="optimizer (default adamw)",
+    )
     d.add_argument("--lr", type=_positive_float("lr"), default=None, help="learning rate")
-    d.add_argument("--bucket-mb", type=_positive_float("bucket-mb"), default=1.0,
-                   help="communication bucket size in MB (default 1)")
+    d.add_argument(
+        "--bucket-mb",
+        type=_positive_float("bucket-mb"),
+        default=1.0,
+        help="communication bucket size in MB (default 1)",
+    )
     d.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     d.add_argument("--out", default="zero_kernels_demo", help="report folder (JSON and PNG)")
-    d.add_argument("--no-baseline", dest="baseline", action="store_false",
-                   help="skip the DDP run (no loss comparison)")
-    d.add_argument("--no-progress", dest="progress", action="store_false",
-                   help="no progress bar")
-    d.add_argument("--timeout", dest="timeout_s", type=_positive_float("timeout"), default=1800.0,
-                   help="seconds before the ranks are stopped (default 1800)")
+    d.add_argument(
+        "--no-baseline",
+        dest="baseline",
+        action="store_false",
+        help="skip the DDP run (no loss comparison)",
+    )
+    d.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    d.add_argument(
+        "--timeout",
+        dest="timeout_s",
+        type=_positive_float("timeout"),
+        default=1800.0,
+        help="seconds before the ranks are stopped (default 1800)",
+    )
 
-    e = sub.add_parser("estimate", help="per-rank memory and communication of each ZeRO stage",
-                       description="Per-rank model-state memory and communication per step of "
-                                   "each ZeRO stage (activations not included).")
+    e = sub.add_parser(
+        "estimate",
+        help="per-rank memory and communication of each ZeRO stage",
+        description="Per-rank model-state memory and communication per step of "
+        "each ZeRO stage (activations not included).",
+    )
     src = e.add_mutually_exclusive_group(required=True)
     src.add_argument("--params", help="parameter count: 7.5B, 1.3e9, 125M")
-    src.add_argument("--model", help="package.module:factory (built on the meta device) or a "
-                                     "transformers config.json")
+    src.add_argument(
+        "--model",
+        help="package.module:factory (built on the meta device) or a transformers config.json",
+    )
     e.add_argument("--world-size", "-n", type=int, default=1, help="data-parallel ranks")
-    e.add_argument("--precision", default="mixed",
-                   help="mixed (bf16/fp16 + fp32 master, default), mixed-fp32-grads (what "
-                        "ZeroOptimizer holds with bf16/fp16 params), fp32 or bf16 (pure)")
-    e.add_argument("--optimizer", default="adam",
-                   help="adam (K=12 mixed), sgd-momentum, sgd, adafactor, muon, lion, ...")
-    e.add_argument("--gpu-mem", default=None, help="memory of one device (80GB, 24GiB): "
-                                                   "says which stages fit")
+    e.add_argument(
+        "--precision",
+        default="mixed",
+        help="mixed (bf16/fp16 + fp32 master, default), mixed-fp32-grads (what "
+        "ZeroOptimizer holds with bf16/fp16 params), fp32 or bf16 (pure)",
+    )
+    e.add_argument(
+        "--optimizer",
+        default="adam",
+        help="adam (K=12 mixed), sgd-momentum, sgd, adafactor, muon, lion, ...",
+    )
+    e.add_argument(
+        "--gpu-mem", default=None, help="memory of one device (80GB, 24GiB): says which stages fit"
+    )
     e.add_argument("--prefetch", type=int, default=1, help="stage-3 layers prefetched (default 1)")
-    e.add_argument("--bucket-mb", type=_positive_float("bucket-mb"), default=None,
-                   help="ZeroOptimizer bucket size in MiB, for stage 2's comm buffers "
-                        "(default 25, as ZeroOptimizer)")
+    e.add_argument(
+        "--bucket-mb",
+        type=_positive_float("bucket-mb"),
+        default=None,
+        help="ZeroOptimizer bucket size in MiB, for stage 2's comm buffers "
+        "(default 25, as ZeroOptimizer)",
+    )
     e.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
-    b = sub.add_parser("bench", help="run the bench/ suite and write JSON/CSV/PNG",
-                       description="Run the benchmarks in bench/ (kernel, bucketing, end-to-end "
-                                   "stages); missing optional peers are skipped with a line.")
+    b = sub.add_parser(
+        "bench",
+        help="run the bench/ suite and write JSON/CSV/PNG",
+        description="Run the benchmarks in bench/ (kernel, bucketing, end-to-end "
+        "stages); missing optional peers are skipped with a line.",
+    )
     b.add_argument("--quick", action="store_true", help="a smoke run (seconds)")
     b.add_argument("--out", default="bench_results", help="results folder")
-    b.add_argument("--only", action="append", default=None,
-                   help="run only benchmarks whose name contains this (repeatable)")
+    b.add_argument(
+        "--only",
+        action="append",
+        default=None,
+        help="run only benchmarks whose name contains this (repeatable)",
+    )
     b.add_argument("--bench-dir", default=None, help="folder of bench_*.py (default ./bench)")
-    b.add_argument("--timeout", type=_positive_float("timeout"), default=1800.0,
-                   help="seconds per benchmark script (default 1800)")
+    b.add_argument(
+        "--timeout",
+        type=_positive_float("timeout"),
+        default=1800.0,
+        help="seconds per benchmark script (default 1800)",
+    )
     return p
 
 
@@ -123,46 +183,72 @@ def _cmd_estimate(args) -> int:
     if args.prefetch < 0:
         raise ValueError(f"--prefetch must be >= 0; got {args.prefetch}")
     bucket_mb = args.bucket_mb if args.bucket_mb is not None else est.DEFAULT_BUCKET_MB
-    e = est.estimate(n_params, args.world_size, model=args.model, precision=args.precision,
-                     optimizer=args.optimizer, prefetch=args.prefetch, gpu_mem=gpu_mem,
-                     bucket_mb=bucket_mb)
+    e = est.estimate(
+        n_params,
+        args.world_size,
+        model=args.model,
+        precision=args.precision,
+        optimizer=args.optimizer,
+        prefetch=args.prefetch,
+        gpu_mem=gpu_mem,
+        bucket_mb=bucket_mb,
+    )
     if args.json:
         print(json.dumps(e.as_dict(), indent=1))
         return 0
-    prec = {"mixed": "mixed precision (16-bit params/grads, fp32 master)", "fp32": "fp32",
-            "mixed-fp32-grads": "mixed precision (16-bit params, fp32 grads and master)",
-            "bf16": "pure bf16"}[e.precision]
+    prec = {
+        "mixed": "mixed precision (16-bit params/grads, fp32 master)",
+        "fp32": "fp32",
+        "mixed-fp32-grads": "mixed precision (16-bit params, fp32 grads and master)",
+        "bf16": "pure bf16",
+    }[e.precision]
     k = e.stages[0].optim_bytes / e.n_params
     count = f"{e.n_params / 1e9:.4g}B" if e.n_params >= 1e9 else f"{e.n_params / 1e6:.4g}M"
-    print(f"{count} params" + (f" ({e.model})" if e.model else "")
-          + f", {e.world_size} ranks, {prec}, {e.optimizer} (K = {k:.3g} bytes/param)")
+    print(
+        f"{count} params"
+        + (f" ({e.model})" if e.model else "")
+        + f", {e.world_size} ranks, {prec}, {e.optimizer} (K = {k:.3g} bytes/param)"
+    )
     f = est.format_bytes
-    head = f"{'stage':<8}{'params':>10}{'grads':>10}{'optim':>10}{'live':>10}{'total':>10}" \
-           f"{'comm/step':>12}{'wire/rank':>12}"
+    head = (
+        f"{'stage':<8}{'params':>10}{'grads':>10}{'optim':>10}{'live':>10}{'total':>10}"
+        f"{'comm/step':>12}{'wire/rank':>12}"
+    )
     if gpu_mem is not None:
         head += f"{'fits ' + f(gpu_mem):>16}"
     print(head)
     for s in e.stages:
-        live = f(s.live_bytes) if s.stage == 3 and e.largest_layer else ("n/a" if s.stage == 3
-                                                                         else "-")
+        live = (
+            f(s.live_bytes)
+            if s.stage == 3 and e.largest_layer
+            else ("n/a" if s.stage == 3 else "-")
+        )
         comm = s.all_reduce_bytes + s.reduce_scatter_bytes + s.all_gather_bytes
-        row = (f"{str(s.stage) + (' (DDP)' if s.stage == 0 else ''):<8}{f(s.params_bytes):>10}"
-               f"{f(s.grads_bytes):>10}{f(s.optim_bytes):>10}{live:>10}{f(s.total_bytes):>10}"
-               f"{f(comm):>12}{f(s.wire_bytes):>12}")
+        row = (
+            f"{str(s.stage) + (' (DDP)' if s.stage == 0 else ''):<8}{f(s.params_bytes):>10}"
+            f"{f(s.grads_bytes):>10}{f(s.optim_bytes):>10}{live:>10}{f(s.total_bytes):>10}"
+            f"{f(comm):>12}{f(s.wire_bytes):>12}"
+        )
         if gpu_mem is not None:
             row += f"{'yes' if s.fits else 'no':>16}"
         print(row)
     for s in e.stages:
         if s.comm_buffer_bytes:
-            print(f"{'buffers':<8}stage {s.stage}: + {f(s.comm_buffer_bytes)} of comm buffers "
-                  f"(2 in-flight buckets of {e.bucket_mb:g} MiB, fp32 grads), not in the "
-                  "totals above")
-    notes = ["model states only: activations, temporary buffers and fragmentation come on top",
-             "comm/step: bytes of the buffers reduced/gathered (2Ψ elements for stages 0-2, "
-             "3Ψ for 3); wire/rank: what one rank sends with ring collectives"]
+            print(
+                f"{'buffers':<8}stage {s.stage}: + {f(s.comm_buffer_bytes)} of comm buffers "
+                f"(2 in-flight buckets of {e.bucket_mb:g} MiB, fp32 grads), not in the "
+                "totals above"
+            )
+    notes = [
+        "model states only: activations, temporary buffers and fragmentation come on top",
+        "comm/step: bytes of the buffers reduced/gathered (2Ψ elements for stages 0-2, "
+        "3Ψ for 3); wire/rank: what one rank sends with ring collectives",
+    ]
     if e.precision == "mixed":
-        notes.append("mixed counts 16-bit grads (the paper); ZeroOptimizer reduces and holds "
-                     "grads in fp32: --precision mixed-fp32-grads for what it holds")
+        notes.append(
+            "mixed counts 16-bit grads (the paper); ZeroOptimizer reduces and holds "
+            "grads in fp32: --precision mixed-fp32-grads for what it holds"
+        )
     if e.largest_layer is None:
         notes.append("stage-3 live window needs --model (largest layer)")
     if e.optimizer == "adafactor" and e.model is None:
@@ -183,8 +269,13 @@ def _cmd_demo(args) -> int:
 def _cmd_bench(args) -> int:
     from .bench_runner import run_bench
 
-    return run_bench(quick=args.quick, out=args.out, only=args.only, bench_dir=args.bench_dir,
-                     timeout_s=args.timeout)
+    return run_bench(
+        quick=args.quick,
+        out=args.out,
+        only=args.only,
+        bench_dir=args.bench_dir,
+        timeout_s=args.timeout,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

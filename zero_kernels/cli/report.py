@@ -16,8 +16,14 @@ from ..models import build_gpt
 __all__ = ["build_report", "optimizer_state_total", "write_report"]
 
 # The demo's optimizer names -> the estimator's.
-_EST_OPT = {"adamw": "adam", "adam": "adam", "fused-adamw": "adam", "sgd": "sgd-momentum",
-            "adafactor": "adafactor", "muon": "muon"}
+_EST_OPT = {
+    "adamw": "adam",
+    "adam": "adam",
+    "fused-adamw": "adam",
+    "sgd": "sgd-momentum",
+    "adafactor": "adafactor",
+    "muon": "muon",
+}
 
 
 def model_shapes(size: str) -> list[tuple[int, ...]]:
@@ -53,18 +59,30 @@ def build_report(cfg, world: int, device: torch.device, per_rank: list[dict]) ->
     for s in stages_run:
         rs = [r[s] for r in per_rank]
         loss = [_mean([r["losses"][i] for r in rs]) for i in range(len(rs[0]["losses"]))]
-        f = est.estimate_stage(s, n_params, world,
-                               precision=precision if s == 0 else zero_precision,
-                               optimizer=_EST_OPT[cfg.optimizer], optim_bytes_total=k_total,
-                               bucket_mb=cfg.bucket_mb)
+        f = est.estimate_stage(
+            s,
+            n_params,
+            world,
+            precision=precision if s == 0 else zero_precision,
+            optimizer=_EST_OPT[cfg.optimizer],
+            optim_bytes_total=k_total,
+            bucket_mb=cfg.bucket_mb,
+        )
         mem = [r["memory"] for r in rs]
         # model states (what the formula counts); comm buffers are reported beside them
         measured_total = [m["params"] + m["grads"] + m["optim"] for m in mem]
-        formula = {"params": f.params_bytes, "grads": f.grads_bytes, "optim": f.optim_bytes,
-                   "total": f.total_bytes, "comm_buffers": f.comm_buffer_bytes,
-                   "precision": precision if s == 0 else zero_precision}
-        rel = {k: (_mean([m[k] for m in mem]) - formula[k]) / formula[k] if formula[k] else 0.0
-               for k in ("params", "grads", "optim")}
+        formula = {
+            "params": f.params_bytes,
+            "grads": f.grads_bytes,
+            "optim": f.optim_bytes,
+            "total": f.total_bytes,
+            "comm_buffers": f.comm_buffer_bytes,
+            "precision": precision if s == 0 else zero_precision,
+        }
+        rel = {
+            k: (_mean([m[k] for m in mem]) - formula[k]) / formula[k] if formula[k] else 0.0
+            for k in ("params", "grads", "optim")
+        }
         rel["total"] = (_mean(measured_total) - f.total_bytes) / f.total_bytes
         comm = {k: _mean([r["comm"][k] for r in rs]) for k in rs[0]["comm"]}
         runs[str(s)] = {
@@ -77,25 +95,36 @@ def build_report(cfg, world: int, device: torch.device, per_rank: list[dict]) ->
             "memory_formula": formula,
             "memory_rel_error": rel,
             "comm_per_step": comm,
-            "comm_formula": {"all_reduce_bytes": f.all_reduce_bytes,
-                             "reduce_scatter_bytes": f.reduce_scatter_bytes,
-                             "all_gather_bytes": f.all_gather_bytes,
-                             "wire_bytes_per_rank": f.wire_bytes},
+            "comm_formula": {
+                "all_reduce_bytes": f.all_reduce_bytes,
+                "reduce_scatter_bytes": f.reduce_scatter_bytes,
+                "all_gather_bytes": f.all_gather_bytes,
+                "wire_bytes_per_rank": f.wire_bytes,
+            },
         }
     main = str(cfg.stage)
     base = runs.get("0")
     diff = None
     if base is not None and cfg.stage != 0:
         diff = max((abs(a - b) for a, b in zip(runs[main]["loss"], base["loss"])), default=0.0)
-    all_stages = est.estimate(n_params, world, precision=precision,
-                              optimizer=_EST_OPT[cfg.optimizer], bucket_mb=cfg.bucket_mb)
+    all_stages = est.estimate(
+        n_params,
+        world,
+        precision=precision,
+        optimizer=_EST_OPT[cfg.optimizer],
+        bucket_mb=cfg.bucket_mb,
+    )
     return {
         "command": "zero-kernels " + " ".join(sys.argv[1:]) if sys.argv else "",
         "config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
-        "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                    "torch": torch.__version__, "device": str(device.type),
-                    "backend": "nccl" if device.type == "cuda" else "gloo",
-                    "cpu_threads_per_rank": torch.get_num_threads()},
+        "machine": {
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "device": str(device.type),
+            "backend": "nccl" if device.type == "cuda" else "gloo",
+            "cpu_threads_per_rank": torch.get_num_threads(),
+        },
         "world_size": world,
         "n_params": n_params,
         "stage": cfg.stage,
@@ -110,34 +139,48 @@ def _print_summary(report: dict, out: Path, png: Path | None) -> None:
     b = est.format_bytes
     r = report["runs"][str(report["stage"])]
     cfg = report["config"]
-    print(f"\nzero-kernels demo: stage {report['stage']}, {report['world_size']} ranks "
-          f"({report['machine']['backend']}), GPT '{cfg['model_size']}' "
-          f"{report['n_params'] / 1e6:.2f}M params, {cfg['precision']}, {cfg['optimizer']}, "
-          f"{cfg['steps']} steps")
+    print(
+        f"\nzero-kernels demo: stage {report['stage']}, {report['world_size']} ranks "
+        f"({report['machine']['backend']}), GPT '{cfg['model_size']}' "
+        f"{report['n_params'] / 1e6:.2f}M params, {cfg['precision']}, {cfg['optimizer']}, "
+        f"{cfg['steps']} steps"
+    )
     diff = report["loss_max_abs_diff_vs_ddp"]
-    print(f"  loss: {r['loss'][0]:.4f} -> {r['loss'][-1]:.4f}"
-          + (f"; largest difference to DDP {diff:.2e}" if diff is not None else ""))
+    print(
+        f"  loss: {r['loss'][0]:.4f} -> {r['loss'][-1]:.4f}"
+        + (f"; largest difference to DDP {diff:.2e}" if diff is not None else "")
+    )
     print(f"  {'per rank':<14}{'measured':>14}{'formula':>14}{'error':>9}")
     for k in ("params", "grads", "optim", "total"):
-        meas = (sum(m[k] for m in r["memory_per_rank"]) / len(r["memory_per_rank"])
-                if k != "total" else sum(r["memory_total_per_rank"]) /
-                len(r["memory_total_per_rank"]))
-        print(f"  {k:<14}{b(meas):>14}{b(r['memory_formula'][k]):>14}"
-              f"{100 * r['memory_rel_error'][k]:>8.1f}%")
+        meas = (
+            sum(m[k] for m in r["memory_per_rank"]) / len(r["memory_per_rank"])
+            if k != "total"
+            else sum(r["memory_total_per_rank"]) / len(r["memory_total_per_rank"])
+        )
+        print(
+            f"  {k:<14}{b(meas):>14}{b(r['memory_formula'][k]):>14}"
+            f"{100 * r['memory_rel_error'][k]:>8.1f}%"
+        )
     bufs = r.get("comm_buffers_per_rank") or [0]
-    print(f"  {'comm buffers':<14}{b(max(bufs)):>14}"
-          f"{b(r['memory_formula'].get('comm_buffers', 0)):>14}   (not model states: "
-          "stage 2's in-flight buckets)")
+    print(
+        f"  {'comm buffers':<14}{b(max(bufs)):>14}"
+        f"{b(r['memory_formula'].get('comm_buffers', 0)):>14}   (not model states: "
+        "stage 2's in-flight buckets)"
+    )
     if r["memory_formula"].get("precision") == "mixed-fp32-grads":
         print("  (formula with fp32 grads: ZeroOptimizer reduces and holds grads in fp32)")
     c = r["comm_per_step"]
-    print(f"  per step: all-reduce {b(c['all_reduce_bytes'])}, reduce-scatter "
-          f"{b(c['reduce_scatter_bytes'])}, all-gather {b(c['all_gather_bytes'])}; "
-          f"exposed comm {1e3 * c['exposed_comm_s']:.2f} ms; step {1e3 * r['step_time_s']:.1f} ms")
+    print(
+        f"  per step: all-reduce {b(c['all_reduce_bytes'])}, reduce-scatter "
+        f"{b(c['reduce_scatter_bytes'])}, all-gather {b(c['all_gather_bytes'])}; "
+        f"exposed comm {1e3 * c['exposed_comm_s']:.2f} ms; step {1e3 * r['step_time_s']:.1f} ms"
+    )
     base = report["runs"].get("0")
     if base is not None and report["stage"] != 0:
-        print(f"  DDP: step {1e3 * base['step_time_s']:.1f} ms, memory per rank "
-              f"{b(sum(base['memory_total_per_rank']) / len(base['memory_total_per_rank']))}")
+        print(
+            f"  DDP: step {1e3 * base['step_time_s']:.1f} ms, memory per rank "
+            f"{b(sum(base['memory_total_per_rank']) / len(base['memory_total_per_rank']))}"
+        )
     print(f"  report: {out / 'report.json'}" + (f", plot: {png}" if png else ""))
 
 
@@ -153,23 +196,36 @@ def _plot(report: dict, path: Path) -> Path | None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     stages = [e["stage"] for e in report["estimate"]]
     bottom = [0.0] * len(stages)
-    for key, label in (("params_bytes", "params"), ("grads_bytes", "grads"),
-                       ("optim_bytes", "optimizer state"), ("live_bytes", "stage-3 live")):
+    for key, label in (
+        ("params_bytes", "params"),
+        ("grads_bytes", "grads"),
+        ("optim_bytes", "optimizer state"),
+        ("live_bytes", "stage-3 live"),
+    ):
         vals = [e[key] / 1e6 for e in report["estimate"]]
         ax1.bar(stages, vals, bottom=bottom, label=f"{label} (formula)", alpha=0.7)
         bottom = [a + v for a, v in zip(bottom, vals)]
     for s, r in report["runs"].items():
         ys = [t / 1e6 for t in r["memory_total_per_rank"]]
-        ax1.scatter([int(s)] * len(ys), ys, color="k", marker="x", zorder=3,
-                    label="measured (each rank)" if s == min(report["runs"]) else None)
+        ax1.scatter(
+            [int(s)] * len(ys),
+            ys,
+            color="k",
+            marker="x",
+            zorder=3,
+            label="measured (each rank)" if s == min(report["runs"]) else None,
+        )
     ax1.set_xticks(stages, [f"{s}" + (" (DDP)" if s == 0 else "") for s in stages])
     ax1.set_xlabel("ZeRO stage")
     ax1.set_ylabel("model-state MB per rank")
     ax1.set_title(f"memory per rank, N={report['world_size']}")
     ax1.legend(fontsize=7, loc="lower left")
     for s, r in sorted(report["runs"].items()):
-        ax2.plot(r["loss"], label="DDP" if s == "0" else f"ZeRO stage {s}",
-                 linestyle="-" if s == "0" else "--")
+        ax2.plot(
+            r["loss"],
+            label="DDP" if s == "0" else f"ZeRO stage {s}",
+            linestyle="-" if s == "0" else "--",
+        )
     ax2.set_xlabel("step")
     ax2.set_ylabel("loss (mean over ranks)")
     diff = report["loss_max_abs_diff_vs_ddp"]

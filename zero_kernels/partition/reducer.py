@@ -49,8 +49,15 @@ __all__ = ["Reducer"]
 
 
 class Reducer:
-    def __init__(self, layout: Layout, params: dict[int, torch.Tensor], grads: GradStore,
-                 rank: int, group, log: comm.CommLog):
+    def __init__(
+        self,
+        layout: Layout,
+        params: dict[int, torch.Tensor],
+        grads: GradStore,
+        rank: int,
+        group,
+        log: comm.CommLog,
+    ):
         self.layout, self.grads, self.rank, self.group, self.log = layout, grads, rank, group, log
         self.stage = grads.stage
         self.sync = True  # False inside no_sync()
@@ -64,8 +71,9 @@ class Reducer:
                 key = max((buf.slots[s].index for s in b.slots), default=-1)
                 order.append((-key, i, b.index))
         self.order = [(i, b) for _, i, b in sorted(order)]
-        self.need = {(i, b.index): len(b.slots) for i, buf in enumerate(layout.buffers)
-                     for b in buf.buckets}
+        self.need = {
+            (i, b.index): len(b.slots) for i, buf in enumerate(layout.buffers) for b in buf.buckets
+        }
         self.fresh = {k: True for k in self.need}  # stage 2: next reduce overwrites the shard
         self.reduced = {k: False for k in self.need}  # stage 1: reduced in place, not rebased
         # stage 1: slot positions written since zero_grad, per bucket (the rest is stale)
@@ -77,8 +85,7 @@ class Reducer:
         for i, buf in enumerate(layout.buffers):
             for pos, slot in enumerate(buf.slots):
                 p = params[slot.index]
-                self._hooks.append(p.register_post_accumulate_grad_hook(
-                    self._make_hook(i, pos)))
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(i, pos)))
 
     def _reset_pass(self) -> None:
         self.arrived = {k: 0 for k in self.need}
@@ -110,7 +117,7 @@ class Reducer:
                 self.wait_all()
                 self.launched.discard((i, b))
                 self.arrived[(i, b)] = 0
-            dst = self._bucket(i, b)[off:off + slot.numel]
+            dst = self._bucket(i, b)[off : off + slot.numel]
             if self.stage == 1 and pos not in self.written[(i, b)]:
                 dst.copy_(g.reshape(-1))
                 self.written[(i, b)].add(pos)
@@ -151,9 +158,9 @@ class Reducer:
         t = self.grads.bucket(i, b)
         lo = bk.shard_start(self.rank) - bk.start
         t[:lo].zero_()
-        t[lo + bk.shard_numel:].zero_()
+        t[lo + bk.shard_numel :].zero_()
         if n > 1:
-            t[lo:lo + bk.shard_numel].mul_(n)
+            t[lo : lo + bk.shard_numel].mul_(n)
         self.reduced[(i, b)] = False
 
     def _zero_unwritten(self, i: int, b: int) -> None:
@@ -166,7 +173,7 @@ class Reducer:
             for pos in bk.slots:
                 if pos not in done:
                     slot = buf.slots[pos]
-                    full[slot.start:slot.end].zero_()
+                    full[slot.start : slot.end].zero_()
             done.update(bk.slots)
 
     def _launch(self, i: int, b: int) -> None:

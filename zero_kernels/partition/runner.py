@@ -36,9 +36,19 @@ FUSED_ADAM_CLASSES = (torch.optim.Adam, torch.optim.AdamW)
 
 
 class ShardRunner:
-    def __init__(self, layout: Layout, flats: list[torch.Tensor], grads: GradStore, rank: int,
-                 optimizer_class, group_opts: list[dict], defaults: dict, *, fused: bool,
-                 backend: str = "auto"):
+    def __init__(
+        self,
+        layout: Layout,
+        flats: list[torch.Tensor],
+        grads: GradStore,
+        rank: int,
+        optimizer_class,
+        group_opts: list[dict],
+        defaults: dict,
+        *,
+        fused: bool,
+        backend: str = "auto",
+    ):
         self.layout, self.flats, self.grads, self.rank = layout, flats, grads, rank
         self.optimizer_class = optimizer_class
         n = layout.world_size
@@ -71,14 +81,16 @@ class ShardRunner:
                 if slot.owner != rank:
                     continue
                 lo = slot.start - buf.buckets[slot.bucket].shard_start(rank)
-                v = self.master_view(i, slot.bucket)[lo:lo + slot.numel].view(slot.shape)
-                v.grad = grads.shard(i, slot.bucket)[lo:lo + slot.numel].view(slot.shape)
+                v = self.master_view(i, slot.bucket)[lo : lo + slot.numel].view(slot.shape)
+                v.grad = grads.shard(i, slot.bucket)[lo : lo + slot.numel].view(slot.shape)
                 views.append(v)
                 owned.append(slot.index)
             self.inner_params.append(views)
             self.owned.append(owned)
-        groups = [{**group_opts[buf.group], "params": self.inner_params[i]}
-                  for i, buf in enumerate(layout.buffers)]
+        groups = [
+            {**group_opts[buf.group], "params": self.inner_params[i]}
+            for i, buf in enumerate(layout.buffers)
+        ]
         self.inner = optimizer_class(groups, **defaults)
         self.fused = fused and layout.mode == "flat"
         self.backend = backend
@@ -117,9 +129,16 @@ class ShardRunner:
                 if self.fused:
                     p = self.inner_params[i][b.index]
                     hyper, st = self._adam_hyper(g, p, grad_scale)
-                    adam_step(p, p.grad, st["exp_avg"], st["exp_avg_sq"], hyper,
-                              max_exp_avg_sq=st["max_exp_avg_sq"] if hyper.amsgrad else None,
-                              out_lowp=dst if lowp else None, backend=self.backend)
+                    adam_step(
+                        p,
+                        p.grad,
+                        st["exp_avg"],
+                        st["exp_avg_sq"],
+                        hyper,
+                        max_exp_avg_sq=st["max_exp_avg_sq"] if hyper.amsgrad else None,
+                        out_lowp=dst if lowp else None,
+                        backend=self.backend,
+                    )
                 if m is not None and not (self.fused and lowp):
                     dst.copy_(m[sl])
                 handles.append(self._gather(i, b.index, log, group))
@@ -129,8 +148,8 @@ class ShardRunner:
         buf = self.layout.buffers[i]
         bk = buf.buckets[b]
         n = self.layout.world_size
-        out = self.flats[i][bk.start:bk.start + bk.numel(n)]
-        inp = self.flats[i][bk.shard_start(self.rank):bk.shard_start(self.rank) + bk.shard_numel]
+        out = self.flats[i][bk.start : bk.start + bk.numel(n)]
+        inp = self.flats[i][bk.shard_start(self.rank) : bk.shard_start(self.rank) + bk.shard_numel]
         return comm.all_gather(out, inp, group=group, log=log)
 
     def _adam_hyper(self, g: dict, master: torch.Tensor, grad_scale: float):
@@ -145,12 +164,22 @@ class ShardRunner:
                 st["max_exp_avg_sq"] = torch.zeros_like(master)
         st["step"] += 1
         b1, b2 = (float(x) for x in g["betas"])
-        adamw = bool(g.get("decoupled_weight_decay", False)) or \
-            self.optimizer_class is torch.optim.AdamW
-        hyper = AdamHyper(lr=float(g["lr"]), beta1=b1, beta2=b2, eps=float(g["eps"]),
-                          weight_decay=float(g["weight_decay"]), step=int(st["step"].item()),
-                          adamw=adamw, amsgrad=amsgrad, maximize=bool(g.get("maximize", False)),
-                          grad_scale=grad_scale)
+        adamw = (
+            bool(g.get("decoupled_weight_decay", False))
+            or self.optimizer_class is torch.optim.AdamW
+        )
+        hyper = AdamHyper(
+            lr=float(g["lr"]),
+            beta1=b1,
+            beta2=b2,
+            eps=float(g["eps"]),
+            weight_decay=float(g["weight_decay"]),
+            step=int(st["step"].item()),
+            adamw=adamw,
+            amsgrad=amsgrad,
+            maximize=bool(g.get("maximize", False)),
+            grad_scale=grad_scale,
+        )
         return hyper, st
 
     # ---------------------------------------------------------------- accounting

@@ -46,14 +46,17 @@ def local_payload(layout: Layout, runner) -> list[dict]:
             for idx, p in zip(runner.owned[i], runner.inner_params[i]):
                 st = runner.inner.state.get(p, {})
                 if st:
-                    d[idx] = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
-                              for k, v in st.items()}
+                    d[idx] = {
+                        k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
+                        for k, v in st.items()
+                    }
             out.append(d)
     return out
 
 
-def consolidate(layout: Layout, payloads: list[list[dict]], groups: list[dict],
-                group_indices: list[list[int]]) -> dict:
+def consolidate(
+    layout: Layout, payloads: list[list[dict]], groups: list[dict], group_indices: list[list[int]]
+) -> dict:
     """torch's ``Optimizer.state_dict()`` format from every rank's `local_payload`."""
     n = layout.world_size
     state: dict[int, dict] = {}
@@ -74,14 +77,15 @@ def consolidate(layout: Layout, payloads: list[list[dict]], groups: list[dict],
                     src = payloads[r][i][key]
                     for b in buf.buckets:
                         off = b.start // n
-                        t[b.shard_start(r):b.shard_start(r) + b.shard_numel] = \
-                            src[off:off + b.shard_numel]
+                        t[b.shard_start(r) : b.shard_start(r) + b.shard_numel] = src[
+                            off : off + b.shard_numel
+                        ]
                 full[key] = t
         for slot in buf.slots:
             st = {}
             for key, v in first.items():
                 if key in full:
-                    st[key] = full[key][slot.start:slot.end].view(slot.shape).clone()
+                    st[key] = full[key][slot.start : slot.end].view(slot.shape).clone()
                 else:
                     st[key] = v.clone() if isinstance(v, torch.Tensor) else v
             state[slot.index] = st
@@ -121,7 +125,7 @@ def shard_state(layout: Layout, runner, rank: int, full_state: dict) -> dict:
                         hi = min(slot.end, b.shard_start(rank) + b.shard_numel)
                         if hi > lo:
                             off = b.start // n + lo - b.shard_start(rank)
-                            t[off:off + hi - lo] = src[lo - slot.start:hi - slot.start]
+                            t[off : off + hi - lo] = src[lo - slot.start : hi - slot.start]
                     st[key] = t
                     split.add(key)
                 else:
@@ -130,8 +134,10 @@ def shard_state(layout: Layout, runner, rank: int, full_state: dict) -> dict:
             for b in buf.buckets:
                 off = b.start // n
                 out[j + b.index] = {
-                    k: v[off:off + b.shard_numel].clone() if k in split
+                    k: v[off : off + b.shard_numel].clone()
+                    if k in split
                     else (v.clone() if isinstance(v, torch.Tensor) else v)
-                    for k, v in st.items()}
+                    for k, v in st.items()
+                }
         j += len(buf.buckets)
     return out
