@@ -139,6 +139,7 @@ class FusedAdam(torch.optim.Optimizer):
         amsgrad = group["amsgrad"]
         # (device, dtype, grad dtype, step) -> lists; one multi-tensor call per key
         buckets: dict[tuple, list] = defaultdict(list)
+        live = []
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -154,11 +155,15 @@ class FusedAdam(torch.optim.Optimizer):
                 )
             if torch.is_complex(p.grad):
                 raise TypeError(f"{type(self).__name__}: complex grads are not supported")
-            state = self._init_state(p, amsgrad)
-            state["step"] += 1
-            step = int(state["step"].item())
+            live.append((p, self._init_state(p, amsgrad)))
+        if not live:
+            return
+        # every step counter at once (torch keeps them as tensors, per param)
+        steps = [state["step"] for _, state in live]
+        torch._foreach_add_(steps, 1.0)
+        for (p, state), step in zip(live, torch.stack(steps).tolist()):
             grad = p.grad if p.grad.dtype in (torch.float32, p.dtype) else p.grad.to(p.dtype)
-            buckets[(p.device, p.dtype, grad.dtype, step)].append((p, grad, state))
+            buckets[(p.device, p.dtype, grad.dtype, int(step))].append((p, grad, state))
         for (_, _, _, step), items in buckets.items():
             hyper = AdamHyper(
                 lr=float(group["lr"]),
@@ -180,9 +185,12 @@ class FusedAdam(torch.optim.Optimizer):
             tensors = [p, g, state["exp_avg"], state["exp_avg_sq"]]
             if amsgrad:
                 tensors.append(state["max_exp_avg_sq"])
-            views = [_dense_flat(t) for t in tensors]
-            same = all(t.stride() == p.stride() for t in tensors)
-            if not same or any(v is None for v in views):
+            if all(t.is_contiguous() for t in tensors):
+                views = tensors  # the kernels need only numel and contiguity, not a 1-D shape
+            else:
+                views = [_dense_flat(t) for t in tensors]
+                same = all(t.stride() == p.stride() for t in tensors)
+            if views is not tensors and (not same or any(v is None for v in views)):
                 # e.g. a param whose grad came with other strides: step on copies, write back
                 views = [t.contiguous().view(-1) for t in tensors]
                 write_back += [

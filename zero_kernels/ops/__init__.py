@@ -203,8 +203,8 @@ def adam_step_multi(
 ) -> torch.Tensor | None:
     """`adam_step` over lists of separate tensors of one device and dtype.
 
-    On CUDA one multi-tensor launch covers the whole list; elsewhere the tensors are stepped one
-    by one (each call is itself multithreaded). With ``check_finite`` all grads are scanned
+    The native backends take the whole list in one call (on CUDA one multi-tensor launch; on the
+    CPU each tensor is split over the threads); Triton and the reference step tensor by tensor. With ``check_finite`` all grads are scanned
     before any tensor is written, so an overflow anywhere leaves every tensor untouched.
     """
     n = len(params)
@@ -220,7 +220,8 @@ def adam_step_multi(
         found_inf = torch.zeros(1, dtype=torch.float32, device=device)
     name = resolve_backend(backend, device)
     vmaxes = list(max_exp_avg_sqs) if hyper.amsgrad else [None] * n
-    if name == "cuda" and n > 1:
+    if name in ("cuda", "cpu") and n > 1:
+        # one native call: tensors checked in C++, all grads scanned before any update
         mod = _native.load()
         mod.adam_step_multi(
             list(params),
