@@ -70,9 +70,10 @@ class GPT(nn.Module):
     def __init__(self, vocab, d, layers):
         super().__init__()
         self.emb = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList(nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.0,
-                                                               batch_first=True, norm_first=True)
-                                    for _ in range(layers))
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.0, batch_first=True, norm_first=True)
+            for _ in range(layers)
+        )
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
         self.head.weight = self.emb.weight
@@ -104,10 +105,21 @@ def _init(rank: int, world: int, port: int) -> None:
 
     warnings.filterwarnings("ignore", category=FutureWarning)
     torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=900))
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=900),
+    )
 
 
 def _batch(args, rank: int, step: int) -> torch.Tensor:
@@ -163,15 +175,24 @@ def _build(name: str, model: nn.Module, args):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         ddp = DDP(model, bucket_cap_mb=args.bucket_mb)
-        opt = (torch.optim.AdamW(model.parameters(), **kw) if name == "ddp" else
-               ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, **kw))
-        return ddp, lambda loss: loss.backward(), lambda: opt.zero_grad(set_to_none=True), \
-            opt.step, opt
+        opt = (
+            torch.optim.AdamW(model.parameters(), **kw)
+            if name == "ddp"
+            else ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, **kw)
+        )
+        return (
+            ddp,
+            lambda loss: loss.backward(),
+            lambda: opt.zero_grad(set_to_none=True),
+            opt.step,
+            opt,
+        )
     if name.startswith("ours_stage"):
         from zero_kernels import ZeroOptimizer
 
-        opt = ZeroOptimizer(model, torch.optim.AdamW, stage=int(name[-1]),
-                            bucket_size_mb=args.bucket_mb, **kw)
+        opt = ZeroOptimizer(
+            model, torch.optim.AdamW, stage=int(name[-1]), bucket_size_mb=args.bucket_mb, **kw
+        )
         return model, lambda loss: loss.backward(), opt.zero_grad, opt.step, opt
     if name.startswith("deepspeed_stage"):
         import logging
@@ -192,14 +213,20 @@ def _build(name: str, model: nn.Module, args):
             "gradient_clipping": 0.0,
             "fp16": {"enabled": False},
             "bf16": {"enabled": False},
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket_elems,
-                                  "allgather_bucket_size": bucket_elems, "overlap_comm": True,
-                                  "contiguous_gradients": True, "reduce_scatter": True},
+            "zero_optimization": {
+                "stage": stage,
+                "reduce_bucket_size": bucket_elems,
+                "allgather_bucket_size": bucket_elems,
+                "overlap_comm": True,
+                "contiguous_gradients": True,
+                "reduce_scatter": True,
+            },
             "steps_per_print": 10**9,
             "wall_clock_breakdown": False,
         }
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg,
-                                               dist_init_required=False)
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=opt, config=cfg, dist_init_required=False
+        )
         return engine, engine.backward, lambda: None, engine.step, engine
     raise ValueError(f"unknown candidate {name!r}")
 
@@ -228,8 +255,18 @@ def timing_worker(name, rank, world, port, args, cmd_q, res_q):
             p.register_post_accumulate_grad_hook(hook)
         fwd, bwd, zero_grad, step, opt = _build(name, model, args)
         dist.barrier()
-        res_q.put((name, rank, "ready", {"psi": psi, "rss_after_import": rss_import,
-                                          "rss_after_setup": _status_bytes("VmRSS")}))
+        res_q.put(
+            (
+                name,
+                rank,
+                "ready",
+                {
+                    "psi": psi,
+                    "rss_after_import": rss_import,
+                    "rss_after_setup": _status_bytes("VmRSS"),
+                },
+            )
+        )
         i = 0
         while True:
             cmd = cmd_q.get()
@@ -255,10 +292,21 @@ def timing_worker(name, rank, world, port, args, cmd_q, res_q):
             t3 = time.perf_counter()
             waits.on = False
             exposed = _union(waits.spans + [(last_grad[0], t2)], t0, t3)
-            res_q.put((name, rank, "step", {"step_s": t3 - t0, "fwd_s": t1 - t0,
-                                             "bwd_s": t2 - t1, "opt_s": t3 - t2,
-                                             "exposed_comm_s": exposed,
-                                             "loss": float(loss.detach())}))
+            res_q.put(
+                (
+                    name,
+                    rank,
+                    "step",
+                    {
+                        "step_s": t3 - t0,
+                        "fwd_s": t1 - t0,
+                        "bwd_s": t2 - t1,
+                        "opt_s": t3 - t2,
+                        "exposed_comm_s": exposed,
+                        "loss": float(loss.detach()),
+                    },
+                )
+            )
         ru = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         final = {"peak_rss": max(ru, _status_bytes("VmHWM")), "end_rss": _status_bytes("VmRSS")}
         if name.startswith("ours"):
@@ -283,8 +331,9 @@ def run_timing(args, cands: list[str], log) -> dict:
         for r in range(world):
             q = ctx.Queue()
             cmd_qs[(name, r)] = q
-            p = ctx.Process(target=timing_worker, args=(name, r, world, port, args, q, res_q),
-                            daemon=True)
+            p = ctx.Process(
+                target=timing_worker, args=(name, r, world, port, args, q, res_q), daemon=True
+            )
             p.start()
             procs.append(p)
 
@@ -318,9 +367,14 @@ def run_timing(args, cands: list[str], log) -> dict:
             got = {rank: s for _, rank, s in collect("step", world)}
             if rnd >= args.warmup:
                 steps[name].append(got)
-        log(f"[stages] round {rnd + 1}/{n_rounds}: " + " ".join(
-            f"{n}={max(s['step_s'] for s in steps[n][-1].values()):.2f}s"
-            for n in cands if rnd >= args.warmup))
+        log(
+            f"[stages] round {rnd + 1}/{n_rounds}: "
+            + " ".join(
+                f"{n}={max(s['step_s'] for s in steps[n][-1].values()):.2f}s"
+                for n in cands
+                if rnd >= args.warmup
+            )
+        )
     for q in cmd_qs.values():
         q.put("stop")
     finals = {}
@@ -342,9 +396,13 @@ def summarize_timing(raw: dict, cands: list[str]) -> list[dict]:
         """Median over rounds of this candidate's step time / ``other``'s in the same round."""
         if other not in steps:
             return ""
-        return round(statistics.median(
-            max(s["step_s"] for s in a.values()) / max(s["step_s"] for s in b.values())
-            for a, b in zip(steps[name], steps[other], strict=True)), 3)
+        return round(
+            statistics.median(
+                max(s["step_s"] for s in a.values()) / max(s["step_s"] for s in b.values())
+                for a, b in zip(steps[name], steps[other], strict=True)
+            ),
+            3,
+        )
 
     base = med("ddp", "step_s") if "ddp" in steps else None
     for name in cands:
@@ -356,16 +414,18 @@ def summarize_timing(raw: dict, cands: list[str]) -> list[dict]:
             "median_step_s": round(step, 4),
             "vs_ddp": round(step / base, 3) if base else "",
             "vs_ddp_paired": paired(name, "ddp"),
-            "min_step_s": round(min(max(s["step_s"] for s in st.values())
-                                    for st in steps[name]), 4),
+            "min_step_s": round(
+                min(max(s["step_s"] for s in st.values()) for st in steps[name]), 4
+            ),
             "fwd_s": round(med(name, "fwd_s"), 4),
             "bwd_s": round(med(name, "bwd_s"), 4),
             "opt_s": round(med(name, "opt_s"), 4),
             "exposed_comm_s": round(med(name, "exposed_comm_s"), 4),
             "peak_rss_MB": round(peak / MB, 1),
             "rss_after_import_MB": round(max(s["rss_after_import"] for s in su.values()) / MB, 1),
-            "peak_minus_import_MB": round(max(fin[r]["peak_rss"] - su[r]["rss_after_import"]
-                                              for r in fin) / MB, 1),
+            "peak_minus_import_MB": round(
+                max(fin[r]["peak_rss"] - su[r]["rss_after_import"] for r in fin) / MB, 1
+            ),
             "end_rss_MB": round(max(f["end_rss"] for f in fin.values()) / MB, 1),
             "last_loss_rank0": round(steps[name][-1][0]["loss"], 5),
             "n": len(steps[name]),
@@ -380,8 +440,9 @@ def summarize_timing(raw: dict, cands: list[str]) -> list[dict]:
             for ds in (f"deepspeed_stage{s}", f"deepspeed_stage{s}_cpuadam"):
                 other = next((r for r in rows if r["candidate"] == ds), None)
                 if other:
-                    row[f"speedup_vs_{ds}"] = round(other["median_step_s"] /
-                                                    row["median_step_s"], 3)
+                    row[f"speedup_vs_{ds}"] = round(
+                        other["median_step_s"] / row["median_step_s"], 3
+                    )
                     row[f"speedup_vs_{ds}_paired"] = paired(ds, row["candidate"])
     return rows
 
@@ -413,18 +474,22 @@ def memory_worker(rank, world, port, args, res_q):
                 opt = torch.optim.AdamW(m.parameters(), **kw)
             else:
                 fwd = m
-                opt = ZeroOptimizer(m, torch.optim.AdamW, stage=stage,
-                                    bucket_size_mb=args.bucket_mb, **kw)
+                opt = ZeroOptimizer(
+                    m, torch.optim.AdamW, stage=stage, bucket_size_mb=args.bucket_mb, **kw
+                )
             opt.zero_grad()
             _loss(fwd(x), x, args.vocab).backward()
             opt.step()
             if stage == 0:
                 params = list(m.parameters())  # a tied tensor once
-                r = dict(param_bytes=sum(_tensor_bytes(p) for p in params),
-                         grad_bytes=sum(_tensor_bytes(p.grad) for p in params),
-                         master_bytes=0,
-                         optim_state_bytes=sum(_tensor_bytes(v) for st in opt.state.values()
-                                               for v in st.values()))
+                r = dict(
+                    param_bytes=sum(_tensor_bytes(p) for p in params),
+                    grad_bytes=sum(_tensor_bytes(p.grad) for p in params),
+                    master_bytes=0,
+                    optim_state_bytes=sum(
+                        _tensor_bytes(v) for st in opt.state.values() for v in st.values()
+                    ),
+                )
                 r["grad_peak_bytes"] = r["grad_bytes"]
             else:
                 r = opt.memory_report()
@@ -472,28 +537,34 @@ def run_memory(args, world_sizes: list[int]) -> list[dict]:
                 return max(r[key] for r in rs)
 
             optim = max(r["optim_state_bytes"] + r["master_bytes"] for r in rs)
-            total = max(r["param_bytes"] + r["grad_bytes"] + r["optim_state_bytes"] +
-                        r["master_bytes"] for r in rs)
-            rows.append({
-                "world_size": ws, "stage": stage,
-                "params_MB": round(mx("param_bytes") / MB, 2),
-                "params_formula_MB": round(est.params_bytes / MB, 2),
-                "grads_MB": round(mx("grad_bytes") / MB, 2),
-                "grads_peak_MB": round(mx("grad_peak_bytes") / MB, 2),
-                "grads_formula_MB": round(est.grads_bytes / MB, 2),
-                "comm_buffers_MB": round(mx("comm_buffer_bytes") / MB, 2),
-                "comm_buffers_peak_MB": round(mx("comm_buffer_peak_bytes") / MB, 2),
-                "optim_state_MB": round(mx("optim_state_bytes") / MB, 2),
-                "master_MB": round(mx("master_bytes") / MB, 2),
-                "optim_total_MB": round(optim / MB, 2),
-                "optim_formula_MB": round(est.optim_bytes / MB, 2),
-                "total_MB": round(total / MB, 2),
-                "total_formula_MB": round(est.total_bytes / MB, 2),
-                "total_vs_formula": round(total / est.total_bytes, 4),
-                "total_minus_formula_B": int(total - est.total_bytes),
-                "total_minus_master_vs_formula": round(
-                    (total - mx("master_bytes")) / est.total_bytes, 4),
-            })
+            total = max(
+                r["param_bytes"] + r["grad_bytes"] + r["optim_state_bytes"] + r["master_bytes"]
+                for r in rs
+            )
+            rows.append(
+                {
+                    "world_size": ws,
+                    "stage": stage,
+                    "params_MB": round(mx("param_bytes") / MB, 2),
+                    "params_formula_MB": round(est.params_bytes / MB, 2),
+                    "grads_MB": round(mx("grad_bytes") / MB, 2),
+                    "grads_peak_MB": round(mx("grad_peak_bytes") / MB, 2),
+                    "grads_formula_MB": round(est.grads_bytes / MB, 2),
+                    "comm_buffers_MB": round(mx("comm_buffer_bytes") / MB, 2),
+                    "comm_buffers_peak_MB": round(mx("comm_buffer_peak_bytes") / MB, 2),
+                    "optim_state_MB": round(mx("optim_state_bytes") / MB, 2),
+                    "master_MB": round(mx("master_bytes") / MB, 2),
+                    "optim_total_MB": round(optim / MB, 2),
+                    "optim_formula_MB": round(est.optim_bytes / MB, 2),
+                    "total_MB": round(total / MB, 2),
+                    "total_formula_MB": round(est.total_bytes / MB, 2),
+                    "total_vs_formula": round(total / est.total_bytes, 4),
+                    "total_minus_formula_B": int(total - est.total_bytes),
+                    "total_minus_master_vs_formula": round(
+                        (total - mx("master_bytes")) / est.total_bytes, 4
+                    ),
+                }
+            )
     return rows
 
 
@@ -501,12 +572,19 @@ def run_memory(args, world_sizes: list[int]) -> list[dict]:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true",
-                    help="smoke run (~1 min): tiny model, 1 warm-up + 2 rounds, memory at N=2")
-    ap.add_argument("--out", default=os.path.join(HERE, "results"),
-                    help="folder for stages_ws2.{json,csv} and stages_memory.{json,csv}")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run (~1 min): tiny model, 1 warm-up + 2 rounds, memory at N=2",
+    )
+    ap.add_argument(
+        "--out",
+        default=os.path.join(HERE, "results"),
+        help="folder for stages_ws2.{json,csv} and stages_memory.{json,csv}",
+    )
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--d", type=int, default=320)
     ap.add_argument("--vocab", type=int, default=8192)
@@ -516,9 +594,13 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=16, help="measured rounds")
     ap.add_argument("--bucket-mb", type=float, default=25.0)
-    ap.add_argument("--ds-adam", choices=("torch", "cpu", "both", "none"), default=None,
-                    help="DeepSpeed's optimizer: torch AdamW, DeepSpeedCPUAdam, both or skip "
-                         "(default both; torch with --quick)")
+    ap.add_argument(
+        "--ds-adam",
+        choices=("torch", "cpu", "both", "none"),
+        default=None,
+        help="DeepSpeed's optimizer: torch AdamW, DeepSpeedCPUAdam, both or skip "
+        "(default both; torch with --quick)",
+    )
     ap.add_argument("--mem-world-sizes", default="1,2,3,4")
     ap.add_argument("--skip-timing", action="store_true")
     ap.add_argument("--skip-memory", action="store_true")
@@ -556,27 +638,71 @@ def main():
         import subprocess
 
         info["zero_kernels_uncommitted_changes"] = subprocess.run(
-            ["git", "status", "--porcelain", "--", "zero_kernels", "csrc"], capture_output=True,
-            text=True, timeout=10, cwd=os.path.join(HERE, "..")).stdout.split("\n")[:20]
+            ["git", "status", "--porcelain", "--", "zero_kernels", "csrc"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            cwd=os.path.join(HERE, ".."),
+        ).stdout.split("\n")[:20]
     except OSError:
         pass
     info["date"] = time.strftime("%Y-%m-%d %H:%M %Z")
     info["load_avg_at_start"] = os.getloadavg()
-    config = {k: getattr(args, k) for k in ("layers", "d", "vocab", "batch", "tokens", "lr",
-                                            "warmup", "repeats", "bucket_mb", "ds_adam")}
+    config = {
+        k: getattr(args, k)
+        for k in (
+            "layers",
+            "d",
+            "vocab",
+            "batch",
+            "tokens",
+            "lr",
+            "warmup",
+            "repeats",
+            "bucket_mb",
+            "ds_adam",
+        )
+    }
     if not args.skip_timing:
         raw = run_timing(args, cands, log)
         info["load_avg_after_timing"] = os.getloadavg()
         rows = summarize_timing(raw, cands)
         psi = raw["setup"]["ddp"][0]["psi"]
         ours = {n: raw["finals"][n][0] for n in cands if n.startswith("ours")}
-        j, c = write_results(args.out, "stages_ws2", {
-            "machine": info, "config": config, "world_size": 2, "params": psi,
-            "ours": ours, "per_step": raw["steps"], "setup": raw["setup"]}, rows)
+        j, c = write_results(
+            args.out,
+            "stages_ws2",
+            {
+                "machine": info,
+                "config": config,
+                "world_size": 2,
+                "params": psi,
+                "ours": ours,
+                "per_step": raw["steps"],
+                "setup": raw["setup"],
+            },
+            rows,
+        )
         log(f"[stages] {psi / 1e6:.2f}M params, world size 2; wrote {j} {c}")
-        log(markdown_table(rows, ["candidate", "median_step_s", "vs_ddp", "vs_ddp_paired",
-                                  "fwd_s", "bwd_s", "opt_s", "exposed_comm_s", "peak_rss_MB",
-                                  "peak_minus_import_MB", "end_rss_MB", "last_loss_rank0"]))
+        log(
+            markdown_table(
+                rows,
+                [
+                    "candidate",
+                    "median_step_s",
+                    "vs_ddp",
+                    "vs_ddp_paired",
+                    "fwd_s",
+                    "bwd_s",
+                    "opt_s",
+                    "exposed_comm_s",
+                    "peak_rss_MB",
+                    "peak_minus_import_MB",
+                    "end_rss_MB",
+                    "last_loss_rank0",
+                ],
+            )
+        )
         for r in rows:
             extra = {k: v for k, v in r.items() if k.startswith(("speedup", "own_"))}
             if extra:
@@ -584,17 +710,40 @@ def main():
     if not args.skip_memory:
         ws = [int(w) for w in args.mem_world_sizes.split(",")]
         mrows = run_memory(args, ws)
-        j, c = write_results(args.out, "stages_memory", {
-            "machine": info, "config": config,
-            "formula": "zero_kernels.estimate.estimate_stage(stage, psi, N, precision='fp32', "
-                       "optimizer='adamw'); measured = max over ranks after one step"}, mrows)
+        j, c = write_results(
+            args.out,
+            "stages_memory",
+            {
+                "machine": info,
+                "config": config,
+                "formula": "zero_kernels.estimate.estimate_stage(stage, psi, N, precision='fp32', "
+                "optimizer='adamw'); measured = max over ranks after one step",
+            },
+            mrows,
+        )
         log(f"[stages] memory per rank (MB, max over ranks); wrote {j} {c}")
-        log(markdown_table(mrows, ["world_size", "stage", "params_MB", "params_formula_MB",
-                                   "grads_MB", "grads_peak_MB", "grads_formula_MB",
-                                   "comm_buffers_MB",
-                                   "optim_state_MB", "master_MB", "optim_formula_MB",
-                                   "total_MB", "total_formula_MB", "total_vs_formula",
-                                   "total_minus_formula_B"]))
+        log(
+            markdown_table(
+                mrows,
+                [
+                    "world_size",
+                    "stage",
+                    "params_MB",
+                    "params_formula_MB",
+                    "grads_MB",
+                    "grads_peak_MB",
+                    "grads_formula_MB",
+                    "comm_buffers_MB",
+                    "optim_state_MB",
+                    "master_MB",
+                    "optim_formula_MB",
+                    "total_MB",
+                    "total_formula_MB",
+                    "total_vs_formula",
+                    "total_minus_formula_B",
+                ],
+            )
+        )
     log(f"[stages] done in {time.perf_counter() - t_start:.0f}s")
 
 
