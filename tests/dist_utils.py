@@ -24,11 +24,16 @@ def _entry(fn, rank: int, world: int, port: int, args: tuple, q) -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world, timeout=timedelta(seconds=60))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=60),
+        )
         out = fn(rank, world, *args)
         q.put((rank, "ok", out))
-    except BaseException:  # noqa: B036 - report everything to the parent
+    except BaseException:  # report everything to the parent
         q.put((rank, "err", traceback.format_exc()))
     finally:
         if dist.is_initialized():
@@ -40,8 +45,10 @@ def run_workers(fn, world: int, *args, timeout: float = 300.0) -> list:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, q), daemon=True)
-             for r in range(world)]
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, world, port, args, q), daemon=True)
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     results: dict[int, object] = {}
@@ -75,6 +82,8 @@ def run_workers(fn, world: int, *args, timeout: float = 300.0) -> list:
         raise AssertionError(f"{len(errors)} rank(s) failed:\n" + "\n".join(errors))
     if len(results) < world:
         missing = sorted(set(range(world)) - set(results))
-        raise AssertionError(f"ranks {missing} did not finish within {timeout}s "
-                             f"(exit codes {[p.exitcode for p in procs]})")
+        raise AssertionError(
+            f"ranks {missing} did not finish within {timeout}s "
+            f"(exit codes {[p.exitcode for p in procs]})"
+        )
     return [results[r] for r in range(world)]

@@ -21,12 +21,38 @@ def test_two_node_torchrun(tmp_path):
     out = tmp_path / "out"
     procs = []
     for node in (0, 1):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-               "--nproc-per-node", "1", "--node-rank", str(node), "--master-addr", "127.0.0.1",
-               "--master-port", str(port), "-m", "zero_kernels", "demo", "--steps", "3",
-               "--model-size", "tiny", "--batch-size", "2", "--no-progress", "--out", str(out)]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True, cwd=tmp_path))
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "1",
+            "--node-rank",
+            str(node),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+            "-m",
+            "zero_kernels",
+            "demo",
+            "--steps",
+            "3",
+            "--model-size",
+            "tiny",
+            "--batch-size",
+            "2",
+            "--no-progress",
+            "--out",
+            str(out),
+        ]
+        procs.append(
+            subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path
+            )
+        )
     outputs = []
     try:
         for p in procs:

@@ -7,8 +7,10 @@ from zero_kernels.layout import Layout, ParamSpec, build_layout
 
 def specs(shapes, groups=None, frozen=()):
     groups = groups or [0] * len(shapes)
-    return [ParamSpec(i, g, "torch.float32", s, f"p{i}", i not in frozen)
-            for i, (s, g) in enumerate(zip(shapes, groups))]
+    return [
+        ParamSpec(i, g, "torch.float32", s, f"p{i}", i not in frozen)
+        for i, (s, g) in enumerate(zip(shapes, groups))
+    ]
 
 
 SHAPES = [(7, 5), (13,), (0,), (33, 17), (1,), (5, 5, 3), (100,)]
@@ -55,8 +57,9 @@ def test_layout_invariants(world, bucket, mode):
 
 
 def test_groups_frozen_and_balance():
-    lay = build_layout(specs([(10,)] * 6, groups=[0, 0, 1, 1, 1, 0], frozen=(1,)), 2,
-                       bucket_numel=10**6)
+    lay = build_layout(
+        specs([(10,)] * 6, groups=[0, 0, 1, 1, 1, 0], frozen=(1,)), 2, bucket_numel=10**6
+    )
     assert [b.group for b in lay.buffers] == [0, 1]
     assert [s.index for s in lay.buffers[0].slots] == [5, 0]
     assert lay.frozen == (1,)

@@ -17,9 +17,20 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommLog", "Handle", "all_gather", "all_reduce", "avg_supported", "broadcast",
-           "broadcast_object",
-           "gather_object", "is_initialized", "rank", "reduce_scatter", "world_size"]
+__all__ = [
+    "CommLog",
+    "Handle",
+    "all_gather",
+    "all_reduce",
+    "avg_supported",
+    "broadcast",
+    "broadcast_object",
+    "gather_object",
+    "is_initialized",
+    "rank",
+    "reduce_scatter",
+    "world_size",
+]
 
 # One compatibility point for the tensor collectives' names (new names first).
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -40,9 +51,17 @@ class CommLog:
     trace: bool = False
 
     def as_dict(self) -> dict:
-        return {k: getattr(self, k) for k in ("reduce_scatter_bytes", "all_gather_bytes",
-                                              "reduce_scatter_calls", "all_gather_calls",
-                                              "all_reduce_calls", "exposed_comm_s")}
+        return {
+            k: getattr(self, k)
+            for k in (
+                "reduce_scatter_bytes",
+                "all_gather_bytes",
+                "reduce_scatter_calls",
+                "all_gather_calls",
+                "all_reduce_calls",
+                "exposed_comm_s",
+            )
+        }
 
     def reset(self) -> None:
         for k, v in CommLog().as_dict().items():
@@ -121,8 +140,14 @@ def _device(group=None) -> torch.device:
     return torch.device("cpu")
 
 
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, group=None, avg: bool = True,
-                   log: CommLog | None = None) -> Handle:
+def reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    *,
+    group=None,
+    avg: bool = True,
+    log: CommLog | None = None,
+) -> Handle:
     """Start ``output = reduce(input)[my shard]`` (averaged when ``avg``); returns its handle."""
     n = world_size(group)
     if log is not None:
@@ -138,8 +163,9 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, group=None, avg
     return Handle(work, (output, input), float(n) if avg else 1.0, log)
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, *, group=None,
-               log: CommLog | None = None) -> Handle:
+def all_gather(
+    output: torch.Tensor, input: torch.Tensor, *, group=None, log: CommLog | None = None
+) -> Handle:
     """Start ``output = cat(input of every rank)``; returns its handle."""
     if log is not None:
         log._add("all_gather", output)
@@ -151,14 +177,14 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, *, group=None,
     return Handle(work, (output, input), 1.0, log)
 
 
-def all_reduce(t: torch.Tensor, op: str = "sum", *, group=None,
-               log: CommLog | None = None) -> torch.Tensor:
+def all_reduce(
+    t: torch.Tensor, op: str = "sum", *, group=None, log: CommLog | None = None
+) -> torch.Tensor:
     """Blocking in-place all-reduce of a small tensor (norms, overflow flags); op sum or max."""
     if log is not None:
         log.all_reduce_calls += 1
     if world_size(group) > 1:
-        dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op],
-                        group=group)
+        dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op], group=group)
     return t
 
 

@@ -247,5 +247,13 @@ def shard_bytes(layout: Layout, rank: int, itemsize: int) -> int:
     return sum(b.shard_numel(layout.world_size) for b in layout.buffers) * itemsize
 
 
-__all__ = ["MODES", "Bucket", "FlatBuffer", "Layout", "ParamSpec", "Slot", "build_layout",
-           "shard_bytes"]
+__all__ = [
+    "MODES",
+    "Bucket",
+    "FlatBuffer",
+    "Layout",
+    "ParamSpec",
+    "Slot",
+    "build_layout",
+    "shard_bytes",
+]

@@ -50,8 +50,9 @@ def find_bench_dir(bench_dir: str | None) -> Path | None:
 
 def _flags(script: Path) -> str:
     try:
-        r = subprocess.run([sys.executable, str(script), "--help"], capture_output=True,
-                           text=True, timeout=120)
+        r = subprocess.run(
+            [sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120
+        )
         return r.stdout + r.stderr
     except (subprocess.TimeoutExpired, OSError):
         return ""
@@ -67,8 +68,10 @@ def _run_script(script: Path, out: Path, quick: bool, timeout_s: float) -> dict:
         # a script whose --out default is a .json file gets a file in its folder, else the folder
         src = script.read_text(errors="replace")
         to_file = re.search(r"""add_argument\(\s*["']--out["'].{0,300}?\.json["']""", src, re.S)
-        cmd += ["--out", str(dest / f"{name.removeprefix('bench_')}.json") if to_file
-                else str(dest)]
+        cmd += [
+            "--out",
+            str(dest / f"{name.removeprefix('bench_')}.json") if to_file else str(dest),
+        ]
     if quick and "--quick" in help_text:
         cmd.append("--quick")
     elif quick:  # no --quick: shrink what its flags allow
@@ -79,8 +82,9 @@ def _run_script(script: Path, out: Path, quick: bool, timeout_s: float) -> dict:
     print(f"[bench] {name}: {' '.join(cmd[1:])}", flush=True)
     t0 = time.perf_counter()
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
-                           cwd=script.parent.parent)
+        r = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout_s, cwd=script.parent.parent
+        )
         rc, text = r.returncode, r.stdout + r.stderr
     except subprocess.TimeoutExpired as e:
         rc, text = 124, f"timed out after {timeout_s:.0f} s\n{e.stdout or ''}"
@@ -92,8 +96,9 @@ def _run_script(script: Path, out: Path, quick: bool, timeout_s: float) -> dict:
     else:
         last = (text.strip().splitlines() or ["(no output)"])[-1]
         print(f"  FAILED (exit {rc}): {last}  [log: {dest / 'log.txt'}]")
-    files = sorted(str(p.relative_to(out)) for p in dest.rglob("*")
-                   if p.suffix in (".json", ".csv", ".png"))
+    files = sorted(
+        str(p.relative_to(out)) for p in dest.rglob("*") if p.suffix in (".json", ".csv", ".png")
+    )
     return {"name": name, "rc": rc, "seconds": round(secs, 1), "files": files}
 
 
@@ -106,11 +111,20 @@ def e2e_stages(out: Path, quick: bool) -> dict:
     stages = [s for s in available_stages() if s != 0] or [0]
     rows, t0, rc = [], time.perf_counter(), 0
     for s in stages:
-        cfg = DemoConfig(stage=s, nproc=2, steps=10 if quick else 100,
-                         model_size="tiny" if quick else "small", out=str(dest / f"stage{s}"),
-                         progress=False, timeout_s=900)
-        print(f"[bench] e2e_stages: demo --stage {s} --steps {cfg.steps} "
-              f"--model-size {cfg.model_size}", flush=True)
+        cfg = DemoConfig(
+            stage=s,
+            nproc=2,
+            steps=10 if quick else 100,
+            model_size="tiny" if quick else "small",
+            out=str(dest / f"stage{s}"),
+            progress=False,
+            timeout_s=900,
+        )
+        print(
+            f"[bench] e2e_stages: demo --stage {s} --steps {cfg.steps} "
+            f"--model-size {cfg.model_size}",
+            flush=True,
+        )
         code = run_demo(cfg)
         rc = rc or code
         if code != 0:
@@ -120,17 +134,24 @@ def e2e_stages(out: Path, quick: bool) -> dict:
             if any(row["stage"] == r["stage"] for row in rows):
                 continue
             mem = sum(r["memory_total_per_rank"]) / len(r["memory_total_per_rank"])
-            rows.append({"stage": r["stage"], "step_ms": round(1e3 * r["step_time_s"], 2),
-                         "mem_per_rank_bytes": int(mem),
-                         "formula_bytes": int(r["memory_formula"]["total"]),
-                         "exposed_comm_ms": round(1e3 * r["comm_per_step"]["exposed_comm_s"], 3),
-                         "world_size": rep["world_size"], "n_params": rep["n_params"]})
+            rows.append(
+                {
+                    "stage": r["stage"],
+                    "step_ms": round(1e3 * r["step_time_s"], 2),
+                    "mem_per_rank_bytes": int(mem),
+                    "formula_bytes": int(r["memory_formula"]["total"]),
+                    "exposed_comm_ms": round(1e3 * r["comm_per_step"]["exposed_comm_s"], 3),
+                    "world_size": rep["world_size"],
+                    "n_params": rep["n_params"],
+                }
+            )
     rows.sort(key=lambda r: r["stage"])
     base = next((r for r in rows if r["stage"] == 0), None)
     for r in rows:
         r["step_time_vs_ddp"] = round(r["step_ms"] / base["step_ms"], 3) if base else None
-        r["memory_vs_ddp"] = round(r["mem_per_rank_bytes"] / base["mem_per_rank_bytes"], 3) \
-            if base else None
+        r["memory_vs_ddp"] = (
+            round(r["mem_per_rank_bytes"] / base["mem_per_rank_bytes"], 3) if base else None
+        )
     (dest / "results.json").write_text(json.dumps(rows, indent=1))
     if rows:
         with open(dest / "results.csv", "w", newline="") as f:
@@ -138,15 +159,23 @@ def e2e_stages(out: Path, quick: bool) -> dict:
             w.writeheader()
             w.writerows(rows)
         _plot_e2e(rows, dest / "results.png")
-        print(f"  {'stage':<8}{'step ms':>10}{'vs DDP':>8}{'MB/rank':>10}{'formula':>10}"
-              f"{'mem vs DDP':>12}{'exposed ms':>12}")
+        print(
+            f"  {'stage':<8}{'step ms':>10}{'vs DDP':>8}{'MB/rank':>10}{'formula':>10}"
+            f"{'mem vs DDP':>12}{'exposed ms':>12}"
+        )
         for r in rows:
-            print(f"  {r['stage']:<8}{r['step_ms']:>10.1f}{r['step_time_vs_ddp'] or 0:>8.2f}"
-                  f"{r['mem_per_rank_bytes'] / 1e6:>10.2f}{r['formula_bytes'] / 1e6:>10.2f}"
-                  f"{r['memory_vs_ddp'] or 0:>12.2f}{r['exposed_comm_ms']:>12.2f}")
+            print(
+                f"  {r['stage']:<8}{r['step_ms']:>10.1f}{r['step_time_vs_ddp'] or 0:>8.2f}"
+                f"{r['mem_per_rank_bytes'] / 1e6:>10.2f}{r['formula_bytes'] / 1e6:>10.2f}"
+                f"{r['memory_vs_ddp'] or 0:>12.2f}{r['exposed_comm_ms']:>12.2f}"
+            )
     files = sorted(str(p.relative_to(out)) for p in dest.glob("results.*"))
-    return {"name": "e2e_stages", "rc": rc, "seconds": round(time.perf_counter() - t0, 1),
-            "files": files}
+    return {
+        "name": "e2e_stages",
+        "rc": rc,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "files": files,
+    }
 
 
 def _plot_e2e(rows: list[dict], path: Path) -> None:
@@ -164,8 +193,15 @@ def _plot_e2e(rows: list[dict], path: Path) -> None:
     a.set_xlabel("stage (0 = DDP)")
     a.set_ylabel("step time, ms")
     b.bar(xs, [r["mem_per_rank_bytes"] / 1e6 for r in rows], label="measured")
-    b.scatter(xs, [r["formula_bytes"] / 1e6 for r in rows], color="k", marker="_", s=400,
-              label="formula", zorder=3)
+    b.scatter(
+        xs,
+        [r["formula_bytes"] / 1e6 for r in rows],
+        color="k",
+        marker="_",
+        s=400,
+        label="formula",
+        zorder=3,
+    )
     b.set_xlabel("stage (0 = DDP)")
     b.set_ylabel("model-state MB per rank")
     b.legend()
@@ -174,8 +210,14 @@ def _plot_e2e(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def run_bench(*, quick: bool = False, out: str = "bench_results", only: list[str] | None = None,
-              bench_dir: str | None = None, timeout_s: float = 1800.0) -> int:
+def run_bench(
+    *,
+    quick: bool = False,
+    out: str = "bench_results",
+    only: list[str] | None = None,
+    bench_dir: str | None = None,
+    timeout_s: float = 1800.0,
+) -> int:
     """Run every benchmark (filtered by ``only``); returns non-zero if one failed."""
     out_p = Path(out)
     out_p.mkdir(parents=True, exist_ok=True)
@@ -185,8 +227,10 @@ def run_bench(*, quick: bool = False, out: str = "bench_results", only: list[str
     bdir = find_bench_dir(bench_dir)
     scripts = sorted(bdir.glob("bench_*.py")) if bdir else []
     if bdir is None:
-        print("[bench] no bench/ folder here (run from the source tree or pass --bench-dir); "
-              "running the built-in end-to-end comparison only")
+        print(
+            "[bench] no bench/ folder here (run from the source tree or pass --bench-dir); "
+            "running the built-in end-to-end comparison only"
+        )
     wanted = (lambda n: any(o in n for o in only)) if only else (lambda n: True)
     results = []
     for script in scripts:
@@ -201,7 +245,9 @@ def run_bench(*, quick: bool = False, out: str = "bench_results", only: list[str
     print(f"\n{'benchmark':<24}{'status':>8}{'seconds':>10}  files")
     for r in results:
         status = "ok" if r["rc"] == 0 else f"exit {r['rc']}"
-        print(f"{r['name']:<24}{status:>8}{r['seconds']:>10.1f}  {', '.join(r['files'][:4])}"
-              + (" ..." if len(r["files"]) > 4 else ""))
+        print(
+            f"{r['name']:<24}{status:>8}{r['seconds']:>10.1f}  {', '.join(r['files'][:4])}"
+            + (" ..." if len(r["files"]) > 4 else "")
+        )
     print(f"results in {out_p}/")
     return 0 if all(r["rc"] == 0 for r in results) else 1

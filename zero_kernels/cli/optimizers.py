@@ -53,11 +53,24 @@ def _orthogonalize(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.
 class MuonAdamW(torch.optim.Optimizer):
     """Muon for 2-D parameters, AdamW (with ``adamw_lr``) for the rest; weight decay on both."""
 
-    def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, adamw_lr: float = 3e-3,
-                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
-                 weight_decay: float = 0.0) -> None:
-        defaults = dict(lr=lr, momentum=momentum, adamw_lr=adamw_lr, betas=betas, eps=eps,
-                        weight_decay=weight_decay)
+    def __init__(
+        self,
+        params,
+        lr: float = 0.02,
+        momentum: float = 0.95,
+        adamw_lr: float = 3e-3,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            adamw_lr=adamw_lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+        )
         super().__init__(params, defaults)
 
     @torch.no_grad()

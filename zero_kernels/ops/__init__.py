@@ -204,8 +204,9 @@ def adam_step_multi(
     """`adam_step` over lists of separate tensors of one device and dtype.
 
     The native backends take the whole list in one call (on CUDA one multi-tensor launch; on the
-    CPU each tensor is split over the threads); Triton and the reference step tensor by tensor. With ``check_finite`` all grads are scanned
-    before any tensor is written, so an overflow anywhere leaves every tensor untouched.
+    CPU each tensor is split over the threads); Triton and the reference step tensor by tensor.
+    With ``check_finite`` all grads are scanned before any tensor is written, so an overflow
+    anywhere leaves every tensor untouched.
     """
     n = len(params)
     for name, seq in (("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs)):

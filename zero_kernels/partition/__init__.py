@@ -5,5 +5,14 @@ from .reducer import Reducer
 from .runner import FUSED_ADAM_CLASSES, ShardRunner
 from .state import consolidate, local_payload, shard_state
 
-__all__ = ["ELEMENTWISE", "FUSED_ADAM_CLASSES", "PARTITIONS", "Reducer", "ShardRunner",
-           "choose_mode", "consolidate", "local_payload", "shard_state"]
+__all__ = [
+    "ELEMENTWISE",
+    "FUSED_ADAM_CLASSES",
+    "PARTITIONS",
+    "Reducer",
+    "ShardRunner",
+    "choose_mode",
+    "consolidate",
+    "local_payload",
+    "shard_state",
+]

@@ -18,8 +18,19 @@ PARTITIONS = ("auto", "flat", "whole")
 
 ELEMENTWISE = tuple(
     getattr(torch.optim, n)
-    for n in ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta",
-              "RMSprop", "Rprop", "ASGD")
+    for n in (
+        "SGD",
+        "Adam",
+        "AdamW",
+        "Adamax",
+        "NAdam",
+        "RAdam",
+        "Adagrad",
+        "Adadelta",
+        "RMSprop",
+        "Rprop",
+        "ASGD",
+    )
     if hasattr(torch.optim, n)
 )
 
@@ -30,20 +41,26 @@ _CLOSURE_ONLY = tuple(getattr(torch.optim, n) for n in ("LBFGS",) if hasattr(tor
 
 def choose_mode(optimizer_class, partition: str = "auto") -> tuple[str, str]:
     """``(mode, reason)`` for ``optimizer_class``; raises for optimizers this layer cannot run."""
-    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class,
-                                                             torch.optim.Optimizer)):
-        raise TypeError("optimizer_class must be a torch.optim.Optimizer subclass, got "
-                        f"optimizer_class={optimizer_class!r}")
+    if not (
+        isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)
+    ):
+        raise TypeError(
+            "optimizer_class must be a torch.optim.Optimizer subclass, got "
+            f"optimizer_class={optimizer_class!r}"
+        )
     if partition not in PARTITIONS:
         raise ValueError(f"partition must be one of {PARTITIONS}, got partition={partition!r}")
     name = optimizer_class.__name__
-    if issubclass(optimizer_class, _CLOSURE_ONLY) or getattr(optimizer_class, "zero_closure_only",
-                                                             False):
+    if issubclass(optimizer_class, _CLOSURE_ONLY) or getattr(
+        optimizer_class, "zero_closure_only", False
+    ):
         raise NotImplementedError(
             f"optimizer_class={name} needs a closure that re-evaluates the model at every step; "
-            "ZeroOptimizer cannot shard closure-only optimizers (LBFGS): use DDP for it")
+            "ZeroOptimizer cannot shard closure-only optimizers (LBFGS): use DDP for it"
+        )
     if getattr(torch.optim, "SparseAdam", None) is not None and issubclass(
-            optimizer_class, torch.optim.SparseAdam):
+        optimizer_class, torch.optim.SparseAdam
+    ):
         raise NotImplementedError(f"optimizer_class={name}: sparse gradients are not supported")
     if partition != "auto":
         return partition, f"partition={partition!r} forced"
