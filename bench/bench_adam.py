@@ -172,31 +172,20 @@ def main(argv=None) -> int:
     rows = []
     for n in sizes:
         plain = plain_step(n, args.device, repeats, not args.no_deepspeed)
-        for name, r in plain.items():
-            gbps = 28 * n / r["median_s"] / 1e9
-            rows.append(
-                {
-                    "kind": "plain step",
-                    "params": n,
-                    "candidate": name,
-                    "median_ms": round(1e3 * r["median_s"], 3),
-                    "GBps": round(gbps, 2),
-                    "bw_fraction": round(gbps / bw["floor_GBps"], 3),
-                }
-            )
         shard = shard_step(n, args.device, repeats)
-        for name, r in shard.items():
-            gbps = 34 * n / r["median_s"] / 1e9
-            rows.append(
-                {
-                    "kind": "shard step",
-                    "params": n,
-                    "candidate": name,
-                    "median_ms": round(1e3 * r["median_s"], 3),
-                    "GBps": round(gbps, 2),
-                    "bw_fraction": round(gbps / bw["floor_GBps"], 3),
-                }
-            )
+        for kind, res, bytes_per_param in (("plain step", plain, 28), ("shard step", shard, 34)):
+            for name, r in res.items():
+                gbps = bytes_per_param * n / r["median_s"] / 1e9
+                rows.append(
+                    {
+                        "kind": kind,
+                        "params": n,
+                        "candidate": name,
+                        "median_ms": round(1e3 * r["median_s"], 3),
+                        "GBps": round(gbps, 2),
+                        "bw_fraction": round(gbps / bw["floor_GBps"], 3),
+                    }
+                )
         base = {r["candidate"]: r["median_ms"] for r in rows if r["params"] == n}
         for r in rows:
             if r["params"] == n:
