@@ -11,6 +11,7 @@ the handle is waited for. `avg_supported` probes this once per process group.
 
 from __future__ import annotations
 
+import datetime
 import time
 from dataclasses import dataclass, field
 
@@ -186,6 +187,33 @@ def all_reduce(
     if world_size(group) > 1:
         dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op], group=group)
     return t
+
+
+def all_reduce_future(t: torch.Tensor, *, group=None) -> torch.futures.Future:
+    """Start an in-place sum all-reduce of ``t``; a future of ``t`` (what DDP comm hooks return)."""
+    return dist.all_reduce(t, group=group, async_op=True).get_future().then(lambda f: f.value()[0])
+
+
+def init(backend: str, rank: int, world_size: int, timeout_s: float) -> None:
+    """Join the default process group (env:// rendezvous: MASTER_ADDR, MASTER_PORT) if not yet."""
+    if not is_initialized():
+        dist.init_process_group(
+            backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+
+
+def barrier(*, group=None) -> None:
+    if world_size(group) > 1:
+        dist.barrier(group=group)
+
+
+def shutdown() -> None:
+    """Leave the default process group."""
+    if is_initialized():
+        dist.destroy_process_group()
 
 
 def gather_object(obj, dst: int, *, group=None) -> list | None:

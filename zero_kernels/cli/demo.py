@@ -21,7 +21,6 @@ compute. ZeroOptimizer measures its own (time blocked in `Handle.wait`).
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import os
 import socket
 import statistics
@@ -110,14 +109,14 @@ class _DDPHook:
 
 
 def _ddp_hook(state: _DDPHook, bucket):
-    import torch.distributed as dist
+    from .. import comm
 
     t = bucket.buffer()
     state.bytes += t.numel() * t.element_size()
     t.div_(state.world)
-    fut = dist.all_reduce(t, async_op=True).get_future()
+    fut = comm.all_reduce_future(t)
     state.last_issue = time.perf_counter()
-    return fut.then(lambda f: f.value()[0])
+    return fut
 
 
 def _train(
@@ -302,20 +301,12 @@ def _device_for(cfg: DemoConfig, local_rank: int) -> torch.device:
 
 def run_rank(cfg: DemoConfig, rank: int, world: int, local_rank: int) -> dict | None:
     """Everything one rank does; returns the report on global rank 0, None elsewhere."""
-    import torch.distributed as dist
-
     from .. import comm
 
     device = _device_for(cfg, local_rank)
     if device.type == "cpu":
         torch.set_num_threads(1)
-    if not dist.is_initialized():
-        dist.init_process_group(
-            "nccl" if device.type == "cuda" else "gloo",
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=300),
-        )
+    comm.init("nccl" if device.type == "cuda" else "gloo", rank, world, timeout_s=300)
     # On an error there is no barrier and no teardown: the peers may be blocked in a collective;
     # the supervisor (or torchrun) stops them once this rank has exited non-zero.
     data = load_corpus()
@@ -330,8 +321,8 @@ def run_rank(cfg: DemoConfig, rank: int, world: int, local_rank: int) -> dict | 
         from .report import build_report
 
         report = build_report(cfg, world, device, per_rank)
-    dist.barrier()
-    dist.destroy_process_group()
+    comm.barrier()
+    comm.shutdown()
     return report
 
 
