@@ -79,3 +79,34 @@ def test_errors_name_the_argument():
         build_layout(specs(SHAPES), 0, bucket_numel=10)
     with pytest.raises(ValueError, match="mode"):
         build_layout(specs(SHAPES), 2, bucket_numel=10, mode="rows")
+
+
+def test_stage2_pool_sizes_buffers_to_buckets():
+    """Stage 2's bucket buffers: each sized to its bucket, reused best-fit, never more than
+    ``max_inflight`` buffers or the ``max_inflight`` largest buckets together."""
+    import torch
+
+    from zero_kernels.buffers import GradStore
+
+    lay = build_layout(specs([(100,), (100,), (40,), (10,)]), 2, bucket_numel=10, align=1)
+    sizes = [bk.numel(2) for bk in lay.buffers[0].buckets]
+    assert sorted(sizes) == [10, 40, 100, 100]
+    g = GradStore(lay, 2, torch.device("cpu"), max_inflight=2)
+    assert g.cap_numel == 200
+    order = sorted(range(len(sizes)), key=lambda b: sizes[b])  # small first: forces regrowth
+    for _ in range(2):
+        for b in order + order[::-1]:
+            assert g.fits(0, b) or len(g.live) == 0
+            t = g.bucket(0, b)
+            assert t.numel() == sizes[b] and bool((t == 0).all())
+            assert g.comm_nbytes() <= 4 * g.cap_numel
+            g.release(0, b)
+    assert len(g._free) <= 2 and g.comm_peak_nbytes() <= 4 * 100
+    # two live at once: the two buffers left serve both largest buckets exactly
+    big = [b for b in range(4) if sizes[b] == 100]
+    for b in big:
+        g.bucket(0, b)
+    assert not g.fits(0, order[0])  # count limit reached
+    assert g.comm_nbytes() == 4 * 200
+    g.drop_pool()
+    assert g.comm_nbytes() == 4 * 200  # both in use

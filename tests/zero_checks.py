@@ -586,6 +586,8 @@ def check_memory(rank: int, world: int) -> dict:
             # the bucket pool: at most max_inflight_buckets (2) buffers, kept between steps
             assert r["comm_buffer_bytes"] <= 2 * full_bucket, (r, full_bucket)
             assert r["comm_buffer_peak_bytes"] <= 2 * full_bucket, (r, full_bucket)
+            # each buffer sized to its bucket: never more than the 2 largest buckets together
+            assert r["comm_buffer_bytes"] <= 4 * grads.cap_numel, (r, grads.cap_numel)
             assert r["grad_peak_bytes"] <= r["grad_bytes"] + 2 * full_bucket, r
             if world > 1:
                 assert r["grad_peak_bytes"] < 4 * psi, r  # never a full-size grad buffer

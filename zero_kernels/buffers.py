@@ -12,8 +12,11 @@ Gradients are held in the reduce dtype (fp32 by default), and nothing is held tw
   exists. `GradStore.shard` returns those views.
 - stage 2: the rank's reduced shard of each flat buffer (``numel / world_size``), plus bucket
   buffers that exist only from a bucket's first grad until its reduce-scatter is finished. They
-  come from a pool of at most ``max_inflight`` buffers of the largest bucket's size (the reducer
-  waits for the oldest reduce-scatter before a new bucket would exceed it); the pool is kept
+  come from a pool of at most ``max_inflight`` buffers, each sized to the bucket it was made for
+  (a released buffer serves the next bucket it is big enough for, the smallest such first; one
+  too small is freed and a right-sized one allocated), so the pool never holds more than the
+  ``max_inflight`` largest buckets together (``cap_numel``; the reducer waits for the oldest
+  reduce-scatter before a new bucket would exceed the count or the cap). The pool is kept
   between steps and counted as communication buffers, not as gradients.
 
 The optimizer steps the reduced shard of every bucket: views, never copies.
@@ -88,11 +91,15 @@ class GradStore:
             self.shards = [
                 torch.zeros(b.shard_numel(n), dtype=dtype, device=device) for b in layout.buffers
             ]
-        self.bucket_numel = max(bk.numel(n) for b in layout.buffers for bk in b.buckets)
+        sizes = sorted((bk.numel(n) for b in layout.buffers for bk in b.buckets), reverse=True)
+        self.bucket_numel = sizes[0]  # the largest bucket
+        self.cap_numel = sum(sizes[:max_inflight])  # the pool's bound (stage 2)
         self.live: dict[tuple[int, int], torch.Tensor] = {}  # stage 2: buckets in use
         self._free: list[torch.Tensor] = []  # stage 2: pool buffers not in use
-        self._pool_count = 0
+        self._held_numel = 0  # stage 2: elements of all pool buffers (in use or free)
+        self._live_numel = 0  # stage 2: elements of the pool buffers in use
         self.peak_live = 0  # most stage-2 bucket buffers in use at once
+        self._peak_live_numel = 0
 
     def shard(self, i: int, b: int) -> torch.Tensor:
         """This rank's reduced gradient of bucket ``b`` of buffer ``i`` (a view)."""
@@ -122,26 +129,47 @@ class GradStore:
             return self.full[i][bk.start : bk.start + n]
         t = self.live.get((i, b))
         if t is None and create:
-            if self._free:
-                base = self._free.pop()
-            else:
-                base = torch.empty(self.bucket_numel, dtype=self.dtype, device=self.device)
-                self._pool_count += 1
+            base = self._take(n)
             t = base[:n]
             t.zero_()
             self.live[(i, b)] = t
+            self._live_numel += base.numel()
             self.peak_live = max(self.peak_live, len(self.live))
+            self._peak_live_numel = max(self._peak_live_numel, self._live_numel)
         return t
+
+    def fits(self, i: int, b: int) -> bool:
+        """Stage 2: whether bucket ``b`` of buffer ``i`` can get a buffer now without the pool
+        going over ``max_inflight`` buffers or ``cap_numel`` elements."""
+        n = self.layout.buffers[i].buckets[b].numel(self.layout.world_size)
+        return len(self.live) < self.max_inflight and self._live_numel + n <= self.cap_numel
+
+    def _take(self, n: int) -> torch.Tensor:
+        """A pool buffer of at least ``n`` elements: the smallest free one that fits, else a new
+        one of ``n`` (freeing free buffers, smallest first, to stay within the bounds)."""
+        fit = [k for k, t in enumerate(self._free) if t.numel() >= n]
+        if fit:
+            return self._free.pop(min(fit, key=lambda k: self._free[k].numel()))
+        self._free.sort(key=torch.Tensor.numel)
+        while self._free and (
+            self._held_numel + n > self.cap_numel
+            or len(self.live) + len(self._free) >= self.max_inflight
+        ):
+            self._held_numel -= self._free.pop(0).numel()
+        self._held_numel += n
+        return torch.empty(n, dtype=self.dtype, device=self.device)
 
     def release(self, i: int, b: int) -> None:
         """Stage 2: the bucket's reduce-scatter is done; return its buffer to the pool."""
         t = self.live.pop((i, b), None)
         if t is not None:
-            self._free.append(t._base if t._base is not None else t)
+            base = t._base if t._base is not None else t
+            self._live_numel -= base.numel()
+            self._free.append(base)
 
     def drop_pool(self) -> None:
         """Free the pool buffers not in use (they are allocated again when needed)."""
-        self._pool_count -= len(self._free)
+        self._held_numel -= sum(t.numel() for t in self._free)
         self._free.clear()
 
     def zero(self) -> None:
@@ -157,8 +185,8 @@ class GradStore:
 
     def comm_nbytes(self) -> int:
         """Bytes of the stage-2 bucket pool held now (in use or free)."""
-        return self._pool_count * self.bucket_numel * torch.finfo(self.dtype).bits // 8
+        return self._held_numel * torch.finfo(self.dtype).bits // 8
 
     def comm_peak_nbytes(self) -> int:
-        """Bytes of the most stage-2 bucket buffers in use at once."""
-        return self.peak_live * self.bucket_numel * torch.finfo(self.dtype).bits // 8
+        """Most bytes of stage-2 bucket buffers in use at once."""
+        return self._peak_live_numel * torch.finfo(self.dtype).bits // 8

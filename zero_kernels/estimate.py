@@ -24,8 +24,9 @@ payload per reduce-scatter or all-gather, twice that per all-reduce).
 
 Communication buffers are not model states and not in the totals, but real memory, reported on
 their own (``comm_buffer_bytes``): stage 2 holds up to ``max_inflight_buckets`` bucket buffers of
-``bucket_mb`` MiB (fp32 grads) while reducing; stage 1 reduce-scatters in place in its full
-gradient buffer and DDP's grads are views of its buckets (``gradient_as_bucket_view``): none.
+up to ``bucket_mb`` MiB (fp32 grads) while reducing, each sized to its bucket (so never more than
+all grads); stage 1 reduce-scatters in place in its full gradient buffer and DDP's grads are
+views of its buckets (``gradient_as_bucket_view``): none.
 """
 
 from __future__ import annotations
@@ -405,8 +406,8 @@ def estimate_stage(
     total = pb + gb + ob + live
     buffers = 0.0
     if stage == 2:
-        bucket = min(bucket_mb * 2**20, GRAD_REDUCE_BYTES * psi)  # a bucket is at most the model
-        buffers = min(max_inflight_buckets, math.ceil(GRAD_REDUCE_BYTES * psi / bucket)) * bucket
+        # each buffer is sized to its bucket: the max_inflight largest buckets, at most all grads
+        buffers = min(max_inflight_buckets * bucket_mb * 2**20, GRAD_REDUCE_BYTES * psi)
     fits = None if gpu_mem is None else total + buffers <= gpu_mem
     return StageEstimate(
         stage, world_size, pb, gb, ob, live, total, elems * psi, ar, rs, ag, wire, fits, buffers

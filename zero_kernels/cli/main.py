@@ -236,7 +236,7 @@ def _cmd_estimate(args) -> int:
         if s.comm_buffer_bytes:
             print(
                 f"{'buffers':<8}stage {s.stage}: + {f(s.comm_buffer_bytes)} of comm buffers "
-                f"(2 in-flight buckets of {e.bucket_mb:g} MiB, fp32 grads), not in the "
+                f"(<= 2 in-flight buckets of {e.bucket_mb:g} MiB, fp32 grads), not in the "
                 "totals above"
             )
     notes = [

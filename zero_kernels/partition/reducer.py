@@ -30,8 +30,10 @@ Stage 1 never zeroes its full buffer: since `zero_grad` the first grad of a para
 into its range, later ones added; a bucket's ranges that got no grad are zeroed when it is
 launched (padding stays zero: nothing writes it but reduce-scatters of zeros).
 
-Stage 2 holds at most ``max_inflight`` bucket buffers (filling or being reduced): when a bucket
-needs one and the limit is reached, the oldest reduce-scatter is waited for and its buffer reused.
+Stage 2 holds at most ``max_inflight`` bucket buffers (filling or being reduced), each sized to
+its bucket, together at most the ``max_inflight`` largest buckets: when a bucket needs one and a
+limit would be passed, the oldest reduce-scatter is waited for and its buffer reused (or, too
+small, replaced by one of the right size; see [Note: gradient storage] in `zero_kernels.buffers`).
 
     autograd   | fill b0 | fill b1 | wait RS b0, fill b2 | wait RS b1, fill b3 |
     buffers      A         A B       B A (reused)          A B (reused)
@@ -147,7 +149,7 @@ class Reducer:
                 self._rebase(i, b)
         elif (i, b) not in self.grads.live:
             # bound the buffers: wait for the oldest reduce-scatters until one is free
-            while self.handles and len(self.grads.live) >= self.max_inflight:
+            while self.handles and not self.grads.fits(i, b):
                 self._finalize(*self.handles.pop(0))
         return self.grads.bucket(i, b)
 
