@@ -51,22 +51,8 @@ struct Scalars {
   bool adamw, amsgrad, maximize;
   zk::AdamArgs args() const {
     TORCH_CHECK(bc2_sqrt > 0.0, "bias_correction2_sqrt must be > 0, got ", bc2_sqrt);
-    zk::AdamArgs a{};
-    a.lr = float(lr);
-    a.beta1 = float(beta1);
-    a.beta2 = float(beta2);
-    a.eps = float(eps);
-    a.weight_decay = float(weight_decay);
-    a.step_size = float(step_size);
-    a.inv_bc2_sqrt = float(1.0 / bc2_sqrt);
-    a.grad_scale = float(grad_scale);
-    a.one_minus_beta1 = float(1.0 - beta1);
-    a.one_minus_beta2 = float(1.0 - beta2);
-    a.decay = float(1.0 - lr * weight_decay);
-    a.adamw = adamw;
-    a.amsgrad = amsgrad;
-    a.maximize = maximize;
-    return a;
+    return zk::make_adam_args(lr, beta1, beta2, eps, weight_decay, step_size, bc2_sqrt, grad_scale,
+                              adamw, amsgrad, maximize);
   }
 };
 

@@ -47,4 +47,28 @@ struct AdamBuffers {
   DType out_dtype;
 };
 
+// The one place AdamArgs are formed from the step's scalars: every derived factor is computed in
+// double and rounded to float once (as torch does; 1.0f - 0.999f would be 1.3e-5 off relative).
+// step_size = lr / (1 - beta1^step), bc2_sqrt = sqrt(1 - beta2^step).
+inline AdamArgs make_adam_args(double lr, double beta1, double beta2, double eps,
+                               double weight_decay, double step_size, double bc2_sqrt,
+                               double grad_scale, bool adamw, bool amsgrad, bool maximize) {
+  AdamArgs a{};
+  a.lr = float(lr);
+  a.beta1 = float(beta1);
+  a.beta2 = float(beta2);
+  a.eps = float(eps);
+  a.weight_decay = float(weight_decay);
+  a.step_size = float(step_size);
+  a.inv_bc2_sqrt = float(1.0 / bc2_sqrt);
+  a.grad_scale = float(grad_scale);
+  a.one_minus_beta1 = float(1.0 - beta1);
+  a.one_minus_beta2 = float(1.0 - beta2);
+  a.decay = float(1.0 - lr * weight_decay);
+  a.adamw = adamw;
+  a.amsgrad = amsgrad;
+  a.maximize = maximize;
+  return a;
+}
+
 }  // namespace zk

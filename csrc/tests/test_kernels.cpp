@@ -55,22 +55,8 @@ void model_step(const zk::AdamArgs& a, double& p, double g, double& m, double& v
 zk::AdamArgs make_args(bool adamw, bool amsgrad, bool maximize, float wd) {
   const int step = 4;
   const double b1 = 0.9, b2 = 0.999, lr = 1e-3;
-  zk::AdamArgs a{};
-  a.lr = float(lr);
-  a.beta1 = float(b1);
-  a.beta2 = float(b2);
-  a.eps = 1e-8f;
-  a.weight_decay = wd;
-  a.step_size = float(lr / (1 - std::pow(b1, step)));
-  a.inv_bc2_sqrt = float(1 / std::sqrt(1 - std::pow(b2, step)));
-  a.grad_scale = 0.5f;
-  a.one_minus_beta1 = float(1 - b1);
-  a.one_minus_beta2 = float(1 - b2);
-  a.decay = float(1 - lr * wd);
-  a.adamw = adamw;
-  a.amsgrad = amsgrad;
-  a.maximize = maximize;
-  return a;
+  return zk::make_adam_args(lr, b1, b2, 1e-8, wd, lr / (1 - std::pow(b1, step)),
+                            std::sqrt(1 - std::pow(b2, step)), 0.5, adamw, amsgrad, maximize);
 }
 
 void test_fp32_step(zk::CpuIsa isa, int64_t n) {
