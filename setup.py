@@ -80,10 +80,10 @@ setup(
     python_requires=">=3.9",
     # torch is not listed: a requirement would let pip replace the installed build with another
     # (a multi-GB CUDA wheel on a CPU machine); setup.py checks for it at build time instead.
-    install_requires=["numpy"],
+    # matplotlib draws the report.png that `zero-kernels demo` (the quickstart's first line) saves.
+    install_requires=["numpy", "matplotlib"],
     extras_require={
-        "test": ["pytest", "triton", "matplotlib"],
-        "plot": ["matplotlib"],
+        "test": ["pytest", "triton"],
     },
     ext_modules=[ext],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},

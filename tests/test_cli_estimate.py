@@ -1,6 +1,8 @@
 """The estimator: the ZeRO paper's figures, parsing, config.json / meta-device models."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -134,12 +136,14 @@ def test_meta_factory_matches_real_model():
 @pytest.mark.parametrize(
     "argv,needle",
     [
-        (["estimate", "--params", "1B", "--precision", "fp8"], "--precision"),
-        (["estimate", "--params", "1B", "--optimizer", "nadam2"], "--optimizer"),
+        (["estimate", "--params", "1B", "-n", "2", "--precision", "fp8"], "--precision"),
+        (["estimate", "--params", "1B", "-n", "2", "--optimizer", "nadam2"], "--optimizer"),
         (["estimate", "--params", "1B", "--world-size", "0"], "--world-size"),
-        (["estimate", "--model", "nosuchmodule_xyz:factory"], "--model"),
-        (["estimate", "--model", "/nonexistent/config.json"], "--model"),
+        (["estimate", "--model", "nosuchmodule_xyz:factory", "-n", "2"], "--model"),
+        (["estimate", "--model", "/nonexistent/config.json", "-n", "2"], "--model"),
         (["estimate"], "--params"),
+        (["estimate", "--params", "1B"], "--world-size"),  # required: no silent world size 1
+        (["estimate", "--params", "1B", "--json"], "--world-size"),
     ],
 )
 def test_estimate_bad_arguments(argv, needle, capsys):
@@ -169,3 +173,76 @@ def test_mixed_fp32_grads_is_what_zero_holds(capsys):
     assert s2.total_bytes == 2 * psi + (4 + 12) * psi / 4
     assert main(["estimate", "--params", "7.5B", "-n", "64"]) == 0
     assert "mixed-fp32-grads" in capsys.readouterr().out  # the default says what it counts
+
+
+def _comm_column(out: str) -> list[str]:
+    """The comm/step column of the printed table, stages 0-3 (fixed-width columns)."""
+    lines = out.splitlines()
+    head = lines[1]
+    start = head.index("params") + len("params") + 4 * 10  # after params/grads/optim/live/total
+    return [ln[start : start + 12].strip() for ln in lines[2:6]]
+
+
+@pytest.mark.parametrize(
+    "precision,column",
+    [
+        # the ZeRO paper: 2Ψ (DDP all-reduce), Ψ reduce-scatter + Ψ all-gather, 3Ψ; 2 bytes each
+        ("mixed", ["30 GB", "30 GB", "30 GB", "45 GB"]),
+        ("fp32", ["60 GB", "60 GB", "60 GB", "90 GB"]),
+    ],
+)
+def test_comm_column_is_the_papers_volume(precision, column, capsys):
+    e = est.estimate(est.parse_count("7.5B"), 64, precision=precision)
+    elem = 2 if precision == "mixed" else 4
+    assert [s.comm_bytes for s in e.stages] == [s.comm_elements * elem for s in e.stages]
+    assert [s.comm_bytes / 7.5e9 / elem for s in e.stages] == [2, 2, 2, 3]
+    argv = ["estimate", "--params", "7.5B", "-n", "64", "--precision", precision]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "comm/step" in out.splitlines()[1]
+    assert _comm_column(out) == column, out
+    assert "2Ψ elements for DDP (all-reduce) and stages 1-2" in out  # the note says the same
+
+
+def test_comm_bytes_of_each_dtype():
+    # ZeroOptimizer's precision: fp32 grads reduce-scattered (4Ψ), bf16 params gathered (2Ψ)
+    psi = 1_000_000
+    s0 = est.estimate_stage(0, psi, 4, precision="mixed-fp32-grads")
+    s2 = est.estimate_stage(2, psi, 4, precision="mixed-fp32-grads")
+    s3 = est.estimate_stage(3, psi, 4, precision="mixed-fp32-grads")
+    assert (s0.comm_bytes, s2.comm_bytes, s3.comm_bytes) == (8 * psi, 6 * psi, 8 * psi)
+    assert s0.all_reduce_bytes == 4 * psi  # the payload stays the buffer's size
+
+
+def test_model_factory_needing_arguments_names_model(capsys):
+    assert main(["estimate", "--model", "torch.nn:Linear", "-n", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert "--model" in err[0] and "'torch.nn:Linear'" in err[0], err
+    assert "no arguments" in err[0] and "in_features" in err[0], err
+
+
+def test_model_factory_failing_names_model(tmp_path, monkeypatch, capsys):
+    (tmp_path / "zk_bad_factory.py").write_text(
+        "def build():\n    raise RuntimeError('no meta support here')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["estimate", "--model", "zk_bad_factory:build", "-n", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert "--model 'zk_bad_factory:build'" in err[0] and "no meta support here" in err[0], err
+
+
+@pytest.mark.parametrize("extra", [[], ["--json"]])
+def test_closed_pipe_exits_quietly(extra):
+    # `zero-kernels estimate ... | head -1`: the reader is gone before the table is written
+    p = subprocess.Popen(
+        [sys.executable, "-m", "zero_kernels", "estimate", "--params", "7.5B", "-n", "64", *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    rc = p.wait(timeout=120)
+    assert err == "", err
+    assert rc == 141, rc  # 128 + SIGPIPE, as a shell reports a tool killed by SIGPIPE

@@ -18,9 +18,12 @@ reduces and holds gradients in fp32 whatever the params' dtype: precision "mixed
 (g = 4) is what it holds with bf16/fp16 params; fp32 training has no master copy (K = 8).
 "Live" for stage 3 is the window of gathered full parameters (the running layer and the ones
 prefetched) plus the unsharded gradients of the running layer before their reduce-scatter.
-Communication bytes are reported two ways: the payload (size of the full buffer each collective
-reduces or gathers) and what one rank puts on the wire with ring algorithms ((N-1)/N of the
-payload per reduce-scatter or all-gather, twice that per all-reduce).
+Communication per step is the paper's volume, in bytes of the dtype each collective carries
+(``comm_bytes``): an all-reduce counts 2Ψ (it is a reduce-scatter plus an all-gather), so DDP
+moves 2Ψ grads, stages 1 and 2 Ψ grads reduce-scattered + Ψ params all-gathered, stage 3 one more
+Ψ of params (gathered again for backward). Per collective the fields hold the payload (size of the
+full buffer reduced or gathered, an all-reduce's once), and ``wire_bytes`` is what one rank puts
+on the wire with ring algorithms ((N-1)/N of each reduce-scatter's or all-gather's payload).
 
 Communication buffers are not model states and not in the totals, but real memory, reported on
 their own (``comm_buffer_bytes``): stage 2 holds up to ``max_inflight_buckets`` bucket buffers of
@@ -32,6 +35,7 @@ views of its buckets (``gradient_as_bucket_view``): none.
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import math
 import re
@@ -202,8 +206,23 @@ def _from_factory(spec: str) -> ModelInfo:
         factory = getattr(factory, part)
     if not callable(factory):
         raise ValueError(f"--model: {spec!r} is not callable")
-    with torch.device("meta"):
-        model = factory()
+    try:
+        inspect.signature(factory).bind()
+    except TypeError as e:  # e.g. torch.nn:Linear, whose constructor needs arguments
+        raise ValueError(
+            f"--model {spec!r} must be a factory callable with no arguments; "
+            f"calling {attr}() would fail: {e}"
+        ) from None
+    except ValueError:  # no signature to inspect (some builtins): just call it
+        pass
+    try:
+        with torch.device("meta"):
+            model = factory()
+    except Exception as e:  # the factory itself failed: one line naming --model, value and why
+        why = (str(e).strip().splitlines() or [""])[0]
+        raise ValueError(
+            f"--model {spec!r}: building it on the meta device failed: {type(e).__name__}: {why}"
+        ) from None
     if not isinstance(model, torch.nn.Module):
         raise ValueError(
             f"--model: {spec!r} returned {type(model).__name__}, not a torch.nn.Module"
@@ -341,6 +360,7 @@ class StageEstimate:
     live_bytes: float  # stage 3's window of gathered layers (0 for stages 0-2)
     total_bytes: float  # model states (+ stage 3's live window); comm buffers not included
     comm_elements: float  # per step, in units of parameters (2Ψ or 3Ψ)
+    comm_bytes: float  # per step, the paper's volume in bytes (all-reduce = 2x its payload)
     all_reduce_bytes: float  # payload per step
     reduce_scatter_bytes: float
     all_gather_bytes: float
@@ -404,13 +424,28 @@ def estimate_stage(
         ar, rs, ag, elems = 0.0, g, 2 * p, 3.0
         wire = ring * (g + 2 * p)
     total = pb + gb + ob + live
+    comm_bytes = 2 * ar + rs + ag  # an all-reduce is a reduce-scatter plus an all-gather
     buffers = 0.0
     if stage == 2:
         # each buffer is sized to its bucket: the max_inflight largest buckets, at most all grads
         buffers = min(max_inflight_buckets * bucket_mb * 2**20, GRAD_REDUCE_BYTES * psi)
     fits = None if gpu_mem is None else total + buffers <= gpu_mem
     return StageEstimate(
-        stage, world_size, pb, gb, ob, live, total, elems * psi, ar, rs, ag, wire, fits, buffers
+        stage=stage,
+        world_size=world_size,
+        params_bytes=pb,
+        grads_bytes=gb,
+        optim_bytes=ob,
+        live_bytes=live,
+        total_bytes=total,
+        comm_elements=elems * psi,
+        comm_bytes=comm_bytes,
+        all_reduce_bytes=ar,
+        reduce_scatter_bytes=rs,
+        all_gather_bytes=ag,
+        wire_bytes=wire,
+        fits=fits,
+        comm_buffer_bytes=buffers,
     )
 
 

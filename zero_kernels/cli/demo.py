@@ -198,7 +198,7 @@ def _train(
         times.append(t1 - t0)
         losses.append(float(loss.detach()))
         if bar is not None:
-            bar.set_postfix(loss=f"{losses[-1]:.3f}", step_ms=f"{1e3 * times[-1]:.0f}")
+            bar.set_postfix_str(_progress_postfix(losses[-1], times[-1]))
             bar.update(1)
     if bar is not None:
         bar.close()
@@ -263,6 +263,11 @@ def _zero_comm(opt, steps: int) -> dict:
     }
 
 
+def _progress_postfix(loss: float, step_s: float) -> str:
+    """The progress line's figures: rank 0's own loss (the summary shows the mean over ranks)."""
+    return f"loss (rank 0) {loss:.3f}, {1e3 * step_s:.0f} ms/step"
+
+
 def _progress(cfg: DemoConfig, rank: int, desc: str):
     if rank != 0 or not cfg.progress:
         return None
@@ -277,16 +282,15 @@ class _PlainBar:
     """A progress line every 10% when tqdm is not installed."""
 
     def __init__(self, total: int, desc: str) -> None:
-        self.total, self.desc, self.n, self.post = total, desc, 0, {}
+        self.total, self.desc, self.n, self.post = total, desc, 0, ""
 
-    def set_postfix(self, **kw) -> None:
-        self.post = kw
+    def set_postfix_str(self, text: str) -> None:
+        self.post = text
 
     def update(self, k: int) -> None:
         self.n += k
         if self.n == self.total or self.n % max(1, self.total // 10) == 0:
-            extra = " ".join(f"{k}={v}" for k, v in self.post.items())
-            print(f"{self.desc}: {self.n}/{self.total} {extra}", file=sys.stderr, flush=True)
+            print(f"{self.desc}: {self.n}/{self.total} {self.post}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         pass

@@ -1,7 +1,9 @@
 """The `zero-kernels` command: `demo`, `estimate` and `bench`.
 
 Bad arguments end in one line on stderr naming the argument and what it accepts, exit code 2,
-never a traceback (set ZERO_KERNELS_TRACEBACK=1 to see one for an unexpected error).
+never a traceback (set ZERO_KERNELS_TRACEBACK=1 to see one for an unexpected error). A reader
+that closes the pipe early (`zero-kernels estimate ... | head -1`) ends the command quietly with
+exit code 141 (`EXIT_BROKEN_PIPE`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import sys
 __all__ = ["main"]
 
 PROG = "zero-kernels"
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell shows for a tool killed by SIGPIPE
 
 
 class _UsageError(Exception):
@@ -124,7 +127,13 @@ def _build_parser() -> argparse.ArgumentParser:
         "--model",
         help="package.module:factory (built on the meta device) or a transformers config.json",
     )
-    e.add_argument("--world-size", "-n", type=int, default=1, help="data-parallel ranks")
+    e.add_argument(
+        "--world-size",
+        "-n",
+        type=int,
+        default=None,
+        help="data-parallel ranks (required: the stages shard over them)",
+    )
     e.add_argument(
         "--precision",
         default="mixed",
@@ -176,6 +185,10 @@ def _build_parser() -> argparse.ArgumentParser:
 def _cmd_estimate(args) -> int:
     from .. import estimate as est
 
+    if args.world_size is None:  # no silent default: 1 rank would show no saving at all
+        raise ValueError(
+            "--world-size (-n) is required: the number of data-parallel ranks, e.g. --world-size 8"
+        )
     n_params = est.parse_count(args.params) if args.params else None
     gpu_mem = est.parse_bytes(args.gpu_mem) if args.gpu_mem is not None else None
     if args.world_size < 1:
@@ -223,11 +236,10 @@ def _cmd_estimate(args) -> int:
             if s.stage == 3 and e.largest_layer
             else ("n/a" if s.stage == 3 else "-")
         )
-        comm = s.all_reduce_bytes + s.reduce_scatter_bytes + s.all_gather_bytes
         row = (
             f"{str(s.stage) + (' (DDP)' if s.stage == 0 else ''):<8}{f(s.params_bytes):>10}"
             f"{f(s.grads_bytes):>10}{f(s.optim_bytes):>10}{live:>10}{f(s.total_bytes):>10}"
-            f"{f(comm):>12}{f(s.wire_bytes):>12}"
+            f"{f(s.comm_bytes):>12}{f(s.wire_bytes):>12}"
         )
         if gpu_mem is not None:
             row += f"{'yes' if s.fits else 'no':>16}"
@@ -241,8 +253,9 @@ def _cmd_estimate(args) -> int:
             )
     notes = [
         "model states only: activations, temporary buffers and fragmentation come on top",
-        "comm/step: bytes of the buffers reduced/gathered (2Ψ elements for stages 0-2, "
-        "3Ψ for 3); wire/rank: what one rank sends with ring collectives",
+        "comm/step: the ZeRO paper's volume, 2Ψ elements for DDP (all-reduce) and stages "
+        "1-2 (reduce-scatter Ψ + all-gather Ψ), 3Ψ for stage 3, in bytes of the dtype "
+        "communicated; wire/rank: what one rank sends with ring collectives",
     ]
     if e.precision == "mixed":
         notes.append(
@@ -280,6 +293,23 @@ def _cmd_bench(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `zero-kernels` console script; returns the exit code."""
+    try:
+        try:
+            return _main(argv)
+        finally:  # a closed pipe shows here, not as a traceback at interpreter exit
+            if sys.stdout is not None:
+                sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader went away: stop quietly. Point stdout at /dev/null so the interpreter's
+        # final flush of what is still buffered does not raise again.
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):  # stdout has no file descriptor (captured)
+            pass
+        return EXIT_BROKEN_PIPE
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         parser = _build_parser()

@@ -147,7 +147,7 @@ def _print_summary(report: dict, out: Path, png: Path | None) -> None:
     )
     diff = report["loss_max_abs_diff_vs_ddp"]
     print(
-        f"  loss: {r['loss'][0]:.4f} -> {r['loss'][-1]:.4f}"
+        f"  mean loss over ranks: {r['loss'][0]:.4f} -> {r['loss'][-1]:.4f}"
         + (f"; largest difference to DDP {diff:.2e}" if diff is not None else "")
     )
     print(f"  {'per rank':<14}{'measured':>14}{'formula':>14}{'error':>9}")

@@ -7,6 +7,7 @@ when it has to fall back; a backend asked for by name that cannot run raises wit
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 
 import torch
@@ -76,6 +77,13 @@ def resolve_backend(backend: str, device: torch.device) -> str:
             why = _native.error() or "the extension was built without CUDA kernels"
             raise RuntimeError(f"backend='cuda' cannot run: {why!r}")
     elif backend == "triton":
+        if dev == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                "backend='triton' got CPU tensors: Triton runs on CPU tensors only under its "
+                "interpreter (set TRITON_INTERPRET=1 before importing triton), or use "
+                f"backend='cpu' or 'auto'; got device={dev!r}, "
+                f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r}"
+            )
         err = _triton_error()
         if err is not None:
             raise RuntimeError(f"backend='triton' cannot run: {err!r}")
