@@ -368,13 +368,6 @@ class OddNet(nn.Module):
         return self.b(h)
 
 
-def _zero_missing(model):
-    # ZeroOptimizer's documented semantic: a trainable param without a grad counts as zero grad
-    for p in model.parameters():
-        if p.requires_grad and p.grad is None:
-            p.grad = torch.zeros_like(p)
-
-
 def check_odd(rank: int, world: int) -> dict:
     """Odd params, accumulation, overlap off, comm pattern and memory, for both stages."""
     out = {}
@@ -403,7 +396,11 @@ def check_odd(rank: int, world: int) -> dict:
                 to.zero_grad()
                 m_z(x).pow(2).mean().backward()
                 ddp(x).pow(2).mean().backward()
-                _zero_missing(m_d)
+                # a param unused on every rank has grad None under DDP and is left out of the
+                # step by torch's AdamW (no weight decay): ZeroOptimizer does the same
+                for n, p in m_z.named_parameters():
+                    want = dict(m_d.named_parameters())[n].grad
+                    assert (p.grad is None) == (want is None), (n, step)
                 zo.step()
                 to.step()
             what = f"odd params stage={stage} overlap={overlap}"
@@ -442,6 +439,10 @@ def check_odd(rank: int, world: int) -> dict:
         assert sorted(n for _, n in rs) == sizes and len(rs) == nb, (stage, rs, sizes)
         assert sorted(n for _, n in ag) == sizes and len(ag) == nb, (stage, ag, sizes)
         assert all(n <= 2 for _, n in ar), (stage, ar)
+        # which params have a gradient on any rank: one byte per trainable param per backward
+        masks = [n for kind, n in calls if kind == "mask"]
+        n_train = sum(1 for p in m_z.parameters() if p.requires_grad)
+        assert masks == ([] if world == 1 else [n_train]), (stage, masks, n_train)
         out[f"stage={stage} calls"] = calls
     return out
 
@@ -455,36 +456,33 @@ class _null:
 
 
 def _trace_collectives(zo, model, rank, stage) -> list:
-    """Collectives that reach torch.distributed during one training step."""
-    import zero_kernels.comm as zc
-
+    """Collectives issued during one training step: the optimizer's logical reduce-scatters and
+    all-gathers (whatever algorithm comm picks for them) and every all-reduce/reduce that
+    reaches torch.distributed."""
     calls = []
-    orig = (zc._reduce_scatter, zc._all_gather, dist.all_reduce, dist.reduce)
-
-    def rs(out, inp, *a, **k):
-        calls.append(("reduce_scatter", inp.numel()))
-        return orig[0](out, inp, *a, **k)
-
-    def ag(out, inp, *a, **k):
-        calls.append(("all_gather", out.numel()))
-        return orig[1](out, inp, *a, **k)
+    orig = (dist.all_reduce, dist.reduce)
 
     def ar(t, *a, **k):
-        calls.append(("all_reduce", t.numel()))
-        return orig[2](t, *a, **k)
+        calls.append(("all_reduce", t.numel()) if t.dtype != torch.uint8 else ("mask", t.numel()))
+        return orig[0](t, *a, **k)
 
     def red(t, *a, **k):
         calls.append(("reduce", t.numel()))
-        return orig[3](t, *a, **k)
+        return orig[1](t, *a, **k)
 
-    zc._reduce_scatter, zc._all_gather, dist.all_reduce, dist.reduce = rs, ag, ar, red
+    dist.all_reduce, dist.reduce = ar, red
+    zo.comm_log.trace = True
+    zo.comm_log.sizes.clear()
     try:
         x, y = batch("mlp", rank, 99)
         zo.zero_grad()
         loss_fn("mlp", model(x), y).backward()
         zo.step()
     finally:
-        zc._reduce_scatter, zc._all_gather, dist.all_reduce, dist.reduce = orig
+        dist.all_reduce, dist.reduce = orig
+        zo.comm_log.trace = False
+    if zo.world_size > 1:
+        calls += [(kind, n) for kind, n, _ in zo.comm_log.sizes]
     return calls
 
 

@@ -3,7 +3,8 @@
 See [Note: layout] in `zero_kernels.layout` for where everything lives.
 
 [Note: gradient storage]
-Gradients are held in the reduce dtype (fp32 by default), and nothing is held twice:
+Gradients are held in the reduce dtype (fp32; float64 for float64 parameters, which are never
+computed in a lower precision than their own), and nothing is held twice:
 
 - stage 1: one full-size buffer per flat buffer, where local grads accumulate (also across
   ``no_sync`` micro-batches); a bucket is a slice of it. Its reduce-scatter runs in place: the
@@ -73,23 +74,33 @@ class GradStore:
         layout: Layout,
         stage: int,
         device: torch.device,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | None = None,
         *,
         rank: int = 0,
         max_inflight: int = 2,
     ):
         if stage not in (1, 2):
             raise ValueError(f"stage must be 1 or 2, got stage={stage!r}")
-        self.layout, self.stage, self.device, self.dtype = layout, stage, device, dtype
+        self.layout, self.stage, self.device = layout, stage, device
         self.rank, self.max_inflight = rank, max_inflight
+        # the reduce dtype of each buffer: ``dtype`` if given, else fp32 (float64 kept as is)
+        self.dtypes = [
+            dtype or (torch.float64 if b.dtype == "torch.float64" else torch.float32)
+            for b in layout.buffers
+        ]
+        self.dtype = self.dtypes[0] if self.dtypes else torch.float32
         n = layout.world_size
         if stage == 1:  # full-size local accumulation buffers; the shards are views into them
-            self.full = [torch.zeros(b.numel, dtype=dtype, device=device) for b in layout.buffers]
+            self.full = [
+                torch.zeros(b.numel, dtype=dt, device=device)
+                for b, dt in zip(layout.buffers, self.dtypes)
+            ]
             self.shards = None
         else:  # the reduced shard of every flat buffer
             self.full = None
             self.shards = [
-                torch.zeros(b.shard_numel(n), dtype=dtype, device=device) for b in layout.buffers
+                torch.zeros(b.shard_numel(n), dtype=dt, device=device)
+                for b, dt in zip(layout.buffers, self.dtypes)
             ]
         sizes = sorted((bk.numel(n) for b in layout.buffers for bk in b.buckets), reverse=True)
         self.bucket_numel = sizes[0]  # the largest bucket
@@ -129,7 +140,7 @@ class GradStore:
             return self.full[i][bk.start : bk.start + n]
         t = self.live.get((i, b))
         if t is None and create:
-            base = self._take(n)
+            base = self._take(n, self.dtypes[i])
             t = base[:n]
             t.zero_()
             self.live[(i, b)] = t
@@ -144,10 +155,10 @@ class GradStore:
         n = self.layout.buffers[i].buckets[b].numel(self.layout.world_size)
         return len(self.live) < self.max_inflight and self._live_numel + n <= self.cap_numel
 
-    def _take(self, n: int) -> torch.Tensor:
+    def _take(self, n: int, dtype: torch.dtype) -> torch.Tensor:
         """A pool buffer of at least ``n`` elements: the smallest free one that fits, else a new
         one of ``n`` (freeing free buffers, smallest first, to stay within the bounds)."""
-        fit = [k for k, t in enumerate(self._free) if t.numel() >= n]
+        fit = [k for k, t in enumerate(self._free) if t.numel() >= n and t.dtype == dtype]
         if fit:
             return self._free.pop(min(fit, key=lambda k: self._free[k].numel()))
         self._free.sort(key=torch.Tensor.numel)
@@ -157,7 +168,7 @@ class GradStore:
         ):
             self._held_numel -= self._free.pop(0).numel()
         self._held_numel += n
-        return torch.empty(n, dtype=self.dtype, device=self.device)
+        return torch.empty(n, dtype=dtype, device=self.device)
 
     def release(self, i: int, b: int) -> None:
         """Stage 2: the bucket's reduce-scatter is done; return its buffer to the pool."""
@@ -185,8 +196,11 @@ class GradStore:
 
     def comm_nbytes(self) -> int:
         """Bytes of the stage-2 bucket pool held now (in use or free)."""
-        return self._held_numel * torch.finfo(self.dtype).bits // 8
+        return self._held_numel * self._itemsize()
 
     def comm_peak_nbytes(self) -> int:
         """Most bytes of stage-2 bucket buffers in use at once."""
-        return self._peak_live_numel * torch.finfo(self.dtype).bits // 8
+        return self._peak_live_numel * self._itemsize()
+
+    def _itemsize(self) -> int:
+        return max((torch.finfo(d).bits // 8 for d in self.dtypes), default=4)

@@ -243,3 +243,38 @@ def broadcast(t: torch.Tensor, src: int = 0, *, group=None) -> torch.Tensor:
         gsrc = dist.get_global_rank(group, src) if group is not None else src
         dist.broadcast(t, src=gsrc, group=group)
     return t
+
+
+def all_gather_object(obj, *, group=None) -> list:
+    """Every rank's ``obj`` (small, picklable), on every rank."""
+    n = world_size(group)
+    if n == 1:
+        return [obj]
+    out = [None] * n
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def side_group(group=None, timeout_s: float = 300.0):
+    """A gloo group over the ranks of ``group`` for agreement checks with a timeout of their own
+    (`check_arrival`); None at world size 1. Collective."""
+    if world_size(group) == 1:
+        return None
+    ranks = None if group is None else dist.get_process_group_ranks(group)
+    return dist.new_group(
+        ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)
+    )
+
+
+def check_arrival(side, what: str, timeout_s: float) -> None:
+    """Every rank of ``side`` reaches this call within ``timeout_s``, or a RuntimeError that says
+    ``what`` is collective (instead of a hang in the collective that follows)."""
+    if side is None:
+        return
+    try:
+        dist.monitored_barrier(side, timeout=datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"{what} is collective: every rank must call it, but not every rank arrived within "
+            f"{timeout_s:g} s ({e})"
+        ) from None

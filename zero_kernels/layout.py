@@ -241,6 +241,47 @@ def _whole_buffer(key, groups, world_size: int, align: int, load: list[int]) -> 
     return FlatBuffer(key[0], key[1], pos, tuple(slots), tuple(buckets))
 
 
+@dataclass(frozen=True)
+class Piece:
+    """The part of one parameter inside one rank's shard: what that rank's optimizer steps.
+
+    Flat mode: the intersection of the parameter's range with the rank's shard of its bucket
+    (at most one per parameter and rank); whole mode: the whole parameter on its owner. A
+    zero-size parameter has one empty piece, on rank 0 (flat) or its owner (whole), so that its
+    optimizer state exists exactly as in the unsharded optimizer.
+    """
+
+    buffer: int  # index in Layout.buffers
+    bucket: int  # index in FlatBuffer.buckets
+    slot: int  # position in FlatBuffer.slots
+    index: int  # ParamSpec.index of the parameter
+    start: int  # first element inside the flat buffer
+    numel: int
+    offset: int  # first element inside the parameter (flattened)
+    whole: bool  # the piece is the whole parameter (then it is viewed with its shape)
+
+
+def pieces(layout: Layout, rank: int) -> tuple[tuple[Piece, ...], ...]:
+    """Per buffer, ``rank``'s pieces in flat-buffer order (see `Piece`)."""
+    out = []
+    for bi, buf in enumerate(layout.buffers):
+        mine = []
+        for pos, s in enumerate(buf.slots):
+            b = buf.buckets[s.bucket]
+            lo_r, hi_r = b.shard_start(rank), b.shard_start(rank) + b.shard_numel
+            if s.numel == 0:
+                owner = s.owner if s.owner >= 0 else 0
+                if owner == rank:
+                    mine.append(Piece(bi, s.bucket, pos, s.index, lo_r, 0, 0, True))
+                continue
+            lo, hi = max(s.start, lo_r), min(s.end, hi_r)
+            if hi > lo:
+                whole = lo == s.start and hi == s.end
+                mine.append(Piece(bi, s.bucket, pos, s.index, lo, hi - lo, lo - s.start, whole))
+        out.append(tuple(mine))
+    return tuple(out)
+
+
 def shard_bytes(layout: Layout, rank: int, itemsize: int) -> int:
     """Bytes of ``rank``'s shard over every buffer at ``itemsize`` bytes per element."""
     del rank  # shards are equal by construction
@@ -253,7 +294,9 @@ __all__ = [
     "FlatBuffer",
     "Layout",
     "ParamSpec",
+    "Piece",
     "Slot",
     "build_layout",
+    "pieces",
     "shard_bytes",
 ]

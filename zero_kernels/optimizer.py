@@ -24,12 +24,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import weakref
 import zlib
 
 import torch
 from torch import nn
 
-from . import comm
+from . import comm, validate
 from .buffers import GradStore, flatten_params
 from .layout import Layout, ParamSpec, build_layout
 from .partition import (
@@ -41,6 +42,7 @@ from .partition import (
     local_payload,
     shard_state,
 )
+from .partition.grads import GradViews, ShardedGrad
 
 __all__ = ["ZeroOptimizer"]
 
@@ -69,7 +71,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
             reduce-scattered); when a bucket needs one beyond it, the oldest reduce-scatter is
             waited for and its buffer reused. Bounds stage 2's communication buffers to this
             many buckets of ``bucket_size_mb``; 1 disables overlap. Default 2.
+        nonfinite: what a step does with inf/NaN gradients: "step" (torch's behaviour: step
+            anyway; the count is in ``comm_stats["nonfinite_steps"]`` and the first one is
+            logged on the rank that saw it), "skip" (every rank skips the step) or "raise".
+            With a loss scale the step is always skipped (and the scale lowered).
+        timeout: seconds that collective-only calls (``consolidated_state_dict``,
+            ``full_param``...) wait for every rank before raising instead of hanging
+            (default 300).
         **defaults: passed to ``optimizer_class``.
+
+    Gradients: after backward, ``param.grad`` is a `ShardedGrad` (this rank's piece of the
+    averaged gradient) that ``torch.nn.utils.clip_grad_norm_``, ``model.zero_grad()`` and
+    ``torch.amp.GradScaler`` work with; see [Note: gradients] in `zero_kernels.partition.grads`.
+    A trainable param with no gradient on any rank is left out of the step, as torch does.
+
+    Lifecycle: ``close()`` (or ``with ZeroOptimizer(...) as opt``) removes every hook and gives
+    the params back as plain tensors; a param held by a live ZeroOptimizer cannot be given to
+    another; a collected optimizer leaves no hooks.
 
     Memory: with fp32 params there is no master copy: the optimizer steps the rank's shard of
     the param buffer in place. Stage 1 holds one full-size gradient buffer (the reduced shard
@@ -86,9 +104,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         most of them in use at once, ``grad_peak_bytes`` = grads + that peak;
         ``total_bytes`` = model states + comm buffers.
         ``comm_stats -> dict(reduce_scatter_bytes=, all_gather_bytes=, reduce_scatter_calls=,
-        all_gather_calls=, all_reduce_calls=, exposed_comm_s=, steps=)``: cumulative since
-        construction or ``reset_comm_stats()``; bytes are full bucket sizes per collective,
-        ``exposed_comm_s`` is time spent waiting on collectives (after backward, after step).
+        all_gather_calls=, all_reduce_calls=, exposed_comm_s=, steps=, nonfinite_steps=)``:
+        cumulative since construction or ``reset_comm_stats()``; bytes are full bucket sizes
+        per collective, ``exposed_comm_s`` is time spent waiting on collectives.
     """
 
     def __init__(
@@ -105,23 +123,35 @@ class ZeroOptimizer(torch.optim.Optimizer):
         loss_scale: float | str | None = "auto",
         kernel_backend: str = "auto",
         max_inflight_buckets: int = 2,
+        nonfinite: str = "step",
+        timeout: float | None = None,
         **defaults,
     ):
-        if stage not in (1, 2):
-            raise ValueError(f"stage must be 1 or 2, got stage={stage!r}")
-        if not bucket_size_mb > 0:
-            raise ValueError(f"bucket_size_mb must be > 0, got bucket_size_mb={bucket_size_mb!r}")
-        if not (isinstance(max_inflight_buckets, int) and max_inflight_buckets >= 1):
-            raise ValueError(
-                "max_inflight_buckets must be an int >= 1, got "
-                f"max_inflight_buckets={max_inflight_buckets!r}"
-            )
+        self._closed = True  # until construction succeeds (close() then does nothing)
+        self._hook_handles: list = []
+        validate.check_args(
+            stage, bucket_size_mb, max_inflight_buckets, kernel_backend, nonfinite, timeout
+        )
+        validate.check_launch()
         self.mode, why = choose_mode(optimizer_class, partition)
+        validate.check_kwargs(optimizer_class, defaults)
         self.stage, self.group, self.overlap_comm = stage, process_group, overlap_comm
         self.optimizer_class = optimizer_class
+        self.nonfinite = nonfinite
+        self.timeout = float(timeout or 300.0)
         self.world_size = comm.world_size(process_group)
         self.rank = comm.rank(process_group)
+        module = params if isinstance(params, nn.Module) else None
         user_groups, names = _param_groups(params)
+        all_params = {id(p): p for g in user_groups for p in g["params"]}
+        validate.check_params(all_params, names, module)
+        for p in all_params.values():
+            owner = _owner_of(p)
+            if owner is not None:
+                raise ValueError(
+                    f"param {names.get(id(p)) or tuple(p.shape)} is held by another live "
+                    f"ZeroOptimizer ({owner!r}): close() it first (or use one optimizer)"
+                )
         # ---- layout (pure data), identical on every rank or an error on every rank
         specs, index_of, self._group_indices = [], {}, []
         for gi, g in enumerate(user_groups):
@@ -153,7 +183,32 @@ class ZeroOptimizer(torch.optim.Optimizer):
             bucket_numel=max(1, int(bucket_size_mb * 2**20) // 4),
             mode=self.mode,
         )
-        self._check_same_layout(specs)
+        validate.check_agree(
+            {
+                "stage": stage,
+                "bucket_size_mb": float(bucket_size_mb),
+                "partition mode": self.mode,
+                "optimizer_class": f"{optimizer_class.__module__}.{optimizer_class.__qualname__}",
+                "overlap_comm": bool(overlap_comm),
+                "max_inflight_buckets": max_inflight_buckets,
+                "loss_scale": loss_scale,
+                "nonfinite": nonfinite,
+                "hyper-parameters": repr(sorted(defaults.items())),
+                "param groups": repr(
+                    [sorted((k, v) for k, v in g.items() if k != "params") for g in user_groups]
+                ),
+                "params (group, dtype, shape, requires_grad) crc32": zlib.crc32(
+                    repr([(s.group, s.dtype, s.shape, s.requires_grad) for s in specs]).encode()
+                ),
+                "number of params": len(specs),
+            },
+            process_group,
+            self.device,
+        )
+        self._trainable = {s.index: self._params[s.index] for s in specs if s.requires_grad}
+        self._expected = {}  # index -> (data_ptr, dtype) each trainable param's data must keep
+        self._module = module
+        self._module_params = [id(p) for p in module.parameters()] if module is not None else None
         log.info(
             "ZeroOptimizer: stage %d, %s mode (%s), %d flat buffer(s), %d bucket(s), world size %d",
             stage,
@@ -163,23 +218,44 @@ class ZeroOptimizer(torch.optim.Optimizer):
             sum(len(b.buckets) for b in self.layout.buffers),
             self.world_size,
         )
-        # ---- buffers: params become views; rank 0's values win (as DDP does)
+        # ---- from here on the params are changed: undo everything if anything fails
+        try:
+            self._build(
+                user_groups, defaults, fused_adam, kernel_backend, max_inflight_buckets, loss_scale
+            )
+        except BaseException:
+            self._closed = False
+            self.close()
+            raise
+
+    def _build(
+        self, user_groups, defaults, fused_adam, kernel_backend, max_inflight_buckets, loss_scale
+    ) -> None:
+        group = self.group
+        # buffers: params become views; rank 0's values win (as DDP does)
         self._flats = [flatten_params(b, self._params, self.device) for b in self.layout.buffers]
         for f in self._flats:
-            comm.broadcast(f, 0, group=process_group)
+            comm.broadcast(f, 0, group=group)
+        self._expected = {i: (p.data_ptr(), p.dtype) for i, p in self._trainable.items()}
+        self._side = comm.side_group(group)
         self.comm_log = comm.CommLog()
         self._steps = 0
+        self.nonfinite_steps = 0
         self._grads = GradStore(
-            self.layout, stage, self.device, rank=self.rank, max_inflight=max_inflight_buckets
+            self.layout, self.stage, self.device, rank=self.rank, max_inflight=max_inflight_buckets
         )
         self._reducer = Reducer(
-            self.layout, self._params, self._grads, self.rank, process_group, self.comm_log
+            self.layout, self._params, self._grads, self.rank, group, self.comm_log
         )
-        self._reducer.overlap = bool(overlap_comm)
-        # ---- the inner optimizer over this rank's master shard
+        self._hook_handles = self._reducer.handles_to_remove()
+        self._reducer.overlap = bool(self.overlap_comm)
+        me = weakref.ref(self)
+        self._reducer.on_backward_start = _call(me, "_on_backward_start")
+        self._reducer.on_reduced = _call(me, "_publish")
+        # the inner optimizer over this rank's pieces
         group_opts = [{k: v for k, v in g.items() if k != "params"} for g in user_groups]
         fusable = (
-            optimizer_class in FUSED_ADAM_CLASSES
+            self.optimizer_class in FUSED_ADAM_CLASSES
             and fused_adam
             and not any(g.get(k) or defaults.get(k) for g in group_opts for k in _UNFUSABLE)
         )
@@ -188,14 +264,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._flats,
             self._grads,
             self.rank,
-            optimizer_class,
+            self.optimizer_class,
             group_opts,
             defaults,
             fused=fusable,
             backend=kernel_backend,
         )
+        self._views = GradViews(self)
+        for _i, _, pc, _, g in self._runner.all_pieces():
+            self._views.by_index.setdefault(pc.index, []).append((g.reshape(-1), pc.offset))
+        self._building = True
         super().__init__(user_groups, dict(self._runner.inner.defaults))
-        # ---- loss scaling
+        self._building = False
+        # loss scaling
         has_fp16 = any(p.dtype == torch.float16 and p.requires_grad for p in self._params.values())
         if loss_scale == "auto":
             loss_scale = "dynamic" if has_fp16 else None
@@ -212,22 +293,158 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.loss_scale = 2.0**16 if self._dynamic else float(loss_scale or 1.0)
         self._growth_tracker = 0
         self.growth_interval = 2000
-        self._grad_factor = 1.0  # multiplies the reduced grads at the step: 1/loss scale * clip
+        self._grad_factor = 1.0 / self.loss_scale  # the store times this = the true gradient
         self._overflow: bool | None = None
+        self._local_nonfinite = False  # this rank's grads had inf/NaN (nonfinite="step")
         self.skipped_steps = 0
+        self._said_nonfinite = False
+        for p in self._params.values():
+            p._zero_kernels_owner = me
+        self._closed = False
+        weakref.finalize(self, _remove_hooks, list(self._hook_handles), dict(self._params))
 
-    # ------------------------------------------------------------------ checks
-    def _check_same_layout(self, specs: list[ParamSpec]) -> None:
-        key = repr([(s.group, s.dtype, s.shape, s.requires_grad) for s in specs])
-        h = zlib.crc32(key.encode()) + 1
-        t = torch.tensor([h, -h], dtype=torch.int64, device=self.device)
-        comm.all_reduce(t, "max", group=self.group)
-        if int(t[0]) != h or int(t[1]) != -h:
-            raise ValueError(
-                "ZeroOptimizer: ranks were given different parameters (shapes, "
-                f"dtypes, groups or requires_grad differ); rank {self.rank} has "
-                f"{len(specs)} params"
-            )
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        """Remove every hook and give the params back as plain tensors with their current
+        values (no longer views of the flat buffers); the optimizer cannot be used after."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        if hasattr(self, "_reducer"):
+            self._reducer.flush_pending_waits()
+        _remove_hooks(self._hook_handles, getattr(self, "_params", {}))
+        views = getattr(self, "_views", None)
+        if views is not None:
+            views.closed = True
+        for p in getattr(self, "_params", {}).values():
+            if getattr(p, "_zero_kernels_owner", None) is not None:
+                p._zero_kernels_owner = None
+            if isinstance(p.grad, ShardedGrad):
+                p.grad = None
+            if p.data.data_ptr() != 0:
+                with torch.no_grad():
+                    p.data = p.data.clone()
+
+    def __enter__(self) -> ZeroOptimizer:
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.close()
+        return False
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"ZeroOptimizer.{what}: the optimizer was closed")
+
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "_building", False):
+            return super().add_param_group(param_group)
+        raise NotImplementedError(
+            "ZeroOptimizer.add_param_group: the params of a ZeroOptimizer are laid out and "
+            "sharded at construction; build a new ZeroOptimizer with every param group instead "
+            f"(got a group of {len(list(param_group.get('params', [])))} params)"
+        )
+
+    def _check_params_intact(self) -> None:
+        """Params whose data was replaced after construction (``p.data = ...``,
+        ``model.to(dtype)``, ``load_state_dict(assign=True)``) would silently stop training."""
+        for i, p in self._trainable.items():
+            ptr, dt = self._expected[i]
+            if p.data_ptr() != ptr or p.dtype != dt:
+                name = self.layout_name(i)
+                raise RuntimeError(
+                    f"param {name}: its data was replaced after ZeroOptimizer was built "
+                    f"(now dtype={p.dtype}, a new storage), e.g. by `p.data = ...`, "
+                    "model.to(dtype) or load_state_dict(assign=True); the optimizer would no "
+                    "longer train it. Load values in place (model.load_state_dict(sd), "
+                    "opt.set_full_param) or build the ZeroOptimizer after changing the model"
+                )
+        if self._module is not None:
+            now = [id(p) for p in self._module.parameters()]
+            if now != self._module_params:
+                raise RuntimeError(
+                    "the module's parameters were replaced after ZeroOptimizer was built (e.g. "
+                    "load_state_dict(assign=True) or a new nn.Parameter): the optimizer holds "
+                    "the old ones; load values in place or build the ZeroOptimizer again"
+                )
+        for i in self.layout.frozen:
+            p = self._params[i]
+            if p.grad is not None and p.requires_grad:
+                raise RuntimeError(
+                    f"param {self.layout_name(i)} was frozen (requires_grad=False) when "
+                    "ZeroOptimizer was built, so it is not sharded or reduced, but it now has a "
+                    "gradient; build the ZeroOptimizer after unfreezing it"
+                )
+
+    def layout_name(self, index: int) -> str:
+        for b in self.layout.buffers:
+            for s in b.slots:
+                if s.index == index:
+                    return s.name or f"#{index} {s.shape}"
+        p = self._params[index]
+        return f"#{index} {tuple(p.shape)}"
+
+    # ------------------------------------------------------------------ gradients
+    def _on_backward_start(self) -> None:
+        """First grad of a backward pass: take user changes, make the store accumulate in
+        loss-scaled units, and take the views off the params so autograd writes fresh grads."""
+        self._sync_user_changes()
+        ls = 1.0 / self.loss_scale
+        if self._views.active and self._grad_factor != ls:
+            self._scale_store(self._grad_factor * self.loss_scale)
+        self._grad_factor = ls
+        self._views.detach_all(self._trainable)
+
+    def _publish(self) -> None:
+        """End of a reduction: which params have a gradient on any rank, and their views."""
+        idx = sorted(self._trainable)
+        pos = {k: j for j, k in enumerate(idx)}
+        mask = torch.zeros(len(idx), dtype=torch.uint8, device=self.device)
+        local = self._views.active | self._reducer.got
+        if local:
+            mask[[pos[k] for k in local]] = 1
+        comm.all_reduce(mask, "max", group=self.group, log=self.comm_log)
+        self._views.active = {idx[j] for j in mask.nonzero().flatten().tolist()}
+        self._reducer.got.clear()
+        self._views.install(self._trainable)
+
+    def _sync_user_changes(self) -> None:
+        """Apply what the user did to ``p.grad`` since the views were installed."""
+        cleared, replaced = self._views.user_changes(self._trainable)
+        if not cleared and not replaced:
+            return
+        views = self._views
+        if cleared and cleared >= views.active and not replaced:
+            self._reset_grads()  # model.zero_grad(): the same as ours
+            return
+        for i in cleared:
+            for v, _ in views.pieces_of(i):
+                v.zero_()
+            views.active.discard(i)
+        for i, g in replaced.items():
+            flat = g.detach().reshape(-1)
+            for v, off in views.pieces_of(i):
+                v.copy_(flat[off : off + v.numel()].to(v.dtype) / self._grad_factor)
+            views.active.add(i)
+        views.install(self._trainable)
+
+    def _scale_store(self, c: float) -> None:
+        if c != 1.0:
+            for t in self._grads.shard_tensors():
+                t.mul_(c)
+
+    def _apply_grad_factor(self) -> None:
+        """Make the reduced store hold true gradients (what ``p.grad`` shows)."""
+        self._finish_reduction()
+        self._scale_store(self._grad_factor)
+        self._grad_factor = 1.0
+
+    def _reset_grads(self) -> None:
+        self._reducer.zero_grad()
+        self._views.active.clear()
+        self._views.detach_all(self._trainable)
+        self._grad_factor = 1.0 / self.loss_scale
+        self._overflow = None
 
     # ------------------------------------------------------------------ training loop API
     @contextlib.contextmanager
@@ -246,26 +463,28 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return loss * self.loss_scale if self.loss_scale != 1.0 else loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._reducer.zero_grad()
-        for p in self._params.values():
-            p.grad = None
-        self._grad_factor = 1.0 / self.loss_scale
-        self._overflow = None
+        self._check_open("zero_grad")
+        self._reset_grads()
 
     def _finish_reduction(self) -> None:
         self._reducer.flush()
-        if self._overflow is None:
-            self._grad_factor = 1.0 / self.loss_scale
-            if self.loss_scale != 1.0 or self._dynamic:
-                bad = torch.zeros(1, device=self.device)
-                for g in self._grads.shard_tensors():
-                    if not bool(torch.isfinite(g).all()):
-                        bad.fill_(1.0)
-                        break
-                comm.all_reduce(bad, "max", group=self.group, log=self.comm_log)
-                self._overflow = bool(bad.item() != 0)
-            else:
-                self._overflow = False
+        self._sync_user_changes()
+        if self._overflow is not None:
+            return
+        scaled = self.loss_scale != 1.0 or self._dynamic
+        if scaled or self.nonfinite != "step":
+            bad = torch.zeros(1, device=self.device)
+            for g in self._grads.shard_tensors():
+                if not bool(torch.isfinite(g).all()):
+                    bad.fill_(1.0)
+                    break
+            comm.all_reduce(bad, "max", group=self.group, log=self.comm_log)
+            self._overflow = bool(bad.item() != 0)
+        else:  # torch's behaviour: step anyway; `step` counts it (one cheap pass per shard)
+            self._overflow = False
+            self._local_nonfinite = not all(
+                bool(torch.isfinite(g.sum())) for g in self._grads.shard_tensors()
+            )
 
     @torch.no_grad()
     def clip_grad_norm_(
@@ -273,6 +492,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     ) -> torch.Tensor:
         """Clip the (reduced, unscaled) gradients to ``max_norm``; returns the global norm,
         exactly as ``torch.nn.utils.clip_grad_norm_`` on the unsharded model."""
+        self._check_open("clip_grad_norm_")
         norm_type = float(norm_type)
         if norm_type < 0 or math.isnan(norm_type):
             raise ValueError(f"norm_type must be >= 0 or inf, got norm_type={norm_type!r}")
@@ -306,24 +526,48 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        self._check_open("step")
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_params_intact()
         self._finish_reduction()
         if self._overflow:
             self.skipped_steps += 1
+            if self.loss_scale == 1.0 and not self._dynamic and self.nonfinite == "raise":
+                self._overflow = None
+                raise FloatingPointError(
+                    f"ZeroOptimizer.step {self._steps}: non-finite gradients on at least one "
+                    "rank (nonfinite='raise'); nothing was updated"
+                )
             if self._dynamic:
                 self.loss_scale = max(self.loss_scale / 2.0, 1.0)
                 self._growth_tracker = 0
+            self.nonfinite_steps += 1
             log.info(
                 "ZeroOptimizer: non-finite gradients, step skipped on every rank; "
                 "loss scale now %g",
                 self.loss_scale,
             )
         else:
+            if self._local_nonfinite:
+                self.nonfinite_steps += 1
+                if not self._said_nonfinite:
+                    self._said_nonfinite = True
+                    log.warning(
+                        "ZeroOptimizer: rank %d has non-finite gradients at step %d; stepping "
+                        "anyway (nonfinite='step', as torch does); nonfinite='skip' or 'raise' "
+                        "stops it",
+                        self.rank,
+                        self._steps,
+                    )
             self._runner.sync_hyper(self.param_groups)
-            handles = self._runner.step(self._grad_factor, self.comm_log, self.group)
+            if not self._runner.scales_in_kernel:
+                self._apply_grad_factor()
+            handles = self._runner.step(
+                self._views.active, self._grad_factor, self.comm_log, self.group
+            )
             for h in handles:
                 h.wait()
             if self._dynamic:
@@ -333,7 +577,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     self._growth_tracker = 0
         self._steps += 1
         self._overflow = None
-        self._grad_factor = 1.0 / self.loss_scale
+        self._local_nonfinite = False
         return loss
 
     # ------------------------------------------------------------------ telemetry
@@ -367,11 +611,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     @property
     def comm_stats(self) -> dict:
-        return {**self.comm_log.as_dict(), "steps": self._steps}
+        return {
+            **self.comm_log.as_dict(),
+            "steps": self._steps,
+            "nonfinite_steps": self.nonfinite_steps,
+        }
 
     def reset_comm_stats(self) -> None:
         self.comm_log.reset()
         self._steps = 0
+        self.nonfinite_steps = 0
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
@@ -419,6 +668,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     f"mode={self.mode}); load a consolidated_state_dict() instead"
                 )
             inner.load_state_dict(state_dict["inner"])
+            self._runner.adopt_state()
             self.loss_scale = float(meta.get("loss_scale", self.loss_scale))
             self._growth_tracker = int(meta.get("growth_tracker", 0))
         else:
@@ -446,6 +696,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 ig["params"] = list(range(k, k + len(ig["params"])))
                 k += len(ig["params"])
             inner.load_state_dict({"state": st, "param_groups": inner_groups})
+            self._runner.adopt_state()
         for g, saved in zip(self.param_groups, groups):
             for k, v in saved.items():
                 if k != "params":
@@ -457,11 +708,142 @@ class ZeroOptimizer(torch.optim.Optimizer):
         loadable by it); None on the other ranks. Collective: call it on every rank."""
         if not 0 <= to < self.world_size:
             raise ValueError(f"to must be a rank in [0, {self.world_size}), got to={to!r}")
+        self._check_open("consolidated_state_dict")
+        comm.check_arrival(self._side, "ZeroOptimizer.consolidated_state_dict()", self.timeout)
         payload = local_payload(self.layout, self._runner)
         got = comm.gather_object(payload, to, group=self.group)
         if self.rank != to:
             return None
         return consolidate(self.layout, got, self.param_groups, self._group_indices)
+
+    # ------------------------------------------------------------------ full-state access
+    def _index_of(self, param: torch.Tensor, what: str) -> int:
+        for i, p in self._params.items():
+            if p is param:
+                if i not in self._trainable:
+                    raise ValueError(f"{what}: param {self.layout_name(i)} is frozen")
+                return i
+        raise ValueError(
+            f"{what}: the tensor of shape {tuple(param.shape)} is not a param of this optimizer"
+        )
+
+    def _gather_full(self, index: int, parts, dtype, what: str) -> torch.Tensor:
+        """The whole tensor of param ``index`` from every rank's pieces ``parts`` (collective)."""
+        comm.check_arrival(self._side, what, self.timeout)
+        p = self._params[index]
+        full = torch.zeros(p.numel(), dtype=dtype, device=self.device)
+        for v, off in parts:
+            full[off : off + v.numel()] = v.reshape(-1)
+        comm.all_reduce(full, "sum", group=self.group)  # the pieces are disjoint
+        return full.view(p.shape)
+
+    def _piece_list(self, index: int, key: str | None):
+        """``(tensor piece, offset)`` of this rank for param ``index``: the values stepped
+        (key None) or the state entry ``key``."""
+        out = []
+        for _, _, pc, ip, _ in self._runner.all_pieces():
+            if pc.index != index:
+                continue
+            if key is None:
+                out.append((ip, pc.offset))
+            else:
+                st = self._runner.inner.state.get(ip, {})
+                if key in st:
+                    out.append((st[key], pc.offset))
+        return out
+
+    @torch.no_grad()
+    def full_param(self, param: torch.Tensor) -> torch.Tensor:
+        """The whole parameter at full precision: the fp32 master (bf16/fp16 params) or the
+        param itself; a new tensor on every rank. Collective: call it on every rank."""
+        self._check_open("full_param")
+        i = self._index_of(param, "full_param")
+        parts = self._piece_list(i, None)
+        dt = torch.float64 if param.dtype == torch.float64 else torch.float32
+        return self._gather_full(i, parts, dt, "ZeroOptimizer.full_param()")
+
+    @torch.no_grad()
+    def set_full_param(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        """Set the whole parameter (and its master) to ``value`` (the same on every rank)."""
+        self._check_open("set_full_param")
+        i = self._index_of(param, "set_full_param")
+        value = torch.as_tensor(value).to(self.device)
+        if value.shape != param.shape:
+            raise ValueError(f"set_full_param: {value.shape=} differs from {param.shape=}")
+        flat = value.reshape(-1)
+        for ip, off in self._piece_list(i, None):
+            ip.copy_(flat[off : off + ip.numel()].view(ip.shape))
+        param.copy_(value)
+
+    @torch.no_grad()
+    def full_grad(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The whole averaged gradient (true units: loss scale removed, clipping applied), or
+        None if the param has no gradient (on any rank). Collective: call it on every rank."""
+        self._check_open("full_grad")
+        i = self._index_of(param, "full_grad")
+        self._finish_reduction()
+        if i not in self._views.active:
+            comm.check_arrival(self._side, "ZeroOptimizer.full_grad()", self.timeout)
+            return None
+        parts = [(v * self._grad_factor, off) for v, off in self._views.pieces_of(i)]
+        dt = self._grads.dtypes[0] if self._grads.dtypes else torch.float32
+        return self._gather_full(i, parts, dt, "ZeroOptimizer.full_grad()")
+
+    @torch.no_grad()
+    def set_full_grad(self, param: torch.Tensor, value: torch.Tensor | None) -> None:
+        """Replace the param's gradient by ``value`` (the same on every rank), or drop it."""
+        self._check_open("set_full_grad")
+        self._index_of(param, "set_full_grad")
+        self._finish_reduction()
+        if value is not None and tuple(value.shape) != tuple(param.shape):
+            raise ValueError(f"set_full_grad: {value.shape=} differs from {param.shape=}")
+        param.grad = None if value is None else value.to(param.dtype)
+        self._sync_user_changes()
+
+    @torch.no_grad()
+    def full_state(self, param: torch.Tensor) -> dict:
+        """The param's optimizer state in the unsharded torch optimizer's format (element-wise
+        entries whole, per-tensor ones as they are); {} before its first step. Collective."""
+        self._check_open("full_state")
+        i = self._index_of(param, "full_state")
+        payload = [d for d in local_payload(self.layout, self._runner)]
+        mine = [d.get(i) for d in payload if i in d]
+        got = comm.all_gather_object(mine[0] if mine else None, group=self.group)
+        parts = [g for g in got if g is not None]
+        out: dict = {}
+        if not parts:
+            return out
+        for key, v in parts[0]["elem"].items():
+            full = torch.zeros(param.numel(), dtype=v.dtype, device=self.device)
+            for part in parts:
+                full[part["offset"] : part["offset"] + part["numel"]] = part["elem"][key]
+            out[key] = full.view(param.shape)
+        out.update(parts[0]["other"])
+        return out
+
+    @torch.no_grad()
+    def set_full_state(self, param: torch.Tensor, key: str, value) -> None:
+        """Set one entry of the param's optimizer state (after its first step); ``value`` is
+        whole for element-wise entries (each rank keeps its piece), else set as is."""
+        self._check_open("set_full_state")
+        i = self._index_of(param, "set_full_state")
+        found = False
+        for _, _, pc, ip, _ in self._runner.all_pieces():
+            if pc.index != i:
+                continue
+            st = self._runner.inner.state.get(ip)
+            if not st or key not in st:
+                raise KeyError(f"set_full_state: param has no state entry {key!r} yet")
+            cur = st[key]
+            if isinstance(cur, torch.Tensor) and tuple(cur.shape) == tuple(ip.shape):
+                flat = torch.as_tensor(value).reshape(-1)
+                cur.copy_(flat[pc.offset : pc.offset + pc.numel].view(cur.shape))
+            elif isinstance(cur, torch.Tensor):
+                cur.copy_(torch.as_tensor(value))
+            else:
+                st[key] = value
+            found = True
+        del found
 
     def __repr__(self) -> str:
         return (
@@ -469,6 +851,33 @@ class ZeroOptimizer(torch.optim.Optimizer):
             f"optimizer_class={self.optimizer_class.__name__}, "
             f"world_size={self.world_size}, rank={self.rank})"
         )
+
+
+def _call(me, name: str):
+    """A callback to method ``name`` of the object behind weak reference ``me``."""
+
+    def f():
+        o = me()
+        if o is not None:
+            getattr(o, name)()
+
+    return f
+
+
+def _owner_of(p: torch.Tensor):
+    """The live, open ZeroOptimizer holding ``p``, or None."""
+    ref = getattr(p, "_zero_kernels_owner", None)
+    o = ref() if ref is not None else None
+    return o if o is not None and not o._closed else None
+
+
+def _remove_hooks(handles: list, params: dict) -> None:
+    for h in handles:
+        h.remove()
+    handles.clear()
+    for p in params.values():
+        if isinstance(p.grad, ShardedGrad):
+            p.grad = None
 
 
 def _param_groups(params) -> tuple[list[dict], dict[int, str]]:

@@ -41,6 +41,8 @@ small, replaced by one of the right size; see [Note: gradient storage] in `zero_
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .. import comm
@@ -83,22 +85,47 @@ class Reducer:
         self._reset_pass()
         self.handles: list[tuple[int, int, comm.Handle, torch.Tensor | None]] = []
         self.dirty = False  # grads accumulated locally and not yet reduced
+        self.got: set[int] = set()  # params that got a local grad since the last `on_reduced`
+        # callbacks of the owner: the first grad hook of a backward pass, the end of a reduction
+        self.on_backward_start = None
+        self.on_reduced = None
         self._hooks = []
+        self._hook_cache: dict = {}
+        me = weakref.ref(self)  # hooks must not keep the reducer (and its optimizer) alive
         for i, buf in enumerate(layout.buffers):
             for pos, slot in enumerate(buf.slots):
                 p = params[slot.index]
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(i, pos)))
+                self._hooks.append(p.register_hook(_pre_hook(me)))
+                self._hooks.append(p.register_post_accumulate_grad_hook(_post_hook(me, i, pos)))
+
+    def handles_to_remove(self) -> list:
+        """The hook handles (removed by ``remove_hooks`` or a finalizer of the owner)."""
+        return self._hooks
 
     def _reset_pass(self) -> None:
         self.arrived = {k: 0 for k in self.need}
         self.launched: set[tuple[int, int]] = set()
         self.next = 0
         self.callback_queued = False
+        self.pass_started = False
+
+    def before_grad(self) -> None:
+        """A grad is about to be accumulated into a param: tell the owner once per pass."""
+        if not self.pass_started:
+            self.pass_started = True
+            if self.on_backward_start is not None:
+                self.on_backward_start()
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+    def _hook_for(self, i: int, pos: int):
+        f = self._hook_cache.get((i, pos))
+        if f is None:
+            f = self._hook_cache[(i, pos)] = self._make_hook(i, pos)
+        return f
 
     def _make_hook(self, i: int, pos: int):
         buf = self.layout.buffers[i]
@@ -111,6 +138,12 @@ class Reducer:
             p.grad = None
             if g is None:
                 return
+            if g.layout != torch.strided:
+                raise NotImplementedError(
+                    f"param {slot.name or slot.index} got a {g.layout} gradient: ZeroOptimizer "
+                    "takes dense gradients only (e.g. nn.Embedding(sparse=False))"
+                )
+            self.got.add(slot.index)
             syncing = self.sync or self.stage == 2
             if syncing and not self.callback_queued:
                 self.callback_queued = True
@@ -217,6 +250,8 @@ class Reducer:
         self.wait_all()
         self._reset_pass()
         self.dirty = False
+        if self.on_reduced is not None:
+            self.on_reduced()
 
     def flush(self) -> None:
         """Before the step: reduce whatever was accumulated but not reduced (e.g. after no_sync)."""
@@ -243,6 +278,24 @@ class Reducer:
     def flush_pending_waits(self) -> None:
         if self.handles:
             self.wait_all()
+
+
+def _pre_hook(me):
+    def hook(grad):
+        r = me()
+        if r is not None:
+            r.before_grad()
+
+    return hook
+
+
+def _post_hook(me, i: int, pos: int):
+    def hook(p):
+        r = me()
+        if r is not None:
+            r._hook_for(i, pos)(p)
+
+    return hook
 
 
 def _completed(h: comm.Handle) -> bool:

@@ -1,21 +1,30 @@
 """The optimizer over this rank's shard: fp32 master shards, the inner torch optimizer, the step.
 
 [Note: modes]
-What the optimizer steps: for fp32 params, the rank's shard of each bucket *inside the param
-buffer* (no master copy: the step updates the params in place and the all-gather input is
-already there); for other dtypes, a separate fp32 master shard per flat buffer (every bucket's
-shard, concatenated), copied (cast) into the param buffer after the step. Gradients are views of
-`GradStore.shard` (never copies).
+What the optimizer steps: for fp32 (and float64) params, the rank's shard of each bucket *inside
+the param buffer* (no master copy: the step updates the params in place and the all-gather input
+is already there); for bf16/fp16, a separate fp32 master shard per flat buffer (every bucket's
+shard, concatenated), copied (cast) into the param buffer after the step. float64 params are
+stepped in float64, with float64 gradients: never through a lower precision.
 
-- ``flat``: the inner torch optimizer has one param group per flat buffer, holding one tensor per
-  bucket (the bucket's shard, as above; its ``.grad`` the reduced gradient of the bucket): right
-  for element-wise optimizers only. Adam/AdamW skip the inner step and run
-  `zero_kernels.ops.adam_step` bucket by bucket (grad scale, update, copy-out into the
-  low-precision param shard in one pass); their state stays in the inner optimizer's ``state``
-  in torch's format.
-- ``whole``: every parameter lies wholly in its owner's shard (see [Note: layout]); the inner
-  optimizer sees, per flat buffer, shaped views of the master shard for the owned parameters,
+The inner torch optimizer sees one tensor per *piece* (see `zero_kernels.layout.Piece`): the part
+of a parameter inside this rank's shard, a view of the master shard (shaped like the parameter
+when the piece is the whole parameter), its ``.grad`` a view of the reduced gradient shard. So:
+
+- torch's own per-parameter rules hold: a parameter left out of a step (no gradient on any rank,
+  see [Note: gradients] in `zero_kernels.partition.grads`) has ``.grad = None`` on every piece and
+  the inner optimizer skips it (no weight decay, no momentum, its state neither created nor
+  advanced); each parameter keeps its own ``step``;
+- ``flat`` mode (element-wise optimizers): a piece is the intersection of a parameter with the
+  shard; ``whole`` mode: every parameter lies wholly in its owner's shard (see [Note: layout]),
   so per-tensor optimizers (Adafactor, Muon, LAMB-like) compute exactly the unsharded result.
+
+Adam/AdamW in flat mode skip the inner step and run `zero_kernels.ops.adam_step` on the bucket's
+whole shard in one call (grad scale, update, copy-out into the low-precision param shard in one
+pass). Their per-piece state lives in torch's format in the inner optimizer's ``state``, as views
+of one flat ``exp_avg``/``exp_avg_sq`` per bucket; when the bucket's pieces disagree (one left out
+of the step, or a different ``step`` count), the kernel runs once per run of consecutive pieces
+that agree.
 
 After the step each bucket's updated shard (copied or cast from the master where there is one)
 is all-gathered from the rank's slice of the flat param buffer, in the params' dtype, in place.
@@ -27,12 +36,14 @@ import torch
 
 from .. import comm
 from ..buffers import GradStore, shard_view
-from ..layout import Layout
+from ..layout import Layout, Piece, pieces
 from ..ops import AdamHyper, adam_step
 
 __all__ = ["ShardRunner", "FUSED_ADAM_CLASSES"]
 
 FUSED_ADAM_CLASSES = (torch.optim.Adam, torch.optim.AdamW)
+_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_ADAM_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 
 class ShardRunner:
@@ -52,10 +63,10 @@ class ShardRunner:
         self.layout, self.flats, self.grads, self.rank = layout, flats, grads, rank
         self.optimizer_class = optimizer_class
         n = layout.world_size
-        # fp32 master shard per flat buffer; None for fp32 params (see [Note: modes])
+        # fp32 master shard per flat buffer; None for fp32/fp64 params (see [Note: modes])
         self.masters: list[torch.Tensor | None] = []
         for i, buf in enumerate(layout.buffers):
-            if flats[i].dtype == torch.float32:
+            if flats[i].dtype in (torch.float32, torch.float64):
                 self.masters.append(None)
                 continue
             m = torch.empty(buf.shard_numel(n), dtype=torch.float32, device=flats[i].device)
@@ -63,45 +74,46 @@ class ShardRunner:
                 src, dst = shard_view(flats[i], layout, buf, rank, b.index)
                 m[dst].copy_(src)
             self.masters.append(m)
-        # inner params per flat buffer: one per bucket (flat) or owned shaped views (whole)
+        self.pieces: tuple[tuple[Piece, ...], ...] = pieces(layout, rank)
+        # per buffer: the inner params (one per piece) and their gradient views
         self.inner_params: list[list[torch.Tensor]] = []
-        self.owned: list[list[int]] = []  # whole mode: param indices in inner order, per buffer
+        self.grad_views: list[list[torch.Tensor]] = []
         for i, buf in enumerate(layout.buffers):
-            if layout.mode == "flat":
-                ps = []
-                for b in buf.buckets:
-                    p = self.master_view(i, b.index)
-                    p.grad = grads.shard(i, b.index)
-                    ps.append(p)
-                self.inner_params.append(ps)
-                self.owned.append([])
-                continue
-            views, owned = [], []
-            for slot in buf.slots:
-                if slot.owner != rank:
-                    continue
-                lo = slot.start - buf.buckets[slot.bucket].shard_start(rank)
-                v = self.master_view(i, slot.bucket)[lo : lo + slot.numel].view(slot.shape)
-                v.grad = grads.shard(i, slot.bucket)[lo : lo + slot.numel].view(slot.shape)
-                views.append(v)
-                owned.append(slot.index)
-            self.inner_params.append(views)
-            self.owned.append(owned)
+            ps, gs = [], []
+            for pc in self.pieces[i]:
+                b = buf.buckets[pc.bucket]
+                lo = pc.start - b.shard_start(rank)
+                shape = buf.slots[pc.slot].shape if pc.whole else (pc.numel,)
+                ps.append(self.master_view(i, pc.bucket)[lo : lo + pc.numel].view(shape))
+                gs.append(grads.shard(i, pc.bucket)[lo : lo + pc.numel].view(shape))
+            self.inner_params.append(ps)
+            self.grad_views.append(gs)
         groups = [
             {**group_opts[buf.group], "params": self.inner_params[i]}
             for i, buf in enumerate(layout.buffers)
         ]
         self.inner = optimizer_class(groups, **defaults)
-        self.fused = fused and layout.mode == "flat"
+        # fused Adam per buffer: flat mode, a dtype the kernel takes
+        self.fused = [
+            fused and layout.mode == "flat" and flats[i].dtype in _FUSED_DTYPES
+            for i in range(len(layout.buffers))
+        ]
         self.backend = backend
+        self.flat_state: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # fused: per bucket
 
     def master_view(self, i: int, b: int) -> torch.Tensor:
-        """The fp32 values the optimizer steps for this rank's shard of bucket ``b`` of buffer
-        ``i``: a view of the master shard, or of the param buffer itself for fp32 params."""
+        """The values the optimizer steps for this rank's shard of bucket ``b`` of buffer ``i``:
+        a view of the fp32 master shard, or of the param buffer itself for fp32/fp64 params."""
         buf = self.layout.buffers[i]
         dst, sl = shard_view(self.flats[i], self.layout, buf, self.rank, b)
         m = self.masters[i]
         return dst if m is None else m[sl]
+
+    def all_pieces(self):
+        """``(buffer, position, piece, inner param, grad view)`` for every piece of this rank."""
+        for i, ps in enumerate(self.pieces):
+            for k, pc in enumerate(ps):
+                yield i, k, pc, self.inner_params[i][k], self.grad_views[i][k]
 
     # ---------------------------------------------------------------- step
     def sync_hyper(self, user_groups: list[dict]) -> None:
@@ -112,37 +124,130 @@ class ShardRunner:
                 if k != "params":
                     g[k] = v
 
-    def step(self, grad_scale: float, log: comm.CommLog, group) -> list[comm.Handle]:
-        """One optimizer step on the shard; returns the all-gather handles of the new params."""
-        handles: list[comm.Handle] = []
-        if not self.fused:
-            if grad_scale != 1.0:
-                for t in self.grads.shard_tensors():
-                    t.mul_(grad_scale)
+    @property
+    def scales_in_kernel(self) -> bool:
+        """Whether every buffer's step takes a gradient scale (else grads must be scaled first)."""
+        return all(self.fused)
+
+    def step(
+        self, active: set[int], grad_scale: float, log: comm.CommLog, group
+    ) -> list[comm.Handle]:
+        """One optimizer step on the shard for the params in ``active`` (indices; the others are
+        left out, as torch does for ``grad=None``); returns the all-gather handles of the new
+        params. ``grad_scale`` multiplies the reduced gradients (1/loss scale, clipping) inside
+        the fused kernel; it must be 1 unless `scales_in_kernel`."""
+        for i, _k, pc, p, g in self.all_pieces():
+            p.grad = g if pc.index in active and not self.fused[i] else None
+        if not all(self.fused):
+            assert grad_scale == 1.0, "unfused steps take gradients already scaled"
             self.inner.step()
+        handles: list[comm.Handle] = []
         for i, buf in enumerate(self.layout.buffers):
             m = self.masters[i]
             lowp = self.flats[i].dtype in (torch.bfloat16, torch.float16)
-            g = self.inner.param_groups[i]
             for b in buf.buckets:
                 dst, sl = shard_view(self.flats[i], self.layout, buf, self.rank, b.index)
-                if self.fused:
-                    p = self.inner_params[i][b.index]
-                    hyper, st = self._adam_hyper(g, p, grad_scale)
-                    adam_step(
-                        p,
-                        p.grad,
-                        st["exp_avg"],
-                        st["exp_avg_sq"],
-                        hyper,
-                        max_exp_avg_sq=st["max_exp_avg_sq"] if hyper.amsgrad else None,
-                        out_lowp=dst if lowp else None,
-                        backend=self.backend,
-                    )
-                if m is not None and not (self.fused and lowp):
+                if self.fused[i]:
+                    self._fused_bucket(i, b.index, active, grad_scale, dst if lowp else None)
+                if m is not None and not (self.fused[i] and lowp):
                     dst.copy_(m[sl])
                 handles.append(self._gather(i, b.index, log, group))
+        for _, _, _, p, _ in self.all_pieces():
+            p.grad = None
         return handles
+
+    def _fused_bucket(self, i: int, b: int, active, grad_scale: float, out_lowp) -> None:
+        """Adam/AdamW on bucket ``b``'s shard: one kernel call when its pieces agree, else one
+        per run of consecutive active pieces with the same ``step`` (see [Note: modes])."""
+        ks = [k for k, pc in enumerate(self.pieces[i]) if pc.bucket == b]
+        if not ks:
+            return
+        g = self.inner.param_groups[i]
+        flat = self._flat_state(i, b, g)
+        bk = self.layout.buffers[i].buckets[b]
+        lo0 = bk.shard_start(self.rank)
+        runs: list[tuple[int, int, int]] = []  # (first element, end, step) inside the shard
+        joined = False  # whether the next active piece may extend the last run
+        for k in ks:
+            pc = self.pieces[i][k]
+            if pc.index not in active:
+                joined = False  # a left-out piece ends the run: it must not be stepped
+                continue
+            st = self._piece_state(i, k, flat, g)
+            st["step"] += 1
+            s = int(st["step"].item())
+            lo, hi = pc.start - lo0, pc.start - lo0 + pc.numel
+            if joined and runs[-1][2] == s:
+                runs[-1] = (runs[-1][0], hi, s)
+            else:
+                runs.append((lo, hi, s))
+            joined = True
+        if len(runs) == 1 and all(self.pieces[i][k].index in active for k in ks):
+            runs = [(0, bk.shard_numel, runs[0][2])]  # the whole shard, padding included
+        master = self.master_view(i, b)
+        grad = self.grads.shard(i, b)
+        for lo, hi, s in runs:
+            if hi <= lo:
+                continue
+            hyper = self._adam_hyper(g, s, grad_scale)
+            adam_step(
+                master[lo:hi],
+                grad[lo:hi],
+                flat["exp_avg"][lo:hi],
+                flat["exp_avg_sq"][lo:hi],
+                hyper,
+                max_exp_avg_sq=flat["max_exp_avg_sq"][lo:hi] if hyper.amsgrad else None,
+                out_lowp=None if out_lowp is None else out_lowp[lo:hi],
+                backend=self.backend,
+            )
+
+    def _flat_state(self, i: int, b: int, g: dict) -> dict[str, torch.Tensor]:
+        """The bucket's flat Adam state (created at its first step, zeros, as torch does)."""
+        key = (i, b)
+        if key not in self.flat_state:
+            n = self.layout.buffers[i].buckets[b].shard_numel
+            dev = self.flats[i].device
+            names = _ADAM_KEYS if g.get("amsgrad", False) else _ADAM_KEYS[:2]
+            self.flat_state[key] = {
+                k: torch.zeros(n, dtype=torch.float32, device=dev) for k in names
+            }
+        return self.flat_state[key]
+
+    def _piece_state(self, i: int, k: int, flat: dict, g: dict) -> dict:
+        """Torch Adam's state for piece ``k`` of buffer ``i``: views of the bucket's flat state."""
+        p = self.inner_params[i][k]
+        st = self.inner.state[p]
+        if len(st) == 0:
+            pc = self.pieces[i][k]
+            lo = pc.start - self.layout.buffers[i].buckets[pc.bucket].shard_start(self.rank)
+            st["step"] = torch.tensor(0.0, dtype=torch.float32)
+            for name, t in flat.items():
+                st[name] = t[lo : lo + pc.numel].view(p.shape)
+        return st
+
+    def adopt_state(self) -> None:
+        """After the inner optimizer's state was loaded (new tensors): move fused buffers' Adam
+        state back into the per-bucket flat tensors, the pieces' entries becoming views."""
+        for i, ps in enumerate(self.pieces):
+            if not self.fused[i]:
+                continue
+            g = self.inner.param_groups[i]
+            for k, pc in enumerate(ps):
+                p = self.inner_params[i][k]
+                st = self.inner.state.get(p)
+                if not st:
+                    continue
+                flat = self._flat_state(i, pc.bucket, g)
+                if "max_exp_avg_sq" in st and "max_exp_avg_sq" not in flat:
+                    n = self.layout.buffers[i].buckets[pc.bucket].shard_numel
+                    flat["max_exp_avg_sq"] = torch.zeros(n, device=p.device)
+                lo = pc.start - self.layout.buffers[i].buckets[pc.bucket].shard_start(self.rank)
+                for name, t in flat.items():
+                    view = t[lo : lo + pc.numel].view(p.shape)
+                    if name in st:
+                        view.copy_(st[name])
+                    st[name] = view
+                st["step"] = torch.as_tensor(st["step"], dtype=torch.float32).clone()
 
     def _gather(self, i: int, b: int, log, group) -> comm.Handle:
         buf = self.layout.buffers[i]
@@ -152,44 +257,39 @@ class ShardRunner:
         inp = self.flats[i][bk.shard_start(self.rank) : bk.shard_start(self.rank) + bk.shard_numel]
         return comm.all_gather(out, inp, group=group, log=log)
 
-    def _adam_hyper(self, g: dict, master: torch.Tensor, grad_scale: float):
-        """Torch Adam's state for ``master`` (created as torch does) and this step's scalars."""
-        st = self.inner.state[master]
-        amsgrad = bool(g.get("amsgrad", False))
-        if len(st) == 0:
-            st["step"] = torch.tensor(0.0, dtype=torch.float32)
-            st["exp_avg"] = torch.zeros_like(master, memory_format=torch.preserve_format)
-            st["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
-            if amsgrad:
-                st["max_exp_avg_sq"] = torch.zeros_like(master)
-        st["step"] += 1
+    def _adam_hyper(self, g: dict, step: int, grad_scale: float) -> AdamHyper:
+        """This step's scalars for torch Adam/AdamW's param group ``g``."""
         b1, b2 = (float(x) for x in g["betas"])
         adamw = (
             bool(g.get("decoupled_weight_decay", False))
             or self.optimizer_class is torch.optim.AdamW
         )
-        hyper = AdamHyper(
+        return AdamHyper(
             lr=float(g["lr"]),
             beta1=b1,
             beta2=b2,
             eps=float(g["eps"]),
             weight_decay=float(g["weight_decay"]),
-            step=int(st["step"].item()),
+            step=step,
             adamw=adamw,
-            amsgrad=amsgrad,
+            amsgrad=bool(g.get("amsgrad", False)),
             maximize=bool(g.get("maximize", False)),
             grad_scale=grad_scale,
         )
-        return hyper, st
 
     # ---------------------------------------------------------------- accounting
     def state_bytes(self) -> int:
-        tot = 0
+        """Bytes of optimizer state, each storage once (fused state: views of flat tensors)."""
+        seen: dict[int, int] = {}
         for st in self.inner.state.values():
             for v in st.values():
                 if isinstance(v, torch.Tensor):
-                    tot += v.numel() * v.element_size()
-        return tot
+                    s = v.untyped_storage()
+                    seen[s.data_ptr()] = s.nbytes()
+        for flat in self.flat_state.values():
+            for v in flat.values():
+                seen[v.untyped_storage().data_ptr()] = v.untyped_storage().nbytes()
+        return sum(seen.values())
 
     def master_bytes(self) -> int:
         """Bytes of separate fp32 master shards (0 for fp32 params: they are stepped in place)."""

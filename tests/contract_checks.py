@@ -1,0 +1,414 @@
+"""Checks of the script contract (issue 8): an ordinary training script gets DDP's result or a
+clear error. Run on spawned gloo ranks by tests/test_zero_contract.py, several checks per group."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from zero_kernels import ZeroOptimizer
+from zero_kernels.partition.grads import ShardedGrad, ShardedGradError
+
+O = torch.optim
+
+
+def _model(seed: int = 0, dtype=torch.float32) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(8, 24), nn.Tanh(), nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 3)
+    ).to(dtype)
+
+
+def _x(rank: int, step: int, dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(6, 8, generator=torch.Generator().manual_seed(1000 * step + rank)).to(dtype)
+
+
+def _close(m1, m2, tol, what):
+    for (n, a), (_, b) in zip(m1.named_parameters(), m2.named_parameters()):
+        a, b = a.detach().double(), b.detach().double()
+        err = float((a - b).norm() / b.norm().clamp_min(1e-30))
+        assert err <= tol, f"{what}: {n} rel err {err:.3g} > {tol:g}"
+
+
+def _rel(a, b) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _pair(stage, cls=O.AdamW, dtype=torch.float32, zkw=None, **kw):
+    base = _model(dtype=dtype)
+    m1, m2 = copy.deepcopy(base), copy.deepcopy(base)
+    kw = kw or {"lr": 1e-2, "weight_decay": 0.1}
+    zo = ZeroOptimizer(m1, cls, stage=stage, bucket_size_mb=0.001, **(zkw or {}), **kw)
+    ddp = DDP(m2, find_unused_parameters=True)
+    to = cls(m2.parameters(), **kw)
+    return m1, m2, zo, ddp, to
+
+
+def check_torch_tools(rank: int, world: int) -> dict:
+    """clip_grad_norm_, model.zero_grad (both ways), GradScaler, reading/scaling/replacing/
+    dropping p.grad: each gives DDP's result."""
+    out = {}
+    for stage in (1, 2):
+        # -- torch.nn.utils.clip_grad_norm_ over model.parameters(), model.zero_grad()
+        for norm_type, set_to_none in ((2.0, True), (float("inf"), False), (1.0, True)):
+            m1, m2, zo, ddp, to = _pair(stage)
+            for step in range(4):
+                m1.zero_grad(set_to_none=set_to_none)
+                m2.zero_grad(set_to_none=set_to_none)
+                m1(_x(rank, step)).pow(2).mean().backward()
+                ddp(_x(rank, step)).pow(2).mean().backward()
+                n1 = torch.nn.utils.clip_grad_norm_(m1.parameters(), 0.02, norm_type)
+                n2 = torch.nn.utils.clip_grad_norm_(m2.parameters(), 0.02, norm_type)
+                assert abs(float(n1) - float(n2)) <= 1e-5 * float(n2), (norm_type, n1, n2)
+                assert float(n1) > 0
+                zo.step()
+                to.step()
+            _close(m1, m2, 1e-6, f"clip_grad_norm_ p={norm_type} stage={stage}")
+            zo.close()
+        # -- reading p.grad: norms, full_grad, the visible value after opt.clip_grad_norm_
+        m1, m2, zo, ddp, to = _pair(stage)
+        m1(_x(rank, 0)).pow(2).mean().backward()
+        ddp(_x(rank, 0)).pow(2).mean().backward()
+        for a, b in zip(m1.parameters(), m2.parameters()):
+            assert isinstance(a.grad, ShardedGrad)
+            assert a.grad.shape == b.grad.shape and a.grad.dtype == b.grad.dtype
+            assert abs(float(a.grad.norm()) - float(b.grad.norm())) <= 1e-6 * float(b.grad.norm())
+            assert _rel(zo.full_grad(a), b.grad) <= 1e-6
+        zo.clip_grad_norm_(1e-3)
+        torch.nn.utils.clip_grad_norm_(m2.parameters(), 1e-3)
+        for a, b in zip(m1.parameters(), m2.parameters()):
+            assert _rel(zo.full_grad(a), b.grad) <= 1e-5
+        # an operation that cannot be exact raises, naming the way that works
+        try:
+            _ = m1[0].weight.grad + 1
+            raise AssertionError("an unsupported op on a sharded grad did not raise")
+        except ShardedGradError as e:
+            assert "full_grad" in str(e), e
+        # -- scaling, replacing and dropping grads before the step
+        m1[0].weight.grad.mul_(0.5)
+        m2[0].weight.grad.mul_(0.5)
+        g = torch.full_like(m2[2].weight, 0.01)
+        m1[2].weight.grad = g.clone()
+        m2[2].weight.grad = g.clone()
+        m1[4].bias.grad = None  # left out of this step, as torch does
+        m2[4].bias.grad = None
+        before = m1[4].bias.detach().clone()
+        zo.step()
+        to.step()
+        assert torch.equal(m1[4].bias, before), "a param with grad None was stepped"
+        assert not zo.full_state(m1[4].bias), "state created for a param never stepped"
+        _close(m1, m2, 1e-6, f"scaled/replaced/dropped grads stage={stage}")
+        # grads stay after step (torch's rule) until zero_grad
+        assert _rel(zo.full_grad(m1[2].weight), m2[2].weight.grad) <= 1e-6
+        zo.zero_grad()
+        assert all(p.grad is None for p in m1.parameters())
+        # -- step with no backward since zero_grad changes nothing
+        snap = [p.detach().clone() for p in m1.parameters()]
+        zo.step()
+        assert all(torch.equal(a, b) for a, b in zip(snap, m1.parameters()))
+        zo.close()
+        # -- GradScaler (its unscale_ and inf check run on the sharded grads)
+        m1, m2, zo, ddp, to = _pair(stage)
+        s1 = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        s2 = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        for step in range(4):
+            for m, s, o, fwd in ((m1, s1, zo, m1), (m2, s2, to, ddp)):
+                o.zero_grad()
+                loss = fwd(_x(rank, step)).pow(2).mean()
+                if step == 2 and rank == world - 1:
+                    loss = loss * float("inf")  # one rank overflows: every rank skips
+                s.scale(loss).backward()
+                s.unscale_(o)
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+                s.step(o)
+                s.update()
+            assert s1.get_scale() == s2.get_scale(), (s1.get_scale(), s2.get_scale())
+        _close(m1, m2, 1e-6, f"GradScaler stage={stage}")
+        zo.close()
+        out[f"torch tools stage={stage}"] = "ok"
+    return out
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.some = nn.Linear(16, 16)  # used on rank 0 only
+        self.never = nn.Linear(16, 16)  # used on no rank in some steps
+        self.b = nn.Linear(16, 3)
+        self.use_some = self.use_never = True
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        if self.use_some:
+            h = h + self.some(h)
+        if self.use_never:
+            h = h + self.never(h)
+        return self.b(h)
+
+
+def check_semantics(rank: int, world: int) -> dict:
+    """Unused params, requires_grad toggled, float64, add_param_group, full-state access."""
+    out = {}
+    for stage in (1, 2):
+        for cls, kw in (
+            (O.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
+            (O.SGD, {"lr": 0.1, "momentum": 0.9}),
+        ):
+            torch.manual_seed(0)
+            base = Branchy()
+            m1, m2 = copy.deepcopy(base), copy.deepcopy(base)
+            zo = ZeroOptimizer(m1, cls, stage=stage, bucket_size_mb=0.001, **kw)
+            ddp = DDP(m2, find_unused_parameters=True)
+            to = cls(m2.parameters(), **kw)
+            for step in range(6):
+                for m in (m1, m2):
+                    m.use_some = rank == 0
+                    m.use_never = step % 3 == 0
+                zo.zero_grad()
+                to.zero_grad()
+                m1(_x(rank, step)).pow(2).mean().backward()
+                ddp(_x(rank, step)).pow(2).mean().backward()
+                for (n, a), (_, b) in zip(m1.named_parameters(), m2.named_parameters()):
+                    assert (a.grad is None) == (b.grad is None), (n, step)
+                zo.step()
+                to.step()
+            _close(m1, m2, 1e-6, f"unused params {cls.__name__} stage={stage}")
+            ref = to.state_dict()["state"]
+            full = zo.consolidated_state_dict()
+            if rank == 0:
+                assert sorted(full["state"]) == sorted(ref), (sorted(full["state"]), sorted(ref))
+                for k, st in ref.items():
+                    for key, v in st.items():
+                        assert _rel(full["state"][k][key], v) <= 1e-5, (k, key)
+            zo.close()
+        # -- requires_grad toggled between steps: left out while off, as torch does
+        m1, m2, zo, ddp, to = _pair(stage)
+        for step in range(4):
+            off = step in (1, 2)
+            for m in (m1, m2):
+                m[2].weight.requires_grad_(not off)
+            zo.zero_grad()
+            to.zero_grad()
+            m1(_x(rank, step)).pow(2).mean().backward()
+            ddp(_x(rank, step)).pow(2).mean().backward()
+            zo.step()
+            to.step()
+        _close(m1, m2, 1e-6, f"requires_grad toggled stage={stage}")
+        zo.close()
+        # -- float64 params are stepped in float64, no fp32 master
+        for cls, kw in (
+            (O.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
+            (O.SGD, {"lr": 0.1, "momentum": 0.9}),
+        ):
+            m1, m2, zo, ddp, to = _pair(stage, cls, torch.float64, **kw)
+            for step in range(4):
+                zo.zero_grad()
+                to.zero_grad()
+                m1(_x(rank, step, torch.float64)).pow(2).mean().backward()
+                ddp(_x(rank, step, torch.float64)).pow(2).mean().backward()
+                zo.step()
+                to.step()
+            _close(m1, m2, 1e-13, f"float64 {cls.__name__} stage={stage}")
+            assert zo.memory_report()["master_bytes"] == 0
+            assert all(t.dtype == torch.float64 for t in zo._grads.shard_tensors())
+            zo.close()
+        # -- add_param_group is refused, never accepted and ignored
+        m1, m2, zo, ddp, to = _pair(stage)
+        try:
+            zo.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
+            raise AssertionError("add_param_group accepted")
+        except NotImplementedError as e:
+            assert "add_param_group" in str(e)
+        # -- full-state access (collective) against the DDP side's torch optimizer
+        for step in range(2):
+            zo.zero_grad()
+            to.zero_grad()
+            m1(_x(rank, step)).pow(2).mean().backward()
+            ddp(_x(rank, step)).pow(2).mean().backward()
+            zo.step()
+            to.step()
+        for a, b in zip(m1.parameters(), m2.parameters()):
+            assert _rel(zo.full_param(a), b) <= 1e-6
+            st, ref = zo.full_state(a), to.state[b]
+            assert sorted(st) == sorted(ref), (sorted(st), sorted(ref))
+            for key in ref:
+                assert _rel(st[key], ref[key]) <= 1e-5, (key, _rel(st[key], ref[key]))
+        w1, w2 = m1[0].weight, m2[0].weight
+        new = torch.linspace(-1, 1, w1.numel()).view(w1.shape)
+        zo.set_full_param(w1, new)
+        with torch.no_grad():
+            w2.copy_(new)
+        zo.set_full_state(w1, "exp_avg", to.state[w2]["exp_avg"] * 2)
+        to.state[w2]["exp_avg"].mul_(2)
+        zo.zero_grad()
+        to.zero_grad()
+        m1(_x(rank, 7)).pow(2).mean().backward()
+        ddp(_x(rank, 7)).pow(2).mean().backward()
+        zo.set_full_grad(m1[4].weight, torch.ones_like(m1[4].weight))
+        m2[4].weight.grad = torch.ones_like(m2[4].weight)
+        zo.step()
+        to.step()
+        _close(m1, m2, 1e-6, f"full-state setters stage={stage}")
+        zo.close()
+        out[f"semantics stage={stage}"] = "ok"
+    return out
+
+
+def check_lifecycle(rank: int, world: int) -> dict:
+    """close(), a second optimizer, a failed constructor, collection, replaced param data."""
+    m = _model()
+    zo = ZeroOptimizer(m, O.SGD, stage=2, bucket_size_mb=0.001, lr=0.1)
+    flats = [f.untyped_storage().data_ptr() for f in zo._flats]
+    try:
+        ZeroOptimizer(m, O.SGD, stage=1, lr=0.1)
+        raise AssertionError("a second optimizer over held params was accepted")
+    except ValueError as e:
+        assert "another live ZeroOptimizer" in str(e), e
+    m(_x(rank, 0)).sum().backward()
+    zo.step()
+    zo.close()
+    # params are plain tensors again (not views of the flat buffers); no hooks are left
+    assert all(p.untyped_storage().data_ptr() not in flats for p in m.parameters())
+    assert all(p.grad is None for p in m.parameters())
+    m(_x(rank, 1)).sum().backward()
+    assert all(type(p.grad) is torch.Tensor for p in m.parameters()), "a hook survived close()"
+    m.zero_grad()
+    # a second optimizer on the same model trains (DDP parity), with the first one closed
+    base = copy.deepcopy(m)
+    with ZeroOptimizer(m, O.SGD, stage=1, bucket_size_mb=0.001, lr=0.1) as z2:
+        d = DDP(base)
+        so = O.SGD(base.parameters(), lr=0.1)
+        for step in range(2):
+            z2.zero_grad()
+            so.zero_grad()
+            m(_x(rank, step)).pow(2).mean().backward()
+            d(_x(rank, step)).pow(2).mean().backward()
+            z2.step()
+            so.step()
+        _close(m, base, 1e-6, "second optimizer")
+    assert z2._closed
+    # a collected optimizer leaves no hooks
+    z3 = ZeroOptimizer(m, O.SGD, stage=2, bucket_size_mb=0.001, lr=0.1)
+    m(_x(rank, 2)).sum().backward()
+    del z3
+    gc.collect()
+    for p in m.parameters():
+        p.grad = None
+    m(_x(rank, 3)).sum().backward()
+    assert all(type(p.grad) is torch.Tensor for p in m.parameters()), "hooks outlived the optimizer"
+    m.zero_grad()
+    # a constructor that fails (the inner optimizer rejects lr) leaves nothing behind
+    try:
+        ZeroOptimizer(m, O.SGD, stage=2, lr=-1.0)
+        raise AssertionError("lr=-1 accepted")
+    except ValueError as e:
+        assert "learning rate" in str(e).lower(), e
+    m(_x(rank, 4)).sum().backward()
+    assert all(type(p.grad) is torch.Tensor for p in m.parameters()), "a failed build left hooks"
+    m.zero_grad()
+    z4 = ZeroOptimizer(m, O.SGD, stage=2, lr=0.1)  # the params are free again
+    # replaced param data: a clear error at the next step, never a model that stops training
+    for how in ("data", "to", "assign"):
+        z4.close()
+        z4 = ZeroOptimizer(m, O.SGD, stage=2, lr=0.1)
+        if how == "data":
+            m[0].weight.data = m[0].weight.data.clone()
+        elif how == "to":
+            m.to(torch.float64)
+        else:
+            m.load_state_dict({k: v.clone() for k, v in m.state_dict().items()}, assign=True)
+        m(_x(rank, 5, next(m.parameters()).dtype)).sum().backward()
+        try:
+            z4.step()
+            raise AssertionError(f"replaced params ({how}) not noticed")
+        except RuntimeError as e:
+            assert "replaced" in str(e), e
+        m.zero_grad()
+        m.to(torch.float32)
+    z4.close()
+    return {"lifecycle": "ok"}
+
+
+def check_disagree(rank: int, world: int) -> dict:
+    """Ranks built differently: a ValueError on every rank naming what and where."""
+    out = {}
+    for what, kw in (
+        ("hyper-parameters", {"lr": 0.1 if rank == 0 else 0.2}),
+        ("bucket_size_mb", {"lr": 0.1, "bucket_size_mb": 1.0 if rank == 0 else 2.0}),
+    ):
+        try:
+            ZeroOptimizer(_model(), O.SGD, stage=2, **kw)
+            raise AssertionError(f"different {what} accepted")
+        except ValueError as e:
+            assert what in str(e) and f"rank {world - 1}" in str(e), e
+    # different shapes
+    m = _model() if rank == 0 else nn.Sequential(nn.Linear(8, 5))
+    try:
+        ZeroOptimizer(m, O.SGD, stage=2, lr=0.1)
+        raise AssertionError("different params accepted")
+    except ValueError as e:
+        assert "params" in str(e), e
+    # a collective-only call made on one rank: an error there, no hang
+    zo = ZeroOptimizer(_model(), O.SGD, stage=2, lr=0.1, timeout=3)
+    t0 = time.monotonic()
+    if rank == 0:
+        try:
+            zo.consolidated_state_dict()
+            raise AssertionError("consolidated_state_dict on one rank returned")
+        except RuntimeError as e:
+            assert "collective" in str(e), e
+        out["lone call s"] = time.monotonic() - t0
+        assert out["lone call s"] < 30
+    dist.barrier()
+    zo.close()
+    return out
+
+
+def check_nonfinite(rank: int, world: int) -> dict:
+    """nonfinite='skip' | 'raise' | 'step' with a NaN on one rank only."""
+    out = {}
+    for mode in ("skip", "raise", "step"):
+        m = _model()
+        zo = ZeroOptimizer(m, O.SGD, stage=2, lr=0.1, nonfinite=mode)
+        before = [p.detach().clone() for p in m.parameters()]
+        loss = m(_x(rank, 0)).pow(2).mean()
+        if rank == world - 1:
+            loss = loss * float("nan")
+        loss.backward()
+        if mode == "raise":
+            try:
+                zo.step()
+                raise AssertionError("nonfinite='raise' did not raise")
+            except FloatingPointError:
+                pass
+        else:
+            zo.step()
+        same = all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
+        assert same == (mode != "step"), (mode, same)
+        stats = zo.comm_stats["nonfinite_steps"]
+        if mode == "skip":
+            assert stats == 1, stats
+        if mode == "step":
+            assert stats == (1 if rank == world - 1 or world == 1 else stats), stats
+        out[mode] = stats
+        zo.close()
+    return out
+
+
+def contract_all(rank: int, world: int) -> dict:
+    out = {}
+    out.update(check_torch_tools(rank, world))
+    out.update(check_semantics(rank, world))
+    out.update(check_lifecycle(rank, world))
+    out.update(check_nonfinite(rank, world))
+    if world > 1:
+        out.update(check_disagree(rank, world))
+    return out

@@ -1,0 +1,405 @@
+"""Gradients that torch's tools can see: ``param.grad`` as a `ShardedGrad` after each reduction.
+
+[Note: gradients]
+After a synchronising backward the averaged gradient of a parameter lives in pieces, one per rank
+that owns part of it (see `zero_kernels.layout.Piece`), inside the gradient store; no rank holds
+it whole (stage 2 never does; stage 1 holds a full-size buffer whose other ranks' ranges are
+stale). How the peers show it:
+
+- FSDP2 makes ``param.grad`` a sharded DTensor: every torch op works, collectives where needed.
+  Our pieces cut parameters at arbitrary elements, which DTensor's placements (dim-wise shards)
+  cannot describe, and DTensor's general op coverage is not needed for a gradient.
+- FSDP1 ``use_orig_params`` makes ``param.grad`` a view of the *local* flat shard, with the other
+  elements missing (None or zero): ``clip_grad_norm_`` on it computes a local norm, off by √N, the
+  bug this project exists to avoid.
+- Megatron keeps ``param.main_grad`` and leaves ``.grad`` None: torch's tools see nothing
+  (``clip_grad_norm_`` returns 0, ``zero_grad`` does nothing, GradScaler finds no inf checks).
+
+We take FSDP2's idea at a gradient's size: ``param.grad`` is a `ShardedGrad`, a tensor subclass
+with the parameter's shape, dtype and device whose data is this rank's piece of the reduced
+gradient (a view of the store, never a copy). The operations torch's tools apply to gradients are
+implemented exactly, over all ranks (every rank must make the call, as every rank of a DDP script
+does): norms (``torch.linalg.vector_norm``, ``Tensor.norm``, ``torch._foreach_norm``: one
+all-reduce), in-place scaling by a number or 0-dim tensor (``mul_``, ``div_`` and their
+``_foreach`` forms), ``zero_``/``fill_``, ``copy_``/``add_`` of a whole tensor (each rank takes its
+piece), ``detach``, and GradScaler's ``_amp_foreach_non_finite_check_and_unscale_`` (found_inf
+all-reduced, so every rank skips alike). So ``torch.nn.utils.clip_grad_norm_``,
+``model.zero_grad()`` (either ``set_to_none``) and ``torch.amp.GradScaler`` give DDP's result.
+Any other operation raises `ShardedGradError`, naming ``opt.full_grad(p)`` (the whole gradient,
+collective) and ``opt.clip_grad_norm_``. Values are true gradients: loss scaling removed and
+``opt.clip_grad_norm_`` applied (lazily kept as one factor; see `GradViews.normalize`).
+
+Assignments are seen at the next backward, ``clip_grad_norm_``, ``step`` or ``full_grad``:
+``p.grad = None`` (``zero_grad``) leaves the parameter out (its reduced gradient is dropped; with
+no new gradient it is not stepped, as torch skips it); ``p.grad = tensor`` replaces the gradient
+by that tensor (each rank keeps its piece: give every rank the same tensor, as DDP's grads are).
+A parameter that got no gradient on any rank since ``zero_grad`` keeps ``grad = None`` (DDP's rule:
+one all-reduce of a byte per parameter at the end of each synchronising backward decides it);
+used on some ranks only, it gets the average with zeros from the others.
+
+``step()`` does not consume gradients: they stay until ``zero_grad`` (torch's rule), and a second
+backward without ``zero_grad`` adds to them.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+
+import torch
+
+from .. import comm
+
+__all__ = ["GradViews", "ShardedGrad", "ShardedGradError"]
+
+aten = torch.ops.aten
+
+
+class ShardedGradError(RuntimeError):
+    """An operation on a sharded ``param.grad`` that cannot give the unsharded result."""
+
+
+def _advice(name: str) -> str:
+    return (
+        f"{name} is not supported on the .grad of a parameter managed by ZeroOptimizer: the "
+        "gradient is sharded across ranks (each holds its piece). Use opt.full_grad(param) for "
+        "the whole gradient (collective), opt.clip_grad_norm_(max_norm) or "
+        "torch.nn.utils.clip_grad_norm_ for clipping; norms, mul_/div_ by a number, zero_ and "
+        "copy_ of a whole tensor work on it directly"
+    )
+
+
+class ShardedGrad(torch.Tensor):
+    """``param.grad`` of a parameter managed by `ZeroOptimizer`; see [Note: gradients]."""
+
+    @staticmethod
+    def __new__(cls, param: torch.Tensor, views: GradViews, index: int):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, param.shape, dtype=param.dtype, device=param.device, requires_grad=False
+        )
+
+    def __init__(self, param: torch.Tensor, views: GradViews, index: int):
+        self._views = weakref.ref(views)
+        self._index = index
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        return (
+            f"ShardedGrad(shape={tuple(self.shape)}, dtype={self.dtype}, param index "
+            f"{self._index}: sharded across ranks; opt.full_grad(param) gathers it)"
+        )
+
+    def _owner(self) -> GradViews:
+        v = self._views()
+        if v is None or v.closed:
+            raise ShardedGradError(
+                "this .grad belongs to a ZeroOptimizer that was closed or collected"
+            )
+        return v
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        impl = _IMPLS.get(func)
+        if impl is None:
+            raise ShardedGradError(_advice(f"torch operation {func}"))
+        return impl(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------- implementations
+
+
+def _sg(t) -> ShardedGrad:
+    if not isinstance(t, ShardedGrad):
+        raise ShardedGradError(_advice("mixing sharded and plain gradients in one call"))
+    return t
+
+
+def _pieces(t: ShardedGrad):
+    """``[(piece view (true units after normalize), offset in the param)]`` of this rank."""
+    return t._owner().pieces_of(t._index)
+
+
+def _scalar(x) -> float:
+    if isinstance(x, torch.Tensor):
+        if x.numel() != 1 or isinstance(x, ShardedGrad):
+            raise ShardedGradError(_advice("scaling by a tensor of more than one element"))
+        return float(x.item())
+    return float(x)
+
+
+def _norm_parts(ts: list[ShardedGrad], ord) -> list[torch.Tensor]:
+    """Global norms of ``ts``: local partial results, one all-reduce for the whole list."""
+    owner = ts[0]._owner()
+    owner.normalize()
+    o = float(ord)
+    if math.isnan(o):
+        raise ValueError(f"norm order must not be nan, got ord={ord!r}")
+    part = torch.zeros(len(ts), dtype=torch.float64)
+    for k, t in enumerate(ts):
+        vals = [v.double() for v, _ in _pieces(_sg(t)) if v.numel()]
+        if math.isinf(o) and o > 0:
+            part[k] = max((float(v.abs().max()) for v in vals), default=0.0)
+        elif math.isinf(o):
+            part[k] = -min((float(v.abs().min()) for v in vals), default=math.inf)
+        elif o == 0:
+            part[k] = sum(float((v != 0).sum()) for v in vals)
+        else:
+            part[k] = sum(float(v.abs().pow(o).sum()) for v in vals)
+    op = "max" if math.isinf(o) else "sum"
+    part = part.to(owner.device)
+    comm.all_reduce(part, op, group=owner.group, log=owner.log)
+    part = part.cpu()
+    out = []
+    for k, t in enumerate(ts):
+        x = float(part[k])
+        if math.isinf(o):
+            x = x if o > 0 else -x
+        elif o != 0:
+            x = x ** (1.0 / o)
+        out.append(torch.tensor(x, dtype=t.dtype, device=t.device))
+    return out
+
+
+def _vector_norm(t, ord=2, dim=None, keepdim=False, *, dtype=None):
+    if dim not in (None, [], ()) or keepdim:
+        raise ShardedGradError(_advice("a norm over some dimensions"))
+    r = _norm_parts([t], ord)[0]
+    return r.to(dtype) if dtype is not None else r
+
+
+def _norm(t, p=2, *a, **k):
+    if a or k.get("dim") not in (None, [], ()):
+        raise ShardedGradError(_advice("a norm over some dimensions"))
+    return _norm_parts([t], 2 if p is None else p)[0]
+
+
+def _foreach_norm(ts, ord=2, dtype=None):
+    out = _norm_parts([_sg(t) for t in ts], ord)
+    return [r.to(dtype) for r in out] if dtype is not None else out
+
+
+def _scale(t, c):
+    t = _sg(t)
+    t._owner().normalize()
+    for v, _ in _pieces(t):
+        v.mul_(c)
+    return t
+
+
+def _mul_(t, other):
+    return _scale(t, _scalar(other))
+
+
+def _div_(t, other, *, rounding_mode=None):
+    if rounding_mode is not None:
+        raise ShardedGradError(_advice(f"div_ with rounding_mode={rounding_mode!r}"))
+    return _scale(t, 1.0 / _scalar(other))
+
+
+def _foreach_mul_(ts, other):
+    if isinstance(other, (list, tuple)):
+        for t, c in zip(ts, other):
+            _scale(t, _scalar(c))
+    else:
+        c = _scalar(other)
+        for t in ts:
+            _scale(t, c)
+
+
+def _foreach_div_(ts, other):
+    if isinstance(other, (list, tuple)):
+        for t, c in zip(ts, other):
+            _scale(t, 1.0 / _scalar(c))
+    else:
+        c = 1.0 / _scalar(other)
+        for t in ts:
+            _scale(t, c)
+
+
+def _fill_(t, value):
+    t = _sg(t)
+    t._owner().normalize()
+    v = _scalar(value)
+    for piece, _ in _pieces(t):
+        piece.fill_(v)
+    return t
+
+
+def _zero_(t):
+    return _fill_(t, 0.0)
+
+
+def _foreach_zero_(ts):
+    for t in ts:
+        _zero_(t)
+
+
+def _take_from(t: ShardedGrad, src: torch.Tensor, alpha: float, add: bool) -> ShardedGrad:
+    t = _sg(t)
+    if isinstance(src, ShardedGrad):
+        if src._index != t._index or src._views() is not t._views():
+            raise ShardedGradError(_advice("copying one parameter's sharded grad into another's"))
+        if not add:
+            return t
+        src_pieces = [v for v, _ in _pieces(src)]
+        t._owner().normalize()
+        for (v, _), s in zip(_pieces(t), src_pieces):
+            v.add_(s, alpha=alpha)
+        return t
+    src = torch.as_tensor(src)
+    if src.numel() != t.numel():
+        src = src.expand(t.shape)
+    flat = src.reshape(-1)
+    t._owner().normalize()
+    for v, off in _pieces(t):
+        part = flat[off : off + v.numel()].to(v.dtype).view(v.shape)
+        if add:
+            v.add_(part, alpha=alpha)
+        else:
+            v.copy_(part)
+    return t
+
+
+def _copy_(t, src, non_blocking=False):
+    return _take_from(t, src, 1.0, add=False)
+
+
+def _add_(t, other, *, alpha=1):
+    if not isinstance(other, torch.Tensor):
+        raise ShardedGradError(_advice("adding a number to every element (add_ of a scalar)"))
+    return _take_from(t, other, float(alpha), add=True)
+
+
+def _detach(t):
+    t = _sg(t)
+    owner = t._owner()
+    return owner.view_for(t._index) or t
+
+
+def _identity(t, *a, **k):
+    return t
+
+
+def _unscale(grads, found_inf, inv_scale):
+    """GradScaler's check-and-unscale over the pieces; found_inf agreed by every rank."""
+    ts = [_sg(g) for g in grads]
+    if not ts:
+        return
+    owner = ts[0]._owner()
+    owner.normalize()
+    inv = _scalar(inv_scale)
+    bad = 0.0
+    for t in ts:
+        for v, _ in _pieces(t):
+            if v.numel():
+                if not bool(torch.isfinite(v).all()):
+                    bad = 1.0
+                v.mul_(inv)
+    flag = torch.tensor([max(bad, float(found_inf.item()))], device=owner.device)
+    comm.all_reduce(flag, "max", group=owner.group, log=owner.log)
+    found_inf.fill_(float(flag.item()))
+
+
+_IMPLS = {
+    aten.linalg_vector_norm.default: _vector_norm,
+    aten.norm.Scalar: _norm,
+    aten.norm.ScalarOpt_dim: _norm,
+    aten._foreach_norm.Scalar: _foreach_norm,
+    aten.mul_.Tensor: _mul_,
+    aten.mul_.Scalar: _mul_,
+    aten.div_.Tensor: _div_,
+    aten.div_.Scalar: _div_,
+    aten.div_.Tensor_mode: _div_,
+    aten._foreach_mul_.Scalar: _foreach_mul_,
+    aten._foreach_mul_.Tensor: _foreach_mul_,
+    aten._foreach_mul_.List: _foreach_mul_,
+    aten._foreach_mul_.ScalarList: _foreach_mul_,
+    aten._foreach_div_.Scalar: _foreach_div_,
+    aten._foreach_div_.Tensor: _foreach_div_,
+    aten._foreach_div_.List: _foreach_div_,
+    aten._foreach_div_.ScalarList: _foreach_div_,
+    aten.zero_.default: _zero_,
+    aten.fill_.Scalar: _fill_,
+    aten._foreach_zero_.default: _foreach_zero_,
+    aten.copy_.default: _copy_,
+    aten.add_.Tensor: _add_,
+    aten.detach.default: _detach,
+    aten.detach_.default: _identity,
+    aten.alias.default: _detach,
+    aten._amp_foreach_non_finite_check_and_unscale_.default: _unscale,
+}
+
+
+class GradViews:
+    """The `ShardedGrad` objects of one optimizer and the bookkeeping behind them.
+
+    ``active``: parameters (indices) that have a reduced gradient since the last ``zero_grad``
+    (decided on every rank alike); ``factor``: the store times ``factor`` is the true gradient.
+    """
+
+    def __init__(self, opt):
+        self._opt = weakref.ref(opt)
+        self.device = opt.device
+        self.group = opt.group
+        self.log = opt.comm_log
+        self.closed = False
+        self.views: dict[int, ShardedGrad] = {}
+        self.active: set[int] = set()
+        # pieces per param index: (inner param's grad view, offset in the param)
+        self.by_index: dict[int, list[tuple[torch.Tensor, int]]] = {}
+
+    # ---- the optimizer's side
+    def opt(self):
+        o = self._opt()
+        if o is None:
+            raise ShardedGradError("the ZeroOptimizer of this gradient was collected")
+        return o
+
+    def pieces_of(self, index: int) -> list[tuple[torch.Tensor, int]]:
+        return self.by_index.get(index, [])
+
+    def normalize(self) -> None:
+        """Make the store hold true gradients (apply the pending factor)."""
+        self.opt()._apply_grad_factor()
+
+    def view_for(self, index: int) -> ShardedGrad | None:
+        return self.views.get(index)
+
+    def install(self, params: dict[int, torch.Tensor]) -> None:
+        """``p.grad = view`` for the active params, ``None`` for the others."""
+        for idx, p in params.items():
+            if idx in self.active:
+                v = self.views.get(idx)
+                if v is None:
+                    v = self.views[idx] = ShardedGrad(p, self, idx)
+                p.grad = v
+            elif isinstance(p.grad, ShardedGrad):
+                p.grad = None
+
+    def detach_all(self, params: dict[int, torch.Tensor]) -> None:
+        """Take every view off its param (``p.grad = None``)."""
+        for _idx, p in params.items():
+            if isinstance(p.grad, ShardedGrad):
+                p.grad = None
+
+    def user_changes(self, params: dict[int, torch.Tensor]):
+        """``(cleared, replaced)``: active params whose view the user removed, and params whose
+        ``.grad`` the user set to a tensor of their own (index -> tensor)."""
+        cleared, replaced = set(), {}
+        for idx, p in params.items():
+            g = p.grad
+            v = self.views.get(idx) if idx in self.active else None
+            if g is v:
+                continue
+            if g is None:
+                cleared.add(idx)
+            elif isinstance(g, ShardedGrad) and g._views() is self and g._index == idx:
+                p.grad = v  # a detached alias of our own view
+            else:
+                if isinstance(g, ShardedGrad):
+                    raise ShardedGradError(
+                        f"param {idx} was given the sharded .grad of another parameter or "
+                        "optimizer; assign a plain tensor or None"
+                    )
+                replaced[idx] = g
+        return cleared, replaced

@@ -1,0 +1,143 @@
+"""Checks at `ZeroOptimizer`'s boundary: arguments, parameters, and ranks that must agree.
+
+Every error names the argument and the value it got. Checks that need no other rank run first,
+so a bad argument fails on its own rank before any collective; the agreement check is the first
+collective of a constructor, so ranks that disagree get a `ValueError` on every rank, naming what
+differs and on which rank, instead of meeting in mismatched collectives.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+
+import torch
+from torch import nn
+
+from . import comm
+
+__all__ = ["check_args", "check_kwargs", "check_params", "check_launch", "check_agree"]
+
+_OPTIONS = (
+    "stage",
+    "process_group",
+    "bucket_size_mb",
+    "overlap_comm",
+    "partition",
+    "fused_adam",
+    "loss_scale",
+    "kernel_backend",
+    "max_inflight_buckets",
+    "nonfinite",
+    "timeout",
+)
+NONFINITE = ("step", "skip", "raise")
+
+
+def check_args(stage, bucket_size_mb, max_inflight_buckets, kernel_backend, nonfinite, timeout):
+    from .ops import BACKENDS
+
+    if isinstance(stage, bool) or stage not in (1, 2):
+        raise ValueError(f"stage must be the int 1 or 2, got stage={stage!r}")
+    if (
+        isinstance(bucket_size_mb, bool)
+        or not isinstance(bucket_size_mb, (int, float))
+        or not math.isfinite(bucket_size_mb)
+        or bucket_size_mb <= 0
+    ):
+        raise ValueError(
+            f"bucket_size_mb must be a finite number > 0, got bucket_size_mb={bucket_size_mb!r}"
+        )
+    if (
+        isinstance(max_inflight_buckets, bool)
+        or not isinstance(max_inflight_buckets, int)
+        or max_inflight_buckets < 1
+    ):
+        raise ValueError(
+            "max_inflight_buckets must be an int >= 1, got "
+            f"max_inflight_buckets={max_inflight_buckets!r}"
+        )
+    if kernel_backend not in BACKENDS:
+        raise ValueError(
+            f"kernel_backend must be one of {BACKENDS}, got kernel_backend={kernel_backend!r}"
+        )
+    if nonfinite not in NONFINITE:
+        raise ValueError(f"nonfinite must be one of {NONFINITE}, got nonfinite={nonfinite!r}")
+    if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+        raise ValueError(f"timeout must be None or seconds > 0, got timeout={timeout!r}")
+
+
+def check_kwargs(optimizer_class, defaults: dict) -> None:
+    """Keyword arguments that neither ZeroOptimizer nor ``optimizer_class`` takes."""
+    try:
+        sig = inspect.signature(optimizer_class.__init__)
+    except (TypeError, ValueError):
+        return
+    ps = sig.parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in ps):
+        return
+    names = {p.name for p in ps} - {"self", "params"}
+    bad = sorted(k for k in defaults if k not in names)
+    if bad:
+        raise TypeError(
+            f"ZeroOptimizer got unexpected keyword argument(s) {bad}: not an option of "
+            f"ZeroOptimizer ({', '.join(_OPTIONS)}) nor an argument of "
+            f"{optimizer_class.__name__} ({', '.join(sorted(names))})"
+        )
+
+
+def check_params(params: dict[int, torch.Tensor], names: dict[int, str], module) -> None:
+    """Parameters ZeroOptimizer can shard: leaves, floating point, materialised, dense grads."""
+    for p in params.values():
+        name = names.get(id(p)) or f"of shape {tuple(p.shape)}"
+        if not p.is_leaf:
+            raise ValueError(
+                f"param {name} is not a leaf tensor (it was computed from others, "
+                f"grad_fn={p.grad_fn}): optimizers take leaves (nn.Parameter)"
+            )
+        if p.is_meta:
+            raise NotImplementedError(
+                f"param {name} is on the meta device: stages 1 and 2 need materialised params "
+                "(model.to_empty(device=...) then initialise, before building ZeroOptimizer)"
+            )
+        if not (p.is_floating_point() or p.is_complex()) or p.is_complex():
+            raise TypeError(f"param {name} has dtype {p.dtype}: ZeroOptimizer takes float params")
+        if p.layout != torch.strided:
+            raise TypeError(f"param {name} has layout {p.layout}: ZeroOptimizer takes dense params")
+    if isinstance(module, nn.Module):
+        for mname, m in module.named_modules():
+            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse:
+                if m.weight.requires_grad:
+                    raise NotImplementedError(
+                        f"module {mname or type(m).__name__} has sparse=True: ZeroOptimizer "
+                        "reduce-scatters dense gradients; build it with sparse=False"
+                    )
+
+
+def check_launch() -> None:
+    """A launcher that asked for several ranks but no process group: never train at size 1."""
+    ws = os.environ.get("WORLD_SIZE")
+    if ws is not None and ws.isdigit() and int(ws) > 1 and not comm.is_initialized():
+        raise RuntimeError(
+            f"WORLD_SIZE={ws} is set (a launcher such as torchrun started {ws} ranks) but "
+            "torch.distributed is not initialised: call torch.distributed.init_process_group() "
+            "before ZeroOptimizer, or each rank would train alone at world size 1"
+        )
+
+
+def check_agree(config: dict, group, device) -> None:
+    """Every rank's ``config`` (small, picklable) equal, or a ValueError on every rank."""
+    if comm.world_size(group) == 1:
+        return
+    every = comm.all_gather_object(config, group=group)
+    diffs = []
+    for r, other in enumerate(every):
+        for k in sorted(set(other) | set(every[0])):
+            if other.get(k) != every[0].get(k):
+                diffs.append(f"{k}: rank 0 has {every[0].get(k)!r}, rank {r} has {other.get(k)!r}")
+    if diffs:
+        raise ValueError(
+            "ZeroOptimizer: ranks were built with different settings, which would meet in "
+            "mismatched collectives: " + "; ".join(diffs[:6]) + ("; ..." if len(diffs) > 6 else "")
+        )
