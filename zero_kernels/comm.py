@@ -5,13 +5,65 @@ reads and writes, so a caller cannot free a buffer that is still being communica
 
 [Note: averaging]
 Gradients are averaged exactly once. Where the backend's reduce-scatter takes ``ReduceOp.AVG``
-(NCCL; gloo in recent torch) that op is used; otherwise the sum is divided by the world size when
-the handle is waited for. `avg_supported` probes this once per process group.
+(NCCL; gloo in recent torch) the native algorithm uses that op; otherwise, and always for the
+point-to-point algorithms, the sum is divided by the world size when the handle is waited for.
+`avg_supported` probes this once per process group.
+
+[Note: algorithms]
+Reduce-scatter and all-gather each have three algorithms. Chunk c of the full buffer (the
+reduce-scatter input, the all-gather output) is elements [c*s, (c+1)*s), s the shard numel; rank r
+owns chunk r.
+
+- ``native``: the backend's collective (``reduce_scatter_single``, ``all_gather_single``).
+- ``pairwise``: each rank sends every other rank that rank's chunk, all at once, in the rotated
+  order r+1, r+2, ... (no rank is everyone's first target), as one ``batch_isend_irecv``. The
+  launch posts every send and receive; ``wait()`` waits them and, for reduce-scatter, sums.
+  Reduce-scatter memory: N-1 receive buffers of one shard (N-2 when ``output`` is not part of
+  ``input``: one peer's chunk lands in it). All-gather receives into ``output``.
+- ``ring``: N-1 steps; at step k rank r sends to r+1 what it received from r-1 at step k-1 (for
+  reduce-scatter plus its own contribution). Steps depend on each other, so a ring runs in a
+  daemon thread started at launch and ``wait()`` joins it. Reduce-scatter memory: 2 shard buffers
+  (1 at N = 2). All-gather receives into ``output``.
+
+Receive buffers come from a cache (`scratch_bytes`, `free_scratch`) bounded by the most in use at
+once, because a fresh one costs as much in page faults as the exchange takes.
+
+Summation order, the same for both p2p algorithms (switching between them never changes a bit):
+chunk c is ``((x[c+1] + x[c+2]) + ...) + x[c]``, x[k] rank k's contribution, indices mod N, one
+addition at a time in the input dtype: the order a ring produces. Pairwise sums the received
+chunks in that fixed order whatever order they arrive in, so results are deterministic. The own
+chunk is added last, by the elementwise operation that writes ``output``, after every send has
+completed: ``output`` may be the rank's own chunk of ``input`` (stage 1 reduces in place), and an
+all-gather's ``input`` its own chunk of ``output``. gloo's reduce-scatter sums in another order
+(not even one order for every element), so at N >= 3 the results differ from native by rounding
+(at most 2(N-1) eps sum|x| apart); at N = 2 a sum is one addition and they are bitwise equal.
+
+Every p2p collective takes the next tag of its group (all ranks launch collectives in the same
+order, so the tags agree): messages of different collectives never match each other, so handles
+may be waited in any order, a different one on each rank, and rings in flight overlap.
+
+[Note: choosing the algorithm]
+NCCL, any tensor off the CPU and any backend but gloo always use native; world size 1 copies. On
+gloo the choice is made per (group, operation, size class of the full buffer): < 64 KiB, then
+powers of 4 from 64 KiB ([64K, 256K), [256K, 1M), [1M, 4M)), and >= 4 MiB. Precedence:
+`set_algorithm` (for the group, then for every group), then ``ZERO_KERNELS_COMM_ALGO=native|
+pairwise|ring`` (``auto`` or unset: probe), then the probe. The probe runs lazily, inside the
+first collective of a class, which every rank calls in the same order: on one fp32 buffer of the
+class's probe size (32 KiB, 128 KiB, 512 KiB, 2 MiB, 8 MiB) it times native, pairwise and (N > 2;
+a ring of 2 is the pairwise exchange) ring, one warm-up and 3 to 9 runs each, interleaved, and
+all-reduces each rank's medians with MAX, so every rank sees the same numbers and picks the same
+algorithm (ranks that chose differently would hang). A p2p algorithm must be at least 10% faster
+than native to be chosen. Each choice is logged once (logger ``zero_kernels``, INFO);
+`probe_results` returns what was measured.
 """
 
 from __future__ import annotations
 
+import bisect
 import datetime
+import logging
+import os
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -19,17 +71,24 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "ALGORITHMS",
     "CommLog",
+    "ENV_ALGO",
     "Handle",
     "all_gather",
     "all_reduce",
     "avg_supported",
     "broadcast",
     "broadcast_object",
+    "choose_algorithm",
+    "free_scratch",
     "gather_object",
     "is_initialized",
+    "probe_results",
     "rank",
     "reduce_scatter",
+    "scratch_bytes",
+    "set_algorithm",
     "world_size",
 ]
 
@@ -141,6 +200,12 @@ def _device(group=None) -> torch.device:
     return torch.device("cpu")
 
 
+ALGORITHMS = ("native", "pairwise", "ring")
+ENV_ALGO = "ZERO_KERNELS_COMM_ALGO"
+_OPS = ("reduce_scatter", "all_gather")
+_logger = logging.getLogger("zero_kernels")
+
+
 def reduce_scatter(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -149,33 +214,455 @@ def reduce_scatter(
     avg: bool = True,
     log: CommLog | None = None,
 ) -> Handle:
-    """Start ``output = reduce(input)[my shard]`` (averaged when ``avg``); returns its handle."""
+    """Start ``output = reduce(input)[my chunk]`` (averaged when ``avg``); returns its handle.
+
+    ``output`` may be this rank's own chunk of ``input`` (in place). The algorithm is chosen per
+    group and size ([Note: choosing the algorithm]); ``log`` counts one collective whichever it is.
+    """
     n = world_size(group)
+    _check_numel("reduce_scatter", output, input, n)
     if log is not None:
         log._add("reduce_scatter", input)
     if n == 1:
         if output.data_ptr() != input.data_ptr():
             output.copy_(input)
         return Handle(None, (output, input), 1.0, log)
-    if avg and avg_supported(group):
-        work = _reduce_scatter(output, input, op=dist.ReduceOp.AVG, group=group, async_op=True)
-        return Handle(work, (output, input), 1.0, log)
-    work = _reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    return Handle(work, (output, input), float(n) if avg else 1.0, log)
+    algo = choose_algorithm("reduce_scatter", _nbytes(input), group=group, device=input.device)
+    return _reduce_scatter_with(algo, output, input, group, avg, log)
 
 
 def all_gather(
     output: torch.Tensor, input: torch.Tensor, *, group=None, log: CommLog | None = None
 ) -> Handle:
-    """Start ``output = cat(input of every rank)``; returns its handle."""
+    """Start ``output = cat(input of every rank)``; returns its handle.
+
+    ``input`` may be this rank's own chunk of ``output`` (in place). The algorithm is chosen as
+    for `reduce_scatter`.
+    """
+    n = world_size(group)
+    _check_numel("all_gather", input, output, n)
     if log is not None:
         log._add("all_gather", output)
-    if world_size(group) == 1:
+    if n == 1:
         if output.data_ptr() != input.data_ptr():
             output.copy_(input)
         return Handle(None, (output, input), 1.0, log)
-    work = _all_gather(output, input, group=group, async_op=True)
-    return Handle(work, (output, input), 1.0, log)
+    algo = choose_algorithm("all_gather", _nbytes(output), group=group, device=output.device)
+    return _all_gather_with(algo, output, input, group, log)
+
+
+def _check_numel(op: str, shard: torch.Tensor, full: torch.Tensor, n: int) -> None:
+    if shard.numel() * n != full.numel():
+        s, f = ("output", "input") if op == "reduce_scatter" else ("input", "output")
+        raise ValueError(
+            f"{op}: {s}.numel() * world_size must equal {f}.numel(); got {s}.shape="
+            f"{tuple(shard.shape)}, {f}.shape={tuple(full.shape)}, world_size={n}"
+        )
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _reduce_scatter_with(algo: str, output, input, group, avg: bool, log) -> Handle:
+    n = world_size(group)
+    if algo == "native":
+        if avg and avg_supported(group):
+            work = _reduce_scatter(output, input, op=dist.ReduceOp.AVG, group=group, async_op=True)
+            return Handle(work, (output, input), 1.0, log)
+        work = _reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        return Handle(work, (output, input), float(n) if avg else 1.0, log)
+    _check_contiguous("reduce_scatter", output, input)
+    tag = _next_tag(group)
+    if output.numel() == 0:
+        return Handle(None, (output, input), 1.0, log)
+    launch = _rs_pairwise if algo == "pairwise" else _rs_ring
+    work = launch(output.view(-1), input.view(-1), group, tag)
+    return Handle(work, (output, input), float(n) if avg else 1.0, log)  # sum, then divide once
+
+
+def _all_gather_with(algo: str, output, input, group, log) -> Handle:
+    if algo == "native":
+        work = _all_gather(output, input, group=group, async_op=True)
+        return Handle(work, (output, input), 1.0, log)
+    _check_contiguous("all_gather", output, input)
+    tag = _next_tag(group)
+    if input.numel() == 0:
+        return Handle(None, (output, input), 1.0, log)
+    launch = _ag_pairwise if algo == "pairwise" else _ag_ring
+    return Handle(launch(output.view(-1), input.view(-1), group, tag), (output, input), 1.0, log)
+
+
+def _check_contiguous(op: str, output: torch.Tensor, input: torch.Tensor) -> None:
+    if not (output.is_contiguous() and input.is_contiguous()):
+        raise ValueError(
+            f"{op}: output and input must be contiguous; got {output.is_contiguous()=}, "
+            f"{input.is_contiguous()=}"
+        )
+
+
+# --- point-to-point algorithms ([Note: algorithms]) --------------------------------------------
+
+_TAG_BASE = 1 << 20  # clear of the small tags user code picks
+_TAG_SPAN = 1 << 30
+_tags: dict = {}  # group key -> next tag offset
+
+
+def _group_key(group) -> tuple:
+    pg = dist.group.WORLD if group is None else group
+    return (id(pg), world_size(group))
+
+
+def _next_tag(group) -> int:
+    key = _group_key(group)
+    t = _tags.get(key, 0)
+    _tags[key] = (t + 1) % _TAG_SPAN
+    return _TAG_BASE + t
+
+
+def _p2p(op, t: torch.Tensor, peer: int, group, tag: int) -> dist.P2POp:
+    return dist.P2POp(op, t, group=group, tag=tag, group_peer=peer)
+
+
+def _swap(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, group, tag: int) -> None:
+    """One ring step: send to ``dst`` and receive from ``src`` at once, and wait for both."""
+    ops = [_p2p(dist.isend, send, dst, group, tag), _p2p(dist.irecv, recv, src, group, tag)]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+
+
+class _Exchange:
+    """Work of a pairwise exchange: the posted sends and receives, then ``finish`` (the sums)."""
+
+    __slots__ = ("works", "finish")
+
+    def __init__(self, works: list, finish=None):
+        self.works = works
+        self.finish = finish
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+        if self.finish is not None:
+            finish, self.finish = self.finish, None
+            finish()
+
+
+class _Ring:
+    """Work of a ring: its dependent steps run in a daemon thread started at launch."""
+
+    __slots__ = ("thread", "error")
+
+    def __init__(self, steps):
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(
+            target=self._run, args=(steps,), name="zero_kernels-ring", daemon=True
+        )
+        self.thread.start()
+
+    def _run(self, steps) -> None:
+        try:
+            steps()
+        except BaseException as e:  # re-raised by wait()
+            self.error = e
+
+    def is_completed(self) -> bool:
+        return not self.thread.is_alive()
+
+    def wait(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            raise RuntimeError("zero_kernels ring collective failed") from self.error
+
+
+class _Scratch:
+    """Receive buffers of the p2p reduce-scatters, reused from call to call: a fresh buffer costs
+    its page faults (here 40 ms for 38 MB, as long as exchanging it). A request that no free buffer
+    fits drops the smaller free ones, so what is cached never exceeds the most ever in use at once
+    (about the largest reduce-scatters in flight times their receive buffers)."""
+
+    def __init__(self):
+        self.free: dict = {}  # (dtype, device) -> free 1-D buffers
+        self.in_use = 0  # bytes
+        self.lock = threading.Lock()  # rings give buffers back from their threads
+
+    def take(self, numel: int, like: torch.Tensor) -> torch.Tensor:
+        with self.lock:
+            free = self.free.setdefault((like.dtype, like.device), [])
+            fits = [i for i, b in enumerate(free) if b.numel() >= numel]
+            if fits:
+                buf = free.pop(min(fits, key=lambda i: free[i].numel()))
+            else:
+                free.clear()
+                buf = torch.empty(numel, dtype=like.dtype, device=like.device)
+            self.in_use += _nbytes(buf)
+        return buf
+
+    def give(self, bufs: list) -> None:
+        with self.lock:
+            for b in bufs:
+                self.free.setdefault((b.dtype, b.device), []).append(b)
+                self.in_use -= _nbytes(b)
+
+    def bytes(self) -> dict:
+        with self.lock:
+            cached = sum(_nbytes(b) for bs in self.free.values() for b in bs)
+            return {"in_use": self.in_use, "cached": cached}
+
+
+_scratch = _Scratch()
+
+
+def scratch_bytes() -> dict:
+    """Bytes of the p2p reduce-scatters' receive buffers: ``in_use`` (by collectives not yet
+    waited for) and ``cached`` (free, kept for the next call); `free_scratch` drops the cache."""
+    return _scratch.bytes()
+
+
+def free_scratch() -> None:
+    """Drop the cached free receive buffers."""
+    with _scratch.lock:
+        _scratch.free.clear()
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether contiguous ``a`` and ``b`` share memory."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + _nbytes(b) and b0 < a0 + _nbytes(a)
+
+
+def _rs_pairwise(out: torch.Tensor, x: torch.Tensor, group, tag: int) -> _Exchange:
+    """Pairwise reduce-scatter. Memory: N-1 receive buffers of one shard (N-2 when ``out`` is not
+    part of ``x``: rank r+1's chunk is received straight into it), taken from `_scratch`."""
+    n, r, s = world_size(group), rank(group), out.numel()
+    direct = not _overlaps(out, x)
+    bases = [_scratch.take(s, out) for _ in range(n - 2 if direct else n - 1)]
+    recv = ([out] if direct else []) + [b[:s] for b in bases]  # [j-1]: rank r+j's contribution
+    ops = []
+    for k in range(1, n):  # rotated: rank r sends first to r+1, rank r+1 to r+2, ...
+        dst, src = (r + k) % n, (r - k) % n
+        ops.append(_p2p(dist.isend, x[dst * s : (dst + 1) * s], dst, group, tag))
+        ops.append(_p2p(dist.irecv, recv[n - k - 1], src, group, tag))
+    works = dist.batch_isend_irecv(ops)
+
+    def finish() -> None:  # ((x[r+1] + x[r+2]) + ...) + x[r], whatever the arrival order
+        acc = recv[0]
+        for b in recv[1:]:
+            acc.add_(b)
+        torch.add(acc, x[r * s : (r + 1) * s], out=out)  # own chunk read as output is written
+        _scratch.give(bases)
+
+    return _Exchange(works, finish)
+
+
+def _rs_ring(out: torch.Tensor, x: torch.Tensor, group, tag: int) -> _Ring:
+    """Ring reduce-scatter. Memory: 2 shard buffers (1 at N = 2), taken from `_scratch`."""
+    n, r, s = world_size(group), rank(group), out.numel()
+    bases = [_scratch.take(s, out) for _ in range(min(2, n - 1))]
+    bufs = [b[:s] for b in bases]
+
+    def chunk(c: int) -> torch.Tensor:
+        return x[c * s : (c + 1) * s]
+
+    def steps() -> None:
+        send = chunk((r - 1) % n)  # chunk c starts at rank c+1 and ends, summed, at rank c
+        for k in range(n - 1):
+            got = bufs[k % 2]  # the other buffer is being sent
+            _swap(send, (r + 1) % n, got, (r - 1) % n, group, tag)
+            if k < n - 2:
+                send = got.add_(chunk((r - k - 2) % n))
+            else:
+                torch.add(got, chunk(r), out=out)
+        _scratch.give(bases)
+
+    return _Ring(steps)
+
+
+def _ag_pairwise(out: torch.Tensor, x: torch.Tensor, group, tag: int) -> _Exchange:
+    """Pairwise all-gather, received straight into ``out``."""
+    n, r, s = world_size(group), rank(group), x.numel()
+    mine = out[r * s : (r + 1) * s]
+    if mine.data_ptr() != x.data_ptr():
+        mine.copy_(x)
+    ops = []
+    for k in range(1, n):
+        dst, src = (r + k) % n, (r - k) % n
+        ops.append(_p2p(dist.isend, mine, dst, group, tag))
+        ops.append(_p2p(dist.irecv, out[src * s : (src + 1) * s], src, group, tag))
+    return _Exchange(dist.batch_isend_irecv(ops))
+
+
+def _ag_ring(out: torch.Tensor, x: torch.Tensor, group, tag: int) -> _Ring:
+    """Ring all-gather, received straight into ``out``: at step k pass on chunk r-k."""
+    n, r, s = world_size(group), rank(group), x.numel()
+    mine = out[r * s : (r + 1) * s]
+    if mine.data_ptr() != x.data_ptr():
+        mine.copy_(x)
+
+    def steps() -> None:
+        for k in range(n - 1):
+            a, b = (r - k) % n, (r - k - 1) % n
+            _swap(
+                out[a * s : (a + 1) * s],
+                (r + 1) % n,
+                out[b * s : (b + 1) * s],
+                (r - 1) % n,
+                group,
+                tag,
+            )
+
+    return _Ring(steps)
+
+
+# --- choosing the algorithm ([Note: choosing the algorithm]) ------------------------------------
+
+_CLASS_BOUNDS = (64 << 10, 256 << 10, 1 << 20, 4 << 20)  # class k: [bound[k-1], bound[k])
+_PROBE_BYTES = (32 << 10, 128 << 10, 512 << 10, 2 << 20, 8 << 20)  # one per class
+_PROBE_REPEATS = (9, 7, 5, 3, 3)  # timed runs per class: more where they are cheap
+_P2P_MARGIN = 0.9  # a p2p algorithm must take at most this fraction of native's time
+_overrides: dict = {}  # (group key or None for every group, op) -> algorithm
+_choices: dict = {}  # (group key, op, size class) -> the probe's result
+_logged: set = set()
+
+
+def _size_class(nbytes: int) -> int:
+    return bisect.bisect_right(_CLASS_BOUNDS, nbytes)
+
+
+def _class_label(c: int) -> str:
+    def kib(b: int) -> str:
+        return f"{b >> 20} MiB" if b >= 1 << 20 else f"{b >> 10} KiB"
+
+    if c == 0:
+        return f"< {kib(_CLASS_BOUNDS[0])}"
+    if c == len(_CLASS_BOUNDS):
+        return f">= {kib(_CLASS_BOUNDS[-1])}"
+    return f"[{kib(_CLASS_BOUNDS[c - 1])}, {kib(_CLASS_BOUNDS[c])})"
+
+
+def _env_algorithm() -> str | None:
+    v = os.environ.get(ENV_ALGO, "").strip().lower()
+    if v in ("", "auto"):
+        return None
+    if v not in ALGORITHMS:
+        raise ValueError(f"{ENV_ALGO} must be one of {ALGORITHMS} or 'auto'; got {v!r}")
+    return v
+
+
+def _p2p_capable(group, device: torch.device) -> bool:
+    return device.type == "cpu" and "gloo" in str(dist.get_backend(group))
+
+
+def set_algorithm(op: str, algo: str | None, group=None) -> None:
+    """Use ``algo`` ("native", "pairwise", "ring"; None: back to env/probe) for ``op``.
+
+    ``op`` is "reduce_scatter", "all_gather" or "all"; ``group=None`` sets it for every group (a
+    group's own setting wins). Overrides ``ZERO_KERNELS_COMM_ALGO`` and the probe on gloo; NCCL
+    always uses native. Every rank must make the same call: ranks on different algorithms hang.
+    """
+    if op != "all" and op not in _OPS:
+        raise ValueError(f"op must be one of {_OPS} or 'all'; got {op=!r}")
+    if algo is not None and algo not in ALGORITHMS:
+        raise ValueError(f"algo must be one of {ALGORITHMS} or None; got {algo=!r}")
+    key = None if group is None else _group_key(group)
+    for o in _OPS if op == "all" else (op,):
+        if algo is None:
+            _overrides.pop((key, o), None)
+        else:
+            _overrides[(key, o)] = algo
+
+
+def choose_algorithm(op: str, nbytes: int, *, group=None, device="cpu") -> str:
+    """The algorithm ``op`` uses on ``group`` for a full buffer of ``nbytes`` bytes.
+
+    "copy" at world size 1, else one of `ALGORITHMS`. Collective when the size class has not been
+    probed on ``group`` yet: call it on every rank alike, like the collective itself.
+    """
+    if op not in _OPS:
+        raise ValueError(f"op must be one of {_OPS}; got {op=!r}")
+    if world_size(group) == 1:
+        return "copy"
+    if not _p2p_capable(group, torch.device(device)):
+        return "native"
+    key, c = _group_key(group), _size_class(nbytes)
+    algo = _overrides.get((key, op)) or _overrides.get((None, op))
+    why = "set_algorithm"
+    if algo is None:
+        algo, why = _env_algorithm(), ENV_ALGO
+    if algo is None:
+        if (key, op, c) not in _choices:
+            _choices[(key, op, c)] = _probe(op, group, c)
+        res = _choices[(key, op, c)]
+        algo = res["algorithm"]
+        why = "probe, max over ranks of median ms: " + ", ".join(
+            f"{a} {t:.3g}" for a, t in res["times_ms"].items()
+        )
+    if (key, op, c, algo, why[:5]) not in _logged:
+        _logged.add((key, op, c, algo, why[:5]))
+        _logger.info(
+            "comm: %s on %d gloo ranks, buffers %s: %s (%s)",
+            op,
+            world_size(group),
+            _class_label(c),
+            algo,
+            why,
+        )
+    return algo
+
+
+def probe_results(group=None) -> dict:
+    """What the probe measured on ``group``: {(op, size class label): result}."""
+    key = _group_key(group)
+    return {(op, _class_label(c)): dict(v) for (k, op, c), v in _choices.items() if k == key}
+
+
+def _probe(op: str, group, c: int) -> dict:
+    """Time every candidate on one fp32 buffer of class ``c``; the same answer on every rank."""
+    t_start = time.perf_counter()
+    n = world_size(group)
+    numel = max(n, _PROBE_BYTES[c] // 4 // n * n)
+    full, shard = torch.ones(numel), torch.empty(numel // n)
+    cands = ["native", "pairwise"] + (["ring"] if n > 2 else [])  # a ring of 2 is pairwise
+
+    def once(algo: str) -> None:
+        if op == "reduce_scatter":
+            _reduce_scatter_with(algo, shard, full, group, False, None).wait()
+        else:
+            _all_gather_with(algo, full, shard, group, None).wait()
+
+    for a in cands:
+        once(a)
+    reps = _PROBE_REPEATS[c]
+    times = torch.zeros(len(cands), reps, dtype=torch.float64)
+    for i in range(reps):
+        for j, a in enumerate(cands):  # interleaved: drift hits every candidate alike
+            t0 = time.perf_counter()
+            once(a)
+            times[j, i] = time.perf_counter() - t0
+    med = times.median(dim=1).values
+    dist.all_reduce(med, op=dist.ReduceOp.MAX, group=group)  # agreed: every rank picks the same
+    sec = med.tolist()
+    best = min(range(1, len(cands)), key=lambda j: sec[j])
+    algo = cands[best] if sec[best] < _P2P_MARGIN * sec[0] else "native"
+    return {
+        "algorithm": algo,
+        "times_ms": {a: round(t * 1e3, 3) for a, t in zip(cands, sec)},
+        "probe_bytes": numel * 4,
+        "seconds": round(time.perf_counter() - t_start, 4),  # this rank's wall time
+    }
+
+
+def _reset_choices() -> None:
+    """Forget per-group state (the group objects die with the process group)."""
+    for d in (_choices, _tags, _avg_ok):
+        d.clear()
+    free_scratch()
+    _logged.clear()
+    for k in [k for k in _overrides if k[0] is not None]:
+        del _overrides[k]
 
 
 def all_reduce(
@@ -213,6 +700,7 @@ def barrier(*, group=None) -> None:
 def shutdown() -> None:
     """Leave the default process group."""
     if is_initialized():
+        _reset_choices()
         dist.destroy_process_group()
 
 

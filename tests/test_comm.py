@@ -1,0 +1,307 @@
+"""comm's reduce-scatter and all-gather algorithms (native, pairwise, ring) on spawned gloo ranks.
+
+Against the backend's own collective and a reference sum in the documented order ([Note:
+algorithms] in comm.py): all-gather bitwise; p2p reduce-scatter bitwise equal to the reference
+(and so to each other), and to native bitwise at 2 ranks (one addition), within the summation
+error bound 2(N-1) eps sum|x| at 3 and 4 ranks (gloo sums in another order). Also in-place use,
+avg and sum, handles waited in a different order on each rank, the probe's agreement across ranks,
+the env override and `set_algorithm`, and the counters. One spawned group per world size.
+"""
+
+import logging
+import os
+
+import pytest
+import torch
+from dist_utils import run_workers
+
+from zero_kernels import comm
+
+pytestmark = pytest.mark.distributed
+
+ALGOS = ("native", "pairwise", "ring")  # native first: the others are compared with it
+DTYPES = (torch.float32, torch.bfloat16, torch.float64)
+SHARDS = (1, 7, 1023, 65537)
+
+
+def _inputs(n: int, s: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
+    """Every rank's reduce-scatter input (n*s values each), the same on every rank. Magnitudes
+    spread over 6 decades, so that the summation order shows in the last bits."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        mag = 10.0 ** torch.randint(-3, 4, (n * s,), generator=g, dtype=torch.float64)
+        out.append((torch.randn(n * s, generator=g, dtype=torch.float64) * mag).to(dtype))
+    return out
+
+
+def _chunk(t: torch.Tensor, c: int, s: int) -> torch.Tensor:
+    return t[c * s : (c + 1) * s]
+
+
+def _ref_sum(xs: list[torch.Tensor], c: int, s: int, order: list[int]) -> torch.Tensor:
+    acc = _chunk(xs[order[0]], c, s).clone()
+    for k in order[1:]:
+        acc += _chunk(xs[k], c, s)  # one rounding per addition, in the dtype
+    return acc
+
+
+def _ring_order(c: int, n: int) -> list[int]:
+    return [(c + j) % n for j in range(1, n + 1)]  # c+1, c+2, ..., c
+
+
+def _assert_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    if not torch.equal(got, want):
+        bad = (got != want).nonzero().flatten()[:5].tolist()
+        raise AssertionError(
+            f"{what}: {int((got != want).sum())} of {got.numel()} differ; first at {bad}: "
+            f"got {got[bad].tolist()}, want {want[bad].tolist()}"
+        )
+
+
+def _assert_close(got, want, bound, what: str) -> None:
+    err = (got.double() - want.double()).abs()
+    if not bool((err <= bound).all()):
+        i = int((err - bound).argmax())
+        raise AssertionError(
+            f"{what}: error {err[i].item():.3g} > bound {bound[i].item():.3g} at {i} "
+            f"(got {got[i].item()}, want {want[i].item()})"
+        )
+
+
+def _reduce_checks(r: int, n: int) -> dict:
+    """Every algorithm, dtype, odd shard size, avg and sum, out of place and in place."""
+    checked = 0
+    order_matters = False
+    for di, dtype in enumerate(DTYPES):
+        eps = torch.finfo(dtype).eps
+        for s in SHARDS:
+            xs = _inputs(n, s, dtype, seed=100 * di + s)
+            mine = xs[r]
+            ref = _ref_sum(xs, r, s, _ring_order(r, n))
+            if n >= 3 and s >= 1023 and dtype != torch.float64:  # the bitwise check has teeth
+                own_first = [(r + j) % n for j in range(n)]
+                order_matters |= not torch.equal(ref, _ref_sum(xs, r, s, own_first))
+            abs_sum = sum(_chunk(x, r, s).double().abs() for x in xs)
+            native: dict[bool, torch.Tensor] = {}
+            for algo in ALGOS:
+                comm.set_algorithm("all", algo)
+                chosen = comm.choose_algorithm("reduce_scatter", n * s * mine.element_size())
+                assert chosen == ("copy" if n == 1 else algo), chosen
+                for avg in (False, True):
+                    what = f"reduce_scatter {algo} {dtype} shard={s} avg={avg} rank={r}/{n}"
+                    inp = mine.clone()
+                    out = torch.full((s,), float("nan"), dtype=dtype)
+                    comm.reduce_scatter(out, inp, avg=avg).wait()
+                    inp2 = mine.clone()
+                    own = _chunk(inp2, r, s)  # stage 1: output is the rank's slice of input
+                    comm.reduce_scatter(own, inp2, avg=avg).wait()
+                    _assert_equal(own, out, what + " in place vs out of place")
+                    if algo == "native":
+                        native[avg] = out
+                        continue
+                    _assert_equal(inp, mine, what + ": input modified")
+                    inp2[r * s : (r + 1) * s] = mine[r * s : (r + 1) * s]
+                    _assert_equal(inp2, mine, what + " in place: other chunks modified")
+                    want = ref / n if avg else ref  # sum, then divide once
+                    _assert_equal(out, want, what + " vs reference in the documented order")
+                    if n == 2:
+                        _assert_equal(out, native[avg], what + " vs native")
+                    else:
+                        bound = 2 * (n - 1) * eps * abs_sum / (n if avg else 1)
+                        bound = bound + eps * want.double().abs()  # the division's rounding
+                        _assert_close(out, native[avg], bound, what + " vs native")
+                    checked += 1
+            # all-gather: bitwise, out of place and in place
+            want = torch.cat([_chunk(xs[k], k, s) for k in range(n)])
+            for algo in ALGOS:
+                comm.set_algorithm("all", algo)
+                what = f"all_gather {algo} {dtype} shard={s} rank={r}/{n}"
+                out = torch.full((n * s,), float("nan"), dtype=dtype)
+                comm.all_gather(out, _chunk(xs[r], r, s).clone()).wait()
+                _assert_equal(out, want, what)
+                buf = torch.full((n * s,), float("nan"), dtype=dtype)
+                buf[r * s : (r + 1) * s] = _chunk(xs[r], r, s)
+                comm.all_gather(buf, _chunk(buf, r, s)).wait()
+                _assert_equal(buf, want, what + " in place")
+                checked += 1
+    comm.set_algorithm("all", None)
+    if n >= 3:
+        assert order_matters, "test inputs too tame: summation order never changed a bit"
+    return {"checked": checked}
+
+
+def _out_of_order_checks(r: int, n: int) -> None:
+    """Several collectives in flight, waited in a different order on each rank."""
+    s = 4099
+    xs = _inputs(n, s, torch.float32, seed=7)
+    ys = _inputs(n, 2 * s, torch.float32, seed=8)
+    for algos in (("pairwise",) * 3, ("ring",) * 3, ("ring", "pairwise", "native")):
+        comm.set_algorithm("all", algos[0])
+        a_out = torch.empty(s)
+        a = comm.reduce_scatter(a_out, xs[r].clone(), avg=True)
+        comm.set_algorithm("all", algos[1])
+        b_out = torch.empty(n * s)
+        b = comm.all_gather(b_out, _chunk(xs[r], r, s).clone())
+        comm.set_algorithm("all", algos[2])
+        c_in = ys[r].clone()
+        c = comm.reduce_scatter(_chunk(c_in, r, 2 * s), c_in, avg=False)
+        handles = [a, b, c]
+        for i in ([2, 0, 1], [1, 2, 0], [0, 2, 1])[r % 3]:
+            handles[i].wait()
+        assert all(h.done for h in handles)
+        assert all(h.work.is_completed() for h in handles if type(h.work).__name__ != "Work")
+        what = f"out of order {algos} rank={r}/{n}"
+        if algos[0] != "native":
+            _assert_equal(a_out, _ref_sum(xs, r, s, _ring_order(r, n)) / n, what + " (a)")
+        _assert_equal(b_out, torch.cat([_chunk(xs[k], k, s) for k in range(n)]), what + " (b)")
+        if algos[2] != "native":
+            want = _ref_sum(ys, r, 2 * s, _ring_order(r, n))
+            _assert_equal(_chunk(c_in, r, 2 * s), want, what + " (c)")
+    comm.set_algorithm("all", None)
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def _probe_checks(r: int, n: int, sizes: tuple[int, ...]) -> dict:
+    """The probe, lazily per (op, size class), agreed by every rank, logged once per choice."""
+    os.environ.pop(comm.ENV_ALGO, None)
+    logger = logging.getLogger("zero_kernels")
+    rec = _Records()
+    logger.addHandler(rec)
+    logger.setLevel(logging.INFO)
+    try:
+        picks = [
+            comm.choose_algorithm(op, b) for b in sizes for op in ("reduce_scatter", "all_gather")
+        ]
+        results = comm.probe_results()
+        n_lines = len(rec.lines)
+        again = [
+            comm.choose_algorithm(op, b) for b in sizes for op in ("reduce_scatter", "all_gather")
+        ]
+        assert again == picks and len(comm.probe_results()) == len(results)
+        assert len(rec.lines) == n_lines, rec.lines[n_lines:]  # logged once per choice
+        if n > 1:
+            assert len(results) == 2 * len({comm._size_class(b) for b in sizes})
+            assert n_lines == len(results), rec.lines
+        # a collective of a probed class uses the probe's choice, and is correct
+        s = sizes[-1] // 4 // n
+        xs = _inputs(n, s, torch.float32, seed=9)
+        out = torch.empty(s)
+        comm.reduce_scatter(out, xs[r].clone(), avg=False).wait()
+        if picks[-2] != "native" and n > 1:
+            _assert_equal(out, _ref_sum(xs, r, s, _ring_order(r, n)), "probe's choice")
+        else:
+            torch.testing.assert_close(out, _ref_sum(xs, r, s, _ring_order(r, n)))
+    finally:
+        logger.removeHandler(rec)
+    agreed = {k: (v["algorithm"], v["times_ms"]) for k, v in results.items()}
+    seconds = sum(v["seconds"] for v in results.values())
+    return {"picks": picks, "agreed": agreed, "probe_s": seconds, "log": rec.lines}
+
+
+def _override_checks(r: int, n: int) -> None:
+    big = 64 << 20  # a class never probed here: overrides must not probe
+    before = len(comm.probe_results())
+    os.environ[comm.ENV_ALGO] = "ring"
+    try:
+        want = "copy" if n == 1 else "ring"
+        assert comm.choose_algorithm("reduce_scatter", big) == want
+        assert comm.choose_algorithm("all_gather", big) == want
+        comm.set_algorithm("reduce_scatter", "pairwise")  # set_algorithm wins over the env
+        assert comm.choose_algorithm("reduce_scatter", big) == ("copy" if n == 1 else "pairwise")
+        assert comm.choose_algorithm("all_gather", big) == want
+        comm.set_algorithm("reduce_scatter", None)
+        assert comm.choose_algorithm("reduce_scatter", big) == want
+        s = 1000
+        xs = _inputs(n, s, torch.float32, seed=10)
+        out = torch.empty(s)
+        comm.reduce_scatter(out, xs[r].clone(), avg=True).wait()
+        _assert_equal(out, _ref_sum(xs, r, s, _ring_order(r, n)) / n, "env ring")
+        os.environ[comm.ENV_ALGO] = "bogus"
+        if n > 1:
+            with pytest.raises(ValueError, match="ZERO_KERNELS_COMM_ALGO"):
+                comm.choose_algorithm("reduce_scatter", big)
+    finally:
+        os.environ.pop(comm.ENV_ALGO, None)
+    assert len(comm.probe_results()) == before
+    with pytest.raises(ValueError, match="algo"):
+        comm.set_algorithm("reduce_scatter", "tree")
+    with pytest.raises(ValueError, match="op"):
+        comm.set_algorithm("all_reduce", "ring")
+    with pytest.raises(ValueError, match=r"output.numel\(\) \* world_size"):
+        comm.reduce_scatter(torch.empty(3), torch.empty(3 * n + 1))
+
+
+def _counter_checks(r: int, n: int) -> None:
+    """One call is one collective in the CommLog, whatever the algorithm."""
+    log = comm.CommLog()
+    for algo in ALGOS:
+        comm.set_algorithm("all", algo)
+        comm.reduce_scatter(torch.empty(5), torch.ones(5 * n), log=log).wait()
+        comm.all_gather(torch.empty(5 * n), torch.ones(5), log=log).wait()
+    # receive buffers: N-1 shards in place, N-2 out of place (one peer's chunk lands in output)
+    comm.set_algorithm("all", "pairwise")
+    s = 1000
+    x = torch.ones(n * s)
+    comm.free_scratch()
+    h1 = comm.reduce_scatter(x[r * s : (r + 1) * s], x, log=log)
+    h2 = comm.reduce_scatter(torch.empty(s), torch.ones(n * s), log=log)
+    assert comm.scratch_bytes()["in_use"] == (max(n - 1, 0) + max(n - 2, 0)) * s * 4
+    h2.wait()
+    h1.wait()
+    assert comm.scratch_bytes() == {"in_use": 0, "cached": (max(n - 1, 0) + max(n - 2, 0)) * s * 4}
+    comm.reduce_scatter(torch.empty(s), torch.ones(n * s), log=log).wait()  # reuses, no growth
+    assert comm.scratch_bytes()["cached"] == (max(n - 1, 0) + max(n - 2, 0)) * s * 4
+    assert torch.equal(x[r * s : (r + 1) * s], torch.ones(s))  # avg of ones
+    comm.set_algorithm("all", None)
+    log.reduce_scatter_calls -= 3
+    log.reduce_scatter_bytes -= 3 * n * s * 4
+    assert log.reduce_scatter_calls == 3 and log.all_gather_calls == 3, log.as_dict()
+    assert log.reduce_scatter_bytes == 3 * 20 * n and log.all_gather_bytes == 3 * 20 * n
+
+
+def checks(rank: int, world: int) -> dict:
+    probe_sizes = (1 << 10, 512 << 10, 4 << 20) if world == 2 else (1 << 10, 512 << 10)
+    out = _probe_checks(rank, world, probe_sizes)  # first: nothing chosen yet
+    _override_checks(rank, world)
+    out.update(_reduce_checks(rank, world))
+    if world > 1:
+        _out_of_order_checks(rank, world)
+    _counter_checks(rank, world)
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_comm_algorithms(world):
+    res = run_workers(checks, world, timeout=150)
+    for r in res[1:]:  # the probe's numbers and choices are the same on every rank
+        assert r["picks"] == res[0]["picks"] and r["agreed"] == res[0]["agreed"], res
+    if world == 1:
+        assert set(res[0]["picks"]) == {"copy"} and not res[0]["agreed"]
+    else:
+        assert set(res[0]["picks"]) <= set(ALGOS)
+        print(f"world {world}: probe {res[0]['agreed']}, {max(r['probe_s'] for r in res):.3f} s")
+    if world == 2:  # every class of both ops probed costs well under a second
+        assert max(r["probe_s"] for r in res) < 1.0, [r["probe_s"] for r in res]
+
+
+def test_size_classes():
+    cases = {0: 0, (64 << 10) - 1: 0, 64 << 10: 1, 1 << 20: 3, (4 << 20) - 1: 3, 76 << 20: 4}
+    for nbytes, c in cases.items():
+        assert comm._size_class(nbytes) == c, (nbytes, c)
+    labels = [comm._class_label(c) for c in range(5)]
+    assert labels == [
+        "< 64 KiB",
+        "[64 KiB, 256 KiB)",
+        "[256 KiB, 1 MiB)",
+        "[1 MiB, 4 MiB)",
+        ">= 4 MiB",
+    ]
