@@ -403,6 +403,52 @@ def check_nonfinite(rank: int, world: int) -> dict:
     return out
 
 
+def check_join(rank: int, world: int) -> dict:
+    """Uneven inputs through torch's Join: the ranks with more batches get DDP-under-Join's
+    result (the joined ranks count as zero gradients), every rank ends with the same params."""
+    from torch.distributed.algorithms.join import Join
+
+    out = {}
+    for stage in (1, 2):
+        n_batches = 2 + rank  # the last rank has the most
+        m1, m2, zo, ddp, to = _pair(stage)
+        with Join([zo]):
+            for step in range(n_batches):
+                zo.zero_grad()
+                m1(_x(rank, step)).pow(2).mean().backward()
+                zo.step()
+        with Join([ddp]):
+            for step in range(n_batches):
+                to.zero_grad()
+                ddp(_x(rank, step)).pow(2).mean().backward()
+                to.step()
+        if rank == world - 1:  # stepped in every iteration under DDP too
+            _close(m1, m2, 1e-6, f"Join stage={stage}")
+        for p in m1.parameters():
+            ref = p.detach().clone()
+            dist.broadcast(ref, 0)
+            assert torch.equal(ref, p.detach()), "ranks differ after Join"
+        zo.close()
+        out[f"join stage={stage}"] = "ok"
+    # clipping once a rank joined: a clear error on the ranks still training, no hang. It ends
+    # the group's use (the joined rank waits in a collective that never comes), so it is last.
+    if world > 1:
+        m1, m2, zo, ddp, to = _pair(2)
+        try:
+            with Join([zo]):
+                for step in range(1 + rank):
+                    zo.zero_grad()
+                    m1(_x(rank, step)).pow(2).mean().backward()
+                    zo.clip_grad_norm_(1.0)
+                    zo.step()
+            raise AssertionError("clip_grad_norm_ after a rank joined did not raise")
+        except RuntimeError as e:
+            if rank > 0:  # the joined rank 0 sees its partners leave
+                assert "Join" in str(e), e
+                out["join clip error"] = str(e)[:60]
+    return out
+
+
 def contract_all(rank: int, world: int) -> dict:
     out = {}
     out.update(check_torch_tools(rank, world))
@@ -411,4 +457,5 @@ def contract_all(rank: int, world: int) -> dict:
     out.update(check_nonfinite(rank, world))
     if world > 1:
         out.update(check_disagree(rank, world))
+    out.update(check_join(rank, world))  # last: it leaves the group unusable
     return out

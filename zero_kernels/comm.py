@@ -766,3 +766,21 @@ def check_arrival(side, what: str, timeout_s: float) -> None:
             f"{what} is collective: every rank must call it, but not every rank arrived within "
             f"{timeout_s:g} s ({e})"
         ) from None
+
+
+def group_or_world(group=None):
+    """``group``, or the default (world) process group for ``None``."""
+    return group if group is not None else dist.group.WORLD
+
+
+def join_notify(joinable) -> int | None:
+    """Inside ``torch.distributed.algorithms.Join``: tell the context this rank has not joined
+    (the all-reduce Join's joined ranks match) and return how many ranks have not; else None."""
+    from torch.distributed.algorithms.join import Join
+
+    work = Join.notify_join_context(joinable)
+    if work is None:
+        return None
+    work.wait()
+    res = work.result()
+    return int(res[0].item()) if res else None

@@ -130,6 +130,7 @@ def _scalar(x) -> float:
 def _norm_parts(ts: list[ShardedGrad], ord) -> list[torch.Tensor]:
     """Global norms of ``ts``: local partial results, one all-reduce for the whole list."""
     owner = ts[0]._owner()
+    owner.opt()._check_not_joined("a norm of a sharded .grad (clip_grad_norm_)")
     owner.normalize()
     o = float(ord)
     if math.isnan(o):
