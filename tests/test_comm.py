@@ -238,6 +238,15 @@ def _override_checks(r: int, n: int) -> None:
         comm.set_algorithm("all_reduce", "ring")
     with pytest.raises(ValueError, match=r"output.numel\(\) \* world_size"):
         comm.reduce_scatter(torch.empty(3), torch.empty(3 * n + 1))
+    if n > 1:  # in place only as the rank's own chunk
+        comm.set_algorithm("all", "pairwise")
+        x = torch.zeros(3 * n)
+        other = (r + 1) % n
+        with pytest.raises(ValueError, match="not this rank's chunk"):
+            comm.reduce_scatter(x[other * 3 : other * 3 + 3], x)
+        with pytest.raises(ValueError, match="not this rank's chunk"):
+            comm.all_gather(x, x[other * 3 : other * 3 + 3])
+        comm.set_algorithm("all", None)
 
 
 def _counter_checks(r: int, n: int) -> None:

@@ -49,12 +49,14 @@ powers of 4 from 64 KiB ([64K, 256K), [256K, 1M), [1M, 4M)), and >= 4 MiB. Prece
 `set_algorithm` (for the group, then for every group), then ``ZERO_KERNELS_COMM_ALGO=native|
 pairwise|ring`` (``auto`` or unset: probe), then the probe. The probe runs lazily, inside the
 first collective of a class, which every rank calls in the same order: on one fp32 buffer of the
-class's probe size (32 KiB, 128 KiB, 512 KiB, 2 MiB, 8 MiB) it times native, pairwise and (N > 2;
-a ring of 2 is the pairwise exchange) ring, one warm-up and 3 to 9 runs each, interleaved, and
-all-reduces each rank's medians with MAX, so every rank sees the same numbers and picks the same
-algorithm (ranks that chose differently would hang). A p2p algorithm must be at least 10% faster
-than native to be chosen. Each choice is logged once (logger ``zero_kernels``, INFO);
-`probe_results` returns what was measured.
+class's probe size (32 KiB, 128 KiB, 512 KiB, 2 MiB, 4 MiB) it times native, pairwise and (N > 2;
+a ring of 2 is the pairwise exchange) ring, one warm-up and 3 to 7 runs each, interleaved, each
+run after a barrier; takes each rank's fastest run (preemption only adds time) and all-reduces
+them with MAX, so every rank sees the same numbers and picks the same algorithm (ranks that chose
+differently would hang). A p2p algorithm must be at least 10% faster than native to be chosen.
+Each choice is logged once (logger ``zero_kernels``, INFO); `probe_results` returns what was
+measured. Probing every class of both operations takes ~0.2-0.35 s per group (2 ranks, gloo,
+this 2-core machine under load).
 """
 
 from __future__ import annotations
@@ -272,7 +274,7 @@ def _reduce_scatter_with(algo: str, output, input, group, avg: bool, log) -> Han
             return Handle(work, (output, input), 1.0, log)
         work = _reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=group, async_op=True)
         return Handle(work, (output, input), float(n) if avg else 1.0, log)
-    _check_contiguous("reduce_scatter", output, input)
+    _check_p2p("reduce_scatter", output, input, group)
     tag = _next_tag(group)
     if output.numel() == 0:
         return Handle(None, (output, input), 1.0, log)
@@ -285,7 +287,7 @@ def _all_gather_with(algo: str, output, input, group, log) -> Handle:
     if algo == "native":
         work = _all_gather(output, input, group=group, async_op=True)
         return Handle(work, (output, input), 1.0, log)
-    _check_contiguous("all_gather", output, input)
+    _check_p2p("all_gather", output, input, group)
     tag = _next_tag(group)
     if input.numel() == 0:
         return Handle(None, (output, input), 1.0, log)
@@ -293,12 +295,18 @@ def _all_gather_with(algo: str, output, input, group, log) -> Handle:
     return Handle(launch(output.view(-1), input.view(-1), group, tag), (output, input), 1.0, log)
 
 
-def _check_contiguous(op: str, output: torch.Tensor, input: torch.Tensor) -> None:
+def _check_p2p(op: str, output: torch.Tensor, input: torch.Tensor, group) -> None:
+    """The p2p algorithms' preconditions: contiguous, and in place only as the own chunk."""
     if not (output.is_contiguous() and input.is_contiguous()):
         raise ValueError(
             f"{op}: output and input must be contiguous; got {output.is_contiguous()=}, "
             f"{input.is_contiguous()=}"
         )
+    shard, full = (output, input) if op == "reduce_scatter" else (input, output)
+    own = full.data_ptr() + rank(group) * _nbytes(shard)
+    if _overlaps(shard, full) and shard.data_ptr() != own:
+        s = "output" if op == "reduce_scatter" else "input"
+        raise ValueError(f"{op}: {s} overlaps the full buffer but is not this rank's chunk of it")
 
 
 # --- point-to-point algorithms ([Note: algorithms]) --------------------------------------------
@@ -520,8 +528,8 @@ def _ag_ring(out: torch.Tensor, x: torch.Tensor, group, tag: int) -> _Ring:
 # --- choosing the algorithm ([Note: choosing the algorithm]) ------------------------------------
 
 _CLASS_BOUNDS = (64 << 10, 256 << 10, 1 << 20, 4 << 20)  # class k: [bound[k-1], bound[k])
-_PROBE_BYTES = (32 << 10, 128 << 10, 512 << 10, 2 << 20, 8 << 20)  # one per class
-_PROBE_REPEATS = (9, 7, 5, 3, 3)  # timed runs per class: more where they are cheap
+_PROBE_BYTES = (32 << 10, 128 << 10, 512 << 10, 2 << 20, 4 << 20)  # one per class
+_PROBE_REPEATS = (7, 5, 5, 3, 3)  # timed runs per class: more where they are cheap
 _P2P_MARGIN = 0.9  # a p2p algorithm must take at most this fraction of native's time
 _overrides: dict = {}  # (group key or None for every group, op) -> algorithm
 _choices: dict = {}  # (group key, op, size class) -> the probe's result
@@ -597,7 +605,7 @@ def choose_algorithm(op: str, nbytes: int, *, group=None, device="cpu") -> str:
             _choices[(key, op, c)] = _probe(op, group, c)
         res = _choices[(key, op, c)]
         algo = res["algorithm"]
-        why = "probe, max over ranks of median ms: " + ", ".join(
+        why = "probe, ms (max over ranks of the fastest run): " + ", ".join(
             f"{a} {t:.3g}" for a, t in res["times_ms"].items()
         )
     if (key, op, c, algo, why[:5]) not in _logged:
@@ -639,12 +647,13 @@ def _probe(op: str, group, c: int) -> dict:
     times = torch.zeros(len(cands), reps, dtype=torch.float64)
     for i in range(reps):
         for j, a in enumerate(cands):  # interleaved: drift hits every candidate alike
+            dist.barrier(group=group)  # all start together: no rank times another's lateness
             t0 = time.perf_counter()
             once(a)
             times[j, i] = time.perf_counter() - t0
-    med = times.median(dim=1).values
-    dist.all_reduce(med, op=dist.ReduceOp.MAX, group=group)  # agreed: every rank picks the same
-    sec = med.tolist()
+    best_t = times.min(dim=1).values  # preemption on a shared machine only ever adds time
+    dist.all_reduce(best_t, op=dist.ReduceOp.MAX, group=group)  # agreed: all ranks pick the same
+    sec = best_t.tolist()
     best = min(range(1, len(cands)), key=lambda j: sec[j])
     algo = cands[best] if sec[best] < _P2P_MARGIN * sec[0] else "native"
     return {
