@@ -106,3 +106,12 @@ def test_sharded_grad_repr_and_closed_use():
     assert m[0].weight.grad is None
     with pytest.raises(RuntimeError, match="closed"):
         zo.step()
+
+
+def test_param_groups_show_inner_keys():
+    m = _m()
+    zo = ZeroOptimizer(m, torch.optim.AdamW, lr=0.1)
+    inner = zo._runner.inner.param_groups[0]
+    missing = set(inner) - set(zo.param_groups[0])
+    assert not missing, missing
+    zo.close()

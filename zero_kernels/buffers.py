@@ -29,7 +29,7 @@ import torch
 
 from .layout import FlatBuffer, Layout
 
-__all__ = ["GradStore", "dtype_of", "flatten_params", "shard_view"]
+__all__ = ["GradStore", "ParamStore", "dtype_of", "flatten_params", "shard_view"]
 
 
 def dtype_of(name: str) -> torch.dtype:
@@ -79,8 +79,9 @@ class GradStore:
         rank: int = 0,
         max_inflight: int = 2,
     ):
-        if stage not in (1, 2):
-            raise ValueError(f"stage must be 1 or 2, got stage={stage!r}")
+        if stage not in (1, 2, 3):
+            raise ValueError(f"stage must be 1, 2 or 3, got stage={stage!r}")
+        stage = min(stage, 2)  # stage 3 keeps gradients as stage 2 does
         self.layout, self.stage, self.device = layout, stage, device
         self.rank, self.max_inflight = rank, max_inflight
         # the reduce dtype of each buffer: ``dtype`` if given, else fp32 (float64 kept as is)
@@ -204,3 +205,107 @@ class GradStore:
 
     def _itemsize(self) -> int:
         return max((torch.finfo(d).bits // 8 for d in self.dtypes), default=4)
+
+
+class ParamStore:
+    """Where the parameters live, by stage (see [Note: layout] for the ranges).
+
+    - Whole params (stages 1 and 2): one flat tensor per `FlatBuffer`; every param is a view of
+      it and is whole on every rank at all times; the rank's shard of a bucket is a slice.
+    - Sharded params (stage 3): the rank's shard of every bucket in one persistent tensor per
+      `FlatBuffer` (bucket b's shard at ``b.start // world_size``, as the optimizer's shards),
+      and per bucket a *gathered* tensor whose storage exists only while the bucket is in use
+      (`alloc`, then an all-gather fills it; `free` resizes the storage to 0). Params are views
+      of their bucket's gathered tensor: the same Parameter objects, pointing at no memory while
+      their bucket is sharded. Writes into a gathered tensor go through `raw` (its ``.data``), so
+      autograd's version counters of the params (saved for backward) do not move.
+    """
+
+    def __init__(
+        self, layout: Layout, params: dict[int, torch.Tensor], device, *, rank: int, sharded: bool
+    ):
+        self.layout, self.device, self.sharded, self._rank = layout, device, sharded, rank
+        n = layout.world_size
+        self.flats: list[torch.Tensor] = []  # whole params: the flat buffers
+        self.shards: list[torch.Tensor] = []  # sharded params: the persistent shards
+        self.gathered: list[list[torch.Tensor]] = []  # sharded: per bucket, storage 0 when freed
+        self.raw: list[list[torch.Tensor]] = []
+        self.live: set[tuple[int, int]] = set()  # sharded: buckets allocated now
+        for buf in layout.buffers:
+            dt = dtype_of(buf.dtype)
+            if not sharded:
+                self.flats.append(flatten_params(buf, params, device))
+                continue
+            self.shards.append(torch.zeros(buf.shard_numel(n), dtype=dt, device=device))
+            full, raw = [], []
+            for bk in buf.buckets:
+                t = torch.empty(bk.numel(n), dtype=dt, device=device)
+                t.untyped_storage().resize_(0)
+                full.append(t)
+                raw.append(t.data)
+            self.gathered.append(full)
+            self.raw.append(raw)
+
+    def adopt(self, i: int, b: int, params: dict[int, torch.Tensor]) -> None:
+        """Sharded: allocate bucket ``b`` of buffer ``i``, copy its params' values in and make
+        them views of it (call once per bucket at construction; `take_shard` and `free` follow)."""
+        self.alloc(i, b)
+        buf = self.layout.buffers[i]
+        bk = buf.buckets[b]
+        full = self.gathered[i][b]
+        self.raw[i][b].zero_()
+        for pos in bk.slots:
+            s = buf.slots[pos]
+            p = params[s.index]
+            lo = s.start - bk.start
+            view = full[lo : lo + s.numel]
+            if not p.is_meta:
+                self.raw[i][b][lo : lo + s.numel].copy_(p.detach().reshape(-1))
+            p.data = view.view(s.shape)
+
+    def take_shard(self, i: int, b: int) -> None:
+        """Sharded: copy this rank's shard out of gathered bucket ``b`` of buffer ``i``."""
+        bk = self.layout.buffers[i].buckets[b]
+        lo = bk.shard_start(self._rank) - bk.start
+        self.shard(i, b).copy_(self.raw[i][b][lo : lo + bk.shard_numel])
+
+    def shard(self, i: int, b: int) -> torch.Tensor:
+        """This rank's shard of bucket ``b`` of buffer ``i``, in the params' dtype."""
+        buf = self.layout.buffers[i]
+        if not self.sharded:
+            return shard_view(self.flats[i], self.layout, buf, self._rank, b)[0]
+        bk = buf.buckets[b]
+        off = bk.start // self.layout.world_size
+        return self.shards[i][off : off + bk.shard_numel]
+
+    def full(self, i: int, b: int) -> torch.Tensor:
+        """The bucket's whole range (to write into: `raw` at stage 3)."""
+        bk = self.layout.buffers[i].buckets[b]
+        if not self.sharded:
+            return self.flats[i][bk.start : bk.start + bk.numel(self.layout.world_size)]
+        assert (i, b) in self.live, f"bucket {(i, b)} is not gathered"
+        return self.raw[i][b]
+
+    def alloc(self, i: int, b: int) -> None:
+        if (i, b) in self.live:
+            return
+        t = self.gathered[i][b]
+        t.untyped_storage().resize_(t.numel() * t.element_size())
+        self.live.add((i, b))
+
+    def free(self, i: int, b: int) -> None:
+        if (i, b) not in self.live:
+            return
+        self.gathered[i][b].untyped_storage().resize_(0)
+        self.live.discard((i, b))
+
+    def nbytes(self) -> int:
+        """Bytes held between uses: the flat buffers, or the persistent shards."""
+        ts = self.flats if not self.sharded else self.shards
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    def gathered_nbytes(self) -> int:
+        """Sharded: bytes of the buckets gathered now."""
+        return sum(
+            self.gathered[i][b].numel() * self.gathered[i][b].element_size() for i, b in self.live
+        )

@@ -45,6 +45,7 @@ class ParamSpec:
     shape: tuple[int, ...]
     name: str = ""
     requires_grad: bool = True
+    unit: int = -1  # stage 3: the unit (see [Note: units]); -1: none
 
     @property
     def numel(self) -> int:
@@ -148,8 +149,11 @@ def build_layout(
     bucket_numel: int,
     mode: str = "flat",
     align: int = 16,
+    by_unit: bool = False,
 ) -> Layout:
-    """Lay out ``specs`` (in registration order) for ``world_size`` ranks; see [Note: layout]."""
+    """Lay out ``specs`` (in registration order) for ``world_size`` ranks; see [Note: layout].
+    ``by_unit``: buckets follow units instead of sizes (stage 3: a bucket holds one unit's
+    params only, and a unit's params in one buffer are one bucket)."""
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got world_size={world_size!r}")
     if bucket_numel < 1:
@@ -172,7 +176,14 @@ def build_layout(
     buffers = []
     for k in sorted(keys, key=lambda k: (k[0], keys.index(k))):
         ordered = list(reversed(members[k]))
-        groups = _cut(ordered, bucket_numel, align)
+        if by_unit:  # each unit's params together, units in reverse order of first param
+            first: dict[int, int] = {}
+            for pos, s in enumerate(ordered):
+                first.setdefault(s.unit, pos)
+            ordered.sort(key=lambda s: first[s.unit])
+            groups = _cut_units(ordered)
+        else:
+            groups = _cut(ordered, bucket_numel, align)
         if mode == "flat":
             buffers.append(_flat_buffer(k, groups, world_size, align))
         else:
@@ -194,6 +205,17 @@ def _cut(ordered: list[ParamSpec], bucket_numel: int, align: int) -> list[list[P
             cur, size = [], 0
     if cur:
         out.append(cur)
+    return out
+
+
+def _cut_units(ordered: list[ParamSpec]) -> list[list[ParamSpec]]:
+    """One group per unit (``ordered`` has each unit's params together)."""
+    out: list[list[ParamSpec]] = []
+    for s in ordered:
+        if out and out[-1][0].unit == s.unit:
+            out[-1].append(s)
+        else:
+            out.append([s])
     return out
 
 

@@ -22,6 +22,7 @@ decay still update it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import weakref
@@ -32,8 +33,9 @@ from torch import nn
 from torch.distributed.algorithms.join import Joinable, JoinHook
 
 from . import comm, validate
-from .buffers import GradStore, flatten_params
+from .buffers import GradStore, ParamStore
 from .layout import Layout, ParamSpec, build_layout
+from .materialize import materialize_modules_
 from .partition import (
     FUSED_ADAM_CLASSES,
     Reducer,
@@ -41,6 +43,7 @@ from .partition import (
     choose_mode,
 )
 from .partition.grads import GradViews, ShardedGrad
+from .partition.units import Unit, UnitScheduler, find_units, unit_assignment, unit_members
 from .state_access import ShardStateAccess
 
 __all__ = ["ZeroOptimizer"]
@@ -136,6 +139,12 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
         max_inflight_buckets: int = 2,
         nonfinite: str = "step",
         timeout: float | None = None,
+        module: nn.Module | None = None,
+        units=None,
+        reshard_after_forward: bool = True,
+        prefetch: int = 1,
+        init_fn=None,
+        seed: int = 0,
         **defaults,
     ):
         self._closed = True  # until construction succeeds (close() then does nothing)
@@ -146,6 +155,11 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
             stage, bucket_size_mb, max_inflight_buckets, kernel_backend, nonfinite, timeout
         )
         validate.check_launch()
+        if isinstance(params, nn.Module):
+            if module is not None and module is not params:
+                raise ValueError("module= differs from the module passed as params")
+            module = params
+        validate.check_stage3(stage, module, units, reshard_after_forward, prefetch)
         self.mode, why = choose_mode(optimizer_class, partition)
         validate.check_kwargs(optimizer_class, defaults)
         self.stage, self.group, self.overlap_comm = stage, process_group, overlap_comm
@@ -154,8 +168,10 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
         self.timeout = float(timeout or 300.0)
         self.world_size = comm.world_size(process_group)
         self.rank = comm.rank(process_group)
-        module = params if isinstance(params, nn.Module) else None
         user_groups, names = _param_groups(params)
+        if module is not None:
+            for n, p in module.named_parameters():
+                names.setdefault(id(p), n)
         all_params = {id(p): p for g in user_groups for p in g["params"]}
         validate.check_params(all_params, names, module)
         for p in all_params.values():
@@ -184,17 +200,28 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
                 )
             self._group_indices.append(idx)
         self._params = {index_of[id(p)]: p for g in user_groups for p in g["params"]}
+        # stage 3: which unit each param belongs to (see [Note: units])
+        self._unit_modules: list[tuple[str, nn.Module]] = []
+        self._unit_of: dict[int, int] = {}
+        if stage == 3:
+            self._unit_modules = find_units(module, units)
+            self._unit_of = unit_assignment(self._unit_modules, self._params)
+            specs = [dataclasses.replace(s, unit=self._unit_of[s.index]) for s in specs]
         if not any(s.requires_grad for s in specs):
             raise ValueError("ZeroOptimizer: no parameter has requires_grad=True")
-        devices = {p.device for p in self._params.values()}
-        if len(devices) != 1:
+        devices = {p.device for p in self._params.values() if not p.is_meta}
+        if len(devices) > 1:
             raise ValueError(f"ZeroOptimizer: all params must be on one device, got {devices}")
-        self.device = devices.pop()
+        self._meta = any(p.is_meta for p in self._params.values())
+        self.device = devices.pop() if devices else comm.default_device(process_group)
+        self._init_fn, self._seed = init_fn, seed
+        self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         self.layout: Layout = build_layout(
             specs,
             self.world_size,
             bucket_numel=max(1, int(bucket_size_mb * 2**20) // 4),
             mode=self.mode,
+            by_unit=stage == 3,
         )
         validate.check_agree(
             {
@@ -206,6 +233,9 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
                 "max_inflight_buckets": max_inflight_buckets,
                 "loss_scale": loss_scale,
                 "nonfinite": nonfinite,
+                "units": [n for n, _ in self._unit_modules],
+                "reshard_after_forward": reshard_after_forward,
+                "prefetch": prefetch,
                 "hyper-parameters": repr(sorted(defaults.items())),
                 "param groups": repr(
                     [sorted((k, v) for k, v in g.items() if k != "params") for g in user_groups]
@@ -245,11 +275,11 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
         self, user_groups, defaults, fused_adam, kernel_backend, max_inflight_buckets, loss_scale
     ) -> None:
         group = self.group
-        # buffers: params become views; rank 0's values win (as DDP does)
-        self._flats = [flatten_params(b, self._params, self.device) for b in self.layout.buffers]
-        for f in self._flats:
-            comm.broadcast(f, 0, group=group)
-        self._expected = {i: (p.data_ptr(), p.dtype) for i, p in self._trainable.items()}
+        # params become views of the store; rank 0's values win (as DDP does), except for a
+        # model built on the meta device, initialised identically on every rank
+        self._store = self._materialize_and_store()
+        self._flats = self._store.flats
+        self._expected = {i: (_storage_id(p), p.dtype) for i, p in self._trainable.items()}
         self._side = comm.side_group(group)
         self.comm_log = comm.CommLog()
         self._steps = 0
@@ -274,7 +304,7 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
         )
         self._runner = ShardRunner(
             self.layout,
-            self._flats,
+            self._store,
             self._grads,
             self.rank,
             self.optimizer_class,
@@ -283,6 +313,10 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
             fused=fusable,
             backend=kernel_backend,
         )
+        self._scheduler = None
+        if self.stage == 3:
+            self._scheduler = self._make_scheduler()
+            self._reducer.on_bucket_ready = self._scheduler.bucket_done
         self._views = GradViews(self)
         for _i, _, pc, _, g in self._runner.all_pieces():
             self._views.by_index.setdefault(pc.index, []).append((g.reshape(-1), pc.offset))
@@ -316,6 +350,61 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
         self._closed = False
         weakref.finalize(self, _remove_hooks, list(self._hook_handles), dict(self._params))
 
+    def _materialize_and_store(self) -> ParamStore:
+        """The param store; meta params materialised (stage 3: unit by unit, keeping only this
+        rank's shard, so construction holds the shards plus one unit)."""
+        sharded = self.stage == 3
+        group, module = self.group, self._module
+        if self._meta and not sharded:  # stages 1/2 hold whole params anyway
+            materialize_modules_(module.named_modules(), self.device, self._seed, self._init_fn)
+        store = ParamStore(self.layout, self._params, self.device, rank=self.rank, sharded=sharded)
+        if not sharded:
+            if not self._meta:
+                for f in store.flats:
+                    comm.broadcast(f, 0, group=group)
+            return store
+        members = unit_members(module, self._unit_modules) if self._meta else None
+        by_unit: dict[int, list[tuple[int, int]]] = {}
+        for i, buf in enumerate(self.layout.buffers):
+            for b in buf.buckets:
+                u = self._slot_unit(buf.slots[b.slots[0]].index) if b.slots else 0
+                by_unit.setdefault(u, []).append((i, b.index))
+        for u in range(len(self._unit_modules) + 1):
+            if members is not None:
+                materialize_modules_(members[u], self.device, self._seed, self._init_fn)
+            for i, b in by_unit.get(u, []):
+                store.adopt(i, b, self._params)
+                if not self._meta:
+                    comm.broadcast(store.raw[i][b], 0, group=group)
+                store.take_shard(i, b)
+                store.free(i, b)
+        if members is not None:  # frozen params and buffers outside any trained unit
+            materialize_modules_(module.named_modules(), self.device, self._seed, self._init_fn)
+        return store
+
+    def _slot_unit(self, index: int) -> int:
+        return self._unit_of.get(index, 0)
+
+    def _make_scheduler(self) -> UnitScheduler:
+        units = [Unit(0, "<root>", self._module)] + [
+            Unit(k, name, m) for k, (name, m) in enumerate(self._unit_modules, start=1)
+        ]
+        for i, buf in enumerate(self.layout.buffers):
+            for b in buf.buckets:
+                u = self._slot_unit(buf.slots[b.slots[0]].index) if b.slots else 0
+                units[u].buckets.append((i, b.index))
+        return UnitScheduler(
+            self._module,
+            units[1:],
+            units[0],
+            self._store,
+            self._runner,
+            self.group,
+            self.comm_log,
+            reshard_after_forward=self.reshard_after_forward,
+            prefetch=self.prefetch,
+        )
+
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
         """Remove every hook and give the params back as plain tensors with their current
@@ -326,6 +415,16 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
         if hasattr(self, "_reducer"):
             self._reducer.flush_pending_waits()
         _remove_hooks(self._hook_handles, getattr(self, "_params", {}))
+        sched = getattr(self, "_scheduler", None)
+        if sched is not None:  # stage 3: gather every unit once to hand back whole params
+            sched.remove()
+            for u in [sched.root, *sched.units]:
+                sched.wait(u)
+                for i, b in u.buckets:
+                    for pos in self.layout.buffers[i].buckets[b].slots:
+                        q = self._params[self.layout.buffers[i].slots[pos].index]
+                        q.data = q.data.clone()
+                sched.free(u)
         views = getattr(self, "_views", None)
         if views is not None:
             views.closed = True
@@ -334,7 +433,7 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
                 p._zero_kernels_owner = None
             if isinstance(p.grad, ShardedGrad):
                 p.grad = None
-            if p.data.data_ptr() != 0:
+            if sched is None and not p.is_meta and p.data.data_ptr() != 0:
                 with torch.no_grad():
                     p.data = p.data.clone()
 
@@ -363,7 +462,7 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
         ``model.to(dtype)``, ``load_state_dict(assign=True)``) would silently stop training."""
         for i, p in self._trainable.items():
             ptr, dt = self._expected[i]
-            if p.data_ptr() != ptr or p.dtype != dt:
+            if _storage_id(p) != ptr or p.dtype != dt:
                 name = self.layout_name(i)
                 raise RuntimeError(
                     f"param {name}: its data was replaced after ZeroOptimizer was built "
@@ -423,6 +522,8 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
         self._views.active = {idx[j] for j in mask.nonzero().flatten().tolist()}
         self._reducer.got.clear()
         self._views.install(self._trainable)
+        if self._scheduler is not None:
+            self._scheduler.end_backward()
 
     def _sync_user_changes(self) -> None:
         """Apply what the user did to ``p.grad`` since the views were installed."""
@@ -629,8 +730,7 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
     def memory_report(self) -> dict:
         """This rank's bytes of params, grads, master, optimizer state and comm buffers."""
         seen, pb = set(), 0
-        for f in self._flats:
-            pb += f.numel() * f.element_size()
+        pb += self._store.nbytes()
         for i in self.layout.frozen:
             p = self._params[i]
             if id(p) not in seen:
@@ -652,6 +752,7 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
             comm_buffer_peak_bytes=g.comm_peak_nbytes(),
             grad_peak_bytes=grad + g.comm_peak_nbytes(),
             total_bytes=model + comm_now,
+            gathered_param_bytes=self._store.gathered_nbytes() if self.stage == 3 else 0,
         )
 
     @property
@@ -673,6 +774,11 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
             f"optimizer_class={self.optimizer_class.__name__}, "
             f"world_size={self.world_size}, rank={self.rank})"
         )
+
+
+def _storage_id(t: torch.Tensor) -> int:
+    """Identity of ``t``'s storage (stable while a stage-3 bucket is freed and gathered)."""
+    return t.untyped_storage()._cdata
 
 
 def _call(me, name: str):

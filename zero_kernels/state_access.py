@@ -8,7 +8,6 @@ from __future__ import annotations
 import torch
 
 from . import comm
-from .buffers import shard_view
 from .layout import Layout
 from .partition import consolidate, local_payload, shard_state
 
@@ -115,16 +114,15 @@ class ShardStateAccess:
     @torch.no_grad()
     def _refresh_params(self) -> None:
         """After the stepped values (fp32 masters, or the params' own shard) were written from
-        outside a step (checkpoint load, setters): copy them into the param buffers' shards and
-        all-gather, so every rank holds the whole params again. Collective."""
+        outside a step (checkpoint load, setters): copy them into the params' shards and, where
+        params are whole (stages 1/2, or a stage-3 bucket gathered now), all-gather them.
+        Collective."""
+        self._runner.write_params()
         handles = []
         for i, buf in enumerate(self.layout.buffers):
-            m = self._runner.masters[i]
             for b in buf.buckets:
-                if m is not None:
-                    dst, sl = shard_view(self._flats[i], self.layout, buf, self.rank, b.index)
-                    dst.copy_(m[sl])
-                handles.append(self._runner._gather(i, b.index, self.comm_log, self.group))
+                if not self._store.sharded or (i, b.index) in self._store.live:
+                    handles.append(self._runner.gather(i, b.index, self.comm_log, self.group))
         for h in handles:
             h.wait()
 
@@ -185,7 +183,9 @@ class ShardStateAccess:
         flat = value.reshape(-1)
         for ip, off in self._piece_list(i, None):
             ip.copy_(flat[off : off + ip.numel()].view(ip.shape))
-        param.copy_(value)
+        self._runner.write_params()
+        if param.untyped_storage().nbytes():  # whole here (stages 1/2, or gathered now)
+            param.copy_(value)
 
     @torch.no_grad()
     def full_grad(self, param: torch.Tensor) -> torch.Tensor | None:

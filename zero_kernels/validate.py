@@ -17,7 +17,14 @@ from torch import nn
 
 from . import comm
 
-__all__ = ["check_args", "check_kwargs", "check_params", "check_launch", "check_agree"]
+__all__ = [
+    "check_args",
+    "check_kwargs",
+    "check_params",
+    "check_launch",
+    "check_agree",
+    "check_stage3",
+]
 
 _OPTIONS = (
     "stage",
@@ -31,6 +38,12 @@ _OPTIONS = (
     "max_inflight_buckets",
     "nonfinite",
     "timeout",
+    "module",
+    "units",
+    "reshard_after_forward",
+    "prefetch",
+    "init_fn",
+    "seed",
 )
 NONFINITE = ("step", "skip", "raise")
 
@@ -38,8 +51,8 @@ NONFINITE = ("step", "skip", "raise")
 def check_args(stage, bucket_size_mb, max_inflight_buckets, kernel_backend, nonfinite, timeout):
     from .ops import BACKENDS
 
-    if isinstance(stage, bool) or stage not in (1, 2):
-        raise ValueError(f"stage must be the int 1 or 2, got stage={stage!r}")
+    if isinstance(stage, bool) or stage not in (1, 2, 3):
+        raise ValueError(f"stage must be the int 1, 2 or 3, got stage={stage!r}")
     if (
         isinstance(bucket_size_mb, bool)
         or not isinstance(bucket_size_mb, (int, float))
@@ -66,6 +79,22 @@ def check_args(stage, bucket_size_mb, max_inflight_buckets, kernel_backend, nonf
         raise ValueError(f"nonfinite must be one of {NONFINITE}, got nonfinite={nonfinite!r}")
     if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
         raise ValueError(f"timeout must be None or seconds > 0, got timeout={timeout!r}")
+
+
+def check_stage3(stage, module, units, reshard_after_forward, prefetch) -> None:
+    if stage == 3 and not isinstance(module, nn.Module):
+        raise ValueError(
+            "stage=3 needs the model: pass it as the first argument, or the param groups first "
+            f"and module=model (got module={type(module).__name__})"
+        )
+    if stage != 3 and units is not None:
+        raise ValueError(f"units= is a stage-3 option, got stage={stage!r}")
+    if not isinstance(reshard_after_forward, bool):
+        raise TypeError(
+            f"reshard_after_forward must be a bool, got reshard_after_forward={reshard_after_forward!r}"
+        )
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"prefetch must be an int >= 0, got prefetch={prefetch!r}")
 
 
 def check_kwargs(optimizer_class, defaults: dict) -> None:
@@ -96,10 +125,10 @@ def check_params(params: dict[int, torch.Tensor], names: dict[int, str], module)
                 f"param {name} is not a leaf tensor (it was computed from others, "
                 f"grad_fn={p.grad_fn}): optimizers take leaves (nn.Parameter)"
             )
-        if p.is_meta:
-            raise NotImplementedError(
-                f"param {name} is on the meta device: stages 1 and 2 need materialised params "
-                "(model.to_empty(device=...) then initialise, before building ZeroOptimizer)"
+        if p.is_meta and not isinstance(module, nn.Module):
+            raise ValueError(
+                f"param {name} is on the meta device: to materialise it ZeroOptimizer needs the "
+                "model (pass it as the first argument or module=model)"
             )
         if not (p.is_floating_point() or p.is_complex()) or p.is_complex():
             raise TypeError(f"param {name} has dtype {p.dtype}: ZeroOptimizer takes float params")

@@ -89,6 +89,7 @@ class Reducer:
         # callbacks of the owner: the first grad hook of a backward pass, the end of a reduction
         self.on_backward_start = None
         self.on_reduced = None
+        self.on_bucket_ready = None  # stage 3: every grad of a bucket arrived (free its params)
         self._hooks = []
         self._hook_cache: dict = {}
         me = weakref.ref(self)  # hooks must not keep the reducer (and its optimizer) alive
@@ -161,6 +162,8 @@ class Reducer:
             self.dirty = True
             if syncing:
                 self.arrived[(i, b)] += 1
+                if self.arrived[(i, b)] == self.need[(i, b)] and self.on_bucket_ready:
+                    self.on_bucket_ready(i, b)
                 if self.overlap:
                     self._launch_ready()
 

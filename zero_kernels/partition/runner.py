@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 
 from .. import comm
-from ..buffers import GradStore, shard_view
+from ..buffers import GradStore, ParamStore, dtype_of
 from ..layout import Layout, Piece, pieces
 from ..ops import AdamHyper, adam_step
 
@@ -50,7 +50,7 @@ class ShardRunner:
     def __init__(
         self,
         layout: Layout,
-        flats: list[torch.Tensor],
+        store: ParamStore,
         grads: GradStore,
         rank: int,
         optimizer_class,
@@ -60,20 +60,19 @@ class ShardRunner:
         fused: bool,
         backend: str = "auto",
     ):
-        self.layout, self.flats, self.grads, self.rank = layout, flats, grads, rank
+        self.layout, self.store, self.grads, self.rank = layout, store, grads, rank
+        dtypes = [dtype_of(b.dtype) for b in layout.buffers]
+        dev = store.device
         self.optimizer_class = optimizer_class
         n = layout.world_size
         # fp32 master shard per flat buffer; None for fp32/fp64 params (see [Note: modes])
         self.masters: list[torch.Tensor | None] = []
         for i, buf in enumerate(layout.buffers):
-            if flats[i].dtype in (torch.float32, torch.float64):
+            if dtypes[i] in (torch.float32, torch.float64):
                 self.masters.append(None)
                 continue
-            m = torch.empty(buf.shard_numel(n), dtype=torch.float32, device=flats[i].device)
-            for b in buf.buckets:
-                src, dst = shard_view(flats[i], layout, buf, rank, b.index)
-                m[dst].copy_(src)
-            self.masters.append(m)
+            self.masters.append(torch.empty(buf.shard_numel(n), dtype=torch.float32, device=dev))
+        self.load_masters()
         self.pieces: tuple[tuple[Piece, ...], ...] = pieces(layout, rank)
         # per buffer: the inner params (one per piece) and their gradient views
         self.inner_params: list[list[torch.Tensor]] = []
@@ -95,19 +94,37 @@ class ShardRunner:
         self.inner = optimizer_class(groups, **defaults)
         # fused Adam per buffer: flat mode, a dtype the kernel takes
         self.fused = [
-            fused and layout.mode == "flat" and flats[i].dtype in _FUSED_DTYPES
+            fused and layout.mode == "flat" and dtypes[i] in _FUSED_DTYPES
             for i in range(len(layout.buffers))
         ]
         self.backend = backend
         self.flat_state: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # fused: per bucket
 
+    def _slice(self, i: int, b: int) -> slice:
+        """Bucket ``b``'s shard inside the rank's shard of buffer ``i``."""
+        bk = self.layout.buffers[i].buckets[b]
+        off = bk.start // self.layout.world_size
+        return slice(off, off + bk.shard_numel)
+
+    def load_masters(self) -> None:
+        """fp32 masters from the params' shards (construction, or params set from outside)."""
+        for i, buf in enumerate(self.layout.buffers):
+            if self.masters[i] is not None:
+                for b in buf.buckets:
+                    self.masters[i][self._slice(i, b.index)].copy_(self.store.shard(i, b.index))
+
     def master_view(self, i: int, b: int) -> torch.Tensor:
         """The values the optimizer steps for this rank's shard of bucket ``b`` of buffer ``i``:
-        a view of the fp32 master shard, or of the param buffer itself for fp32/fp64 params."""
-        buf = self.layout.buffers[i]
-        dst, sl = shard_view(self.flats[i], self.layout, buf, self.rank, b)
+        a view of the fp32 master shard, or of the param shard itself for fp32/fp64 params."""
         m = self.masters[i]
-        return dst if m is None else m[sl]
+        return self.store.shard(i, b) if m is None else m[self._slice(i, b)]
+
+    def write_params(self) -> None:
+        """Cast the masters into the params' shards (values set from outside a step)."""
+        for i, buf in enumerate(self.layout.buffers):
+            if self.masters[i] is not None:
+                for b in buf.buckets:
+                    self.store.shard(i, b.index).copy_(self.masters[i][self._slice(i, b.index)])
 
     def all_pieces(self):
         """``(buffer, position, piece, inner param, grad view)`` for every piece of this rank."""
@@ -144,14 +161,15 @@ class ShardRunner:
         handles: list[comm.Handle] = []
         for i, buf in enumerate(self.layout.buffers):
             m = self.masters[i]
-            lowp = self.flats[i].dtype in (torch.bfloat16, torch.float16)
+            lowp = m is not None
             for b in buf.buckets:
-                dst, sl = shard_view(self.flats[i], self.layout, buf, self.rank, b.index)
+                dst = self.store.shard(i, b.index)
                 if self.fused[i]:
                     self._fused_bucket(i, b.index, active, grad_scale, dst if lowp else None)
                 if m is not None and not (self.fused[i] and lowp):
-                    dst.copy_(m[sl])
-                handles.append(self._gather(i, b.index, log, group))
+                    dst.copy_(m[self._slice(i, b.index)])
+                if not self.store.sharded:  # stage 3 gathers at the next use instead
+                    handles.append(self.gather(i, b.index, log, group))
         for _, _, _, p, _ in self.all_pieces():
             p.grad = None
         return handles
@@ -206,7 +224,7 @@ class ShardRunner:
         key = (i, b)
         if key not in self.flat_state:
             n = self.layout.buffers[i].buckets[b].shard_numel
-            dev = self.flats[i].device
+            dev = self.store.device
             names = _ADAM_KEYS if g.get("amsgrad", False) else _ADAM_KEYS[:2]
             self.flat_state[key] = {
                 k: torch.zeros(n, dtype=torch.float32, device=dev) for k in names
@@ -249,13 +267,10 @@ class ShardRunner:
                     st[name] = view
                 st["step"] = torch.as_tensor(st["step"], dtype=torch.float32).clone()
 
-    def _gather(self, i: int, b: int, log, group) -> comm.Handle:
-        buf = self.layout.buffers[i]
-        bk = buf.buckets[b]
-        n = self.layout.world_size
-        out = self.flats[i][bk.start : bk.start + bk.numel(n)]
-        inp = self.flats[i][bk.shard_start(self.rank) : bk.shard_start(self.rank) + bk.shard_numel]
-        return comm.all_gather(out, inp, group=group, log=log)
+    def gather(self, i: int, b: int, log, group) -> comm.Handle:
+        """Start the all-gather of bucket ``b`` of buffer ``i`` from every rank's param shard
+        (stage 3: the bucket must be allocated)."""
+        return comm.all_gather(self.store.full(i, b), self.store.shard(i, b), group=group, log=log)
 
     def _adam_hyper(self, g: dict, step: int, grad_scale: float) -> AdamHyper:
         """This step's scalars for torch Adam/AdamW's param group ``g``."""

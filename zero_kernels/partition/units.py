@@ -1,0 +1,361 @@
+"""Stage 3: units of parameters gathered on demand, around the module's forward and backward.
+
+[Note: units]
+A *unit* is a module-aligned set of parameters gathered and freed together: by default each entry
+of the model's largest ``nn.ModuleList`` (its repeated blocks), else each direct child holding at
+least ``1 / 8`` of the parameters; the parameters left over (embeddings, final norm, head) form the
+*root unit*. In the layout (see [Note: layout]) a unit's parameters are contiguous and its buckets
+hold nothing else, so gathering a unit is one all-gather per bucket of it.
+
+Per unit the state is explicit (`UnitState`, asserted at each transition):
+
+    SHARDED --gather()--> GATHERING --wait()--> GATHERED --free()--> SHARDED
+
+Timeline of one training step (units U1..U3 inside the root, prefetch=1):
+
+    forward    root: gather R | U1 pre: wait AG U1, start AG U2 | U1 post: free U1 | U2 pre: ...
+    backward   U3 pre-bwd: wait AG U3, start AG U2 | grads of U3 -> RS U3, free U3 | U2 ...
+    end        free R and anything still gathered; the step updates shards only
+
+- pre-forward: the unit is gathered (waiting for its prefetched all-gather) and the next
+  ``prefetch`` units in forward order are started; post-forward: freed when
+  ``reshard_after_forward`` (default) or when no backward will follow (``torch.no_grad``).
+- pre-backward (a hook on the unit's outputs): the unit is gathered again if it was freed, the
+  next units in backward order prefetched; post-backward: when every gradient of a bucket has
+  arrived (the reducer's hook) its reduce-scatter starts and its params are freed.
+- The root unit is gathered from the model's pre-forward to the end of backward.
+- A module called twice re-gathers once per call (at most one extra gather); activation
+  checkpointing re-runs a unit's forward inside backward, which gathers it if needed and does not
+  free it after (its backward comes next); a parameter shared by two units lives in the first.
+- The forward order is recorded in the first step and checked on every rank in that step (a small
+  all-reduce per unit): ranks that run different modules get a ValueError naming them, never
+  all-gathers that do not match. Later steps prefetch by the recorded order; a unit reached out of
+  that order is gathered on demand, and prefetched units left unused are freed at the end.
+"""
+
+from __future__ import annotations
+
+import enum
+import weakref
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from .. import comm
+
+__all__ = ["UnitState", "Unit", "UnitScheduler", "find_units"]
+
+
+class UnitState(enum.Enum):
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
+
+
+class Unit:
+    """One unit: its module, its buckets ``(buffer, bucket)``, its state and pending gathers."""
+
+    def __init__(self, index: int, name: str, module: nn.Module):
+        self.index, self.name, self.module = index, name, module
+        self.buckets: list[tuple[int, int]] = []
+        self.state = UnitState.SHARDED
+        self.handles: list = []
+
+    def expect(self, *states: UnitState) -> None:
+        assert self.state in states, f"unit {self.name}: state {self.state}, expected {states}"
+
+    def __repr__(self) -> str:
+        return f"Unit({self.index}, {self.name!r}, {self.state.value}, {len(self.buckets)} bkts)"
+
+
+def find_units(model: nn.Module, units=None) -> list[tuple[str, nn.Module]]:
+    """``[(name, module)]`` of the units (the root unit not included); see [Note: units].
+
+    ``units``: None (automatic), a list of module classes (every outermost instance is a unit),
+    a predicate ``f(name, module) -> bool`` (outermost matches), or a list of modules."""
+    named = list(model.named_modules())
+    if units is None:
+        best, size = None, 0
+        for name, m in named:
+            if isinstance(m, nn.ModuleList) and len(m) > 1:
+                n = sum(p.numel() for p in m.parameters())
+                if n > size:
+                    best, size = (name, m), n
+        if best is not None:
+            return [(f"{best[0]}.{k}" if best[0] else str(k), c) for k, c in enumerate(best[1])]
+        total = sum(p.numel() for p in model.parameters())
+        return [
+            (n, c)
+            for n, c in model.named_children()
+            if sum(p.numel() for p in c.parameters()) * 8 >= total and total > 0
+        ]
+    if isinstance(units, (list, tuple)) and all(isinstance(u, nn.Module) for u in units):
+        ids = {id(u) for u in units}
+        pick = [(n, m) for n, m in named if id(m) in ids]
+        if len(pick) != len(units):
+            raise ValueError("units=: every module listed must be a submodule of the model")
+    elif isinstance(units, (list, tuple)) and all(isinstance(u, type) for u in units):
+        classes = tuple(units)
+        pick = [(n, m) for n, m in named if isinstance(m, classes) and m is not model]
+    elif callable(units):
+        pick = [(n, m) for n, m in named if m is not model and units(n, m)]
+    else:
+        raise TypeError(
+            "units must be None, a list of module classes, a list of modules or a predicate "
+            f"(name, module) -> bool, got units={units!r}"
+        )
+    out: list[tuple[str, nn.Module]] = []  # outermost only: a unit inside a unit is not one
+    for n, m in pick:
+        if not any(n.startswith(o + ".") for o, _ in out):
+            out.append((n, m))
+    if not out:
+        raise ValueError(f"units={units!r} matched no submodule of the model")
+    return out
+
+
+class UnitScheduler:
+    """Module hooks that gather, prefetch and free units (see [Note: units])."""
+
+    def __init__(
+        self,
+        model,
+        units: list[Unit],
+        root: Unit,
+        store,
+        runner,
+        group,
+        log,
+        *,
+        reshard_after_forward: bool,
+        prefetch: int,
+    ):
+        self.units, self.root, self.store, self.runner = units, root, store, runner
+        self.group, self.log = group, log
+        self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
+        self.order: list[int] | None = None  # forward order of unit indices, once recorded
+        self.recording: list[int] = []
+        self.pos = 0  # position in the recorded order during a forward
+        self._done: set[tuple[int, int]] = set()  # buckets whose grads all arrived
+        self.handles = []
+        me = weakref.ref(self)
+        for u in units:
+            self.handles.append(u.module.register_forward_pre_hook(_pre(me, u.index)))
+            self.handles.append(u.module.register_forward_hook(_post(me, u.index)))
+        self.handles.append(model.register_forward_pre_hook(_root_pre(me)))
+        self.handles.append(model.register_forward_hook(_root_post(me)))
+        self.by_index = {u.index: u for u in units}
+        self.by_index[root.index] = root
+        self.bucket_unit = {b: u for u in [root, *units] for b in u.buckets}
+
+    # ---- gather / free
+    def gather(self, u: Unit) -> None:
+        """Start the unit's all-gathers (SHARDED -> GATHERING); nothing if already under way."""
+        if u.state is not UnitState.SHARDED:
+            return
+        for i, b in u.buckets:
+            self.store.alloc(i, b)
+            u.handles.append(self.runner.gather(i, b, self.log, self.group))
+        u.state = UnitState.GATHERING
+
+    def wait(self, u: Unit) -> None:
+        self.gather(u)
+        if u.state is UnitState.GATHERING:
+            for h in u.handles:
+                h.wait()
+            u.handles.clear()
+            u.state = UnitState.GATHERED
+        u.expect(UnitState.GATHERED)
+
+    def free(self, u: Unit) -> None:
+        if u.state is UnitState.GATHERING:
+            self.wait(u)
+        for i, b in u.buckets:
+            self.store.free(i, b)
+        u.state = UnitState.SHARDED
+
+    def free_all(self) -> None:
+        for u in [self.root, *self.units]:
+            self.free(u)
+
+    # ---- forward
+    def _check_same(self, u: Unit) -> None:
+        """First step: every rank reaches the same unit here, or a ValueError on every rank."""
+        t = torch.tensor([u.index, -u.index], dtype=torch.int64, device=self.store.device)
+        comm.all_reduce(t, "max", group=self.group)
+        if int(t[0]) != u.index or int(t[1]) != -u.index:
+            lo, hi = -int(t[1]), int(t[0])
+            raise ValueError(
+                "stage 3: ranks run different modules in forward (the order of units differs): "
+                f"this rank runs {u.name!r}, another runs "
+                f"{self.by_index[hi if hi != u.index else lo].name!r}; every rank must call the "
+                "same modules in the same order at stage 3"
+            )
+
+    def pre_forward(self, k: int) -> None:
+        u = self.by_index[k]
+        if _in_backward():  # activation checkpointing: recomputation inside backward
+            self.wait(u)
+            return
+        if self.order is None:
+            if comm.world_size(self.group) > 1:
+                self._check_same(u)
+            self.recording.append(k)
+            self.wait(u)
+            return
+        if self.pos < len(self.order) and self.order[self.pos] == k:
+            self.pos += 1
+        else:  # out of the recorded order: find it further on, else gather on demand
+            try:
+                self.pos = self.order.index(k, self.pos) + 1
+            except ValueError:
+                pass
+        self.wait(u)
+        for j in self.order[self.pos : self.pos + self.prefetch]:
+            self.gather(self.by_index[j])
+
+    def post_forward(self, k: int, output) -> None:
+        u = self.by_index[k]
+        if _in_backward():
+            return
+        if torch.is_grad_enabled():
+            ts = [
+                t
+                for t in tree_flatten(output)[0]
+                if isinstance(t, torch.Tensor) and t.requires_grad
+            ]
+            if ts:
+                me = weakref.ref(self)
+                torch.autograd.graph.register_multi_grad_hook(ts, _pre_bwd(me, k), mode="any")
+            if self.reshard_after_forward:
+                self.free(u)
+        else:
+            self.free(u)
+
+    def root_pre(self) -> None:
+        if _in_backward():
+            self.wait(self.root)
+            return
+        self.pos = 0
+        self.wait(self.root)
+        if self.order is not None:
+            for j in self.order[: self.prefetch]:
+                self.gather(self.by_index[j])
+
+    def root_post(self) -> None:
+        if _in_backward():
+            return
+        if self.order is None:  # the first forward: recorded, and checked on every rank
+            self.order = list(self.recording)
+        self.recording = []
+        if not torch.is_grad_enabled():
+            self.free_all()
+
+    # ---- backward
+    def pre_backward(self, k: int) -> None:
+        u = self.by_index[k]
+        self.wait(u)
+        order = self.order or []
+        if k in order:
+            at = len(order) - 1 - order[::-1].index(k)
+            for j in order[max(0, at - self.prefetch) : at][::-1]:
+                self.gather(self.by_index[j])
+
+    def bucket_done(self, i: int, b: int) -> None:
+        """Every gradient of bucket (i, b) arrived: its unit's params are not needed any more
+        in this backward once all of the unit's buckets are done."""
+        u = self.bucket_unit.get((i, b))
+        if u is None or u is self.root:
+            return
+        self._done.add((i, b))
+        if all(bk in self._done for bk in u.buckets):
+            self.free(u)
+
+    def end_backward(self) -> None:
+        self._done = set()
+        self.free_all()
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+
+def _in_backward() -> bool:
+    """Whether autograd's engine is running (a forward now is a recomputation)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _pre(me, k):
+    def hook(module, args):
+        s = me()
+        if s is not None:
+            s.pre_forward(k)
+
+    return hook
+
+
+def _post(me, k):
+    def hook(module, args, output):
+        s = me()
+        if s is not None:
+            s.post_forward(k, output)
+
+    return hook
+
+
+def _root_pre(me):
+    def hook(module, args):
+        s = me()
+        if s is not None:
+            s.root_pre()
+
+    return hook
+
+
+def _root_post(me):
+    def hook(module, args, output):
+        s = me()
+        if s is not None:
+            s.root_post()
+
+    return hook
+
+
+def _pre_bwd(me, k):
+    def hook(grad):
+        s = me()
+        if s is not None:
+            s.pre_backward(k)
+
+    return hook
+
+
+def unit_assignment(
+    unit_modules: list[tuple[str, nn.Module]], params: dict[int, torch.Tensor]
+) -> dict[int, int]:
+    """Param index -> unit (1.. for ``unit_modules``, 0 for the root unit). A param found in two
+    units (tied across them) goes to the root unit, gathered for the whole step."""
+    where: dict[int, set[int]] = {}
+    for u, (_, m) in enumerate(unit_modules, start=1):
+        for p in m.parameters():
+            where.setdefault(id(p), set()).add(u)
+    out = {}
+    for i, p in params.items():
+        us = where.get(id(p), set())
+        out[i] = next(iter(us)) if len(us) == 1 else 0
+    return out
+
+
+def unit_members(model: nn.Module, unit_modules: list[tuple[str, nn.Module]]):
+    """Per unit (0 = root), the ``(name, module)`` pairs whose own params it materialises."""
+    out: list[list[tuple[str, nn.Module]]] = [[] for _ in range(len(unit_modules) + 1)]
+    prefixes = [(n, u) for u, (n, _) in enumerate(unit_modules, start=1)]
+    for name, m in model.named_modules():
+        u = 0
+        for n, k in prefixes:
+            if name == n or name.startswith(n + "."):
+                u = k
+                break
+        out[u].append((name, m))
+    return out
