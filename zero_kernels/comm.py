@@ -793,3 +793,8 @@ def join_notify(joinable) -> int | None:
     work.wait()
     res = work.result()
     return int(res[0].item()) if res else None
+
+
+def default_device(group=None) -> torch.device:
+    """The device collectives of ``group`` work on (CPU without a process group)."""
+    return _device(group) if is_initialized() else torch.device("cpu")
