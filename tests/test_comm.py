@@ -303,14 +303,16 @@ def test_comm_algorithms(world):
 
 
 def test_size_classes():
-    cases = {0: 0, (64 << 10) - 1: 0, 64 << 10: 1, 1 << 20: 3, (4 << 20) - 1: 3, 76 << 20: 4}
+    cases = {0: 0, (64 << 10) - 1: 0, 64 << 10: 1, 1 << 20: 3, (4 << 20) - 1: 3, 4 << 20: 4}
+    cases.update({(16 << 20) - 1: 4, 16 << 20: 5, 76 << 20: 5})
     for nbytes, c in cases.items():
         assert comm._size_class(nbytes) == c, (nbytes, c)
-    labels = [comm._class_label(c) for c in range(5)]
+    labels = [comm._class_label(c) for c in range(6)]
     assert labels == [
         "< 64 KiB",
         "[64 KiB, 256 KiB)",
         "[256 KiB, 1 MiB)",
         "[1 MiB, 4 MiB)",
-        ">= 4 MiB",
+        "[4 MiB, 16 MiB)",
+        ">= 16 MiB",
     ]

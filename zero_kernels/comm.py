@@ -45,18 +45,24 @@ may be waited in any order, a different one on each rank, and rings in flight ov
 [Note: choosing the algorithm]
 NCCL, any tensor off the CPU and any backend but gloo always use native; world size 1 copies. On
 gloo the choice is made per (group, operation, size class of the full buffer): < 64 KiB, then
-powers of 4 from 64 KiB ([64K, 256K), [256K, 1M), [1M, 4M)), and >= 4 MiB. Precedence:
-`set_algorithm` (for the group, then for every group), then ``ZERO_KERNELS_COMM_ALGO=native|
-pairwise|ring`` (``auto`` or unset: probe), then the probe. The probe runs lazily, inside the
-first collective of a class, which every rank calls in the same order: on one fp32 buffer of the
-class's probe size (32 KiB, 128 KiB, 512 KiB, 2 MiB, 4 MiB) it times native, pairwise and (N > 2;
-a ring of 2 is the pairwise exchange) ring, one warm-up and 3 to 7 runs each, interleaved, each
-run after a barrier; takes each rank's fastest run (preemption only adds time) and all-reduces
-them with MAX, so every rank sees the same numbers and picks the same algorithm (ranks that chose
-differently would hang). A p2p algorithm must be at least 10% faster than native to be chosen.
-Each choice is logged once (logger ``zero_kernels``, INFO); `probe_results` returns what was
-measured. Probing every class of both operations takes ~0.2-0.35 s per group (2 ranks, gloo,
-this 2-core machine under load).
+powers of 4 from 64 KiB ([64K, 256K), [256K, 1M), [1M, 4M), [4M, 16M)), and >= 16 MiB.
+Precedence: `set_algorithm` (for the group, then for every group), then
+``ZERO_KERNELS_COMM_ALGO=native|pairwise|ring`` (``auto`` or unset: probe), then the probe.
+
+The probe runs lazily, inside the first collective of a class, which every rank calls in the same
+order. On one fp32 buffer of the class's probe size (32 KiB, 128 KiB, 512 KiB, 2 MiB, 8 MiB, 32
+MiB) it runs native, pairwise and (N > 2; a ring of 2 is the pairwise exchange) ring 5 to 1 times
+each (fewer for larger sizes; buffers touched beforehand), interleaved, each run after a barrier.
+It takes each rank's fastest run (warm-up and preemption only add time) and all-reduces them with
+MAX, so every rank sees the same numbers and picks the same algorithm (ranks that chose differently
+would hang). A p2p algorithm must be at least 10% faster than native to be chosen. Each choice is
+logged once (logger ``zero_kernels``, INFO); `probe_results` returns what was measured. The top
+class is probed at 32 MiB because gloo's own collectives slow down per byte above ~32 MB (likely
+fresh, page-faulting temporaries: 32 MiB is glibc's largest mmap threshold): its all-gather ties
+with pairwise at 4 MiB, is ~1.4x slower at 16 MiB and 2.6x slower at 76 MB, so a smaller probe
+chooses wrong for large buckets; there one run each decides (3-5x apart). Probing every class of
+both operations costs ~0.5 s per group (2 ranks, this 2-core machine); a run probes only the
+classes it uses (25 MB buckets: the top one, ~0.25 s, and perhaps one for the last bucket).
 """
 
 from __future__ import annotations
@@ -527,9 +533,9 @@ def _ag_ring(out: torch.Tensor, x: torch.Tensor, group, tag: int) -> _Ring:
 
 # --- choosing the algorithm ([Note: choosing the algorithm]) ------------------------------------
 
-_CLASS_BOUNDS = (64 << 10, 256 << 10, 1 << 20, 4 << 20)  # class k: [bound[k-1], bound[k])
-_PROBE_BYTES = (32 << 10, 128 << 10, 512 << 10, 2 << 20, 4 << 20)  # one per class
-_PROBE_REPEATS = (7, 5, 5, 3, 3)  # timed runs per class: more where they are cheap
+_CLASS_BOUNDS = (64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)  # class k: [b[k-1], b[k])
+_PROBE_BYTES = (32 << 10, 128 << 10, 512 << 10, 2 << 20, 8 << 20, 32 << 20)  # one per class
+_PROBE_REPEATS = (5, 4, 4, 3, 3, 1)  # runs per class, more where cheap (the first warms up)
 _P2P_MARGIN = 0.9  # a p2p algorithm must take at most this fraction of native's time
 _overrides: dict = {}  # (group key or None for every group, op) -> algorithm
 _choices: dict = {}  # (group key, op, size class) -> the probe's result
@@ -632,7 +638,11 @@ def _probe(op: str, group, c: int) -> dict:
     t_start = time.perf_counter()
     n = world_size(group)
     numel = max(n, _PROBE_BYTES[c] // 4 // n * n)
-    full, shard = torch.ones(numel), torch.empty(numel // n)
+    full, shard = torch.ones(numel), torch.zeros(numel // n)  # touched: no first-use faults
+    warm = [_scratch.take(numel // n, shard) for _ in range(n - 1)]  # the p2p receive buffers
+    for b in warm:
+        b.zero_()
+    _scratch.give(warm)
     cands = ["native", "pairwise"] + (["ring"] if n > 2 else [])  # a ring of 2 is pairwise
 
     def once(algo: str) -> None:
@@ -641,8 +651,6 @@ def _probe(op: str, group, c: int) -> dict:
         else:
             _all_gather_with(algo, full, shard, group, None).wait()
 
-    for a in cands:
-        once(a)
     reps = _PROBE_REPEATS[c]
     times = torch.zeros(len(cands), reps, dtype=torch.float64)
     for i in range(reps):
@@ -651,9 +659,10 @@ def _probe(op: str, group, c: int) -> dict:
             t0 = time.perf_counter()
             once(a)
             times[j, i] = time.perf_counter() - t0
-    best_t = times.min(dim=1).values  # preemption on a shared machine only ever adds time
+    best_t = times.min(dim=1).values  # warm-up and preemption only ever add time
     dist.all_reduce(best_t, op=dist.ReduceOp.MAX, group=group)  # agreed: all ranks pick the same
     sec = best_t.tolist()
+    free_scratch()  # the probe's receive buffers are not the caller's
     best = min(range(1, len(cands)), key=lambda j: sec[j])
     algo = cands[best] if sec[best] < _P2P_MARGIN * sec[0] else "native"
     return {
