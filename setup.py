@@ -80,8 +80,9 @@ setup(
     python_requires=">=3.9",
     # torch is not listed: a requirement would let pip replace the installed build with another
     # (a multi-GB CUDA wheel on a CPU machine); setup.py checks for it at build time instead.
-    # matplotlib draws the report.png that `zero-kernels demo` (the quickstart's first line) saves.
-    install_requires=["numpy", "matplotlib"],
+    # matplotlib draws the report.png that `zero-kernels demo` (the quickstart's first line) saves;
+    # safetensors holds checkpoint tensors (zero_kernels.checkpoint: no pickle at load).
+    install_requires=["numpy", "matplotlib", "safetensors"],
     extras_require={
         "test": ["pytest", "triton"],
     },

@@ -3,6 +3,8 @@
 - `FusedAdam` / `FusedAdamW`: drop-in `torch.optim` optimizers running the one-pass fused step.
 - `ZeroOptimizer`: shards optimizer state (stage 1) and gradients (stage 2) of any torch optimizer
   across the data-parallel ranks.
+- `save_checkpoint` / `load_checkpoint` / `CheckpointError`: checkpoints that load at any world
+  size and stage (`zero_kernels.checkpoint`).
 """
 
 from __future__ import annotations
@@ -10,7 +12,16 @@ from __future__ import annotations
 from .fused_adam import FusedAdam, FusedAdamW
 
 __version__ = "0.1.0"
-__all__ = ["FusedAdam", "FusedAdamW", "ZeroOptimizer", "__version__"]
+__all__ = [
+    "CheckpointError",
+    "FusedAdam",
+    "FusedAdamW",
+    "ZeroOptimizer",
+    "__version__",
+    "load_checkpoint",
+    "save_checkpoint",
+]
+_CHECKPOINT = ("CheckpointError", "load_checkpoint", "save_checkpoint")
 
 
 def __getattr__(name: str):
@@ -19,4 +30,8 @@ def __getattr__(name: str):
         from .optimizer import ZeroOptimizer
 
         return ZeroOptimizer
+    if name in _CHECKPOINT:
+        from . import checkpoint
+
+        return getattr(checkpoint, name)
     raise AttributeError(f"module 'zero_kernels' has no attribute {name!r}")

@@ -1,0 +1,351 @@
+"""A (model, optimizer) pair seen as pieces: what one rank saves, and where loaded values go.
+
+[Note: two kinds of optimizer, one view]
+A checkpoint is written and read in *pieces* (see [Note: checkpoint format]): for each trainable
+parameter, the element range a rank holds, with the values the optimizer steps and its
+element-wise state. `ZeroAdapter` reads them from a `ZeroOptimizer`'s shard: its layout's pieces,
+the inner optimizer's params (fp32 masters where the params are bf16/fp16) and their state.
+`PlainAdapter` serves a plain ``torch.optim`` optimizer over a replicated model (stage 0: plain
+or DDP): every rank holds everything, so a flat layout is built for it and rank r saves its
+pieces of that layout (1/N of the model) from its full copy; at load every rank reads whole
+parameters and the optimizer takes torch's own ``load_state_dict``.
+
+Parameters are identified by their name in the model (``named_parameters()``, the first name of
+a tied parameter), so a checkpoint loads into a model rebuilt in another process, into a DDP
+wrapper of it (``module.`` is not part of the name), into an optimizer whose param order or
+world size differs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .. import comm
+from ..layout import Layout, ParamSpec, build_layout, pieces
+
+__all__ = ["Adapter", "PieceData", "Target", "adapter_for", "unwrap"]
+
+# Per-tensor scalars torch optimizers keep as 0-dim tensors (the rule of
+# `zero_kernels.partition.state`): never element-wise.
+_SCALAR_KEYS = frozenset({"step", "mu_product", "eta", "mu"})
+_PLAIN_BUCKET_NUMEL = 1 << 22  # elements per bucket of the layout built for a plain optimizer
+
+
+def elementwise(key: str, v, shape) -> bool:
+    """Whether state value ``v`` of a tensor of ``shape`` holds one entry per element."""
+    if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(shape):
+        return False
+    return v.dim() > 0 or key not in _SCALAR_KEYS
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside DDP / torch.compile wrappers (their names carry no prefix)."""
+    while True:
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
+@dataclass
+class PieceData:
+    """One piece this rank saves: values (1-D), element-wise state (1-D each), the rest."""
+
+    index: int
+    offset: int
+    numel: int
+    values: torch.Tensor
+    elem: dict[str, torch.Tensor] = field(default_factory=dict)
+    other: dict = field(default_factory=dict)
+
+
+@dataclass
+class Target:
+    """One piece this rank loads: elements [offset, offset + numel) of param ``index``;
+    ``values`` is the 1-D tensor they are written into, ``dtype`` the state's dtype."""
+
+    index: int
+    offset: int
+    numel: int
+    values: torch.Tensor
+    shape: tuple[int, ...]  # what the state of the piece is shaped like
+
+
+class Adapter:
+    """Common part; see [Note: two kinds of optimizer, one view]."""
+
+    stage: int
+    mode: str
+    group = None
+    layout: Layout
+    rank: int
+    world_size: int
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
+        self.model = unwrap(model)
+        self.optimizer = optimizer
+        self.names: dict[int, str] = {}
+        for n, p in self.model.named_parameters():
+            self.names.setdefault(id(p), n)
+
+    # ---- described by the subclasses
+    def params(self) -> dict[int, torch.Tensor]:
+        """index -> param, every param of the optimizer."""
+        raise NotImplementedError
+
+    def trainable(self) -> list[int]:
+        raise NotImplementedError
+
+    def name_of(self, index: int) -> str:
+        p = self.params()[index]
+        n = self.names.get(id(p))
+        if n is None:
+            raise ValueError(
+                f"optimizer param #{index} of shape {tuple(p.shape)} is not a parameter of "
+                "the model given: a checkpoint names params by their name in the model"
+            )
+        return n
+
+    def param_table(self) -> list[dict]:
+        """Every trainable param: index (in the layout), name, shape, dtype, group."""
+        out = []
+        group_of = {i: g for g, idx in enumerate(self.group_params()) for i in idx}
+        for i in self.trainable():
+            p = self.params()[i]
+            out.append(
+                {
+                    "index": i,
+                    "name": self.name_of(i),
+                    "shape": list(p.shape),
+                    "dtype": str(p.dtype).removeprefix("torch."),
+                    "group": group_of[i],
+                }
+            )
+        return out
+
+    def param_groups(self) -> list[dict]:
+        return [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+
+    def group_params(self) -> list[list[int]]:
+        raise NotImplementedError
+
+    def optimizer_class(self) -> type:
+        raise NotImplementedError
+
+    def my_pieces(self):
+        """`PieceData` of every piece of this rank."""
+        raise NotImplementedError
+
+    def targets(self) -> list[Target]:
+        """Where this rank's loaded pieces go."""
+        raise NotImplementedError
+
+    def install(self, states: list[dict | None], groups: list[dict], meta: dict) -> None:
+        """Take the loaded state of each target (``{"elem": {key: 1-D}, "other": {...}}``, or
+        None: the param has no state), hyper-params and scaler; make every rank's params whole
+        again. Collective for ZeRO."""
+        raise NotImplementedError
+
+    def steps(self) -> int:
+        raise NotImplementedError
+
+    def scaler(self) -> dict:
+        return {}
+
+
+class ZeroAdapter(Adapter):
+    def __init__(self, model, optimizer):
+        super().__init__(model, optimizer)
+        o = optimizer
+        o._check_open("checkpoint")
+        self.stage, self.mode, self.group = o.stage, o.mode, o.group
+        self.layout, self.rank, self.world_size = o.layout, o.rank, o.world_size
+        self.runner = o._runner
+
+    def params(self):
+        return self.optimizer._params
+
+    def trainable(self):
+        return sorted(self.optimizer._trainable)
+
+    def group_params(self):
+        return [list(x) for x in self.optimizer._group_indices]
+
+    def optimizer_class(self):
+        return self.optimizer.optimizer_class
+
+    def my_pieces(self):
+        for _i, _k, pc, ip, _g in self.runner.all_pieces():
+            st = self.runner.inner.state.get(ip) or {}
+            elem = {k: v.detach().reshape(-1) for k, v in st.items() if elementwise(k, v, ip.shape)}
+            other = {k: v for k, v in st.items() if k not in elem}
+            yield PieceData(pc.index, pc.offset, pc.numel, ip.detach().reshape(-1), elem, other)
+
+    def targets(self):
+        out = []
+        for _i, _k, pc, ip, _g in self.runner.all_pieces():
+            out.append(Target(pc.index, pc.offset, pc.numel, ip.detach().view(-1), tuple(ip.shape)))
+        return out
+
+    @torch.no_grad()
+    def install(self, states, groups, meta):
+        o, r = self.optimizer, self.runner
+        entries = list(r.all_pieces())
+        assert len(entries) == len(states)
+        for (i, _k, pc, ip, _g), st in zip(entries, states):
+            if st is not None:
+                r.inner.state[ip] = {
+                    **{k: v.view(ip.shape) for k, v in st["elem"].items()},
+                    **st["other"],
+                }
+                continue
+            r.inner.state.pop(ip, None)
+            flat = r.flat_state.get((i, pc.bucket)) if r.fused[i] else None
+            if flat:  # fused Adam: the piece's range of the bucket's state restarts at 0
+                b = self.layout.buffers[i].buckets[pc.bucket]
+                lo = pc.start - b.shard_start(self.rank)
+                for t in flat.values():
+                    t[lo : lo + pc.numel].zero_()
+        r.adopt_state()
+        for g, saved in zip(o.param_groups, groups):
+            for k, v in saved.items():
+                if k != "params":
+                    g[k] = v
+        r.sync_hyper(o.param_groups)
+        sc = meta.get("scaler") or {}
+        if "loss_scale" in sc and sc.get("dynamic") == o._dynamic:
+            o.loss_scale = float(sc["loss_scale"])
+            o._growth_tracker = int(sc.get("growth_tracker", 0))
+        o._steps = int(meta.get("steps", o._steps))
+        o._refresh_params()
+
+    def steps(self):
+        return int(self.optimizer._steps)
+
+    def scaler(self):
+        o = self.optimizer
+        return {
+            "loss_scale": float(o.loss_scale),
+            "growth_tracker": int(o._growth_tracker),
+            "dynamic": bool(o._dynamic),
+        }
+
+
+class PlainAdapter(Adapter):
+    stage = 0
+    mode = "flat"
+
+    def __init__(self, model, optimizer, group=None):
+        super().__init__(model, optimizer)
+        self.group = group
+        self.rank, self.world_size = comm.rank(group), comm.world_size(group)
+        self._params: dict[int, torch.Tensor] = {}
+        self._groups: list[list[int]] = []
+        specs = []
+        for gi, g in enumerate(optimizer.param_groups):
+            idx = []
+            for p in g["params"]:
+                i = len(self._params)
+                self._params[i] = p
+                idx.append(i)
+                specs.append(
+                    ParamSpec(
+                        i,
+                        gi,
+                        str(p.dtype),
+                        tuple(p.shape),
+                        self.names.get(id(p), ""),
+                        p.requires_grad,
+                    )
+                )
+            self._groups.append(idx)
+        self.layout = build_layout(
+            specs, self.world_size, bucket_numel=_PLAIN_BUCKET_NUMEL, mode="flat"
+        )
+        self._trainable = [s.index for s in specs if s.requires_grad]
+        self._targets: list[Target] | None = None
+
+    def params(self):
+        return self._params
+
+    def trainable(self):
+        return self._trainable
+
+    def group_params(self):
+        return [list(x) for x in self._groups]
+
+    def optimizer_class(self):
+        return type(self.optimizer)
+
+    def my_pieces(self):
+        for buf in pieces(self.layout, self.rank):
+            for pc in buf:
+                p = self._params[pc.index]
+                lo, hi = pc.offset, pc.offset + pc.numel
+                st = self.optimizer.state.get(p) or {}
+                elem = {
+                    k: v.detach().reshape(-1)[lo:hi]
+                    for k, v in st.items()
+                    if elementwise(k, v, p.shape)
+                }
+                other = {k: v for k, v in st.items() if k not in elem}
+                yield PieceData(pc.index, lo, pc.numel, p.detach().reshape(-1)[lo:hi], elem, other)
+
+    def targets(self):
+        if self._targets is None:
+            self._targets = []
+            for i in self._trainable:
+                p = self._params[i].detach()
+                # values are read into the param itself (a copy when it is not contiguous)
+                v = p.view(-1) if p.is_contiguous() else torch.empty(p.numel(), dtype=p.dtype)
+                self._targets.append(Target(i, 0, p.numel(), v, tuple(p.shape)))
+        return self._targets
+
+    @torch.no_grad()
+    def install(self, states, groups, meta):
+        o = self.optimizer
+        state = {}
+        for t, st in zip(self.targets(), states):
+            if st is not None:
+                state[t.index] = {
+                    **{k: v.view(t.shape) for k, v in st["elem"].items()},
+                    **st["other"],
+                }
+        pg = []
+        for g, idx in zip(groups, self._groups):
+            pg.append({**g, "params": list(idx)})
+        o.load_state_dict({"state": state, "param_groups": pg})
+        for t in self.targets():  # values were read into the params' own storage
+            p = self._params[t.index]
+            if not p.is_contiguous():
+                p.copy_(t.values.view(p.shape))
+
+    def steps(self):
+        best = 0
+        for st in self.optimizer.state.values():
+            s = st.get("step") if isinstance(st, dict) else None
+            if s is not None:
+                best = max(best, int(float(s)))
+        return best
+
+
+def adapter_for(model: nn.Module, optimizer) -> Adapter:
+    from ..optimizer import ZeroOptimizer
+
+    if isinstance(optimizer, ZeroOptimizer):
+        return ZeroAdapter(model, optimizer)
+    group = getattr(model, "process_group", None)
+    if not isinstance(model, nn.parallel.DistributedDataParallel):
+        group = None
+    return PlainAdapter(model, optimizer, group)

@@ -1,0 +1,304 @@
+"""`load_checkpoint`: any saved world size, stage, bucket size and mode into any other.
+
+[Note: resharding at load]
+The saved `Layout` says which elements of which parameter each saved rank file holds
+(``pieces(saved_layout, r)``); the loading optimizer says which elements this rank needs (its own
+pieces; a plain optimizer: every parameter whole). For each needed piece the loader intersects its
+element range with the saved pieces of the same parameter (matched by name) and reads just those
+ranges (``safe_open(...).get_slice(key)[lo:hi]``) straight into the optimizer's own tensors: the
+fp32 master (or the param shard) for values, a new tensor per element-wise state entry. No rank
+builds the whole model; the extra memory is the state of one piece. Per-tensor state (``step``)
+is read from the file of the parameter's first element. Then the inner optimizer takes the
+state, the hyper-parameters are restored and the params are all-gathered from the masters.
+
+Steps, each agreed by every rank (an all-gather of errors) before the next, so a bad checkpoint
+raises the same `CheckpointError` on every rank and never leaves ranks in different collectives:
+
+1. resolve ``latest``, read and check ``meta.json``, match the model (names, shapes, groups);
+2. verify size and sha256 of every file, file j on rank j mod N (each file read once in all);
+3. read this rank's pieces;
+4. install: optimizer state, hyper-parameters, loss scale, params (collective for ZeRO), the
+   model's buffers and frozen params, the scheduler, the RNG states (rank r gets saved rank r's,
+   where the saved world had a rank r).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from .. import comm
+from ..layout import Layout, pieces
+from .adapters import Adapter, adapter_for
+from .format import META, MODEL_FILE, CheckpointError, decode, rank_file, read_meta, resolve
+from .storage import Reader, verify_file
+
+__all__ = ["load_checkpoint", "Plan", "plan_load", "read_range"]
+
+log = logging.getLogger("zero_kernels")
+
+
+@dataclass
+class Plan:
+    directory: str
+    meta: dict
+    saved: dict[str, dict]  # name -> meta["params"] entry
+    sources: dict[int, list[tuple[int, int, int]]]  # saved index -> (rank, offset, numel)
+    model_tensors: dict[str, dict]  # name -> {dtype, shape} in model.safetensors
+
+    def where(self) -> str:
+        return f"{self.directory}/{META}"
+
+
+def load_checkpoint(
+    path: str | os.PathLike,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    scheduler=None,
+) -> dict:
+    """Load the latest complete checkpoint under ``path`` (or the checkpoint ``path`` names)
+    into ``model``, ``optimizer`` (a `ZeroOptimizer` of any stage, world size, bucket size and
+    mode, or a plain torch optimizer) and ``scheduler``; returns the ``extra`` dict it was
+    saved with. Collective. Raises `CheckpointError` (on every rank) naming the file and the
+    problem. See [Note: resharding at load]."""
+    ad = adapter_for(model, optimizer)
+    plan = _agree(ad, lambda: plan_load(path, ad))
+    names = sorted(plan.meta["files"])
+    mine = [n for j, n in enumerate(names) if j % ad.world_size == ad.rank]
+    _agree(ad, lambda: _verify(plan, mine))
+    with Reader(plan.directory) as rd:
+        states = _agree(ad, lambda: _read_targets(plan, ad, rd))
+        groups = decode(plan.meta["param_groups"])
+        ad.install(states, groups, plan.meta)
+        _load_model_state(plan, ad, rd)
+        if scheduler is not None and plan.meta.get("scheduler") is not None:
+            scheduler.load_state_dict(decode(plan.meta["scheduler"]))
+        if ad.rank < plan.meta["world_size"]:
+            _set_rng(rd, ad.rank)
+    return decode(plan.meta["extra"])
+
+
+def _agree(ad: Adapter, fn):
+    """``fn()`` on every rank; if it failed anywhere, every rank raises the first failure."""
+    try:
+        out, err = fn(), None
+    except CheckpointError as e:
+        out, err = None, e
+    except Exception as e:  # noqa: BLE001 - an I/O error, a bug: still raised on every rank
+        out, err = None, CheckpointError("(load)", f"{type(e).__name__}: {e}")
+    errs = comm.all_gather_object(err, group=ad.group)
+    for r, e in enumerate(errs):
+        if e is not None:
+            if ad.world_size > 1 and e is not err:
+                raise CheckpointError(e.file, f"{e.problem} (found by rank {r})")
+            raise e
+    return out
+
+
+# ---------------------------------------------------------------------------- 1. plan
+def plan_load(path, ad: Adapter) -> Plan:
+    d = resolve(path)
+    meta = read_meta(d)
+    where = f"{d}/{META}"
+    saved = {p["name"]: p for p in meta["params"]}
+    model_tensors = meta["model"]["tensors"]
+    groups = meta["param_groups"]
+    if len(groups) != len(ad.optimizer.param_groups):
+        raise CheckpointError(
+            where,
+            f"incompatible optimizer: {len(groups)} param groups saved, "
+            f"{len(ad.optimizer.param_groups)} here",
+        )
+    cls = ad.optimizer_class()
+    if meta["optimizer_class"] != f"{cls.__module__}.{cls.__qualname__}":
+        log.warning(
+            "load_checkpoint: the state was saved by %s, it is loaded into %s",
+            meta["optimizer_class"],
+            cls.__qualname__,
+        )
+    mine = {p["name"]: p for p in ad.param_table()}
+    for name, p in mine.items():
+        s = saved.get(name)
+        if s is None:
+            if name not in model_tensors:
+                raise CheckpointError(where, f"incompatible model: param {name} is not in it")
+            if model_tensors[name]["shape"] != p["shape"]:
+                raise CheckpointError(
+                    where,
+                    f"incompatible model: param {name} has shape {tuple(p['shape'])} here, "
+                    f"{tuple(model_tensors[name]['shape'])} in the checkpoint",
+                )
+            continue
+        if s["shape"] != p["shape"]:
+            raise CheckpointError(
+                where,
+                f"incompatible model: param {name} has shape {tuple(p['shape'])} here, "
+                f"{tuple(s['shape'])} in the checkpoint",
+            )
+        if s["group"] != p["group"]:
+            raise CheckpointError(
+                where,
+                f"incompatible optimizer: param {name} is in param group {p['group']} here, "
+                f"{s['group']} in the checkpoint",
+            )
+    here = set(mine) | set(_model_entries(ad))
+    for name in saved:
+        if name not in here:
+            raise CheckpointError(where, f"incompatible model: it has no param {name}")
+    for name, t in _model_entries(ad).items():
+        if name in saved:
+            shape = saved[name]["shape"]
+        elif name in model_tensors:
+            shape = model_tensors[name]["shape"]
+        else:
+            raise CheckpointError(where, f"incompatible model: {name} is not in the checkpoint")
+        if list(t.shape) != list(shape):
+            raise CheckpointError(
+                where,
+                f"incompatible model: {name} has shape {tuple(t.shape)} here, "
+                f"{tuple(shape)} in the checkpoint",
+            )
+    layout = Layout.from_dict(meta["layout"])
+    if layout.world_size != meta["world_size"]:
+        raise CheckpointError(where, "corrupt: layout world size differs from world_size")
+    sources: dict[int, list[tuple[int, int, int]]] = {}
+    for r in range(layout.world_size):
+        for buf in pieces(layout, r):
+            for pc in buf:
+                sources.setdefault(pc.index, []).append((r, pc.offset, pc.numel))
+    for v in sources.values():
+        v.sort(key=lambda x: x[1])
+    return Plan(d, meta, saved, sources, model_tensors)
+
+
+def _model_entries(ad: Adapter) -> dict[str, torch.Tensor]:
+    """The model's state_dict tensors that are not trainable params of the optimizer."""
+    skip = {id(ad.params()[i]) for i in ad.trainable()}
+    return {
+        n: v
+        for n, v in ad.model.state_dict(keep_vars=True).items()
+        if isinstance(v, torch.Tensor) and id(v) not in skip
+    }
+
+
+# ---------------------------------------------------------------------------- 2. verify
+def _verify(plan: Plan, names: list[str]) -> None:
+    for n in names:
+        problem = verify_file(os.path.join(plan.directory, n), plan.meta["files"][n])
+        if problem is not None:
+            raise CheckpointError(os.path.join(plan.directory, n), problem)
+
+
+# ---------------------------------------------------------------------------- 3. read
+def read_range(
+    rd: Reader, plan: Plan, s: int, key: str, lo: int, n: int, out: torch.Tensor
+) -> None:
+    """Elements ``[lo, lo + n)`` of saved param ``s``'s tensor ``key`` ("p" for values, "s/<k>"
+    for state entry k) into 1-D ``out``, from every saved piece that overlaps them."""
+    covered = 0
+    for r, so, sn in plan.sources.get(s, ()):
+        a, b = max(lo, so), min(lo + n, so + sn)
+        if b <= a:
+            continue
+        kind, _, sub = key.partition("/")
+        name = f"{kind}/{s}/{so}" + (f"/{sub}" if sub else "")
+        x = rd.range(rank_file(r), name, a - so, b - so)
+        out[a - lo : b - lo].copy_(x)
+        covered += b - a
+    if covered != n:
+        raise CheckpointError(
+            plan.where(), f"corrupt: saved pieces of param #{s} cover {covered} of {n} elements"
+        )
+
+
+def _first_file(plan: Plan, s: int) -> str:
+    for r, so, _ in plan.sources.get(s, ()):
+        if so == 0:
+            return rank_file(r)
+    raise CheckpointError(plan.where(), f"corrupt: no saved piece holds param #{s}'s start")
+
+
+def _read_targets(plan: Plan, ad: Adapter, rd: Reader) -> list[dict | None]:
+    states: list[dict | None] = []
+    others: dict[int, dict] = {}
+    with torch.no_grad():
+        for t in ad.targets():
+            name = ad.name_of(t.index)
+            sp = plan.saved.get(name)
+            if sp is None:  # trainable here, not in the saved optimizer: its values only
+                full = rd.tensor(MODEL_FILE, name).reshape(-1)
+                t.values.copy_(full[t.offset : t.offset + t.numel])
+                states.append(None)
+                continue
+            s = sp["index"]
+            read_range(rd, plan, s, "p", t.offset, t.numel, t.values)
+            sc = sp.get("state")
+            if not sc:
+                states.append(None)
+                continue
+            elem = {}
+            for k, dt in sc["elem"].items():
+                dtype = getattr(torch, dt)
+                if dtype.is_floating_point:
+                    dtype = t.values.dtype
+                elem[k] = torch.empty(t.numel, dtype=dtype)
+                read_range(rd, plan, s, f"s/{k}", t.offset, t.numel, elem[k])
+            if s not in others:
+                o = {k: decode(v) for k, v in sc["value"].items()}
+                for k in sc["tensor"]:
+                    o[k] = rd.tensor(_first_file(plan, s), f"o/{s}/{k}")
+                others[s] = o
+            other = {}
+            for k, v in others[s].items():
+                if isinstance(v, torch.Tensor):
+                    v = v.clone()
+                    if k != "step" and v.is_floating_point():
+                        v = v.to(t.values.dtype)
+                other[k] = v
+            states.append({"elem": elem, "other": other})
+    return states
+
+
+# ---------------------------------------------------------------------------- 4. the rest
+@torch.no_grad()
+def _load_model_state(plan: Plan, ad: Adapter, rd: Reader) -> None:
+    for name, t in _model_entries(ad).items():
+        sp = plan.saved.get(name)
+        if sp is not None:  # trained then, frozen (or outside the optimizer) now
+            dt = torch.float64 if sp["dtype"] == "float64" else torch.float32
+            buf = torch.empty(t.numel(), dtype=dt)
+            read_range(rd, plan, sp["index"], "p", 0, t.numel(), buf)
+            t.copy_(buf.view(t.shape))
+        else:
+            t.copy_(rd.tensor(MODEL_FILE, name))
+    values = plan.meta["model"].get("values") or {}
+    if values:
+        ad.model.load_state_dict({k: decode(v) for k, v in values.items()}, strict=False)
+
+
+def _set_rng(rd: Reader, rank: int) -> None:
+    f = rank_file(rank)
+    meta = json.loads(rd.metadata(f).get("rng", "{}"))
+    torch.set_rng_state(rd.tensor(f, "rng/torch"))
+    if torch.cuda.is_available():
+        states = []
+        d = 0
+        while rd.has(f, f"rng/cuda/{d}") and d < torch.cuda.device_count():
+            states.append(rd.tensor(f, f"rng/cuda/{d}"))
+            d += 1
+        if states:
+            torch.cuda.set_rng_state_all(states)
+    if "python" in meta:
+        random.setstate(decode(meta["python"]))
+    np = sys.modules.get("numpy")
+    if np is not None and "numpy" in meta and rd.has(f, "rng/numpy"):
+        kind, pos, has_gauss, cached = meta["numpy"]
+        keys = rd.tensor(f, "rng/numpy").numpy().astype("uint32")
+        np.random.set_state((kind, keys, pos, has_gauss, cached))
