@@ -32,7 +32,7 @@ def _m():
     "kwargs, exc, words",
     [
         ({"stage": True}, ValueError, "stage=True"),
-        ({"stage": 3}, ValueError, "stage=3"),
+        ({"stage": 4}, ValueError, "stage=4"),
         ({"bucket_size_mb": math.inf}, ValueError, "bucket_size_mb=inf"),
         ({"bucket_size_mb": 0}, ValueError, "bucket_size_mb=0"),
         ({"kernel_backend": "bogus"}, ValueError, "kernel_backend='bogus'"),

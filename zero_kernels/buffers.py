@@ -215,10 +215,14 @@ class ParamStore:
     - Sharded params (stage 3): the rank's shard of every bucket in one persistent tensor per
       `FlatBuffer` (bucket b's shard at ``b.start // world_size``, as the optimizer's shards),
       and per bucket a *gathered* tensor whose storage exists only while the bucket is in use
-      (`alloc`, then an all-gather fills it; `free` resizes the storage to 0). Params are views
-      of their bucket's gathered tensor: the same Parameter objects, pointing at no memory while
-      their bucket is sharded. Writes into a gathered tensor go through `raw` (its ``.data``), so
-      autograd's version counters of the params (saved for backward) do not move.
+      (`alloc`, then an all-gather fills it; `free` resizes the storage to 0). While its bucket
+      is gathered a param's ``.data`` is its view of the gathered tensor; while sharded it is a
+      placeholder of the param's shape, dtype and device that reads as NaN everywhere and takes
+      one element of memory (an expanded scalar): values read between uses are loudly wrong,
+      never plausible (read them with ``opt.gathered_params()`` or ``opt.full_param``), and an
+      in-place write to it is an error. The Parameter objects stay the same throughout. Writes
+      into a gathered tensor go through `raw` (its ``.data``), so autograd's version counters of
+      the params (saved for backward) do not move.
     """
 
     def __init__(
@@ -245,6 +249,8 @@ class ParamStore:
                 raw.append(t.data)
             self.gathered.append(full)
             self.raw.append(raw)
+        # sharded: per bucket, (param, its view of the gathered tensor, its placeholder)
+        self.members: dict[tuple[int, int], list] = {}
 
     def adopt(self, i: int, b: int, params: dict[int, torch.Tensor]) -> None:
         """Sharded: allocate bucket ``b`` of buffer ``i``, copy its params' values in and make
@@ -254,14 +260,18 @@ class ParamStore:
         bk = buf.buckets[b]
         full = self.gathered[i][b]
         self.raw[i][b].zero_()
+        members = []
         for pos in bk.slots:
             s = buf.slots[pos]
             p = params[s.index]
             lo = s.start - bk.start
-            view = full[lo : lo + s.numel]
+            view = full[lo : lo + s.numel].view(s.shape)
             if not p.is_meta:
                 self.raw[i][b][lo : lo + s.numel].copy_(p.detach().reshape(-1))
-            p.data = view.view(s.shape)
+            nan = torch.full((1,) * len(s.shape) or (), float("nan"), dtype=full.dtype)
+            members.append((p, view, nan.to(self.device).expand(s.shape)))
+            p.data = view
+        self.members[(i, b)] = members
 
     def take_shard(self, i: int, b: int) -> None:
         """Sharded: copy this rank's shard out of gathered bucket ``b`` of buffer ``i``."""
@@ -292,10 +302,14 @@ class ParamStore:
         t = self.gathered[i][b]
         t.untyped_storage().resize_(t.numel() * t.element_size())
         self.live.add((i, b))
+        for p, view, _ in self.members.get((i, b), ()):
+            p.data = view
 
     def free(self, i: int, b: int) -> None:
         if (i, b) not in self.live:
             return
+        for p, _, placeholder in self.members.get((i, b), ()):
+            p.data = placeholder
         self.gathered[i][b].untyped_storage().resize_(0)
         self.live.discard((i, b))
 

@@ -26,9 +26,9 @@ def _seed_for(seed: int, name: str) -> int:
     return (int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
 
 
-def _init_one(name: str, m: nn.Module, seed: int, init_fn) -> None:
+def _init_one(name: str, m: nn.Module, seed: int, init_fn, force: bool = False) -> None:
     own = list(m.parameters(recurse=False))
-    if not own:
+    if not own and not force:
         return
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(_seed_for(seed, name))
@@ -39,8 +39,9 @@ def _init_one(name: str, m: nn.Module, seed: int, init_fn) -> None:
                 m.reset_parameters()
             else:
                 raise ValueError(
-                    f"module {name or type(m).__name__} ({type(m).__name__}) has parameters of "
-                    "its own but no reset_parameters(): pass init_fn=f(module) to initialise it"
+                    f"module {name or type(m).__name__} ({type(m).__name__}) has parameters or "
+                    "buffers of its own on the meta device but no reset_parameters(): pass "
+                    "init_fn=f(module) to initialise it"
                 )
 
 
@@ -56,14 +57,20 @@ def materialize_modules_(
 ) -> None:
     """Give the meta params of these modules (their own, not their children's) real storage on
     ``device`` and initialise them (same Parameter objects: ``param.data`` is replaced)."""
+    named = list(named)
+    fresh: set[int] = set()  # params materialised here: their modules (all of them) init
+    fresh_buffers: set[int] = set()  # modules whose meta buffers were materialised
     for name, m in named:
-        own = list(m.parameters(recurse=False))
-        if not any(p.is_meta for p in own):
-            continue
-        for p in own:
-            if p.is_meta:
-                p.data = torch.empty(p.shape, dtype=p.dtype, device=device)
+        for p in m.parameters(recurse=False):
+            if p.is_meta:  # the same Python object, now with real storage (set_data cannot
+                # change a meta tensor's device)
+                real = torch.empty(p.shape, dtype=p.dtype, device=device)
+                torch.utils.swap_tensors(p, nn.Parameter(real, requires_grad=p.requires_grad))
+                fresh.add(id(p))
         for b_name, b in list(m.named_buffers(recurse=False)):
             if b.is_meta:
                 setattr(m, b_name, torch.zeros(b.shape, dtype=b.dtype, device=device))
-        _init_one(name, m, seed, init_fn)
+                fresh_buffers.add(id(m))
+    for name, m in named:  # registration order, as `init_module_` (a tied param: the last)
+        if any(id(p) in fresh for p in m.parameters(recurse=False)) or id(m) in fresh_buffers:
+            _init_one(name, m, seed, init_fn, force=id(m) in fresh_buffers)

@@ -314,9 +314,20 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
             backend=kernel_backend,
         )
         self._scheduler = None
+        self._ids_trainable = {id(p) for p in self._trainable.values()}
         if self.stage == 3:
             self._scheduler = self._make_scheduler()
             self._reducer.on_bucket_ready = self._scheduler.bucket_done
+            m = self._module
+            self._scheduler.handles += [
+                m._register_state_dict_hook(_call_args(me, "_state_dict_hook")),
+                m._register_load_state_dict_pre_hook(_call_args(me, "_load_pre_hook")),
+                m.register_load_state_dict_post_hook(_call_args(me, "_load_post_hook")),
+            ]
+        elif self._module is not None:  # a loaded model's values reach the fp32 masters
+            self._hook_handles.append(
+                self._module.register_load_state_dict_post_hook(_call_args(me, "_load_post_hook"))
+            )
         self._views = GradViews(self)
         for _i, _, pc, _, g in self._runner.all_pieces():
             self._views.by_index.setdefault(pc.index, []).append((g.reshape(-1), pc.offset))
@@ -348,7 +359,8 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
         for p in self._params.values():
             p._zero_kernels_owner = me
         self._closed = False
-        weakref.finalize(self, _remove_hooks, list(self._hook_handles), dict(self._params))
+        every = list(self._hook_handles) + (self._scheduler.handles if self._scheduler else [])
+        weakref.finalize(self, _remove_hooks, every, dict(self._params))
 
     def _materialize_and_store(self) -> ParamStore:
         """The param store; meta params materialised (stage 3: unit by unit, keeping only this
@@ -381,6 +393,100 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
         if members is not None:  # frozen params and buffers outside any trained unit
             materialize_modules_(module.named_modules(), self.device, self._seed, self._init_fn)
         return store
+
+    # ------------------------------------------------------------------ whole params
+    @contextlib.contextmanager
+    def gathered_params(self, module_or_params=None, modifier_rank: int | None = None):
+        """Make params whole for inspection or editing (collective: every rank enters it).
+
+        ``module_or_params``: a module or params (default: all). At stage 3 their units are
+        gathered (those gathered here are freed on exit); at stages 1/2 params are whole anyway.
+        ``modifier_rank``: the rank whose edits inside the block are kept: its values are sent
+        to every rank and written into the shards (and fp32 masters). None: edits are dropped
+        at stage 3 (and must be the same on every rank at stages 1/2)."""
+        self._check_open("gathered_params")
+        if modifier_rank is not None and not 0 <= modifier_rank < self.world_size:
+            raise ValueError(
+                f"modifier_rank must be a rank in [0, {self.world_size}) or None, "
+                f"got modifier_rank={modifier_rank!r}"
+            )
+        if module_or_params is None:
+            wanted = set(self._trainable)
+        else:
+            ps = (
+                module_or_params.parameters()
+                if isinstance(module_or_params, nn.Module)
+                else module_or_params
+            )
+            ids = {id(p) for p in ps}
+            wanted = {i for i, p in self._trainable.items() if id(p) in ids}
+        sched = self._scheduler
+        mine = []
+        if sched is not None:
+            for u in [sched.root, *sched.units]:
+                if any(self._slot_unit(i) == u.index for i in wanted):
+                    if u.state.value == "sharded":
+                        mine.append(u)
+                    sched.wait(u)
+        try:
+            yield
+        finally:
+            if modifier_rank is not None:
+                self._take_edits(
+                    modifier_rank, [b for u in mine for b in u.buckets] if sched else None
+                )
+            if sched is not None:
+                for u in mine:
+                    sched.free(u)
+
+    @torch.no_grad()
+    def _take_edits(self, src: int, buckets) -> None:
+        """Whole params edited on rank ``src`` become every rank's values (shards, masters)."""
+        if self._store.sharded:
+            for i, b in buckets:
+                comm.broadcast(self._store.raw[i][b], src, group=self.group)
+                self._store.take_shard(i, b)
+        else:
+            for f in self._store.flats:
+                comm.broadcast(f, src, group=self.group)
+        self._runner.load_masters()
+
+    def _state_dict_hook(self, module, state_dict, prefix, local_metadata):
+        """Stage 3: ``model.state_dict()`` gets whole tensors, gathered unit by unit."""
+        sched = self._scheduler
+        names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+        for u in [sched.root, *sched.units]:
+            was = u.state.value == "sharded"
+            sched.wait(u)
+            for i, b in u.buckets:
+                for p, _, _ in self._store.members.get((i, b), ()):
+                    key = prefix + names.get(id(p), "")
+                    if key in state_dict:
+                        state_dict[key] = p.detach().clone()
+            if was:
+                sched.free(u)
+        # tied params: every name of a param gets its value
+        for n, p in module.named_parameters(remove_duplicate=False):
+            if prefix + n in state_dict and id(p) in self._ids_trainable:
+                key0 = prefix + names[id(p)]
+                state_dict[prefix + n] = state_dict[key0]
+        return state_dict
+
+    def _load_pre_hook(self, *args, **kwargs):
+        if self._scheduler is not None:
+            for u in [self._scheduler.root, *self._scheduler.units]:
+                self._scheduler.wait(u)
+
+    def _load_post_hook(self, module, incompatible_keys):
+        sched = self._scheduler
+        if sched is None:
+            self._runner.load_masters()
+            return
+        for u in [sched.root, *sched.units]:
+            for i, b in u.buckets:
+                self._store.take_shard(i, b)
+            sched.free(u)
+        self._runner.load_masters()
 
     def _slot_unit(self, index: int) -> int:
         return self._unit_of.get(index, 0)
@@ -420,11 +526,14 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
             sched.remove()
             for u in [sched.root, *sched.units]:
                 sched.wait(u)
-                for i, b in u.buckets:
-                    for pos in self.layout.buffers[i].buckets[b].slots:
-                        q = self._params[self.layout.buffers[i].slots[pos].index]
-                        q.data = q.data.clone()
+                whole = [
+                    (q, q.data.clone())
+                    for i, b in u.buckets
+                    for q, _, _ in self._store.members.get((i, b), ())
+                ]
                 sched.free(u)
+                for q, t in whole:
+                    q.data = t
         views = getattr(self, "_views", None)
         if views is not None:
             views.closed = True
@@ -779,6 +888,18 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
 def _storage_id(t: torch.Tensor) -> int:
     """Identity of ``t``'s storage (stable while a stage-3 bucket is freed and gathered)."""
     return t.untyped_storage()._cdata
+
+
+def _call_args(me, name: str):
+    """A hook calling method ``name`` of the object behind weak reference ``me``."""
+
+    def f(*args, **kwargs):
+        o = me()
+        if o is not None:
+            return getattr(o, name)(*args, **kwargs)
+        return None
+
+    return f
 
 
 def _call(me, name: str):

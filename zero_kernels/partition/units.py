@@ -92,9 +92,17 @@ def find_units(model: nn.Module, units=None) -> list[tuple[str, nn.Module]]:
         ]
     if isinstance(units, (list, tuple)) and all(isinstance(u, nn.Module) for u in units):
         ids = {id(u) for u in units}
-        pick = [(n, m) for n, m in named if id(m) in ids]
+        pick = [(n, m) for n, m in named if id(m) in ids and m is not model]
         if len(pick) != len(units):
-            raise ValueError("units=: every module listed must be a submodule of the model")
+            raise ValueError(
+                "units=: every module listed must be a submodule of the model (not the model)"
+            )
+        for a, _ in pick:
+            for b, _ in pick:
+                if a != b and b.startswith(a + "."):
+                    raise ValueError(
+                        f"units=: modules {a!r} and {b!r} overlap (one holds the other)"
+                    )
     elif isinstance(units, (list, tuple)) and all(isinstance(u, type) for u in units):
         classes = tuple(units)
         pick = [(n, m) for n, m in named if isinstance(m, classes) and m is not model]

@@ -1,0 +1,70 @@
+"""Stage 3 (issue 7): parity with DDP in the hard cases, memory and collectives per unit, meta
+construction, ranks that disagree (spawned gloo ranks), and bad input (in-process)."""
+
+import pytest
+import stage3_checks
+import torch
+import zero_checks
+from dist_utils import run_workers
+from torch import nn
+
+from zero_kernels import ZeroOptimizer
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_stage3(world):
+    rep = run_workers(stage3_checks.stage3_all, world, timeout=600)[0]
+    assert rep["plain"] == rep["meta stage=3"] == "ok", rep
+
+
+def _parity3(rank, world):
+    return zero_checks.check_parity(rank, world, stages=(3,))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 3])
+def test_stage3_every_optimizer(world):
+    rep = run_workers(_parity3, world, timeout=600)[0]
+    modes = {k.split()[0]: v[2] for k, v in rep.items()}
+    assert modes["Adafactor"] == modes["Muon"] == "whole" and modes["AdamW"] == "flat"
+
+
+def test_stage3_bad_input():
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    with pytest.raises(ValueError, match="stage=3 needs the model"):
+        ZeroOptimizer(m.parameters(), torch.optim.SGD, stage=3, lr=0.1)
+    with pytest.raises(ValueError, match="units= is a stage-3 option"):
+        ZeroOptimizer(m, torch.optim.SGD, stage=2, units=[nn.Linear], lr=0.1)
+    with pytest.raises(ValueError, match="prefetch"):
+        ZeroOptimizer(m, torch.optim.SGD, stage=3, prefetch=-1, lr=0.1)
+    with pytest.raises(ValueError, match="matched no submodule"):
+        ZeroOptimizer(m, torch.optim.SGD, stage=3, units=[nn.Conv2d], lr=0.1)
+    nested = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), nn.Linear(4, 2))
+    with pytest.raises(ValueError, match="overlap"):
+        ZeroOptimizer(nested, torch.optim.SGD, stage=3, units=[nested[0], nested[0][0]], lr=0.1)
+    with pytest.raises(ValueError, match="not the model"):
+        ZeroOptimizer(m, torch.optim.SGD, stage=3, units=[m], lr=0.1)
+    with pytest.raises(TypeError, match="units must be"):
+        ZeroOptimizer(m, torch.optim.SGD, stage=3, units="blocks", lr=0.1)
+    # param groups first and module= (accepted at every stage)
+    zo = ZeroOptimizer([{"params": m.parameters()}], torch.optim.SGD, stage=3, module=m, lr=0.1)
+    zo.close()
+
+
+def test_stage3_params_between_uses_read_as_nan():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    ref = [p.detach().clone() for p in m.parameters()]
+    zo = ZeroOptimizer(m, torch.optim.SGD, stage=3, units=[nn.Linear], lr=0.1)
+    assert all(torch.isnan(p).all() for p in m.parameters())  # never plausible values
+    with zo.gathered_params():
+        assert all(torch.equal(p, r) for p, r in zip(m.parameters(), ref))
+    with zo.gathered_params(m[0], modifier_rank=0):
+        with torch.no_grad():
+            m[0].weight.fill_(2.0)
+    assert torch.equal(zo.full_param(m[0].weight), torch.full((4, 4), 2.0))
+    out = m(torch.ones(1, 4))  # a forward gathers and frees
+    assert not torch.isnan(out).any()
+    zo.close()
+    assert torch.equal(m[0].weight, torch.full((4, 4), 2.0))  # whole plain tensors again
