@@ -212,6 +212,17 @@ def check_cases(rank: int, world: int) -> dict:
     return out
 
 
+def _tracking(store, peak: list):
+    """``store.alloc`` that records the most bytes gathered at once in ``peak[0]``."""
+    alloc = store.alloc
+
+    def tracking_alloc(i, b):
+        alloc(i, b)
+        peak[0] = max(peak[0], store.gathered_nbytes())
+
+    return tracking_alloc
+
+
 def check_memory_and_comm(rank: int, world: int) -> dict:
     """Between steps Ψ/N of the params; during forward the shard plus a few units; 2 all-gathers
     and 1 reduce-scatter per unit per step (1 and 1 without resharding); state_dict whole."""
@@ -229,13 +240,7 @@ def check_memory_and_comm(rank: int, world: int) -> dict:
         root = sum(sizes[k] for k in zo._scheduler.root.buckets)
         unit = max(sum(sizes[k] for k in u.buckets) for u in zo._scheduler.units)
         peak = [0]
-        alloc = store.alloc
-
-        def tracking_alloc(i, b):
-            alloc(i, b)
-            peak[0] = max(peak[0], store.gathered_nbytes())
-
-        store.alloc = tracking_alloc
+        store.alloc = _tracking(store, peak)
         zo.comm_log.trace = True
         for step in range(2):
             x, y = _batch(rank, step)
@@ -310,6 +315,7 @@ def check_order_differs(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     m = Net3()
     zo = ZeroOptimizer(m, O.SGD, stage=3, lr=0.1)
+    assert zo.stage == 3
     m.order = [0, 1, 2, 3] if rank == 0 else [0, 2, 1, 3]
     x, y = _batch(rank, 0)
     try:

@@ -43,13 +43,22 @@ def dtype_of(name: str) -> torch.dtype:
 def flatten_params(
     buf: FlatBuffer, params: dict[int, torch.Tensor], device: torch.device
 ) -> torch.Tensor:
-    """Copy ``buf``'s parameters into one new flat tensor and make each ``param.data`` its view."""
-    flat = torch.zeros(buf.numel, dtype=dtype_of(buf.dtype), device=device)
-    for slot in buf.slots:
+    """Copy ``buf``'s parameters into one new flat tensor and make each ``param.data`` its view.
+
+    The flat tensor is allocated uninitialised (its pages are touched only as params are copied
+    in, each param's old storage freed as soon as it is a view) and only the padding is zeroed,
+    so construction does not hold the params twice."""
+    flat = torch.empty(buf.numel, dtype=dtype_of(buf.dtype), device=device)
+    pos = 0
+    for slot in sorted(buf.slots, key=lambda s: s.start):
+        flat[pos : slot.start].zero_()  # padding before this param
         p = params[slot.index]
         view = flat[slot.start : slot.end]
-        view.copy_(p.detach().reshape(-1))
+        if not p.is_meta:
+            view.copy_(p.detach().reshape(-1))
         p.data = view.view(slot.shape)
+        pos = slot.end
+    flat[pos:].zero_()
     return flat
 
 

@@ -60,7 +60,7 @@ def materialize_modules_(
     named = list(named)
     fresh: set[int] = set()  # params materialised here: their modules (all of them) init
     fresh_buffers: set[int] = set()  # modules whose meta buffers were materialised
-    for name, m in named:
+    for _, m in named:
         for p in m.parameters(recurse=False):
             if p.is_meta:  # the same Python object, now with real storage (set_data cannot
                 # change a meta tensor's device)

@@ -62,18 +62,12 @@ class DemoConfig:
 
 
 def available_stages() -> tuple[int, ...]:
-    """0 (DDP) always; 1 and 2 when ZeroOptimizer is importable; 3 when its wrapper is."""
+    """0 (DDP) always; 1, 2 and 3 when ZeroOptimizer is importable."""
     stages = [0]
     try:
         from ..optimizer import ZeroOptimizer  # noqa: F401
 
-        stages += [1, 2]
-    except ImportError:
-        pass
-    try:
-        from .. import stage3  # noqa: F401
-
-        stages.append(3)
+        stages += [1, 2, 3]
     except ImportError:
         pass
     return tuple(stages)
