@@ -1,8 +1,9 @@
 """zero_kernels: ZeRO (Zero Redundancy Optimizer) for PyTorch, with its own fused kernels.
 
 - `FusedAdam` / `FusedAdamW`: drop-in `torch.optim` optimizers running the one-pass fused step.
-- `ZeroOptimizer`: shards optimizer state (stage 1) and gradients (stage 2) of any torch optimizer
-  across the data-parallel ranks.
+- `ZeroOptimizer`: shards optimizer state (stage 1), gradients (stage 2) and parameters (stage 3)
+  of any torch optimizer across the data-parallel ranks; `init_module_`: the deterministic
+  initialisation stage 3 uses for models built on the meta device.
 - `save_checkpoint` / `load_checkpoint` / `CheckpointError`: checkpoints that load at any world
   size and stage (`zero_kernels.checkpoint`).
 """
@@ -18,6 +19,7 @@ __all__ = [
     "FusedAdamW",
     "ZeroOptimizer",
     "__version__",
+    "init_module_",
     "load_checkpoint",
     "save_checkpoint",
 ]
@@ -30,6 +32,10 @@ def __getattr__(name: str):
         from .optimizer import ZeroOptimizer
 
         return ZeroOptimizer
+    if name == "init_module_":
+        from .materialize import init_module_
+
+        return init_module_
     if name in _CHECKPOINT:
         from . import checkpoint
 
