@@ -244,6 +244,7 @@ class ParamStore:
         self.gathered: list[list[torch.Tensor]] = []  # sharded: per bucket, storage 0 when freed
         self.raw: list[list[torch.Tensor]] = []
         self.live: set[tuple[int, int]] = set()  # sharded: buckets allocated now
+        self.peak_gathered = 0  # sharded: most bytes gathered at once (the live window)
         for buf in layout.buffers:
             dt = dtype_of(buf.dtype)
             if not sharded:
@@ -311,6 +312,7 @@ class ParamStore:
         t = self.gathered[i][b]
         t.untyped_storage().resize_(t.numel() * t.element_size())
         self.live.add((i, b))
+        self.peak_gathered = max(self.peak_gathered, self.gathered_nbytes())
         for p, view, _ in self.members.get((i, b), ()):
             p.data = view
 

@@ -16,8 +16,11 @@ Mixed-precision Adam: p = g = 2, K = 4 (master) + 4 (exp_avg) + 4 (exp_avg_sq) =
 N = 64 that is 120, 31.4, 16.6 and 1.9 GB (decimal GB), the paper's figure 1. ZeroOptimizer
 reduces and holds gradients in fp32 whatever the params' dtype: precision "mixed-fp32-grads"
 (g = 4) is what it holds with bf16/fp16 params; fp32 training has no master copy (K = 8).
-"Live" for stage 3 is the window of gathered full parameters (the running layer and the ones
-prefetched) plus the unsharded gradients of the running layer before their reduce-scatter.
+"Live" for stage 3 is the window of gathered full parameters: the root unit (the params outside
+the repeated layers, gathered for the whole step; ``root_params``), the running layer and the
+``prefetch`` ones gathered ahead. The unsharded gradients of the layers being reduce-scattered are
+ZeroOptimizer's stage-3 communication buffers (as stage 2's buckets: ``max_inflight_buckets``
+layers of fp32 gradients), reported with the buffers.
 Communication per step is the paper's volume, in bytes of the dtype each collective carries
 (``comm_bytes``): an all-reduce counts 2Ψ (it is a reduce-scatter plus an all-gather), so DDP
 moves 2Ψ grads, stages 1 and 2 Ψ grads reduce-scattered + Ψ params all-gathered, stage 3 one more
@@ -28,7 +31,8 @@ on the wire with ring algorithms ((N-1)/N of each reduce-scatter's or all-gather
 Communication buffers are not model states and not in the totals, but real memory, reported on
 their own (``comm_buffer_bytes``): stage 2 holds up to ``max_inflight_buckets`` bucket buffers of
 up to ``bucket_mb`` MiB (fp32 grads) while reducing, each sized to its bucket (so never more than
-all grads); stage 1 reduce-scatters in place in its full gradient buffer and DDP's grads are
+all grads); stage 3 as many of its largest units' gradients (a bucket is a layer or the root
+unit); stage 1 reduce-scatters in place in its full gradient buffer and DDP's grads are
 views of its buckets (``gradient_as_bucket_view``): none.
 """
 
@@ -385,6 +389,7 @@ def estimate_stage(
     gpu_mem: int | None = None,
     bucket_mb: float = DEFAULT_BUCKET_MB,
     max_inflight_buckets: int = 2,
+    root_params: int = 0,
 ) -> StageEstimate:
     """Per-rank model-state bytes, comm buffers and per-step communication of one stage (see
     the Note above); ``bucket_mb`` / ``max_inflight_buckets`` as ZeroOptimizer's."""
@@ -410,9 +415,7 @@ def estimate_stage(
     else:
         pb, gb, ob = p / n, g / n, k / n
         if largest_layer:
-            live = (
-                1 + prefetch
-            ) * largest_layer * prec.param_bytes + largest_layer * prec.grad_bytes
+            live = (root_params + (1 + prefetch) * largest_layer) * prec.param_bytes
     ring = (n - 1) / n
     if stage == 0:
         ar, rs, ag, elems = g, 0.0, 0.0, 2.0
@@ -429,6 +432,9 @@ def estimate_stage(
     if stage == 2:
         # each buffer is sized to its bucket: the max_inflight largest buckets, at most all grads
         buffers = min(max_inflight_buckets * bucket_mb * 2**20, GRAD_REDUCE_BYTES * psi)
+    elif stage == 3 and largest_layer:  # a bucket is a layer (or the root unit)
+        biggest = sorted([root_params] + [largest_layer] * max_inflight_buckets, reverse=True)
+        buffers = min(sum(biggest[:max_inflight_buckets]), psi) * GRAD_REDUCE_BYTES
     fits = None if gpu_mem is None else total + buffers <= gpu_mem
     return StageEstimate(
         stage=stage,

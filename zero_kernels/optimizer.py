@@ -862,6 +862,7 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
             grad_peak_bytes=grad + g.comm_peak_nbytes(),
             total_bytes=model + comm_now,
             gathered_param_bytes=self._store.gathered_nbytes() if self.stage == 3 else 0,
+            gathered_param_peak_bytes=self._store.peak_gathered if self.stage == 3 else 0,
         )
 
     @property

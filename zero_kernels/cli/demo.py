@@ -228,6 +228,7 @@ def _memory(model: torch.nn.Module, opt, master: list, stage: int) -> dict:
             "optim": int(r.get("master_bytes", 0)) + int(r["optim_state_bytes"]),
             "grads_peak": int(r.get("grad_peak_bytes", r["grad_bytes"])),
             "comm_buffers": int(r.get("comm_buffer_bytes", 0)),
+            "live": int(r.get("gathered_param_peak_bytes", 0)),
             "source": "ZeroOptimizer.memory_report()",
         }
     seen: set[int] = set()

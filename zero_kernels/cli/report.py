@@ -32,6 +32,16 @@ def model_shapes(size: str) -> list[tuple[int, ...]]:
     return [tuple(p.shape) for p in model.parameters() if p.requires_grad]
 
 
+def stage3_units(size: str) -> tuple[int, int]:
+    """``(largest unit, root unit)`` parameter counts of the demo's GPT at stage 3 (a unit per
+    block; the root unit is the rest: embeddings, final norm, the tied head)."""
+    with torch.device("meta"):
+        model = build_gpt(size)
+    blocks = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
+    total = sum(p.numel() for p in model.parameters())
+    return max(blocks, default=0), total - sum(blocks)
+
+
 def optimizer_state_total(optimizer: str, precision: str, shapes) -> float:
     """Unsharded optimizer-state bytes of the demo's optimizer on these parameter shapes."""
     prec = est.PRECISIONS[precision]
@@ -67,6 +77,11 @@ def build_report(cfg, world: int, device: torch.device, per_rank: list[dict]) ->
             optimizer=_EST_OPT[cfg.optimizer],
             optim_bytes_total=k_total,
             bucket_mb=cfg.bucket_mb,
+            **(
+                dict(zip(("largest_layer", "root_params"), stage3_units(cfg.model_size)))
+                if s == 3
+                else {}
+            ),
         )
         mem = [r["memory"] for r in rs]
         # model states (what the formula counts); comm buffers are reported beside them
@@ -75,15 +90,17 @@ def build_report(cfg, world: int, device: torch.device, per_rank: list[dict]) ->
             "params": f.params_bytes,
             "grads": f.grads_bytes,
             "optim": f.optim_bytes,
-            "total": f.total_bytes,
+            "total": f.total_bytes - f.live_bytes,  # model states; the live window apart
             "comm_buffers": f.comm_buffer_bytes,
+            "live": f.live_bytes,
             "precision": precision if s == 0 else zero_precision,
         }
         rel = {
             k: (_mean([m[k] for m in mem]) - formula[k]) / formula[k] if formula[k] else 0.0
             for k in ("params", "grads", "optim")
         }
-        rel["total"] = (_mean(measured_total) - f.total_bytes) / f.total_bytes
+        states = f.total_bytes - f.live_bytes
+        rel["total"] = (_mean(measured_total) - states) / states
         comm = {k: _mean([r["comm"][k] for r in rs]) for k in rs[0]["comm"]}
         runs[str(s)] = {
             "stage": s,
@@ -165,8 +182,14 @@ def _print_summary(report: dict, out: Path, png: Path | None) -> None:
     print(
         f"  {'comm buffers':<14}{b(max(bufs)):>14}"
         f"{b(r['memory_formula'].get('comm_buffers', 0)):>14}   (not model states: "
-        "stage 2's in-flight buckets)"
+        "gradient buckets in flight)"
     )
+    live = [m.get("live", 0) for m in r["memory_per_rank"]]
+    if r["memory_formula"].get("live"):
+        print(
+            f"  {'live window':<14}{b(max(live)):>14}{b(r['memory_formula']['live']):>14}   "
+            "(stage 3: most params gathered at once, measured)"
+        )
     if r["memory_formula"].get("precision") == "mixed-fp32-grads":
         print("  (formula with fp32 grads: ZeroOptimizer reduces and holds grads in fp32)")
     c = r["comm_per_step"]

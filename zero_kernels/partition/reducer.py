@@ -67,12 +67,14 @@ class Reducer:
         self.sync = True  # False inside no_sync()
         self.overlap = True  # False: launch every bucket at the end of backward instead
         self.max_inflight = grads.max_inflight  # stage 2: bucket buffers held at once
-        # Global launch order over (buffer, bucket): by the largest param index inside, descending,
-        # i.e. the order in which autograd usually finishes the buckets.
+        # Global launch order over (buffer, bucket): by the smallest param index inside,
+        # descending, i.e. the order in which autograd usually finishes the buckets (a bucket is
+        # finished by its earliest-registered param: stage 3's root unit holds the embedding,
+        # whose gradient comes last, beside the final norm, whose gradient comes first).
         order = []
         for i, buf in enumerate(layout.buffers):
             for b in buf.buckets:
-                key = max((buf.slots[s].index for s in b.slots), default=-1)
+                key = min((buf.slots[s].index for s in b.slots), default=-1)
                 order.append((-key, i, b.index))
         self.order = [(i, b) for _, i, b in sorted(order)]
         self.need = {
