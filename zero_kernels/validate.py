@@ -91,7 +91,8 @@ def check_stage3(stage, module, units, reshard_after_forward, prefetch) -> None:
         raise ValueError(f"units= is a stage-3 option, got stage={stage!r}")
     if not isinstance(reshard_after_forward, bool):
         raise TypeError(
-            f"reshard_after_forward must be a bool, got reshard_after_forward={reshard_after_forward!r}"
+            "reshard_after_forward must be a bool, got "
+            f"reshard_after_forward={reshard_after_forward!r}"
         )
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch must be an int >= 0, got prefetch={prefetch!r}")
