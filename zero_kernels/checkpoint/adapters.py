@@ -26,7 +26,7 @@ from torch import nn
 from .. import comm
 from ..layout import Layout, ParamSpec, build_layout, pieces
 
-__all__ = ["Adapter", "PieceData", "Target", "adapter_for", "unwrap"]
+__all__ = ["Adapter", "PieceData", "Target", "adapter_for", "module_state", "unwrap"]
 
 # Per-tensor scalars torch optimizers keep as 0-dim tensors (the rule of
 # `zero_kernels.partition.state`): never element-wise.
@@ -50,6 +50,25 @@ def unwrap(model: nn.Module) -> nn.Module:
             model = model._orig_mod
         else:
             return model
+
+
+def module_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, nn.Module]]:
+    """The entries of ``model.state_dict()`` without calling it (a stage-3 model's state_dict
+    hook gathers every param: a collective): name -> param or persistent buffer, and
+    ``<prefix>_extra_state`` -> the module whose ``get_extra_state`` gives its value."""
+    tensors: dict[str, torch.Tensor] = {}
+    extra: dict[str, nn.Module] = {}
+    for prefix, m in model.named_modules(remove_duplicate=False):
+        pre = f"{prefix}." if prefix else ""
+        for n, p in m._parameters.items():
+            if p is not None:
+                tensors[pre + n] = p
+        for n, b in m._buffers.items():
+            if b is not None and n not in m._non_persistent_buffers_set:
+                tensors[pre + n] = b
+        if type(m).get_extra_state is not nn.Module.get_extra_state:
+            extra[pre + "_extra_state"] = m
+    return tensors, extra
 
 
 @dataclass
@@ -106,6 +125,17 @@ class Adapter:
 
     def trainable(self) -> list[int]:
         raise NotImplementedError
+
+    def model_entries(self) -> dict[str, torch.Tensor]:
+        """The model's state tensors that are not trainable params of the optimizer (those are
+        in the rank files): buffers, frozen params, params outside the optimizer."""
+        skip = {id(self.params()[i]) for i in self.trainable()}
+        tensors, _ = module_state(self.model)
+        return {n: t for n, t in tensors.items() if id(t) not in skip}
+
+    def model_values(self) -> dict[str, nn.Module]:
+        """``<prefix>_extra_state`` -> module, for modules with non-tensor extra state."""
+        return module_state(self.model)[1]
 
     def name_of(self, index: int) -> str:
         p = self.params()[index]

@@ -148,11 +148,11 @@ def plan_load(path, ad: Adapter) -> Plan:
                 f"incompatible optimizer: param {name} is in param group {p['group']} here, "
                 f"{s['group']} in the checkpoint",
             )
-    here = set(mine) | set(_model_entries(ad))
+    here = set(mine) | set(ad.model_entries())
     for name in saved:
         if name not in here:
             raise CheckpointError(where, f"incompatible model: it has no param {name}")
-    for name, t in _model_entries(ad).items():
+    for name, t in ad.model_entries().items():
         if name in saved:
             shape = saved[name]["shape"]
         elif name in model_tensors:
@@ -176,16 +176,6 @@ def plan_load(path, ad: Adapter) -> Plan:
     for v in sources.values():
         v.sort(key=lambda x: x[1])
     return Plan(d, meta, saved, sources, model_tensors)
-
-
-def _model_entries(ad: Adapter) -> dict[str, torch.Tensor]:
-    """The model's state_dict tensors that are not trainable params of the optimizer."""
-    skip = {id(ad.params()[i]) for i in ad.trainable()}
-    return {
-        n: v
-        for n, v in ad.model.state_dict(keep_vars=True).items()
-        if isinstance(v, torch.Tensor) and id(v) not in skip
-    }
 
 
 # ---------------------------------------------------------------------------- 2. verify
@@ -269,7 +259,7 @@ def _read_targets(plan: Plan, ad: Adapter, rd: Reader) -> list[dict | None]:
 # ---------------------------------------------------------------------------- 4. the rest
 @torch.no_grad()
 def _load_model_state(plan: Plan, ad: Adapter, rd: Reader) -> None:
-    for name, t in _model_entries(ad).items():
+    for name, t in ad.model_entries().items():
         sp = plan.saved.get(name)
         if sp is not None:  # trained then, frozen (or outside the optimizer) now
             dt = torch.float64 if sp["dtype"] == "float64" else torch.float32
@@ -278,9 +268,12 @@ def _load_model_state(plan: Plan, ad: Adapter, rd: Reader) -> None:
             t.copy_(buf.view(t.shape))
         else:
             t.copy_(rd.tensor(MODEL_FILE, name))
-    values = plan.meta["model"].get("values") or {}
-    if values:
-        ad.model.load_state_dict({k: decode(v) for k, v in values.items()}, strict=False)
+    # modules' extra state, set directly: model.load_state_dict would run the optimizer's load
+    # hooks (which take the masters from the low-precision params)
+    modules = ad.model_values()
+    for n, v in (plan.meta["model"].get("values") or {}).items():
+        if n in modules:
+            modules[n].set_extra_state(decode(v))
 
 
 def _set_rng(rd: Reader, rank: int) -> None:

@@ -92,7 +92,7 @@ def save_checkpoint(
 
     prep = _on_rank0(ad, lambda: _prepare(root, step))
     name, tmp = prep
-    info = _try(lambda: _write_rank(ad, tmp, model))
+    info = _try(lambda: _write_rank(ad, tmp))
     infos = comm.gather_object(info, 0, group=g)
     meta = _meta(ad, name, groups_json, sched_json, extra_json) if ad.rank == 0 else None
     return _on_rank0(ad, lambda: _commit(root, name, tmp, meta, infos, keep_last))
@@ -160,7 +160,7 @@ def _prepare(root: str, step: int) -> tuple[str, str]:
 
 
 # ---------------------------------------------------------------------------- every rank: write
-def _write_rank(ad: Adapter, tmp: str, model) -> dict:
+def _write_rank(ad: Adapter, tmp: str) -> dict:
     """This rank's file (and rank 0's model file); their sizes, checksums and the state schema
     of the params whose first element this rank holds."""
     entries: list[Entry] = []
@@ -205,7 +205,7 @@ def _write_rank(ad: Adapter, tmp: str, model) -> dict:
     }
     out = {"files": files, "schema": schema}
     if ad.rank == 0:
-        tensors, values = _model_state(ad, model)
+        tensors, values = _model_state(ad)
         files[MODEL_FILE] = {
             "rank": 0,
             **write_safetensors(
@@ -224,17 +224,13 @@ def _write_rank(ad: Adapter, tmp: str, model) -> dict:
     return out
 
 
-def _model_state(ad: Adapter, model) -> tuple[dict[str, torch.Tensor], dict]:
-    """The model's state_dict entries that are not trainable params of the optimizer (those are
-    in the rank files): buffers, frozen params; non-tensor entries JSON-encoded."""
-    skip = {id(ad.params()[i]) for i in ad.trainable()}
-    tensors, values = {}, {}
-    for n, v in ad.model.state_dict(keep_vars=True).items():
-        if isinstance(v, torch.Tensor):
-            if id(v) not in skip:
-                tensors[n] = v.detach()
-        else:
-            values[n] = encode(v, f"model state {n!r}")
+def _model_state(ad: Adapter) -> tuple[dict[str, torch.Tensor], dict]:
+    """The model's state that is not in the rank files: buffers, frozen params (tensors) and
+    modules' extra state (JSON-encoded)."""
+    tensors = {n: t.detach() for n, t in ad.model_entries().items()}
+    values = {
+        n: encode(m.get_extra_state(), f"model state {n!r}") for n, m in ad.model_values().items()
+    }
     return tensors, values
 
 
