@@ -147,6 +147,8 @@ class Adapter:
             )
         return n
 
+    table: list[dict]  # param_table(), made once by adapter_for
+
     def param_table(self) -> list[dict]:
         """Every trainable param: index (in the layout), name, shape, dtype, group."""
         out = []
@@ -371,11 +373,16 @@ class PlainAdapter(Adapter):
 
 
 def adapter_for(model: nn.Module, optimizer) -> Adapter:
+    """The adapter of ``optimizer``; a param that is not the model's fails here, on every rank,
+    before any collective."""
     from ..optimizer import ZeroOptimizer
 
     if isinstance(optimizer, ZeroOptimizer):
-        return ZeroAdapter(model, optimizer)
-    group = getattr(model, "process_group", None)
-    if not isinstance(model, nn.parallel.DistributedDataParallel):
-        group = None
-    return PlainAdapter(model, optimizer, group)
+        ad: Adapter = ZeroAdapter(model, optimizer)
+    else:
+        group = getattr(model, "process_group", None)
+        if not isinstance(model, nn.parallel.DistributedDataParallel):
+            group = None
+        ad = PlainAdapter(model, optimizer, group)
+    ad.table = ad.param_table()
+    return ad

@@ -123,7 +123,7 @@ def plan_load(path, ad: Adapter) -> Plan:
             meta["optimizer_class"],
             cls.__qualname__,
         )
-    mine = {p["name"]: p for p in ad.param_table()}
+    mine = {p["name"]: p for p in ad.table}
     for name, p in mine.items():
         s = saved.get(name)
         if s is None:

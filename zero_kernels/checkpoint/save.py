@@ -220,7 +220,7 @@ def _write_rank(ad: Adapter, tmp: str) -> dict:
             },
             "values": values,
         }
-        out["params"] = ad.param_table()
+        out["params"] = ad.table
     return out
 
 

@@ -1,4 +1,4 @@
-"""The `zero-kernels` command: `demo`, `estimate` and `bench`.
+"""The `zero-kernels` command: `demo`, `estimate`, `bench` and `checkpoint`.
 
 Bad arguments end in one line on stderr naming the argument and what it accepts, exit code 2,
 never a traceback (set ZERO_KERNELS_TRACEBACK=1 to see one for an unexpected error). A reader
@@ -44,14 +44,18 @@ def _positive_float(name: str):
 
 def _build_parser() -> argparse.ArgumentParser:
     from ..models import MODEL_SIZES
+    from . import checkpoint
     from .optimizers import OPTIMIZER_CHOICES
 
     p = _Parser(
         prog=PROG,
-        description="ZeRO for PyTorch: train a demo, estimate memory, run the benchmarks.",
+        description="ZeRO for PyTorch: train a demo, estimate memory, run the benchmarks, "
+        "look into checkpoints.",
     )
     p.add_argument("--version", action="store_true", help="print the version and exit")
-    sub = p.add_subparsers(dest="command", parser_class=_Parser, metavar="{demo,estimate,bench}")
+    sub = p.add_subparsers(
+        dest="command", parser_class=_Parser, metavar="{demo,estimate,bench,checkpoint}"
+    )
 
     d = sub.add_parser(
         "demo",
@@ -179,6 +183,7 @@ def _build_parser() -> argparse.ArgumentParser:
         default=1800.0,
         help="seconds per benchmark script (default 1800)",
     )
+    checkpoint.add_parser(sub, _Parser)
     return p
 
 
@@ -291,6 +296,12 @@ def _cmd_bench(args) -> int:
     )
 
 
+def _cmd_checkpoint(args) -> int:
+    from .checkpoint import run
+
+    return run(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `zero-kernels` console script; returns the exit code."""
     try:
@@ -322,7 +333,12 @@ def _main(argv: list[str] | None) -> int:
         if args.command is None:
             parser.print_help()
             return 2
-        cmd = {"demo": _cmd_demo, "estimate": _cmd_estimate, "bench": _cmd_bench}[args.command]
+        cmd = {
+            "demo": _cmd_demo,
+            "estimate": _cmd_estimate,
+            "bench": _cmd_bench,
+            "checkpoint": _cmd_checkpoint,
+        }[args.command]
         return cmd(args)
     except _UsageError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
