@@ -41,6 +41,7 @@ small, replaced by one of the right size; see [Note: gradient storage] in `zero_
 
 from __future__ import annotations
 
+import enum
 import weakref
 
 import torch
@@ -49,7 +50,45 @@ from .. import comm
 from ..buffers import GradStore
 from ..layout import Layout
 
-__all__ = ["Reducer"]
+__all__ = ["BucketState", "GradBucket", "Reducer"]
+
+
+class BucketState(enum.Enum):
+    """Where a bucket's gradient is (asserted at each transition, see `GradBucket.move`)."""
+
+    CLEAN = "clean"  # nothing accumulated locally since zero_grad or its last reduction
+    FILLING = "filling"  # local grads accumulating, not reduced yet
+    REDUCING = "reducing"  # its reduce-scatter is in flight
+    REDUCED = "reduced"  # this rank's shard holds the average (stage 1: in place, see Note)
+
+
+_MOVES = {
+    BucketState.CLEAN: (BucketState.FILLING, BucketState.REDUCING),
+    BucketState.FILLING: (BucketState.REDUCING, BucketState.CLEAN),
+    BucketState.REDUCING: (BucketState.REDUCED,),
+    BucketState.REDUCED: (BucketState.FILLING, BucketState.REDUCING, BucketState.CLEAN),
+}
+
+
+class GradBucket:
+    """One bucket's reduction: its state, this pass's arrivals, its collective in flight."""
+
+    __slots__ = ("key", "need", "state", "arrived", "launched", "fresh", "written", "handle", "tmp")
+
+    def __init__(self, i: int, b: int, need: int):
+        self.key = (i, b)
+        self.need = need  # grads that complete it in one pass (its params)
+        self.state = BucketState.CLEAN
+        self.arrived = 0  # grads arrived in this pass
+        self.launched = False  # reduce-scatter issued in this pass
+        self.fresh = True  # stage 2: the next reduction overwrites the shard (else adds to it)
+        self.written: set[int] = set()  # stage 1: slot positions written since zero_grad
+        self.handle: comm.Handle | None = None
+        self.tmp: torch.Tensor | None = None  # stage 2: reduced values added to the shard after
+
+    def move(self, to: BucketState) -> None:
+        assert to in _MOVES[self.state], f"bucket {self.key}: {self.state} -> {to}"
+        self.state = to
 
 
 class Reducer:
@@ -67,25 +106,23 @@ class Reducer:
         self.sync = True  # False inside no_sync()
         self.overlap = True  # False: launch every bucket at the end of backward instead
         self.max_inflight = grads.max_inflight  # stage 2: bucket buffers held at once
-        # Global launch order over (buffer, bucket): by the smallest param index inside,
-        # descending, i.e. the order in which autograd usually finishes the buckets (a bucket is
-        # finished by its earliest-registered param: stage 3's root unit holds the embedding,
-        # whose gradient comes last, beside the final norm, whose gradient comes first).
+        self.buckets = {
+            (i, b.index): GradBucket(i, b.index, len(b.slots))
+            for i, buf in enumerate(layout.buffers)
+            for b in buf.buckets
+        }
+        # Global launch order: by the smallest param index inside, descending, i.e. the order in
+        # which autograd usually finishes the buckets (a bucket is finished by its
+        # earliest-registered param: stage 3's root unit holds the embedding, whose gradient
+        # comes last, beside the final norm, whose gradient comes first).
         order = []
         for i, buf in enumerate(layout.buffers):
             for b in buf.buckets:
                 key = min((buf.slots[s].index for s in b.slots), default=-1)
                 order.append((-key, i, b.index))
-        self.order = [(i, b) for _, i, b in sorted(order)]
-        self.need = {
-            (i, b.index): len(b.slots) for i, buf in enumerate(layout.buffers) for b in buf.buckets
-        }
-        self.fresh = {k: True for k in self.need}  # stage 2: next reduce overwrites the shard
-        self.reduced = {k: False for k in self.need}  # stage 1: reduced in place, not rebased
-        # stage 1: slot positions written since zero_grad, per bucket (the rest is stale)
-        self.written: dict[tuple[int, int], set[int]] = {k: set() for k in self.need}
+        self.order = [self.buckets[(i, b)] for _, i, b in sorted(order)]
+        self.inflight: list[GradBucket] = []  # REDUCING, in launch order
         self._reset_pass()
-        self.handles: list[tuple[int, int, comm.Handle, torch.Tensor | None]] = []
         self.dirty = False  # grads accumulated locally and not yet reduced
         self.got: set[int] = set()  # params that got a local grad since the last `on_reduced`
         # callbacks of the owner: the first grad hook of a backward pass, the end of a reduction
@@ -106,8 +143,9 @@ class Reducer:
         return self._hooks
 
     def _reset_pass(self) -> None:
-        self.arrived = {k: 0 for k in self.need}
-        self.launched: set[tuple[int, int]] = set()
+        for bk in self.buckets.values():
+            bk.arrived = 0
+            bk.launched = False
         self.next = 0
         self.callback_queued = False
         self.pass_started = False
@@ -133,8 +171,8 @@ class Reducer:
     def _make_hook(self, i: int, pos: int):
         buf = self.layout.buffers[i]
         slot = buf.slots[pos]
-        b = slot.bucket
-        off = slot.start - buf.buckets[b].start
+        bk = self.buckets[(i, slot.bucket)]
+        off = slot.start - buf.buckets[slot.bucket].start
 
         def hook(p: torch.Tensor) -> None:
             g = p.grad
@@ -151,21 +189,21 @@ class Reducer:
             if syncing and not self.callback_queued:
                 self.callback_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self.finish)
-            if (i, b) in self.launched:  # a second grad for it in this pass (retain_graph)
+            if bk.launched:  # a second grad for it in this pass (retain_graph)
                 self.wait_all()
-                self.launched.discard((i, b))
-                self.arrived[(i, b)] = 0
-            dst = self._bucket(i, b)[off : off + slot.numel]
-            if self.stage == 1 and pos not in self.written[(i, b)]:
+                bk.launched = False
+                bk.arrived = 0
+            dst = self._accumulator(bk)[off : off + slot.numel]
+            if self.stage == 1 and pos not in bk.written:
                 dst.copy_(g.reshape(-1))
-                self.written[(i, b)].add(pos)
+                bk.written.add(pos)
             else:
                 dst.add_(g.reshape(-1))
             self.dirty = True
             if syncing:
-                self.arrived[(i, b)] += 1
-                if self.arrived[(i, b)] == self.need[(i, b)] and self.on_bucket_ready:
-                    self.on_bucket_ready(i, b)
+                bk.arrived += 1
+                if bk.arrived == bk.need and self.on_bucket_ready:
+                    self.on_bucket_ready(*bk.key)
                 if self.overlap:
                     self._launch_ready()
 
@@ -173,85 +211,94 @@ class Reducer:
 
     def _launch_ready(self) -> None:
         while self.next < len(self.order):
-            k = self.order[self.next]
-            if k not in self.launched and self.arrived[k] < self.need[k]:
+            bk = self.order[self.next]
+            if not bk.launched and bk.arrived < bk.need:
                 return
-            if k not in self.launched:
-                self._launch(*k)
+            if not bk.launched:
+                self._launch(bk)
             self.next += 1
 
-    def _bucket(self, i: int, b: int) -> torch.Tensor:
-        """The bucket's local grad storage, ready to accumulate into."""
+    def _accumulator(self, bk: GradBucket) -> torch.Tensor:
+        """The bucket's local grad storage, ready to accumulate into (FILLING)."""
+        if bk.state is BucketState.REDUCING:
+            self.wait_all()
         if self.stage == 1:
-            if self.reduced[(i, b)]:
-                self._rebase(i, b)
-        elif (i, b) not in self.grads.live:
+            if bk.state is BucketState.REDUCED:
+                self._rebase(bk)
+        elif bk.key not in self.grads.live:
             # bound the buffers: wait for the oldest reduce-scatters until one is free
-            while self.handles and not self.grads.fits(i, b):
-                self._finalize(*self.handles.pop(0))
-        return self.grads.bucket(i, b)
+            while self.inflight and not self.grads.fits(*bk.key):
+                self._finalize(self.inflight.pop(0))
+        if bk.state is not BucketState.FILLING:
+            bk.move(BucketState.FILLING)
+        return self.grads.bucket(*bk.key)
 
-    def _rebase(self, i: int, b: int) -> None:
+    def _rebase(self, bk: GradBucket) -> None:
         """Stage 1: make a reduced-in-place bucket accumulate again (see [Note: overlap])."""
-        bk = self.layout.buffers[i].buckets[b]
+        i, b = bk.key
+        lay = self.layout.buffers[i].buckets[b]
         n = self.layout.world_size
         t = self.grads.bucket(i, b)
-        lo = bk.shard_start(self.rank) - bk.start
+        lo = lay.shard_start(self.rank) - lay.start
         t[:lo].zero_()
-        t[lo + bk.shard_numel :].zero_()
+        t[lo + lay.shard_numel :].zero_()
         if n > 1:
-            t[lo : lo + bk.shard_numel].mul_(n)
-        self.reduced[(i, b)] = False
+            t[lo : lo + lay.shard_numel].mul_(n)
 
-    def _zero_unwritten(self, i: int, b: int) -> None:
-        """Stage 1: zero the ranges of bucket ``b`` that got no grad since zero_grad."""
+    def _zero_unwritten(self, bk: GradBucket) -> None:
+        """Stage 1: zero the ranges of the bucket that got no grad since zero_grad."""
+        i, b = bk.key
         buf = self.layout.buffers[i]
-        bk = buf.buckets[b]
-        done = self.written[(i, b)]
-        if len(done) < len(bk.slots):
+        lay = buf.buckets[b]
+        if len(bk.written) < len(lay.slots):
             full = self.grads.full[i]
-            for pos in bk.slots:
-                if pos not in done:
+            for pos in lay.slots:
+                if pos not in bk.written:
                     slot = buf.slots[pos]
                     full[slot.start : slot.end].zero_()
-            done.update(bk.slots)
+            bk.written.update(lay.slots)
 
-    def _launch(self, i: int, b: int) -> None:
-        inp = self._bucket(i, b)
+    def _launch(self, bk: GradBucket) -> None:
+        if self.stage == 1 and bk.state is BucketState.REDUCED:
+            self._rebase(bk)  # reduced before, nothing added since: reduce it again as is
+        inp = self.grads.bucket(*bk.key) if self.stage == 1 else self._accumulator(bk)
         tmp = None
         if self.stage == 1:
-            self._zero_unwritten(i, b)
-            out = self.grads.shard(i, b)  # in place: the rank's slice of ``inp``
-            self.reduced[(i, b)] = True
-        elif not self.fresh[(i, b)]:
-            tmp = out = torch.empty_like(self.grads.shard(i, b))  # added to the shard after
+            self._zero_unwritten(bk)
+            out = self.grads.shard(*bk.key)  # in place: the rank's slice of ``inp``
+        elif not bk.fresh:
+            tmp = out = torch.empty_like(self.grads.shard(*bk.key))  # added to the shard after
         else:
-            out = self.grads.shard(i, b)
-        self.fresh[(i, b)] = False
-        h = comm.reduce_scatter(out, inp, group=self.group, avg=True, log=self.log)
-        self.handles.append((i, b, h, tmp))
-        self.launched.add((i, b))
+            out = self.grads.shard(*bk.key)
+        bk.fresh = False
+        bk.handle = comm.reduce_scatter(out, inp, group=self.group, avg=True, log=self.log)
+        bk.tmp = tmp
+        bk.move(BucketState.REDUCING)
+        bk.launched = True
+        self.inflight.append(bk)
         if self.stage == 2:  # release the buffers of finished reduce-scatters early
-            while self.handles and _completed(self.handles[0][2]):
-                self._finalize(*self.handles.pop(0))
+            while self.inflight and _completed(self.inflight[0].handle):
+                self._finalize(self.inflight.pop(0))
 
-    def _finalize(self, i: int, b: int, h: comm.Handle, tmp: torch.Tensor | None) -> None:
-        h.wait()
-        if tmp is not None:
-            self.grads.shard(i, b).add_(tmp)
+    def _finalize(self, bk: GradBucket) -> None:
+        bk.handle.wait()
+        if bk.tmp is not None:
+            self.grads.shard(*bk.key).add_(bk.tmp)
+        bk.handle, bk.tmp = None, None
+        bk.move(BucketState.REDUCED)
         if self.stage == 2:
-            self.grads.release(i, b)
+            self.grads.release(*bk.key)
 
     def wait_all(self) -> None:
-        for item in self.handles:
-            self._finalize(*item)
-        self.handles.clear()
+        for bk in self.inflight:
+            self._finalize(bk)
+        self.inflight.clear()
 
     def finish(self) -> None:
         """End of a synchronising backward: launch what is left, in order, and wait for all."""
-        for k in self.order:
-            if k not in self.launched:
-                self._launch(*k)
+        for bk in self.order:
+            if not bk.launched:
+                self._launch(bk)
         self.wait_all()
         self._reset_pass()
         self.dirty = False
@@ -260,28 +307,29 @@ class Reducer:
 
     def flush(self) -> None:
         """Before the step: reduce whatever was accumulated but not reduced (e.g. after no_sync)."""
-        if self.dirty or self.handles:
+        if self.dirty or self.inflight:
             self.finish()
         if self.stage == 1:  # buckets not reduced since zero_grad: zero grads
-            for k, done in self.reduced.items():
-                if not done:
-                    self._zero_unwritten(*k)
-                    self.grads.shard(*k).zero_()
+            for bk in self.buckets.values():
+                if bk.state is not BucketState.REDUCED:
+                    self._zero_unwritten(bk)
+                    self.grads.shard(*bk.key).zero_()
 
     def zero_grad(self) -> None:
         self.flush_pending_waits()
         for k in list(self.grads.live):
             self.grads.release(*k)
         self.grads.zero()
-        for k in self.fresh:
-            self.fresh[k] = True
-            self.reduced[k] = False
-            self.written[k].clear()
+        for bk in self.buckets.values():
+            if bk.state is not BucketState.CLEAN:
+                bk.move(BucketState.CLEAN)
+            bk.fresh = True
+            bk.written.clear()
         self._reset_pass()
         self.dirty = False
 
     def flush_pending_waits(self) -> None:
-        if self.handles:
+        if self.inflight:
             self.wait_all()
 
 
