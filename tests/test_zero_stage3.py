@@ -68,3 +68,39 @@ def test_stage3_params_between_uses_read_as_nan():
     assert not torch.isnan(out).any()
     zo.close()
     assert torch.equal(m[0].weight, torch.full((4, 4), 2.0))  # whole plain tensors again
+
+
+def _persist(rank, world):
+    """persist_below: small params (biases, norms) stay whole on every rank between steps and
+    train exactly as the rest (DDP parity)."""
+    import copy
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    base = stage3_checks.Net3()
+    m1, m2 = copy.deepcopy(base), copy.deepcopy(base)
+    zo = ZeroOptimizer(m1, torch.optim.AdamW, stage=3, persist_below=100, lr=1e-2)
+    ddp = DDP(m2)
+    to = torch.optim.AdamW(m2.parameters(), lr=1e-2)
+    for step in range(3):
+        x, y = stage3_checks._batch(rank, step)
+        zo.zero_grad()
+        to.zero_grad()
+        stage3_checks._loss(m1(x), y).backward()
+        stage3_checks._loss(ddp(x), y).backward()
+        zo.step()
+        to.step()
+        for (n, a), (_, b) in zip(m1.named_parameters(), m2.named_parameters()):
+            if a.numel() < 100:  # whole between steps, current values
+                assert stage3_checks._rel(a, b) <= 1e-6, n
+            else:
+                assert torch.isnan(a).all(), n
+    stage3_checks._close(zo, m1, m2, 1e-6, "persist_below")
+    zo.close()
+    return "ok"
+
+
+@pytest.mark.distributed
+def test_stage3_persist_below():
+    assert run_workers(_persist, 2, timeout=300) == ["ok", "ok"]

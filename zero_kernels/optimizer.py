@@ -43,7 +43,14 @@ from .partition import (
     choose_mode,
 )
 from .partition.grads import GradViews, ShardedGrad
-from .partition.units import Unit, UnitScheduler, find_units, unit_assignment, unit_members
+from .partition.units import (
+    Unit,
+    UnitScheduler,
+    UnitState,
+    find_units,
+    unit_assignment,
+    unit_members,
+)
 from .state_access import ShardStateAccess
 
 __all__ = ["ZeroOptimizer"]
@@ -143,6 +150,7 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
         units=None,
         reshard_after_forward: bool = True,
         prefetch: int = 1,
+        persist_below: int = 0,
         init_fn=None,
         seed: int = 0,
         **defaults,
@@ -159,7 +167,7 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
             if module is not None and module is not params:
                 raise ValueError("module= differs from the module passed as params")
             module = params
-        validate.check_stage3(stage, module, units, reshard_after_forward, prefetch)
+        validate.check_stage3(stage, module, units, reshard_after_forward, prefetch, persist_below)
         self.mode, why = choose_mode(optimizer_class, partition)
         validate.check_kwargs(optimizer_class, defaults)
         self.stage, self.group, self.overlap_comm = stage, process_group, overlap_comm
@@ -205,7 +213,7 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
         self._unit_of: dict[int, int] = {}
         if stage == 3:
             self._unit_modules = find_units(module, units)
-            self._unit_of = unit_assignment(self._unit_modules, self._params)
+            self._unit_of = unit_assignment(self._unit_modules, self._params, persist_below)
             specs = [dataclasses.replace(s, unit=self._unit_of[s.index]) for s in specs]
         if not any(s.requires_grad for s in specs):
             raise ValueError("ZeroOptimizer: no parameter has requires_grad=True")
@@ -236,6 +244,7 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
                 "units": [n for n, _ in self._unit_modules],
                 "reshard_after_forward": reshard_after_forward,
                 "prefetch": prefetch,
+                "persist_below": persist_below,
                 "hyper-parameters": repr(sorted(defaults.items())),
                 "param groups": repr(
                     [sorted((k, v) for k, v in g.items() if k != "params") for g in user_groups]
@@ -381,15 +390,17 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
             for b in buf.buckets:
                 u = self._slot_unit(buf.slots[b.slots[0]].index) if b.slots else 0
                 by_unit.setdefault(u, []).append((i, b.index))
-        for u in range(len(self._unit_modules) + 1):
-            if members is not None:
+        persistent = len(self._unit_modules) + 1  # small params kept whole (persist_below)
+        for u in range(persistent + 1):
+            if members is not None and u < persistent:
                 materialize_modules_(members[u], self.device, self._seed, self._init_fn)
             for i, b in by_unit.get(u, []):
                 store.adopt(i, b, self._params)
                 if not self._meta:
                     comm.broadcast(store.raw[i][b], 0, group=group)
                 store.take_shard(i, b)
-                store.free(i, b)
+                if u != persistent:
+                    store.free(i, b)
         if members is not None:  # frozen params and buffers outside any trained unit
             materialize_modules_(module.named_modules(), self.device, self._seed, self._init_fn)
         return store
@@ -423,7 +434,7 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
         sched = self._scheduler
         mine = []
         if sched is not None:
-            for u in [sched.root, *sched.units]:
+            for u in sched.all_units:
                 if any(self._slot_unit(i) == u.index for i in wanted):
                     if u.state.value == "sharded":
                         mine.append(u)
@@ -455,7 +466,7 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
         """Stage 3: ``model.state_dict()`` gets whole tensors, gathered unit by unit."""
         sched = self._scheduler
         names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
-        for u in [sched.root, *sched.units]:
+        for u in sched.all_units:
             was = u.state.value == "sharded"
             sched.wait(u)
             for i, b in u.buckets:
@@ -474,7 +485,7 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
 
     def _load_pre_hook(self, *args, **kwargs):
         if self._scheduler is not None:
-            for u in [self._scheduler.root, *self._scheduler.units]:
+            for u in self._scheduler.all_units:
                 self._scheduler.wait(u)
 
     def _load_post_hook(self, module, incompatible_keys):
@@ -482,7 +493,7 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
         if sched is None:
             self._runner.load_masters()
             return
-        for u in [sched.root, *sched.units]:
+        for u in sched.all_units:
             for i, b in u.buckets:
                 self._store.take_shard(i, b)
             sched.free(u)
@@ -495,13 +506,17 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
         units = [Unit(0, "<root>", self._module)] + [
             Unit(k, name, m) for k, (name, m) in enumerate(self._unit_modules, start=1)
         ]
+        persistent = Unit(len(units), "<persistent>", self._module, persistent=True)
+        units.append(persistent)
         for i, buf in enumerate(self.layout.buffers):
             for b in buf.buckets:
                 u = self._slot_unit(buf.slots[b.slots[0]].index) if b.slots else 0
                 units[u].buckets.append((i, b.index))
+        if persistent.buckets:  # gathered at construction, kept whole
+            persistent.state = UnitState.GATHERED
         return UnitScheduler(
             self._module,
-            units[1:],
+            units[1:-1],
             units[0],
             self._store,
             self._runner,
@@ -509,6 +524,7 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
             self.comm_log,
             reshard_after_forward=self.reshard_after_forward,
             prefetch=self.prefetch,
+            persistent=persistent if persistent.buckets else None,
         )
 
     # ------------------------------------------------------------------ lifecycle
@@ -524,7 +540,7 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
         sched = getattr(self, "_scheduler", None)
         if sched is not None:  # stage 3: gather every unit once to hand back whole params
             sched.remove()
-            for u in [sched.root, *sched.units]:
+            for u in sched.all_units:
                 sched.wait(u)
                 whole = [
                     (q, q.data.clone())
@@ -823,6 +839,8 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
             handles = self._runner.step(
                 self._views.active, self._grad_factor, self.comm_log, self.group
             )
+            if self._scheduler is not None:  # stage 3: params kept whole are gathered now
+                handles += self._scheduler.refresh_persistent()
             for h in handles:
                 h.wait()
             if self._dynamic:

@@ -42,6 +42,7 @@ _OPTIONS = (
     "units",
     "reshard_after_forward",
     "prefetch",
+    "persist_below",
     "init_fn",
     "seed",
 )
@@ -81,7 +82,7 @@ def check_args(stage, bucket_size_mb, max_inflight_buckets, kernel_backend, nonf
         raise ValueError(f"timeout must be None or seconds > 0, got timeout={timeout!r}")
 
 
-def check_stage3(stage, module, units, reshard_after_forward, prefetch) -> None:
+def check_stage3(stage, module, units, reshard_after_forward, prefetch, persist_below=0) -> None:
     if stage == 3 and not isinstance(module, nn.Module):
         raise ValueError(
             "stage=3 needs the model: pass it as the first argument, or the param groups first "
@@ -96,6 +97,10 @@ def check_stage3(stage, module, units, reshard_after_forward, prefetch) -> None:
         )
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch must be an int >= 0, got prefetch={prefetch!r}")
+    if isinstance(persist_below, bool) or not isinstance(persist_below, int) or persist_below < 0:
+        raise ValueError(f"persist_below must be an int >= 0, got persist_below={persist_below!r}")
+    if stage != 3 and persist_below:
+        raise ValueError(f"persist_below= is a stage-3 option, got stage={stage!r}")
 
 
 def check_kwargs(optimizer_class, defaults: dict) -> None:

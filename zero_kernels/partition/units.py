@@ -56,8 +56,9 @@ class UnitState(enum.Enum):
 class Unit:
     """One unit: its module, its buckets ``(buffer, bucket)``, its state and pending gathers."""
 
-    def __init__(self, index: int, name: str, module: nn.Module):
+    def __init__(self, index: int, name: str, module: nn.Module, persistent: bool = False):
         self.index, self.name, self.module = index, name, module
+        self.persistent = persistent  # small params kept whole: never freed
         self.buckets: list[tuple[int, int]] = []
         self.state = UnitState.SHARDED
         self.handles: list = []
@@ -137,8 +138,11 @@ class UnitScheduler:
         *,
         reshard_after_forward: bool,
         prefetch: int,
+        persistent: Unit | None = None,
     ):
         self.units, self.root, self.store, self.runner = units, root, store, runner
+        self.persistent = persistent
+        self.all_units = [root, *units] + ([persistent] if persistent is not None else [])
         self.group, self.log = group, log
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         self.order: list[int] | None = None  # forward order of unit indices, once recorded
@@ -152,9 +156,8 @@ class UnitScheduler:
             self.handles.append(u.module.register_forward_hook(_post(me, u.index)))
         self.handles.append(model.register_forward_pre_hook(_root_pre(me)))
         self.handles.append(model.register_forward_hook(_root_post(me)))
-        self.by_index = {u.index: u for u in units}
-        self.by_index[root.index] = root
-        self.bucket_unit = {b: u for u in [root, *units] for b in u.buckets}
+        self.by_index = {u.index: u for u in self.all_units}
+        self.bucket_unit = {b: u for u in self.all_units for b in u.buckets}
 
     # ---- gather / free
     def gather(self, u: Unit) -> None:
@@ -176,6 +179,8 @@ class UnitScheduler:
         u.expect(UnitState.GATHERED)
 
     def free(self, u: Unit) -> None:
+        if u.persistent:
+            return
         if u.state is UnitState.GATHERING:
             self.wait(u)
         for i, b in u.buckets:
@@ -183,8 +188,14 @@ class UnitScheduler:
         u.state = UnitState.SHARDED
 
     def free_all(self) -> None:
-        for u in [self.root, *self.units]:
+        for u in self.all_units:
             self.free(u)
+
+    def refresh_persistent(self) -> list:
+        """After a step: all-gather the params kept whole (their shards were updated)."""
+        if self.persistent is None:
+            return []
+        return [self.runner.gather(i, b, self.log, self.group) for i, b in self.persistent.buckets]
 
     # ---- forward
     def _check_same(self, u: Unit) -> None:
@@ -273,7 +284,7 @@ class UnitScheduler:
         """Every gradient of bucket (i, b) arrived: its unit's params are not needed any more
         in this backward once all of the unit's buckets are done."""
         u = self.bucket_unit.get((i, b))
-        if u is None or u is self.root:
+        if u is None or u is self.root or u.persistent:
             return
         self._done.add((i, b))
         if all(bk in self._done for bk in u.buckets):
@@ -340,10 +351,13 @@ def _pre_bwd(me, k):
 
 
 def unit_assignment(
-    unit_modules: list[tuple[str, nn.Module]], params: dict[int, torch.Tensor]
+    unit_modules: list[tuple[str, nn.Module]],
+    params: dict[int, torch.Tensor],
+    persist_below: int = 0,
 ) -> dict[int, int]:
-    """Param index -> unit (1.. for ``unit_modules``, 0 for the root unit). A param found in two
-    units (tied across them) goes to the root unit, gathered for the whole step."""
+    """Param index -> unit (1.. for ``unit_modules``, 0 for the root unit, ``len + 1`` for the
+    params of fewer than ``persist_below`` elements, kept whole on every rank). A param found in
+    two units (tied across them) goes to the root unit, gathered for the whole step."""
     where: dict[int, set[int]] = {}
     for u, (_, m) in enumerate(unit_modules, start=1):
         for p in m.parameters():
@@ -352,6 +366,8 @@ def unit_assignment(
     for i, p in params.items():
         us = where.get(id(p), set())
         out[i] = next(iter(us)) if len(us) == 1 else 0
+        if p.numel() < persist_below:
+            out[i] = len(unit_modules) + 1
     return out
 
 
