@@ -46,14 +46,21 @@ def test_demo_two_ranks_report(tmp_path, capfd):
     assert 0 < run["step_time_s"] < 10
     assert len(run["memory_per_rank"]) == 2
     psi = rep["n_params"]
-    assert run["memory_per_rank"][0]["params"] == pytest.approx(4 * psi, rel=0.03)
+    held = 4 * psi / (2 if TOP == 3 else 1)  # stage 3 holds its shard of the params
+    assert run["memory_per_rank"][0]["params"] == pytest.approx(held, rel=0.03)
     c = run["comm_per_step"]
     if TOP == 0:
         assert c["all_reduce_bytes"] == pytest.approx(4 * psi, rel=0.03)
     else:
-        # one reduce-scatter of the fp32 grads and one all-gather of the params per step
+        # one reduce-scatter of the fp32 grads per step; one all-gather of the params (stage 3:
+        # each block twice, before its forward and its backward, the root unit once)
         assert c["reduce_scatter_bytes"] == pytest.approx(4 * psi, rel=0.03)
-        assert c["all_gather_bytes"] == pytest.approx(4 * psi, rel=0.03)
+        if TOP == 3:
+            assert 4 * psi * 1.03 < c["all_gather_bytes"] < 8 * psi
+            live = run["memory_per_rank"][0]["live"]
+            assert live == pytest.approx(run["memory_formula"]["live"], rel=0.03), live
+        else:
+            assert c["all_gather_bytes"] == pytest.approx(4 * psi, rel=0.03)
         assert rep["loss_max_abs_diff_vs_ddp"] < 1e-3
     assert c["exposed_comm_s"] >= 0
     assert len(rep["estimate"]) == 4
