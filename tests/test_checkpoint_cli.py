@@ -194,3 +194,26 @@ def test_params_frozen_or_unfrozen_between_save_and_load(tmp_path):
     have = {names[id(p)] for p in o2.state}
     assert have == {"l3.weight", "l3.bias"}, have  # l1 was frozen: no state to load
     o.close()
+
+
+def test_export_loads_with_dcp(saved, tmp_path):
+    """The consolidated export is what DCP's HuggingFaceStorageReader reads (the interop of
+    [Note: why not torch.distributed.checkpoint])."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    path, m, _ = saved
+    os.makedirs(tmp_path / "hf")
+    assert (
+        main(["checkpoint", "export", path, "--to", str(tmp_path / "hf" / "model.safetensors")])
+        == 0
+    )
+    fresh = cc.Net(1).to(torch.bfloat16)
+    sd = fresh.state_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(sd, storage_reader=dcp.HuggingFaceStorageReader(str(tmp_path / "hf")))
+    fresh.load_state_dict(sd)
+    for (n, a), b in zip(m.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(a, b), n

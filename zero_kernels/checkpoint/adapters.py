@@ -31,6 +31,7 @@ __all__ = ["Adapter", "PieceData", "Target", "adapter_for", "module_state", "unw
 # Per-tensor scalars torch optimizers keep as 0-dim tensors (the rule of
 # `zero_kernels.partition.state`): never element-wise.
 _SCALAR_KEYS = frozenset({"step", "mu_product", "eta", "mu"})
+_FUSED_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")  # fused Adam's flat state
 _PLAIN_BUCKET_NUMEL = 1 << 22  # elements per bucket of the layout built for a plain optimizer
 
 
@@ -183,6 +184,12 @@ class Adapter:
         """Where this rank's loaded pieces go."""
         raise NotImplementedError
 
+    def state_buffer(self, j: int, key: str, dtype: torch.dtype) -> torch.Tensor:
+        """A 1-D tensor to read element-wise state ``key`` of target ``j`` into: the tensor the
+        optimizer will hold (its existing state, or fused Adam's flat storage), so a load
+        allocates no second copy of the state; else a new one."""
+        raise NotImplementedError
+
     def install(self, states: list[dict | None], groups: list[dict], meta: dict) -> None:
         """Take the loaded state of each target (``{"elem": {key: 1-D}, "other": {...}}``, or
         None: the param has no state), hyper-params and scaler; make every rank's params whole
@@ -204,6 +211,7 @@ class ZeroAdapter(Adapter):
         self.stage, self.mode, self.group = o.stage, o.mode, o.group
         self.layout, self.rank, self.world_size = o.layout, o.rank, o.world_size
         self.runner = o._runner
+        self._entries = list(self.runner.all_pieces())
 
     def params(self):
         return self.optimizer._params
@@ -229,6 +237,20 @@ class ZeroAdapter(Adapter):
         for _i, _k, pc, ip, _g in self.runner.all_pieces():
             out.append(Target(pc.index, pc.offset, pc.numel, ip.detach().view(-1), tuple(ip.shape)))
         return out
+
+    def state_buffer(self, j, key, dtype):
+        r = self.runner
+        i, _k, pc, ip, _g = self._entries[j]
+        st = r.inner.state.get(ip) or {}
+        v = st.get(key)
+        if _reusable(v, dtype, pc.numel):
+            return v.detach().view(-1)
+        if r.fused[i] and dtype == torch.float32 and key in _FUSED_KEYS:
+            flat = r._flat_state(i, pc.bucket, r.inner.param_groups[i])
+            if key in flat:
+                lo = pc.start - self.layout.buffers[i].buckets[pc.bucket].shard_start(self.rank)
+                return flat[key][lo : lo + pc.numel]
+        return torch.empty(pc.numel, dtype=dtype)
 
     @torch.no_grad()
     def install(self, states, groups, meta):
@@ -344,6 +366,14 @@ class PlainAdapter(Adapter):
                 self._targets.append(Target(i, 0, p.numel(), v, tuple(p.shape)))
         return self._targets
 
+    def state_buffer(self, j, key, dtype):
+        t = self.targets()[j]
+        st = self.optimizer.state.get(self._params[t.index]) or {}
+        v = st.get(key)
+        if _reusable(v, dtype, t.numel):
+            return v.detach().view(-1)
+        return torch.empty(t.numel, dtype=dtype)
+
     @torch.no_grad()
     def install(self, states, groups, meta):
         o = self.optimizer
@@ -370,6 +400,16 @@ class PlainAdapter(Adapter):
             if s is not None:
                 best = max(best, int(float(s)))
         return best
+
+
+def _reusable(v, dtype: torch.dtype, numel: int) -> bool:
+    return (
+        isinstance(v, torch.Tensor)
+        and v.dtype == dtype
+        and v.numel() == numel
+        and v.is_contiguous()
+        and v.device.type == "cpu"
+    )
 
 
 def adapter_for(model: nn.Module, optimizer) -> Adapter:

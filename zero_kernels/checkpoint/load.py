@@ -219,7 +219,7 @@ def _read_targets(plan: Plan, ad: Adapter, rd: Reader) -> list[dict | None]:
     states: list[dict | None] = []
     others: dict[int, dict] = {}
     with torch.no_grad():
-        for t in ad.targets():
+        for j, t in enumerate(ad.targets()):
             name = ad.name_of(t.index)
             sp = plan.saved.get(name)
             if sp is None:  # trainable here, not in the saved optimizer: its values only
@@ -238,7 +238,7 @@ def _read_targets(plan: Plan, ad: Adapter, rd: Reader) -> list[dict | None]:
                 dtype = getattr(torch, dt)
                 if dtype.is_floating_point:
                     dtype = t.values.dtype
-                elem[k] = torch.empty(t.numel, dtype=dtype)
+                elem[k] = ad.state_buffer(j, k, dtype)
                 read_range(rd, plan, s, f"s/{k}", t.offset, t.numel, elem[k])
             if s not in others:
                 o = {k: decode(v) for k, v in sc["value"].items()}

@@ -8,7 +8,8 @@ length (little-endian u64), a JSON header ``{name: {dtype, shape, data_offsets},
 the order of their offsets. `write_safetensors` writes the header from the entries' dtypes and
 shapes, then each tensor from its own memory (zero-copy for contiguous tensors) or from chunks a
 callable yields (`zero_kernels.checkpoint.export` streams a consolidated model that way), and
-computes the file's sha256 in the same pass. Extra memory: one chunk. Files are read back with
+computes the file's sha256 in the same pass (in a thread, overlapping the write of the same
+chunk). Extra memory: one chunk. Files are read back with
 the ``safetensors`` package (`Reader`: ``safe_open`` and ``get_slice``, which reads only the
 requested range of a tensor), so what this writer produces is checked by the reference reader.
 """
@@ -20,6 +21,7 @@ import json
 import os
 import struct
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -101,29 +103,41 @@ def write_safetensors(path: str, entries: list[Entry], metadata: dict[str, str])
     head += b" " * (-len(head) % 8)
     h = hashlib.sha256()
     total = 0
+    # sha256 of one chunk runs in a thread while the chunk is written (both release the GIL)
+    pool = ThreadPoolExecutor(1)
+    pending = None
     with open(path, "wb", buffering=0) as f:
 
         def put(buf) -> None:
-            nonlocal total
-            mv = memoryview(buf)
-            h.update(mv)
+            nonlocal total, pending
+            mv = memoryview(buf).cast("B")
+            if pending is not None:
+                pending.result()
+            pending = pool.submit(h.update, mv)
             n = 0
             while n < len(mv):
                 n += f.write(mv[n:])
             total += len(mv)
 
-        put(struct.pack("<Q", len(head)) + head)
-        for e in entries:
-            start = total
-            for c in e.chunks():
-                if c.dtype != e.dtype:
-                    raise AssertionError(f"{e.name}: chunk dtype {c.dtype} != {e.dtype}")
-                flat = c.reshape(-1)
-                step = max(1, _CHUNK_BYTES // max(1, c.element_size()))
-                for lo in range(0, flat.numel(), step):
-                    put(_raw(flat[lo : lo + step]))
-            if total - start != e.nbytes:
-                raise AssertionError(f"{e.name}: wrote {total - start} bytes, expected {e.nbytes}")
+        try:
+            put(struct.pack("<Q", len(head)) + head)
+            for e in entries:
+                start = total
+                for c in e.chunks():
+                    if c.dtype != e.dtype:
+                        raise AssertionError(f"{e.name}: chunk dtype {c.dtype} != {e.dtype}")
+                    flat = c.reshape(-1)
+                    step = max(1, _CHUNK_BYTES // max(1, c.element_size()))
+                    for lo in range(0, flat.numel(), step):
+                        put(_raw(flat[lo : lo + step]))
+                if total - start != e.nbytes:
+                    raise AssertionError(
+                        f"{e.name}: wrote {total - start} bytes, expected {e.nbytes}"
+                    )
+            if pending is not None:
+                pending.result()
+        finally:
+            pool.shutdown(wait=True)
         os.fsync(f.fileno())
     return {"bytes": total, "sha256": h.hexdigest()}
 
