@@ -1,7 +1,7 @@
 """Train a small MLP with FusedAdamW (one process) or ZeroOptimizer (under torchrun).
 
 python python/train_example.py [--steps 50]
-torchrun --nproc-per-node 2 python/train_example.py --stage 2
+torchrun --nproc-per-node 2 python/train_example.py --stage 2   # or 1, or 3
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ def main() -> None:
         "--stage",
         type=int,
         default=0,
-        choices=[0, 1, 2],
-        help="0: FusedAdamW on every rank (DDP-style all-reduce); 1, 2: ZeRO",
+        choices=[0, 1, 2, 3],
+        help="0: FusedAdamW on every rank (DDP-style all-reduce); 1, 2, 3: ZeRO",
     )
     ap.add_argument("--width", type=int, default=256)
     args = ap.parse_args()
@@ -41,7 +41,7 @@ def main() -> None:
         opt = zero_kernels.FusedAdamW(model.parameters(), lr=3e-3)
     else:
         if not distributed:
-            raise SystemExit("--stage 1/2 needs torchrun (e.g. torchrun --nproc-per-node 2 ...)")
+            raise SystemExit("--stage 1-3 needs torchrun (e.g. torchrun --nproc-per-node 2 ...)")
         opt = zero_kernels.ZeroOptimizer(model, torch.optim.AdamW, stage=args.stage, lr=3e-3)
 
     gen = torch.Generator().manual_seed(1 + rank)
@@ -52,6 +52,7 @@ def main() -> None:
         opt.zero_grad()
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # global norm, every stage
         opt.step()
         if rank == 0 and (step == 1 or step % 10 == 0):
             print(f"step {step:4d}  loss {loss.item():.5f}", flush=True)
