@@ -368,3 +368,57 @@ def small_pair(stepped: bool = False):
             p.grad = torch.ones_like(p)
         o.step()
     return m, o
+
+
+# ---------------------------------------------------------------------------- lost ranks
+def check_lost_rank(rank: int, world: int, root: str, how: str) -> dict:
+    """Rank 1 stalls (SIGSTOP) before the save, or stalls inside it after writing nothing, or
+    raises before it: every other rank's save raises a CheckpointError within the optimizer's
+    timeout naming the step and the phase. Rank 0 wakes rank 1 up (SIGCONT) afterwards."""
+    import signal
+    import time
+
+    from zero_kernels.checkpoint import save as save_mod
+
+    c = ("adamw", 2, "flat", "fp32")
+    m = Net(0)
+    o = ZeroOptimizer(m, torch.optim.AdamW, stage=2, bucket_size_mb=0.0004, lr=1e-2, timeout=2)
+    sched = torch.optim.lr_scheduler.StepLR(o, 2)
+    train(c, m, o, sched, rank, world, range(2))
+    zk.save_checkpoint(root, m, o)  # every rank there: the control group is made
+    pids = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    if rank == 1:
+        if how == "sigstop":
+            os.kill(os.getpid(), signal.SIGSTOP)  # rank 0 sends SIGCONT once it has raised
+            return {"rank": 1}
+        if how == "raise":
+            return {"rank": 1}  # "raised and caught": never reaches the save
+        if how == "stall_in_save":
+            real = save_mod._write_rank
+
+            def slow(ad, tmp):
+                time.sleep(8)
+                return real(ad, tmp)
+
+            save_mod._write_rank = slow
+            try:
+                zk.save_checkpoint(root, m, o)
+            except zk.CheckpointError as e:
+                return {"rank": 1, "late": str(e)}
+            return {"rank": 1}
+    t0 = time.monotonic()
+    try:
+        zk.save_checkpoint(root, m, o, extra={"step": 7})
+        raise AssertionError("save_checkpoint returned with a rank missing")
+    except zk.CheckpointError as e:
+        msg, dt = str(e), time.monotonic() - t0
+    finally:
+        if how == "sigstop":
+            os.kill(pids[1], signal.SIGCONT)
+    assert "save at step 7" in msg, msg
+    # the previous checkpoint is still the latest and loads (on this rank alone)
+    from zero_kernels.checkpoint import format as fmt
+
+    assert fmt.read_latest(root) == "step-00000002", os.listdir(root)
+    return {"rank": rank, "seconds": dt, "error": msg}

@@ -168,3 +168,13 @@ def test_old_version_file_loads():
         assert sched.last_epoch == cc.K
         if isinstance(o, zk.ZeroOptimizer):
             o.close()
+
+
+# ---------------------------------------------------------------------------- lost ranks
+@pytest.mark.parametrize("how", ["sigstop", "raise", "stall_in_save"])
+def test_lost_rank_fails_the_save_within_the_timeout(tmp_path, how):
+    """See [Note: checkpoint timeouts]: ZeroOptimizer(timeout=2)."""
+    out = run_workers(cc.check_lost_rank, 2, str(tmp_path / "r"), how, timeout=120)
+    r0 = out[0]
+    assert r0["seconds"] < 2 + 5, r0  # the timeout plus the machine's slack
+    assert "save at step 7" in r0["error"] and "not every rank took part" in r0["error"], r0

@@ -33,9 +33,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import comm
 from ..layout import Layout, pieces
 from .adapters import Adapter, adapter_for
+from .control import Control, control_for
 from .format import META, MODEL_FILE, CheckpointError, decode, rank_file, read_meta, resolve
 from .storage import Reader, verify_file
 
@@ -69,12 +69,15 @@ def load_checkpoint(
     saved with. Collective. Raises `CheckpointError` (on every rank) naming the file and the
     problem. See [Note: resharding at load]."""
     ad = adapter_for(model, optimizer)
-    plan = _agree(ad, lambda: plan_load(path, ad))
+    ctl = control_for(ad, os.fspath(path), "load")  # see [Note: checkpoint timeouts]
+    ctl.arrive("load_checkpoint")
+    plan = _agree(ctl, lambda: plan_load(path, ad), "reading meta.json")
+    ctl.step = plan.meta.get("steps")
     names = sorted(plan.meta["files"])
     mine = [n for j, n in enumerate(names) if j % ad.world_size == ad.rank]
-    _agree(ad, lambda: _verify(plan, mine))
+    _agree(ctl, lambda: _verify(plan, mine), "verifying the files")
     with Reader(plan.directory) as rd:
-        states = _agree(ad, lambda: _read_targets(plan, ad, rd))
+        states = _agree(ctl, lambda: _read_targets(plan, ad, rd), "reading the pieces")
         groups = decode(plan.meta["param_groups"])
         ad.install(states, groups, plan.meta)
         _load_model_state(plan, ad, rd)
@@ -85,7 +88,7 @@ def load_checkpoint(
     return decode(plan.meta["extra"])
 
 
-def _agree(ad: Adapter, fn):
+def _agree(ctl: Control, fn, what: str):
     """``fn()`` on every rank; if it failed anywhere, every rank raises the first failure."""
     try:
         out, err = fn(), None
@@ -93,10 +96,10 @@ def _agree(ad: Adapter, fn):
         out, err = None, e
     except Exception as e:  # noqa: BLE001 - an I/O error, a bug: still raised on every rank
         out, err = None, CheckpointError("(load)", f"{type(e).__name__}: {e}")
-    errs = comm.all_gather_object(err, group=ad.group)
+    errs = ctl.all_gather(err, what)
     for r, e in enumerate(errs):
         if e is not None:
-            if ad.world_size > 1 and e is not err:
+            if ctl.world > 1 and e is not err:
                 raise CheckpointError(e.file, f"{e.problem} (found by rank {r})")
             raise e
     return out

@@ -30,8 +30,9 @@ import uuid
 
 import torch
 
-from .. import __version__, comm
+from .. import __version__
 from .adapters import Adapter, adapter_for
+from .control import Control, control_for
 from .format import (
     FORMAT,
     FORMAT_VERSION,
@@ -88,14 +89,16 @@ def save_checkpoint(
     step = extra.get("step") if extra else None
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         step = ad.steps()
-    g = ad.group
-
-    prep = _on_rank0(ad, lambda: _prepare(root, step))
-    name, tmp = prep
+    ctl = control_for(ad, root, "save")  # see [Note: checkpoint timeouts]
+    ctl.step = step
+    ctl.arrive(f"save_checkpoint (step {step})")
+    name, tmp = _on_rank0(ctl, lambda: _prepare(root, step), "the temp directory from rank 0")
     info = _try(lambda: _write_rank(ad, tmp))
-    infos = comm.gather_object(info, 0, group=g)
+    infos = ctl.gather(info, "every rank's files, on rank 0")
     meta = _meta(ad, name, groups_json, sched_json, extra_json) if ad.rank == 0 else None
-    return _on_rank0(ad, lambda: _commit(root, name, tmp, meta, infos, keep_last))
+    return _on_rank0(
+        ctl, lambda: _commit(root, name, tmp, meta, infos, keep_last), "the commit on rank 0"
+    )
 
 
 def _meta(ad: Adapter, name: str, groups_json, sched_json, extra_json) -> dict:
@@ -130,10 +133,10 @@ def _try(fn):
         return ("err", e if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}")
 
 
-def _on_rank0(ad: Adapter, fn):
+def _on_rank0(ctl: Control, fn, what: str):
     """Run ``fn`` on rank 0 and give its result to every rank, or raise its error everywhere."""
-    res = _try(fn) if ad.rank == 0 else None
-    res = comm.broadcast_object(res, 0, group=ad.group)
+    res = _try(fn) if ctl.rank == 0 else None
+    res = ctl.broadcast(res, what)
     if res[0] == "err":
         e = res[1]
         raise e if isinstance(e, CheckpointError) else CheckpointError("(rank 0)", str(e))

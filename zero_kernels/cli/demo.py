@@ -12,6 +12,14 @@ rank's error on one line and exits 1, so no process is left behind. Under torchr
 WORLD_SIZE / LOCAL_RANK in the environment) the process is one rank and torchrun supervises.
 `--nnodes/--node-rank/--master-addr/--master-port` let the self-spawning mode span machines too.
 
+[Note: resuming]
+With ``--checkpoint-dir DIR --checkpoint-every K`` every run (DDP baseline and ZeRO stage) saves
+its training state to ``DIR/stage<s>`` every K steps and, when the command is started again with
+the same DIR, resumes from the latest complete checkpoint at whatever world size it has now (a
+checkpoint loads at any world size and stage). Batches are a pure function of (seed, step, rank),
+so a resumed run at the same world size continues the uninterrupted one exactly; at another
+world size the global batch changes with it.
+
 [Note: exposed communication of DDP]
 DDP's buckets are all-reduced through a comm hook that counts their bytes and the time the last
 one was issued; what backward spends after that instant is communication not hidden behind
@@ -59,6 +67,8 @@ class DemoConfig:
     baseline: bool = True  # also run DDP (stage 0) for the loss comparison
     progress: bool = True
     timeout_s: float = 1800.0
+    checkpoint_dir: str | None = None  # save every checkpoint_every steps; resume from it
+    checkpoint_every: int = 0
 
 
 def available_stages() -> tuple[int, ...]:
@@ -158,8 +168,14 @@ def _train(
     bar = _progress(cfg, rank, bar_desc)
     losses, times, exposed = [], [], []
     mem = None
+    ckpt = _Checkpoints(cfg, stage, fwd, opt) if cfg.checkpoint_dir else None
+    start = 0
+    if ckpt is not None:
+        start, losses = ckpt.resume()
+        if bar is not None and start:
+            bar.update(start)
     fail_rank = os.environ.get("ZERO_KERNELS_DEMO_FAIL_RANK")  # fault injection for the tests
-    for step in range(cfg.steps):
+    for step in range(start, cfg.steps):
         if fail_rank == str(rank) and step == 1:
             raise RuntimeError(f"injected failure on rank {rank} (ZERO_KERNELS_DEMO_FAIL_RANK)")
         x, y = get_batch(data, cfg.batch_size, block, seed=cfg.seed, step=step, rank=rank)
@@ -191,6 +207,8 @@ def _train(
             exposed.append(max(0.0, t_bwd - hook.last_issue) if hook.last_issue else 0.0)
         times.append(t1 - t0)
         losses.append(float(loss.detach()))
+        if ckpt is not None:
+            ckpt.maybe_save(step + 1, losses)
         if bar is not None:
             bar.set_postfix_str(_progress_postfix(losses[-1], times[-1]))
             bar.update(1)
@@ -215,6 +233,35 @@ def _train(
         "memory": mem,
         "comm": comm,
     }
+
+
+class _Checkpoints:
+    """``--checkpoint-dir DIR --checkpoint-every K``: the run of each stage saves to DIR/stage<s>
+    every K steps (`zero_kernels.save_checkpoint`, the last 2 kept) and, started again, resumes
+    from the latest one at whatever world size it now has. The loss history so far (the mean
+    over the saving ranks) travels in the checkpoint's ``extra``."""
+
+    def __init__(self, cfg: DemoConfig, stage: int, model, opt):
+        self.dir = os.path.join(cfg.checkpoint_dir, f"stage{stage}")
+        self.every, self.model, self.opt = cfg.checkpoint_every, model, opt
+
+    def resume(self) -> tuple[int, list[float]]:
+        from .. import checkpoint
+
+        if not os.path.exists(os.path.join(self.dir, "latest")):
+            return 0, []
+        extra = checkpoint.load_checkpoint(self.dir, self.model, self.opt)
+        return int(extra["step"]), [float(x) for x in extra["loss_mean"]]
+
+    def maybe_save(self, step: int, losses: list[float]) -> None:
+        if self.every <= 0 or step % self.every:
+            return
+        from .. import checkpoint, comm
+
+        every = comm.all_gather_object(losses)
+        mean = [sum(r[i] for r in every) / len(every) for i in range(len(losses))]
+        extra = {"step": step, "loss_mean": mean}
+        checkpoint.save_checkpoint(self.dir, self.model, self.opt, extra=extra, keep_last=2)
 
 
 def _memory(model: torch.nn.Module, opt, master: list, stage: int) -> dict:
@@ -479,5 +526,14 @@ def validate(cfg: DemoConfig) -> None:
         raise ValueError(f"--bucket-mb must be > 0; got {cfg.bucket_mb}")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available here; use cpu or auto")
+    if cfg.checkpoint_every < 0:
+        raise ValueError(f"--checkpoint-every must be >= 0; got {cfg.checkpoint_every}")
+    if cfg.checkpoint_every and not cfg.checkpoint_dir:
+        raise ValueError("--checkpoint-every needs --checkpoint-dir DIR")
+    if cfg.checkpoint_dir and cfg.precision == "bf16" and (cfg.stage == 0 or cfg.baseline):
+        raise ValueError(
+            "--checkpoint-dir with --precision bf16: the DDP run keeps its fp32 masters outside "
+            "the model, which checkpoints do not take; use --no-baseline with --stage 1, 2 or 3"
+        )
     optimizer_spec(cfg.optimizer)
     Path(cfg.out)  # a path is always accepted; it is created when the report is written

@@ -118,6 +118,17 @@ def _build_parser() -> argparse.ArgumentParser:
         default=1800.0,
         help="seconds before the ranks are stopped (default 1800)",
     )
+    d.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="save checkpoints here and resume from the latest one when started again",
+    )
+    d.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        help="steps between checkpoints (default 0: only resume, never save)",
+    )
 
     e = sub.add_parser(
         "estimate",
