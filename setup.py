@@ -84,7 +84,7 @@ setup(
     # safetensors holds checkpoint tensors (zero_kernels.checkpoint: no pickle at load).
     install_requires=["numpy", "matplotlib", "safetensors"],
     extras_require={
-        "test": ["pytest", "triton"],
+        "test": ["pytest", "pytest-benchmark", "triton"],
     },
     ext_modules=[ext],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},

@@ -57,58 +57,83 @@ def _deepspeed_adam(p):
         return None
 
 
-def plain_step(n: int, device: str, repeats: int, with_deepspeed: bool) -> dict:
+def _plain_optimizers(backend: str) -> dict:
+    """Plain-step candidates: name -> (param -> optimizer, or None when it cannot run here)."""
+    return {
+        "zero_kernels FusedAdamW": lambda p: FusedAdamW(
+            [p], lr=LR, weight_decay=WD, backend=backend
+        ),
+        "torch AdamW default": lambda p: torch.optim.AdamW([p], lr=LR, weight_decay=WD),
+        "torch AdamW foreach": lambda p: torch.optim.AdamW(
+            [p], lr=LR, weight_decay=WD, foreach=True
+        ),
+        "torch AdamW fused": lambda p: torch.optim.AdamW([p], lr=LR, weight_decay=WD, fused=True),
+        "DeepSpeed CPUAdam": _deepspeed_adam if backend == "cpu" else (lambda p: None),
+    }
+
+
+PLAIN_CANDIDATES = tuple(_plain_optimizers("cpu"))
+SHARD_CANDIDATES = ("zero_kernels one pass", "torch pipeline")
+
+
+def plain_candidate(name: str, n: int, device: str):
+    """``opt.step`` of candidate ``name`` over one fresh n-element param (None: unavailable)."""
     backend = "cuda" if device == "cuda" else "cpu"
-    cands, keep = {}, []
+    opt = _plain_optimizers(backend)[name](_param(n, device, 0))
+    return None if opt is None else opt.step
 
-    def add(name, opt, p):
-        keep.append((opt, p))
-        cands[name] = opt.step
 
-    p = _param(n, device, 0)
-    add("zero_kernels FusedAdamW", FusedAdamW([p], lr=LR, weight_decay=WD, backend=backend), p)
-    for name, kw in (
-        ("torch AdamW default", {}),
-        ("torch AdamW foreach", {"foreach": True}),
-        ("torch AdamW fused", {"fused": True}),
-    ):
-        p = _param(n, device, 0)
-        add(name, torch.optim.AdamW([p], lr=LR, weight_decay=WD, **kw), p)
-    if with_deepspeed and device == "cpu":
-        p = _param(n, device, 0)
-        opt = _deepspeed_adam(p)
-        if opt is not None:
-            add("DeepSpeed CPUAdam", opt, p)
+def plain_step(n: int, device: str, repeats: int, with_deepspeed: bool) -> dict:
+    cands = {}
+    for name in PLAIN_CANDIDATES:
+        if name == "DeepSpeed CPUAdam" and not with_deepspeed:
+            continue
+        step = plain_candidate(name, n, device)
+        if step is not None:
+            cands[name] = step
     return side_by_side(cands, repeats=repeats, device=device)
 
 
-def shard_step(n: int, device: str, repeats: int) -> dict:
+def shard_candidate(name: str, n: int, device: str):
+    """(step, restore) of a full-shard-step candidate; ``restore`` (or None) resets its input
+    between calls and is not part of the timed work."""
     backend = "cuda" if device == "cuda" else "cpu"
     scale = 1.0 / 1024  # 1 / loss scale (times a clip coefficient in real use)
-    # ours: one call
-    p, g = _param(n, device, 1), None
-    g = p.grad
-    m, v = torch.zeros_like(p), torch.zeros_like(p)
-    out = torch.empty(n, dtype=torch.bfloat16, device=device)
-    found = torch.zeros(1, device=device)
-    state = {"step": 0}
+    if name == "zero_kernels one pass":  # ours: one call
+        p = _param(n, device, 1)
+        g = p.grad
+        m, v = torch.zeros_like(p), torch.zeros_like(p)
+        out = torch.empty(n, dtype=torch.bfloat16, device=device)
+        found = torch.zeros(1, device=device)
+        state = {"step": 0}
 
-    def ours():
-        state["step"] += 1
-        h = AdamHyper(
-            lr=LR,
-            beta1=0.9,
-            beta2=0.999,
-            eps=1e-8,
-            weight_decay=WD,
-            step=state["step"],
-            adamw=True,
-            grad_scale=scale,
-        )
-        ops.adam_step(
-            p.data, g, m, v, h, out_lowp=out, found_inf=found, check_finite=True, backend=backend
-        )
+        def ours():
+            state["step"] += 1
+            h = AdamHyper(
+                lr=LR,
+                beta1=0.9,
+                beta2=0.999,
+                eps=1e-8,
+                weight_decay=WD,
+                step=state["step"],
+                adamw=True,
+                grad_scale=scale,
+            )
+            ops.adam_step(
+                p.data,
+                g,
+                m,
+                v,
+                h,
+                out_lowp=out,
+                found_inf=found,
+                check_finite=True,
+                backend=backend,
+            )
 
+        return ours, None
+    if name != "torch pipeline":
+        raise ValueError(f"shard_candidate: name must be one of {SHARD_CANDIDATES}, got {name!r}")
     # torch: unscale + inf check (one op), fused AdamW, copy-out
     q = _param(n, device, 1)
     opt = torch.optim.AdamW([q], lr=LR, weight_decay=WD, fused=True)
@@ -118,26 +143,36 @@ def shard_step(n: int, device: str, repeats: int) -> dict:
     grad_copy = q.grad.clone()
 
     def torch_pipeline():
-        q.grad.copy_(grad_copy)  # the unscale works in place; restore so every run sees the same
         torch._amp_foreach_non_finite_check_and_unscale_([q.grad], qfound, inv)
         opt.step()
         qout.copy_(q.detach())
 
-    def restore_only():
+    def restore():  # the unscale works in place; restore so every run sees the same grads
         q.grad.copy_(grad_copy)
+
+    return torch_pipeline, restore
+
+
+def shard_step(n: int, device: str, repeats: int) -> dict:
+    ours, _ = shard_candidate("zero_kernels one pass", n, device)
+    pipeline, restore = shard_candidate("torch pipeline", n, device)
+
+    def restore_and_pipeline():
+        restore()
+        pipeline()
 
     res = side_by_side(
         {
             "zero_kernels one pass": ours,
-            "torch pipeline": torch_pipeline,
-            "(grad restore, subtracted)": restore_only,
+            "torch pipeline": restore_and_pipeline,
+            "(grad restore, subtracted)": restore,
         },
         repeats=repeats,
         device=device,
     )
-    restore = res.pop("(grad restore, subtracted)")["median_s"]
-    res["torch pipeline"]["median_s"] -= restore
-    res["torch pipeline"]["min_s"] -= restore
+    restored = res.pop("(grad restore, subtracted)")["median_s"]
+    res["torch pipeline"]["median_s"] -= restored
+    res["torch pipeline"]["min_s"] -= restored
     return res
 
 
