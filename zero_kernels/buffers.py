@@ -87,6 +87,7 @@ class GradStore:
         *,
         rank: int = 0,
         max_inflight: int = 2,
+        reduce_dtype: torch.dtype | None = None,
     ):
         if stage not in (1, 2, 3):
             raise ValueError(f"stage must be 1, 2 or 3, got stage={stage!r}")
@@ -99,6 +100,14 @@ class GradStore:
             for b in layout.buffers
         ]
         self.dtype = self.dtypes[0] if self.dtypes else torch.float32
+        # stage 2/3: the dtype gradients are accumulated in and reduced in (bucket buffers); the
+        # reduced result is added into the shards, which keep ``dtypes``
+        if reduce_dtype is not None and stage == 1:
+            raise NotImplementedError(
+                f"reduce_dtype={reduce_dtype} at stage 1: stage 1 reduces in place in its full "
+                "gradient buffer, which is also the optimizer's gradient; use stage 2 or 3"
+            )
+        self.reduce_dtypes = [reduce_dtype or dt for dt in self.dtypes]
         n = layout.world_size
         if stage == 1:  # full-size local accumulation buffers; the shards are views into them
             self.full = [
@@ -150,7 +159,7 @@ class GradStore:
             return self.full[i][bk.start : bk.start + n]
         t = self.live.get((i, b))
         if t is None and create:
-            base = self._take(n, self.dtypes[i])
+            base = self._take(n, self.reduce_dtypes[i])
             t = base[:n]
             t.zero_()
             self.live[(i, b)] = t
@@ -213,7 +222,7 @@ class GradStore:
         return self._peak_live_numel * self._itemsize()
 
     def _itemsize(self) -> int:
-        return max((torch.finfo(d).bits // 8 for d in self.dtypes), default=4)
+        return max((torch.finfo(d).bits // 8 for d in self.reduce_dtypes), default=4)
 
 
 class ParamStore:

@@ -88,6 +88,9 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
         fused_adam: use `zero_kernels.ops.adam_step` for torch Adam/AdamW (flat mode).
         kernel_backend: the ``backend`` of `zero_kernels.ops.adam_step` ("auto", "reference"...).
         loss_scale: None, a float (static) or "dynamic"; default "dynamic" with fp16 params.
+        reduce_dtype: stages 2 and 3: the dtype gradients are accumulated in during backward and
+            reduce-scattered in (default fp32); ``torch.bfloat16`` halves the bytes, the result
+            is added into the fp32 gradient shard (the accuracy cost is in bench/README.md).
         max_inflight_buckets: stage 2: most bucket buffers held at once (being filled or
             reduce-scattered); when a bucket needs one beyond it, the oldest reduce-scatter is
             waited for and its buffer reused. Bounds stage 2's communication buffers to this
@@ -151,6 +154,7 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
         reshard_after_forward: bool = True,
         prefetch: int = 1,
         persist_below: int = 0,
+        reduce_dtype: torch.dtype | None = None,
         init_fn=None,
         seed: int = 0,
         **defaults,
@@ -223,6 +227,19 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
         self._meta = any(p.is_meta for p in self._params.values())
         self.device = devices.pop() if devices else comm.default_device(process_group)
         self._init_fn, self._seed = init_fn, seed
+        if reduce_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(
+                "reduce_dtype must be None, torch.float32, torch.bfloat16 or torch.float16, "
+                f"got reduce_dtype={reduce_dtype!r}"
+            )
+        if reduce_dtype == torch.float32:
+            reduce_dtype = None  # the default: fp32 (float64 params: float64)
+        if reduce_dtype is not None and stage == 1:
+            raise NotImplementedError(
+                f"reduce_dtype={reduce_dtype} at stage 1: stage 1 reduces in place in its full "
+                "gradient buffer, which is also the optimizer's gradient; use stage 2 or 3"
+            )
+        self.reduce_dtype = reduce_dtype
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         self.layout: Layout = build_layout(
             specs,
@@ -245,6 +262,7 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
                 "reshard_after_forward": reshard_after_forward,
                 "prefetch": prefetch,
                 "persist_below": persist_below,
+                "reduce_dtype": str(reduce_dtype),
                 "hyper-parameters": repr(sorted(defaults.items())),
                 "param groups": repr(
                     [sorted((k, v) for k, v in g.items() if k != "params") for g in user_groups]
@@ -294,7 +312,12 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
         self._steps = 0
         self.nonfinite_steps = 0
         self._grads = GradStore(
-            self.layout, self.stage, self.device, rank=self.rank, max_inflight=max_inflight_buckets
+            self.layout,
+            self.stage,
+            self.device,
+            rank=self.rank,
+            max_inflight=max_inflight_buckets,
+            reduce_dtype=self.reduce_dtype,
         )
         self._reducer = Reducer(
             self.layout, self._params, self._grads, self.rank, group, self.comm_log

@@ -43,6 +43,7 @@ _OPTIONS = (
     "reshard_after_forward",
     "prefetch",
     "persist_below",
+    "reduce_dtype",
     "init_fn",
     "seed",
 )

@@ -73,7 +73,18 @@ _MOVES = {
 class GradBucket:
     """One bucket's reduction: its state, this pass's arrivals, its collective in flight."""
 
-    __slots__ = ("key", "need", "state", "arrived", "launched", "fresh", "written", "handle", "tmp")
+    __slots__ = (
+        "key",
+        "need",
+        "state",
+        "arrived",
+        "launched",
+        "fresh",
+        "overwrite",
+        "written",
+        "handle",
+        "tmp",
+    )
 
     def __init__(self, i: int, b: int, need: int):
         self.key = (i, b)
@@ -82,6 +93,7 @@ class GradBucket:
         self.arrived = 0  # grads arrived in this pass
         self.launched = False  # reduce-scatter issued in this pass
         self.fresh = True  # stage 2: the next reduction overwrites the shard (else adds to it)
+        self.overwrite = False  # the reduction in flight overwrites the shard
         self.written: set[int] = set()  # stage 1: slot positions written since zero_grad
         self.handle: comm.Handle | None = None
         self.tmp: torch.Tensor | None = None  # stage 2: reduced values added to the shard after
@@ -263,13 +275,15 @@ class Reducer:
             self._rebase(bk)  # reduced before, nothing added since: reduce it again as is
         inp = self.grads.bucket(*bk.key) if self.stage == 1 else self._accumulator(bk)
         tmp = None
+        shard = self.grads.shard(*bk.key)
         if self.stage == 1:
             self._zero_unwritten(bk)
-            out = self.grads.shard(*bk.key)  # in place: the rank's slice of ``inp``
-        elif not bk.fresh:
-            tmp = out = torch.empty_like(self.grads.shard(*bk.key))  # added to the shard after
+            out = shard  # in place: the rank's slice of ``inp``
+        elif not bk.fresh or inp.dtype != shard.dtype:  # added (or cast) into the shard after
+            tmp = out = torch.empty(shard.shape, dtype=inp.dtype, device=shard.device)
         else:
-            out = self.grads.shard(*bk.key)
+            out = shard
+        bk.overwrite = bk.fresh
         bk.fresh = False
         bk.handle = comm.reduce_scatter(out, inp, group=self.group, avg=True, log=self.log)
         bk.tmp = tmp
@@ -283,7 +297,11 @@ class Reducer:
     def _finalize(self, bk: GradBucket) -> None:
         bk.handle.wait()
         if bk.tmp is not None:
-            self.grads.shard(*bk.key).add_(bk.tmp)
+            shard = self.grads.shard(*bk.key)
+            if bk.overwrite:
+                shard.copy_(bk.tmp)
+            else:
+                shard.add_(bk.tmp)
         bk.handle, bk.tmp = None, None
         bk.move(BucketState.REDUCED)
         if self.stage == 2:
