@@ -115,3 +115,38 @@ def test_param_groups_show_inner_keys():
     missing = set(inner) - set(zo.param_groups[0])
     assert not missing, missing
     zo.close()
+
+
+def _stalled_rank(rank, world):
+    """A rank that stalls before backward: with timeout=, the others raise CollectiveTimeout
+    within the timeout, naming the step, the phase and the bucket; no hang."""
+    import time
+
+    from zero_kernels.comm import CollectiveTimeout
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 64), nn.Linear(64, 64), nn.Linear(64, 2))
+    zo = ZeroOptimizer(m, torch.optim.AdamW, stage=2, bucket_size_mb=0.005, lr=0.1, timeout=2)
+    x = torch.randn(4, 8)
+    m(x).sum().backward()
+    zo.step()  # one healthy step
+    zo.zero_grad()
+    if rank == world - 1:
+        time.sleep(12)  # stalls (a slow disk, a debugger, SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        m(x).sum().backward()
+        zo.step()
+        return ("no error", 0.0)
+    except CollectiveTimeout as e:
+        return (str(e), time.monotonic() - t0)
+    except RuntimeError as e:  # the stalled rank, when it comes back, finds its peers gone
+        return (f"peer: {e}"[:200], time.monotonic() - t0)
+
+
+@pytest.mark.distributed
+def test_timeout_names_step_phase_and_bucket():
+    out = run_workers(_stalled_rank, 2, timeout=120)
+    msg, took = out[0]
+    assert "step 1" in msg and "backward" in msg and "bucket" in msg, msg
+    assert took < 10, took

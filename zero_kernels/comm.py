@@ -156,17 +156,63 @@ class Handle:
         self.log = log
         self.done = False
 
-    def wait(self) -> torch.Tensor:
+    def wait(self, timeout_s: float | None = None, what: str = "") -> torch.Tensor:
+        """Finish the collective; with ``timeout_s``, a `CollectiveTimeout` naming ``what``
+        when not every rank took part in time (a rank stalled, died or took another path)."""
         if not self.done:
             t0 = time.perf_counter()
             if self.work is not None:
-                self.work.wait()
+                _wait(self.work, timeout_s, what)
             if self.divide != 1.0:
                 self.tensors[0].div_(self.divide)
             if self.log is not None:
                 self.log.exposed_comm_s += time.perf_counter() - t0
             self.done = True
         return self.tensors[0]
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective that not every rank completed within the optimizer's ``timeout``."""
+
+
+def _wait(work, timeout_s: float | None, what: str) -> None:
+    """``work.wait()``, bounded by ``timeout_s`` (see `Handle.wait`)."""
+    if timeout_s is None:
+        work.wait()
+        return
+    try:
+        if isinstance(work, (_Exchange, _Ring)):
+            work.wait(timeout_s)
+        else:  # not every backend's work honours wait(timeout) (gloo's reduce-scatter does
+            # not): wait in a thread, bounded here
+            _bounded(work.wait, timeout_s)
+    except CollectiveTimeout:
+        raise
+    except RuntimeError as e:
+        raise CollectiveTimeout(
+            f"{what or 'a collective'}: not every rank completed it within {timeout_s:g} s "
+            f"(a rank stalled, died or ran a different collective): {str(e)[:300]}"
+        ) from e
+
+
+def _bounded(fn, timeout_s: float) -> None:
+    """``fn()`` in a daemon thread; its exception re-raised here; RuntimeError after
+    ``timeout_s`` (the thread is left blocked: the caller is about to fail anyway)."""
+    box: list = []
+
+    def run():
+        try:
+            fn()
+        except BaseException as e:  # re-raised in the caller
+            box.append(e)
+
+    t = threading.Thread(target=run, name="zero_kernels-wait", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        raise RuntimeError(f"timed out after {timeout_s:g} s")
+    if box:
+        raise box[0]
 
 
 def is_initialized() -> bool:
@@ -357,9 +403,12 @@ class _Exchange:
     def is_completed(self) -> bool:
         return all(w.is_completed() for w in self.works)
 
-    def wait(self) -> None:
+    def wait(self, timeout_s: float | None = None) -> None:
         for w in self.works:
-            w.wait()
+            if timeout_s is None:
+                w.wait()
+            else:
+                w.wait(datetime.timedelta(seconds=timeout_s))
         if self.finish is not None:
             finish, self.finish = self.finish, None
             finish()
@@ -386,8 +435,10 @@ class _Ring:
     def is_completed(self) -> bool:
         return not self.thread.is_alive()
 
-    def wait(self) -> None:
-        self.thread.join()
+    def wait(self, timeout_s: float | None = None) -> None:
+        self.thread.join(timeout_s)
+        if self.thread.is_alive():
+            raise CollectiveTimeout(f"ring collective still running after {timeout_s:g} s")
         if self.error is not None:
             raise RuntimeError("zero_kernels ring collective failed") from self.error
 
@@ -684,13 +735,24 @@ def _reset_choices() -> None:
 
 
 def all_reduce(
-    t: torch.Tensor, op: str = "sum", *, group=None, log: CommLog | None = None
+    t: torch.Tensor,
+    op: str = "sum",
+    *,
+    group=None,
+    log: CommLog | None = None,
+    timeout_s: float | None = None,
+    what: str = "",
 ) -> torch.Tensor:
-    """Blocking in-place all-reduce of a small tensor (norms, overflow flags); op sum or max."""
+    """Blocking in-place all-reduce of a small tensor (norms, overflow flags); op sum or max;
+    bounded by ``timeout_s`` as `Handle.wait`."""
     if log is not None:
         log.all_reduce_calls += 1
     if world_size(group) > 1:
-        dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op], group=group)
+        rop = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+        if timeout_s is None:
+            dist.all_reduce(t, op=rop, group=group)
+        else:
+            _wait(dist.all_reduce(t, op=rop, group=group, async_op=True), timeout_s, what)
     return t
 
 

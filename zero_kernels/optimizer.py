@@ -99,9 +99,12 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
             anyway; the count is in ``comm_stats["nonfinite_steps"]`` and the first one is
             logged on the rank that saw it), "skip" (every rank skips the step) or "raise".
             With a loss scale the step is always skipped (and the scale lowered).
-        timeout: seconds that collective-only calls (``consolidated_state_dict``,
-            ``full_param``...) wait for every rank before raising instead of hanging
-            (default 300).
+        timeout: seconds. When given, every collective of backward and step is bounded by it:
+            a rank that stalls, dies or raises mid-step makes the others raise
+            `zero_kernels.comm.CollectiveTimeout` naming the step, the phase and the bucket or
+            unit, instead of waiting for the process group's own timeout (30 min on gloo).
+            Collective-only calls (``consolidated_state_dict``, ``full_param``, stage 3's
+            ``model.state_dict()``) check that every rank arrived within it (default 300).
         **defaults: passed to ``optimizer_class``.
 
     Gradients: after backward, ``param.grad`` is a `ShardedGrad` (this rank's piece of the
@@ -178,6 +181,9 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
         self.optimizer_class = optimizer_class
         self.nonfinite = nonfinite
         self.timeout = float(timeout or 300.0)
+        # collectives of backward and step are bounded only when the user asks (the process
+        # group's own timeout otherwise): see [Note: timeouts]
+        self._op_timeout = float(timeout) if timeout is not None else None
         self.world_size = comm.world_size(process_group)
         self.rank = comm.rank(process_group)
         user_groups, names = _param_groups(params)
@@ -307,7 +313,7 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
         self._store = self._materialize_and_store()
         self._flats = self._store.flats
         self._expected = {i: (_storage_id(p), p.dtype) for i, p in self._trainable.items()}
-        self._side = comm.side_group(group)
+        self._side = comm.side_group(group, timeout_s=self.timeout)
         self.comm_log = comm.CommLog()
         self._steps = 0
         self.nonfinite_steps = 0
@@ -327,6 +333,8 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
         me = weakref.ref(self)
         self._reducer.on_backward_start = _call(me, "_on_backward_start")
         self._reducer.on_reduced = _call(me, "_publish")
+        self._reducer.timeout = self._op_timeout
+        self._reducer.describe = _call_args(me, "_where")
         # the inner optimizer over this rank's pieces
         group_opts = [{k: v for k, v in g.items() if k != "params"} for g in user_groups]
         fusable = (
@@ -349,6 +357,8 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
         self._ids_trainable = {id(p) for p in self._trainable.values()}
         if self.stage == 3:
             self._scheduler = self._make_scheduler()
+            self._scheduler.timeout = self._op_timeout
+            self._scheduler.describe = _call_args(me, "_where")
             self._reducer.on_bucket_ready = self._scheduler.bucket_done
             m = self._module
             self._scheduler.handles += [
@@ -487,6 +497,7 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
 
     def _state_dict_hook(self, module, state_dict, prefix, local_metadata):
         """Stage 3: ``model.state_dict()`` gets whole tensors, gathered unit by unit."""
+        comm.check_arrival(self._side, "model.state_dict() at stage 3", self.timeout)
         sched = self._scheduler
         names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
         for u in sched.all_units:
@@ -636,6 +647,9 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
                     "gradient; build the ZeroOptimizer after unfreezing it"
                 )
 
+    def _where(self) -> str:
+        return f"ZeroOptimizer step {self._steps} (rank {self.rank})"
+
     def layout_name(self, index: int) -> str:
         for b in self.layout.buffers:
             for s in b.slots:
@@ -666,7 +680,14 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
         local = self._views.active | self._reducer.got
         if local:
             mask[[pos[k] for k in local]] = 1
-        comm.all_reduce(mask, "max", group=self.group, log=self.comm_log)
+        comm.all_reduce(
+            mask,
+            "max",
+            group=self.group,
+            log=self.comm_log,
+            timeout_s=self._op_timeout,
+            what=f"{self._where()}, backward: which params have gradients",
+        )
         self._views.active = {idx[j] for j in mask.nonzero().flatten().tolist()}
         self._reducer.got.clear()
         self._views.install(self._trainable)
@@ -771,7 +792,14 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
                 if not bool(torch.isfinite(g).all()):
                     bad.fill_(1.0)
                     break
-            comm.all_reduce(bad, "max", group=self.group, log=self.comm_log)
+            comm.all_reduce(
+                bad,
+                "max",
+                group=self.group,
+                log=self.comm_log,
+                timeout_s=self._op_timeout,
+                what=f"{self._where()}, step: non-finite check",
+            )
             self._overflow = bool(bad.item() != 0)
         else:  # torch's behaviour: step anyway; `step` counts it (one cheap pass per shard)
             self._overflow = False
@@ -864,8 +892,8 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
             )
             if self._scheduler is not None:  # stage 3: params kept whole are gathered now
                 handles += self._scheduler.refresh_persistent()
-            for h in handles:
-                h.wait()
+            for k, h in enumerate(handles):
+                h.wait(self._op_timeout, f"{self._where()}, step: all-gather {k} of the params")
             if self._dynamic:
                 self._growth_tracker += 1
                 if self._growth_tracker >= self.growth_interval:

@@ -246,10 +246,9 @@ class ZeroAdapter(Adapter):
         if _reusable(v, dtype, pc.numel):
             return v.detach().view(-1)
         if r.fused[i] and dtype == torch.float32 and key in _FUSED_KEYS:
-            flat = r._flat_state(i, pc.bucket, r.inner.param_groups[i])
-            if key in flat:
-                lo = pc.start - self.layout.buffers[i].buckets[pc.bucket].shard_start(self.rank)
-                return flat[key][lo : lo + pc.numel]
+            views = r.piece_flat_state(i, _k)
+            if key in views:
+                return views[key]
         return torch.empty(pc.numel, dtype=dtype)
 
     @torch.no_grad()

@@ -141,6 +141,8 @@ class Reducer:
         self.on_backward_start = None
         self.on_reduced = None
         self.on_bucket_ready = None  # stage 3: every grad of a bucket arrived (free its params)
+        self.timeout: float | None = None  # bound on each wait (the optimizer's ``timeout``)
+        self.describe = lambda: ""  # where we are, for a timeout's message ("step 3")
         self._hooks = []
         self._hook_cache: dict = {}
         me = weakref.ref(self)  # hooks must not keep the reducer (and its optimizer) alive
@@ -295,7 +297,10 @@ class Reducer:
                 self._finalize(self.inflight.pop(0))
 
     def _finalize(self, bk: GradBucket) -> None:
-        bk.handle.wait()
+        i, b = bk.key
+        bk.handle.wait(
+            self.timeout, f"{self.describe()}, backward: reduce-scatter of bucket {b} of buffer {i}"
+        )
         if bk.tmp is not None:
             shard = self.grads.shard(*bk.key)
             if bk.overwrite:

@@ -243,6 +243,16 @@ class ShardRunner:
                 st[name] = t[lo : lo + pc.numel].view(p.shape)
         return st
 
+    def piece_flat_state(self, i: int, k: int) -> dict[str, torch.Tensor]:
+        """Fused Adam buffers only: piece ``k`` of buffer ``i``'s ranges of its bucket's flat
+        state (``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq`` with amsgrad), 1-D views to read
+        or write in place (checkpoint loads); created (zeros) if the bucket has none yet."""
+        assert self.fused[i], f"buffer {i} is not stepped by the fused Adam kernel"
+        pc = self.pieces[i][k]
+        flat = self._flat_state(i, pc.bucket, self.inner.param_groups[i])
+        lo = pc.start - self.layout.buffers[i].buckets[pc.bucket].shard_start(self.rank)
+        return {name: t[lo : lo + pc.numel] for name, t in flat.items()}
+
     def adopt_state(self) -> None:
         """After the inner optimizer's state was loaded (new tensors): move fused buffers' Adam
         state back into the per-bucket flat tensors, the pieces' entries becoming views."""

@@ -149,6 +149,8 @@ class UnitScheduler:
         self.recording: list[int] = []
         self.pos = 0  # position in the recorded order during a forward
         self._done: set[tuple[int, int]] = set()  # buckets whose grads all arrived
+        self.timeout: float | None = None  # bound on each wait (the optimizer's ``timeout``)
+        self.describe = lambda: ""  # where we are, for a timeout's message
         self.handles = []
         me = weakref.ref(self)
         for u in units:
@@ -173,7 +175,7 @@ class UnitScheduler:
         self.gather(u)
         if u.state is UnitState.GATHERING:
             for h in u.handles:
-                h.wait()
+                h.wait(self.timeout, f"{self.describe()}: all-gather of unit {u.name}")
             u.handles.clear()
             u.state = UnitState.GATHERED
         u.expect(UnitState.GATHERED)
