@@ -455,7 +455,35 @@ def contract_all(rank: int, world: int) -> dict:
     out.update(check_semantics(rank, world))
     out.update(check_lifecycle(rank, world))
     out.update(check_nonfinite(rank, world))
+    out.update(check_overlap_gather(rank, world))
     if world > 1:
         out.update(check_disagree(rank, world))
     out.update(check_join(rank, world))  # last: it leaves the group unusable
+    return out
+
+
+def check_overlap_gather(rank: int, world: int) -> dict:
+    """overlap_param_gather: DDP's result; all-gathers still in flight after step() are waited
+    for by the forward (or wait_params); state_dict sees finished values."""
+    out = {}
+    for stage in (1, 2):
+        m1, m2, zo, ddp, to = _pair(stage, zkw={"overlap_param_gather": True})
+        for step in range(4):
+            zo.zero_grad()
+            to.zero_grad()
+            m1(_x(rank, step)).pow(2).mean().backward()
+            ddp(_x(rank, step)).pow(2).mean().backward()
+            zo.step()
+            to.step()
+            pending = len(zo._pending_gathers)
+            assert pending == sum(len(b.buckets) for b in zo.layout.buffers), pending
+            if step == 2:
+                sd = m1.state_dict()  # waits for every gather first
+                assert not zo._pending_gathers
+                for k, v in m2.state_dict().items():
+                    assert _rel(sd[k.removeprefix("module.")], v) <= 1e-6, k
+        zo.wait_params()
+        _close(m1, m2, 1e-6, f"overlap_param_gather stage={stage}")
+        zo.close()
+        out[f"overlap gather stage={stage}"] = "ok"
     return out

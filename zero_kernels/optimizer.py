@@ -95,6 +95,12 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
             reduce-scattered); when a bucket needs one beyond it, the oldest reduce-scatter is
             waited for and its buffer reused. Bounds stage 2's communication buffers to this
             many buckets of ``bucket_size_mb``; 1 disables overlap. Default 2.
+        overlap_param_gather: stages 1/2 with the model: ``step()`` returns with the
+            all-gathers of the new params in flight, and each module's forward pre-hook waits
+            for the buckets holding its params (as Megatron does), so they overlap the next
+            forward. Params read between ``step()`` and the next forward are incomplete until
+            ``opt.wait_params()`` (model.state_dict() and this optimizer's methods call it).
+            Default False.
         nonfinite: what a step does with inf/NaN gradients: "step" (torch's behaviour: step
             anyway; the count is in ``comm_stats["nonfinite_steps"]`` and the first one is
             logged on the rank that saw it), "skip" (every rank skips the step) or "raise".
@@ -158,6 +164,7 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
         prefetch: int = 1,
         persist_below: int = 0,
         reduce_dtype: torch.dtype | None = None,
+        overlap_param_gather: bool = False,
         init_fn=None,
         seed: int = 0,
         **defaults,
@@ -246,6 +253,14 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
                 "gradient buffer, which is also the optimizer's gradient; use stage 2 or 3"
             )
         self.reduce_dtype = reduce_dtype
+        if overlap_param_gather and (module is None or stage == 3):
+            raise ValueError(
+                "overlap_param_gather=True needs the model (its forward hooks wait for each "
+                f"bucket) and stage 1 or 2 (stage 3 gathers at use anyway); got stage={stage}, "
+                f"module={type(module).__name__}"
+            )
+        self.overlap_param_gather = bool(overlap_param_gather)
+        self._pending_gathers: dict = {}  # (buffer, bucket) -> all-gather handle in flight
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         self.layout: Layout = build_layout(
             specs,
@@ -269,6 +284,7 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
                 "prefetch": prefetch,
                 "persist_below": persist_below,
                 "reduce_dtype": str(reduce_dtype),
+                "overlap_param_gather": bool(overlap_param_gather),
                 "hyper-parameters": repr(sorted(defaults.items())),
                 "param groups": repr(
                     [sorted((k, v) for k, v in g.items() if k != "params") for g in user_groups]
@@ -370,6 +386,8 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
             self._hook_handles.append(
                 self._module.register_load_state_dict_post_hook(_call_args(me, "_load_post_hook"))
             )
+            if self.overlap_param_gather:
+                self._hook_handles += self._gather_wait_hooks(me)
         self._views = GradViews(self)
         for _i, _, pc, _, g in self._runner.all_pieces():
             self._views.by_index.setdefault(pc.index, []).append((g.reshape(-1), pc.offset))
@@ -449,6 +467,7 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
         to every rank and written into the shards (and fp32 masters). None: edits are dropped
         at stage 3 (and must be the same on every rank at stages 1/2)."""
         self._check_open("gathered_params")
+        self.wait_params()
         if modifier_rank is not None and not 0 <= modifier_rank < self.world_size:
             raise ValueError(
                 f"modifier_rank must be a rank in [0, {self.world_size}) or None, "
@@ -567,6 +586,8 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
         values (no longer views of the flat buffers); the optimizer cannot be used after."""
         if getattr(self, "_closed", True):
             return
+        if getattr(self, "_pending_gathers", None):
+            self.wait_params()
         self._closed = True
         if hasattr(self, "_reducer"):
             self._reducer.flush_pending_waits()
@@ -752,6 +773,39 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
         self._reducer.finish()  # every bucket reduced with zeros; the gradient mask
         self.step()
 
+    # ------------------------------------------------------------------ overlapped all-gather
+    def _gather_wait_hooks(self, me) -> list:
+        """overlap_param_gather: a forward pre-hook on every module with params of its own
+        waits for the all-gathers of the buckets holding them; state_dict waits for all."""
+        bucket_of = {}
+        for i, buf in enumerate(self.layout.buffers):
+            for s in buf.slots:
+                bucket_of[id(self._params[s.index])] = (i, s.bucket)
+        handles = []
+        for m in self._module.modules():
+            mine = {bucket_of[id(p)] for p in m.parameters(recurse=False) if id(p) in bucket_of}
+            if mine:
+                handles.append(m.register_forward_pre_hook(_wait_hook(me, sorted(mine))))
+        handles.append(self._module.register_state_dict_pre_hook(_call_args(me, "wait_params")))
+        handles.append(
+            self._module._register_load_state_dict_pre_hook(_call_args(me, "wait_params"))
+        )
+        return handles
+
+    def _wait_gathers(self, keys) -> None:
+        for k in keys:
+            h = self._pending_gathers.pop(k, None)
+            if h is not None:
+                h.wait(self._op_timeout, f"{self._where()}: all-gather of bucket {k[1]}")
+
+    def wait_params(self, *args, **kwargs) -> None:
+        """overlap_param_gather: finish every all-gather still in flight, so the params hold the
+        last step's values. The next forward does it bucket by bucket by itself; call this
+        before reading params between ``step()`` and the next forward (EMA, logging, saving
+        tensors yourself); model.state_dict() and this optimizer's own methods call it."""
+        if self._pending_gathers:
+            self._wait_gathers(list(self._pending_gathers))
+
     def _check_not_joined(self, what: str) -> None:
         if self._join_active is not None and self._join_active < self.world_size:
             raise RuntimeError(
@@ -849,6 +903,7 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
     @torch.no_grad()
     def step(self, closure=None):
         self._check_open("step")
+        self.wait_params()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -891,9 +946,14 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
                 self._views.active, self._grad_factor, self.comm_log, self.group
             )
             if self._scheduler is not None:  # stage 3: params kept whole are gathered now
-                handles += self._scheduler.refresh_persistent()
-            for k, h in enumerate(handles):
-                h.wait(self._op_timeout, f"{self._where()}, step: all-gather {k} of the params")
+                handles += [
+                    ((-1, k), h) for k, h in enumerate(self._scheduler.refresh_persistent())
+                ]
+            if self.overlap_param_gather:  # waited for by the next forward (see wait_params)
+                self._pending_gathers.update(handles)
+            else:
+                for (_, b), h in handles:
+                    h.wait(self._op_timeout, f"{self._where()}, step: all-gather of bucket {b}")
             if self._dynamic:
                 self._growth_tracker += 1
                 if self._growth_tracker >= self.growth_interval:
@@ -970,6 +1030,15 @@ def _call_args(me, name: str):
         return None
 
     return f
+
+
+def _wait_hook(me, keys):
+    def hook(module, args):
+        o = me()
+        if o is not None and o._pending_gathers:
+            o._wait_gathers(keys)
+
+    return hook
 
 
 def _call(me, name: str):

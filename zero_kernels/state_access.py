@@ -117,6 +117,7 @@ class ShardStateAccess:
         outside a step (checkpoint load, setters): copy them into the params' shards and, where
         params are whole (stages 1/2, or a stage-3 bucket gathered now), all-gather them.
         Collective."""
+        self.wait_params()
         self._runner.write_params()
         handles = []
         for i, buf in enumerate(self.layout.buffers):
@@ -176,6 +177,7 @@ class ShardStateAccess:
     def set_full_param(self, param: torch.Tensor, value: torch.Tensor) -> None:
         """Set the whole parameter (and its master) to ``value`` (the same on every rank)."""
         self._check_open("set_full_param")
+        self.wait_params()
         i = self._index_of(param, "set_full_param")
         value = torch.as_tensor(value).to(self.device)
         if value.shape != param.shape:

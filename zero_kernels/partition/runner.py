@@ -148,28 +148,31 @@ class ShardRunner:
 
     def step(
         self, active: set[int], grad_scale: float, log: comm.CommLog, group
-    ) -> list[comm.Handle]:
+    ) -> list[tuple[tuple[int, int], comm.Handle]]:
         """One optimizer step on the shard for the params in ``active`` (indices; the others are
-        left out, as torch does for ``grad=None``); returns the all-gather handles of the new
-        params. ``grad_scale`` multiplies the reduced gradients (1/loss scale, clipping) inside
-        the fused kernel; it must be 1 unless `scales_in_kernel`."""
+        left out, as torch does for ``grad=None``); returns ``((buffer, bucket), handle)`` of the
+        all-gathers of the new params (stages 1/2). ``grad_scale`` multiplies the reduced
+        gradients (1/loss scale, clipping) inside the fused kernel; it must be 1 unless
+        `scales_in_kernel`."""
         for i, _k, pc, p, g in self.all_pieces():
             p.grad = g if pc.index in active and not self.fused[i] else None
         if not all(self.fused):
             assert grad_scale == 1.0, "unfused steps take gradients already scaled"
             self.inner.step()
-        handles: list[comm.Handle] = []
+        handles: list[tuple[tuple[int, int], comm.Handle]] = []
         for i, buf in enumerate(self.layout.buffers):
             m = self.masters[i]
             lowp = m is not None
-            for b in buf.buckets:
+            # last bucket first: it holds the first params of the forward (reverse layout), so
+            # its all-gather is the first one the next forward needs
+            for b in reversed(buf.buckets):
                 dst = self.store.shard(i, b.index)
                 if self.fused[i]:
                     self._fused_bucket(i, b.index, active, grad_scale, dst if lowp else None)
                 if m is not None and not (self.fused[i] and lowp):
                     dst.copy_(m[self._slice(i, b.index)])
                 if not self.store.sharded:  # stage 3 gathers at the next use instead
-                    handles.append(self.gather(i, b.index, log, group))
+                    handles.append(((i, b.index), self.gather(i, b.index, log, group)))
         for _, _, _, p, _ in self.all_pieces():
             p.grad = None
         return handles
