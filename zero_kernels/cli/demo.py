@@ -18,7 +18,9 @@ its training state to ``DIR/stage<s>`` every K steps and, when the command is st
 the same DIR, resumes from the latest complete checkpoint at whatever world size it has now (a
 checkpoint loads at any world size and stage). Batches are a pure function of (seed, step, rank),
 so a resumed run at the same world size continues the uninterrupted one exactly; at another
-world size the global batch changes with it.
+world size the global batch changes with it. Rank 0 prints ``zero-kernels demo: resumed
+DIR/stage<s> at step S (world size W)``; tests/test_elastic.py runs this under torchrun's elastic
+restart.
 
 [Note: exposed communication of DDP]
 DDP's buckets are all-reduced through a comm hook that counts their bytes and the time the last
@@ -250,8 +252,18 @@ class _Checkpoints:
 
         if not os.path.exists(os.path.join(self.dir, "latest")):
             return 0, []
+        from .. import comm
+
         extra = checkpoint.load_checkpoint(self.dir, self.model, self.opt)
-        return int(extra["step"]), [float(x) for x in extra["loss_mean"]]
+        step = int(extra["step"])
+        if comm.rank() == 0:
+            print(
+                f"zero-kernels demo: resumed {self.dir} at step {step} "
+                f"(world size {comm.world_size()})",
+                file=sys.stderr,
+                flush=True,
+            )
+        return step, [float(x) for x in extra["loss_mean"]]
 
     def maybe_save(self, step: int, losses: list[float]) -> None:
         if self.every <= 0 or step % self.every:
