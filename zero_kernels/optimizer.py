@@ -668,6 +668,17 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
                     "gradient; build the ZeroOptimizer after unfreezing it"
                 )
 
+    def _all_reduce(self, t: torch.Tensor, op: str, what: str) -> torch.Tensor:
+        """A small blocking all-reduce of this optimizer, bounded by ``timeout`` when given."""
+        return comm.all_reduce(
+            t,
+            op,
+            group=self.group,
+            log=self.comm_log,
+            timeout_s=self._op_timeout,
+            what=f"{self._where()}, {what}",
+        )
+
     def _where(self) -> str:
         return f"ZeroOptimizer step {self._steps} (rank {self.rank})"
 
@@ -701,14 +712,7 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
         local = self._views.active | self._reducer.got
         if local:
             mask[[pos[k] for k in local]] = 1
-        comm.all_reduce(
-            mask,
-            "max",
-            group=self.group,
-            log=self.comm_log,
-            timeout_s=self._op_timeout,
-            what=f"{self._where()}, backward: which params have gradients",
-        )
+        self._all_reduce(mask, "max", "backward: which params have gradients")
         self._views.active = {idx[j] for j in mask.nonzero().flatten().tolist()}
         self._reducer.got.clear()
         self._views.install(self._trainable)
@@ -846,14 +850,7 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
                 if not bool(torch.isfinite(g).all()):
                     bad.fill_(1.0)
                     break
-            comm.all_reduce(
-                bad,
-                "max",
-                group=self.group,
-                log=self.comm_log,
-                timeout_s=self._op_timeout,
-                what=f"{self._where()}, step: non-finite check",
-            )
+            self._all_reduce(bad, "max", "step: non-finite check")
             self._overflow = bool(bad.item() != 0)
         else:  # torch's behaviour: step anyway; `step` counts it (one cheap pass per shard)
             self._overflow = False
@@ -877,7 +874,7 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
         if math.isinf(norm_type):
             local = max((float(g.abs().max()) for g in shards if g.numel()), default=0.0)
             t = torch.tensor([local], dtype=torch.float64, device=self.device)
-            comm.all_reduce(t, "max", group=self.group, log=self.comm_log)
+            self._all_reduce(t, "max", "clip_grad_norm_")
             total = float(t.item())
         else:
             s = sum(
@@ -887,7 +884,7 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
                 for g in shards
             )
             t = torch.tensor([s], dtype=torch.float64, device=self.device)
-            comm.all_reduce(t, "sum", group=self.group, log=self.comm_log)
+            self._all_reduce(t, "sum", "clip_grad_norm_")
             total = float(t.item()) if norm_type == 0 else float(t.item()) ** (1.0 / norm_type)
         total *= abs(self._grad_factor)
         if error_if_nonfinite and not math.isfinite(total):
