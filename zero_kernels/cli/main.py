@@ -63,7 +63,7 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Train a small GPT on the shipped corpus with ZeRO and DDP on "
         "the same data and seed; report memory, communication, time.",
     )
-    d.add_argument("--stage", type=int, default=2, help="ZeRO stage: 0 = DDP, 1, 2 (default 2)")
+    d.add_argument("--stage", type=int, default=2, help="ZeRO stage: 0 = DDP, 1, 2, 3 (default 2)")
     d.add_argument(
         "--nproc",
         type=int,
