@@ -30,12 +30,13 @@ import zlib
 
 import torch
 from torch import nn
-from torch.distributed.algorithms.join import Joinable, JoinHook
+from torch.distributed.algorithms.join import Joinable
 
 from . import comm, validate
-from .buffers import GradStore, ParamStore
+from .buffers import GradStore
+from .grad_access import GradAccess
 from .layout import Layout, ParamSpec, build_layout
-from .materialize import materialize_modules_
+from .param_access import ParamAccess, _call, _call_args, _storage_id
 from .partition import (
     FUSED_ADAM_CLASSES,
     Reducer,
@@ -44,12 +45,8 @@ from .partition import (
 )
 from .partition.grads import GradViews, ShardedGrad
 from .partition.units import (
-    Unit,
-    UnitScheduler,
-    UnitState,
     find_units,
     unit_assignment,
-    unit_members,
 )
 from .state_access import ShardStateAccess
 
@@ -60,19 +57,7 @@ log = logging.getLogger("zero_kernels")
 _UNFUSABLE = ("differentiable", "capturable")
 
 
-class _JoinHook(JoinHook):
-    """What a rank that ran out of inputs does while the others still train: it contributes
-    zero gradients to their reductions and steps its shard with the average, so its collectives
-    match theirs (one synchronising backward and one step per iteration)."""
-
-    def __init__(self, opt: ZeroOptimizer):
-        self.opt = opt
-
-    def main_hook(self) -> None:
-        self.opt._shadow_iteration()
-
-
-class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
+class ZeroOptimizer(ParamAccess, GradAccess, ShardStateAccess, torch.optim.Optimizer, Joinable):
     """Shards ``optimizer_class``'s state (stage 1) and the gradients too (stage 2).
 
     Args:
@@ -422,164 +407,6 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
         every = list(self._hook_handles) + (self._scheduler.handles if self._scheduler else [])
         weakref.finalize(self, _remove_hooks, every, dict(self._params))
 
-    def _materialize_and_store(self) -> ParamStore:
-        """The param store; meta params materialised (stage 3: unit by unit, keeping only this
-        rank's shard, so construction holds the shards plus one unit)."""
-        sharded = self.stage == 3
-        group, module = self.group, self._module
-        if self._meta and not sharded:  # stages 1/2 hold whole params anyway
-            materialize_modules_(module.named_modules(), self.device, self._seed, self._init_fn)
-        store = ParamStore(self.layout, self._params, self.device, rank=self.rank, sharded=sharded)
-        if not sharded:
-            if not self._meta:
-                for f in store.flats:
-                    comm.broadcast(f, 0, group=group)
-            return store
-        members = unit_members(module, self._unit_modules) if self._meta else None
-        by_unit: dict[int, list[tuple[int, int]]] = {}
-        for i, buf in enumerate(self.layout.buffers):
-            for b in buf.buckets:
-                u = self._slot_unit(buf.slots[b.slots[0]].index) if b.slots else 0
-                by_unit.setdefault(u, []).append((i, b.index))
-        persistent = len(self._unit_modules) + 1  # small params kept whole (persist_below)
-        for u in range(persistent + 1):
-            if members is not None and u < persistent:
-                materialize_modules_(members[u], self.device, self._seed, self._init_fn)
-            for i, b in by_unit.get(u, []):
-                store.adopt(i, b, self._params)
-                if not self._meta:
-                    comm.broadcast(store.raw[i][b], 0, group=group)
-                store.take_shard(i, b)
-                if u != persistent:
-                    store.free(i, b)
-        if members is not None:  # frozen params and buffers outside any trained unit
-            materialize_modules_(module.named_modules(), self.device, self._seed, self._init_fn)
-        return store
-
-    # ------------------------------------------------------------------ whole params
-    @contextlib.contextmanager
-    def gathered_params(self, module_or_params=None, modifier_rank: int | None = None):
-        """Make params whole for inspection or editing (collective: every rank enters it).
-
-        ``module_or_params``: a module or params (default: all). At stage 3 their units are
-        gathered (those gathered here are freed on exit); at stages 1/2 params are whole anyway.
-        ``modifier_rank``: the rank whose edits inside the block are kept: its values are sent
-        to every rank and written into the shards (and fp32 masters). None: edits are dropped
-        at stage 3 (and must be the same on every rank at stages 1/2)."""
-        self._check_open("gathered_params")
-        self.wait_params()
-        if modifier_rank is not None and not 0 <= modifier_rank < self.world_size:
-            raise ValueError(
-                f"modifier_rank must be a rank in [0, {self.world_size}) or None, "
-                f"got modifier_rank={modifier_rank!r}"
-            )
-        if module_or_params is None:
-            wanted = set(self._trainable)
-        else:
-            ps = (
-                module_or_params.parameters()
-                if isinstance(module_or_params, nn.Module)
-                else module_or_params
-            )
-            ids = {id(p) for p in ps}
-            wanted = {i for i, p in self._trainable.items() if id(p) in ids}
-        sched = self._scheduler
-        mine = []
-        if sched is not None:
-            for u in sched.all_units:
-                if any(self._slot_unit(i) == u.index for i in wanted):
-                    if u.state.value == "sharded":
-                        mine.append(u)
-                    sched.wait(u)
-        try:
-            yield
-        finally:
-            if modifier_rank is not None:
-                self._take_edits(
-                    modifier_rank, [b for u in mine for b in u.buckets] if sched else None
-                )
-            if sched is not None:
-                for u in mine:
-                    sched.free(u)
-
-    @torch.no_grad()
-    def _take_edits(self, src: int, buckets) -> None:
-        """Whole params edited on rank ``src`` become every rank's values (shards, masters)."""
-        if self._store.sharded:
-            for i, b in buckets:
-                comm.broadcast(self._store.raw[i][b], src, group=self.group)
-                self._store.take_shard(i, b)
-        else:
-            for f in self._store.flats:
-                comm.broadcast(f, src, group=self.group)
-        self._runner.load_masters()
-
-    def _state_dict_hook(self, module, state_dict, prefix, local_metadata):
-        """Stage 3: ``model.state_dict()`` gets whole tensors, gathered unit by unit."""
-        comm.check_arrival(self._side, "model.state_dict() at stage 3", self.timeout)
-        sched = self._scheduler
-        names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
-        for u in sched.all_units:
-            was = u.state.value == "sharded"
-            sched.wait(u)
-            for i, b in u.buckets:
-                for p, _, _ in self._store.members.get((i, b), ()):
-                    key = prefix + names.get(id(p), "")
-                    if key in state_dict:
-                        state_dict[key] = p.detach().clone()
-            if was:
-                sched.free(u)
-        # tied params: every name of a param gets its value
-        for n, p in module.named_parameters(remove_duplicate=False):
-            if prefix + n in state_dict and id(p) in self._ids_trainable:
-                key0 = prefix + names[id(p)]
-                state_dict[prefix + n] = state_dict[key0]
-        return state_dict
-
-    def _load_pre_hook(self, *args, **kwargs):
-        if self._scheduler is not None:
-            for u in self._scheduler.all_units:
-                self._scheduler.wait(u)
-
-    def _load_post_hook(self, module, incompatible_keys):
-        sched = self._scheduler
-        if sched is None:
-            self._runner.load_masters()
-            return
-        for u in sched.all_units:
-            for i, b in u.buckets:
-                self._store.take_shard(i, b)
-            sched.free(u)
-        self._runner.load_masters()
-
-    def _slot_unit(self, index: int) -> int:
-        return self._unit_of.get(index, 0)
-
-    def _make_scheduler(self) -> UnitScheduler:
-        units = [Unit(0, "<root>", self._module)] + [
-            Unit(k, name, m) for k, (name, m) in enumerate(self._unit_modules, start=1)
-        ]
-        persistent = Unit(len(units), "<persistent>", self._module, persistent=True)
-        units.append(persistent)
-        for i, buf in enumerate(self.layout.buffers):
-            for b in buf.buckets:
-                u = self._slot_unit(buf.slots[b.slots[0]].index) if b.slots else 0
-                units[u].buckets.append((i, b.index))
-        if persistent.buckets:  # gathered at construction, kept whole
-            persistent.state = UnitState.GATHERED
-        return UnitScheduler(
-            self._module,
-            units[1:-1],
-            units[0],
-            self._store,
-            self._runner,
-            self.group,
-            self.comm_log,
-            reshard_after_forward=self.reshard_after_forward,
-            prefetch=self.prefetch,
-            persistent=persistent if persistent.buckets else None,
-        )
-
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
         """Remove every hook and give the params back as plain tensors with their current
@@ -689,134 +516,6 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
                     return s.name or f"#{index} {s.shape}"
         p = self._params[index]
         return f"#{index} {tuple(p.shape)}"
-
-    # ------------------------------------------------------------------ gradients
-    def _on_backward_start(self) -> None:
-        """First grad of a backward pass: take user changes, make the store accumulate in
-        loss-scaled units, and take the views off the params so autograd writes fresh grads.
-        Inside a ``Join`` context, a synchronising pass first tells it this rank still trains."""
-        if self._reducer.sync or self.stage == 2:
-            self._join_active = comm.join_notify(self)
-        self._sync_user_changes()
-        ls = 1.0 / self.loss_scale
-        if self._views.active and self._grad_factor != ls:
-            self._scale_store(self._grad_factor * self.loss_scale)
-        self._grad_factor = ls
-        self._views.detach_all(self._trainable)
-
-    def _publish(self) -> None:
-        """End of a reduction: which params have a gradient on any rank, and their views."""
-        idx = sorted(self._trainable)
-        pos = {k: j for j, k in enumerate(idx)}
-        mask = torch.zeros(len(idx), dtype=torch.uint8, device=self.device)
-        local = self._views.active | self._reducer.got
-        if local:
-            mask[[pos[k] for k in local]] = 1
-        self._all_reduce(mask, "max", "backward: which params have gradients")
-        self._views.active = {idx[j] for j in mask.nonzero().flatten().tolist()}
-        self._reducer.got.clear()
-        self._views.install(self._trainable)
-        if self._scheduler is not None:
-            self._scheduler.end_backward()
-
-    def _sync_user_changes(self) -> None:
-        """Apply what the user did to ``p.grad`` since the views were installed."""
-        cleared, replaced = self._views.user_changes(self._trainable)
-        if not cleared and not replaced:
-            return
-        views = self._views
-        if cleared and cleared >= views.active and not replaced:
-            self._reset_grads()  # model.zero_grad(): the same as ours
-            return
-        for i in cleared:
-            for v, _ in views.pieces_of(i):
-                v.zero_()
-            views.active.discard(i)
-        for i, g in replaced.items():
-            flat = g.detach().reshape(-1)
-            for v, off in views.pieces_of(i):
-                v.copy_(flat[off : off + v.numel()].to(v.dtype) / self._grad_factor)
-            views.active.add(i)
-        views.install(self._trainable)
-
-    def _scale_store(self, c: float) -> None:
-        if c != 1.0:
-            for t in self._grads.shard_tensors():
-                t.mul_(c)
-
-    def _apply_grad_factor(self) -> None:
-        """Make the reduced store hold true gradients (what ``p.grad`` shows)."""
-        self._finish_reduction()
-        self._scale_store(self._grad_factor)
-        self._grad_factor = 1.0
-
-    def _reset_grads(self) -> None:
-        self._reducer.zero_grad()
-        self._views.active.clear()
-        self._views.detach_all(self._trainable)
-        self._grad_factor = 1.0 / self.loss_scale
-        self._overflow = None
-
-    # ------------------------------------------------------------------ uneven inputs (Join)
-    def join_hook(self, **kwargs) -> JoinHook:
-        """For ``torch.distributed.algorithms.Join([opt])`` (as ZeroRedundancyOptimizer): a rank
-        out of inputs shadows the others' iterations, each one synchronising backward and one
-        ``step``; gradient averages count it as zeros (DDP's default under Join)."""
-        return _JoinHook(self)
-
-    @property
-    def join_device(self) -> torch.device:
-        return self.device
-
-    @property
-    def join_process_group(self):
-        return comm.group_or_world(self.group)
-
-    def _shadow_iteration(self) -> None:
-        self._reset_grads()
-        self._reducer.finish()  # every bucket reduced with zeros; the gradient mask
-        self.step()
-
-    # ------------------------------------------------------------------ overlapped all-gather
-    def _gather_wait_hooks(self, me) -> list:
-        """overlap_param_gather: a forward pre-hook on every module with params of its own
-        waits for the all-gathers of the buckets holding them; state_dict waits for all."""
-        bucket_of = {}
-        for i, buf in enumerate(self.layout.buffers):
-            for s in buf.slots:
-                bucket_of[id(self._params[s.index])] = (i, s.bucket)
-        handles = []
-        for m in self._module.modules():
-            mine = {bucket_of[id(p)] for p in m.parameters(recurse=False) if id(p) in bucket_of}
-            if mine:
-                handles.append(m.register_forward_pre_hook(_wait_hook(me, sorted(mine))))
-        handles.append(self._module.register_state_dict_pre_hook(_call_args(me, "wait_params")))
-        handles.append(
-            self._module._register_load_state_dict_pre_hook(_call_args(me, "wait_params"))
-        )
-        return handles
-
-    def _wait_gathers(self, keys) -> None:
-        for k in keys:
-            h = self._pending_gathers.pop(k, None)
-            if h is not None:
-                h.wait(self._op_timeout, f"{self._where()}: all-gather of bucket {k[1]}")
-
-    def wait_params(self, *args, **kwargs) -> None:
-        """overlap_param_gather: finish every all-gather still in flight, so the params hold the
-        last step's values. The next forward does it bucket by bucket by itself; call this
-        before reading params between ``step()`` and the next forward (EMA, logging, saving
-        tensors yourself); model.state_dict() and this optimizer's own methods call it."""
-        if self._pending_gathers:
-            self._wait_gathers(list(self._pending_gathers))
-
-    def _check_not_joined(self, what: str) -> None:
-        if self._join_active is not None and self._join_active < self.world_size:
-            raise RuntimeError(
-                f"{what} after a rank ran out of inputs under Join: the joined rank shadows only "
-                "one backward and one step per iteration, so this collective has no partner; "
-                "clip only while every rank has inputs (or pad the inputs to equal length)"
-            )
 
     # ------------------------------------------------------------------ training loop API
     @contextlib.contextmanager
@@ -1010,43 +709,6 @@ class ZeroOptimizer(ShardStateAccess, torch.optim.Optimizer, Joinable):
             f"optimizer_class={self.optimizer_class.__name__}, "
             f"world_size={self.world_size}, rank={self.rank})"
         )
-
-
-def _storage_id(t: torch.Tensor) -> int:
-    """Identity of ``t``'s storage (stable while a stage-3 bucket is freed and gathered)."""
-    return t.untyped_storage()._cdata
-
-
-def _call_args(me, name: str):
-    """A hook calling method ``name`` of the object behind weak reference ``me``."""
-
-    def f(*args, **kwargs):
-        o = me()
-        if o is not None:
-            return getattr(o, name)(*args, **kwargs)
-        return None
-
-    return f
-
-
-def _wait_hook(me, keys):
-    def hook(module, args):
-        o = me()
-        if o is not None and o._pending_gathers:
-            o._wait_gathers(keys)
-
-    return hook
-
-
-def _call(me, name: str):
-    """A callback to method ``name`` of the object behind weak reference ``me``."""
-
-    def f():
-        o = me()
-        if o is not None:
-            getattr(o, name)()
-
-    return f
 
 
 def _owner_of(p: torch.Tensor):
