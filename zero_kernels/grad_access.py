@@ -45,11 +45,25 @@ class GradAccess:
         """End of a reduction: which params have a gradient on any rank, and their views."""
         idx = sorted(self._trainable)
         pos = {k: j for j, k in enumerate(idx)}
-        mask = torch.zeros(len(idx), dtype=torch.uint8, device=self.device)
         local = self._views.active | self._reducer.got
-        if local:
-            mask[[pos[k] for k in local]] = 1
-        self._all_reduce(mask, "max", "backward: which params have gradients")
+        what = "backward: which params have gradients"
+        if self._sync_free and self._side is not None:  # host knowledge, reduced on the host
+            mask = torch.zeros(len(idx), dtype=torch.uint8)
+            if local:
+                mask[[pos[k] for k in local]] = 1
+            comm.all_reduce(
+                mask,
+                "max",
+                group=self._side,
+                log=self.comm_log,
+                timeout_s=self._op_timeout,
+                what=f"{self._where()}, {what}",
+            )
+        else:
+            mask = torch.zeros(len(idx), dtype=torch.uint8, device=self.device)
+            if local:
+                mask[[pos[k] for k in local]] = 1
+            self._all_reduce(mask, "max", what)
         self._views.active = {idx[j] for j in mask.nonzero().flatten().tolist()}
         self._reducer.got.clear()
         self._views.install(self._trainable)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 import weakref
 import zlib
 
@@ -32,7 +31,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms.join import Joinable
 
-from . import comm, validate
+from . import comm, syncfree, validate
 from .buffers import GradStore
 from .grad_access import GradAccess
 from .layout import Layout, ParamSpec, build_layout
@@ -49,6 +48,7 @@ from .partition.units import (
     unit_assignment,
 )
 from .state_access import ShardStateAccess
+from .syncfree import GradChecks
 
 __all__ = ["ZeroOptimizer"]
 
@@ -57,7 +57,9 @@ log = logging.getLogger("zero_kernels")
 _UNFUSABLE = ("differentiable", "capturable")
 
 
-class ZeroOptimizer(ParamAccess, GradAccess, ShardStateAccess, torch.optim.Optimizer, Joinable):
+class ZeroOptimizer(
+    ParamAccess, GradAccess, ShardStateAccess, GradChecks, torch.optim.Optimizer, Joinable
+):
     """Shards ``optimizer_class``'s state (stage 1) and the gradients too (stage 2).
 
     Args:
@@ -76,10 +78,11 @@ class ZeroOptimizer(ParamAccess, GradAccess, ShardStateAccess, torch.optim.Optim
         reduce_dtype: stages 2 and 3: the dtype gradients are accumulated in during backward and
             reduce-scattered in (default fp32); ``torch.bfloat16`` halves the bytes, the result
             is added into the fp32 gradient shard (the accuracy cost is in bench/README.md).
-        max_inflight_buckets: stage 2: most bucket buffers held at once (being filled or
+        max_inflight_buckets: stages 2/3: most bucket buffers held at once (being filled or
             reduce-scattered); when a bucket needs one beyond it, the oldest reduce-scatter is
-            waited for and its buffer reused. Bounds stage 2's communication buffers to this
-            many buckets of ``bucket_size_mb``; 1 disables overlap. Default 2.
+            waited for and its buffer reused. Bounds the communication buffers to this many
+            buckets of ``bucket_size_mb``; 1 disables overlap. Stage 1: most reduce-scatters in
+            flight (each may hold N-1 shard-sized receive buffers on gloo). Default 2.
         overlap_param_gather: stages 1/2 with the model: ``step()`` returns with the
             all-gathers of the new params in flight, and each module's forward pre-hook waits
             for the buckets holding its params (as Megatron does), so they overlap the next
@@ -317,7 +320,11 @@ class ZeroOptimizer(ParamAccess, GradAccess, ShardStateAccess, torch.optim.Optim
         self._side = comm.side_group(group, timeout_s=self.timeout)
         self.comm_log = comm.CommLog()
         self._steps = 0
-        self.nonfinite_steps = 0
+        # [Note: no host sync] in zero_kernels/syncfree.py: off the CPU, step() reads nothing
+        self._sync_free = self.device.type != "cpu"
+        self._nonfinite_host = 0
+        self._nonfinite_dev: torch.Tensor | None = None  # device counter (sync-free mode)
+        self._deferred = syncfree.Deferred()  # per-step non-finite flags, read when ready
         self._grads = GradStore(
             self.layout,
             self.stage,
@@ -537,65 +544,6 @@ class ZeroOptimizer(ParamAccess, GradAccess, ShardStateAccess, torch.optim.Optim
         self._check_open("zero_grad")
         self._reset_grads()
 
-    def _finish_reduction(self) -> None:
-        self._reducer.flush()
-        self._sync_user_changes()
-        if self._overflow is not None:
-            return
-        scaled = self.loss_scale != 1.0 or self._dynamic
-        if scaled or self.nonfinite != "step":
-            bad = torch.zeros(1, device=self.device)
-            for g in self._grads.shard_tensors():
-                if not bool(torch.isfinite(g).all()):
-                    bad.fill_(1.0)
-                    break
-            self._all_reduce(bad, "max", "step: non-finite check")
-            self._overflow = bool(bad.item() != 0)
-        else:  # torch's behaviour: step anyway; `step` counts it (one cheap pass per shard)
-            self._overflow = False
-            self._local_nonfinite = not all(
-                bool(torch.isfinite(g.sum())) for g in self._grads.shard_tensors()
-            )
-
-    @torch.no_grad()
-    def clip_grad_norm_(
-        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
-    ) -> torch.Tensor:
-        """Clip the (reduced, unscaled) gradients to ``max_norm``; returns the global norm,
-        exactly as ``torch.nn.utils.clip_grad_norm_`` on the unsharded model."""
-        self._check_open("clip_grad_norm_")
-        self._check_not_joined("clip_grad_norm_")
-        norm_type = float(norm_type)
-        if norm_type < 0 or math.isnan(norm_type):
-            raise ValueError(f"norm_type must be >= 0 or inf, got norm_type={norm_type!r}")
-        self._finish_reduction()
-        shards = self._grads.shard_tensors()
-        if math.isinf(norm_type):
-            local = max((float(g.abs().max()) for g in shards if g.numel()), default=0.0)
-            t = torch.tensor([local], dtype=torch.float64, device=self.device)
-            self._all_reduce(t, "max", "clip_grad_norm_")
-            total = float(t.item())
-        else:
-            s = sum(
-                float(torch.linalg.vector_norm(g, norm_type).double() ** norm_type)
-                if norm_type != 0
-                else float((g != 0).sum())
-                for g in shards
-            )
-            t = torch.tensor([s], dtype=torch.float64, device=self.device)
-            self._all_reduce(t, "sum", "clip_grad_norm_")
-            total = float(t.item()) if norm_type == 0 else float(t.item()) ** (1.0 / norm_type)
-        total *= abs(self._grad_factor)
-        if error_if_nonfinite and not math.isfinite(total):
-            raise RuntimeError(
-                f"clip_grad_norm_: the total norm of order {norm_type} is "
-                f"non-finite ({total}), error_if_nonfinite=True"
-            )
-        out = torch.tensor(total, dtype=torch.float32)
-        coef = float(max_norm) / (float(out) + 1e-6)
-        self._grad_factor *= min(coef, 1.0) if math.isfinite(coef) else coef
-        return out
-
     @torch.no_grad()
     def step(self, closure=None):
         self._check_open("step")
@@ -617,7 +565,7 @@ class ZeroOptimizer(ParamAccess, GradAccess, ShardStateAccess, torch.optim.Optim
             if self._dynamic:
                 self.loss_scale = max(self.loss_scale / 2.0, 1.0)
                 self._growth_tracker = 0
-            self.nonfinite_steps += 1
+            self._nonfinite_host += 1
             log.info(
                 "ZeroOptimizer: non-finite gradients, step skipped on every rank; "
                 "loss scale now %g",
@@ -625,16 +573,12 @@ class ZeroOptimizer(ParamAccess, GradAccess, ShardStateAccess, torch.optim.Optim
             )
         else:
             if self._local_nonfinite:
-                self.nonfinite_steps += 1
+                self._nonfinite_host += 1
                 if not self._said_nonfinite:
-                    self._said_nonfinite = True
-                    log.warning(
-                        "ZeroOptimizer: rank %d has non-finite gradients at step %d; stepping "
-                        "anyway (nonfinite='step', as torch does); nonfinite='skip' or 'raise' "
-                        "stops it",
-                        self.rank,
-                        self._steps,
-                    )
+                    self._log_nonfinite(self._steps)
+            for step, bad in self._deferred.ready():  # flags of earlier steps, now known
+                if bad and not self._said_nonfinite:
+                    self._log_nonfinite(step)
             self._runner.sync_hyper(self.param_groups)
             if not self._runner.scales_in_kernel:
                 self._apply_grad_factor()

@@ -28,7 +28,10 @@ next averaged reduce-scatter yields (N R + sum of new local grads) / N = R + the
 
 Stage 1 never zeroes its full buffer: since `zero_grad` the first grad of a parameter is copied
 into its range, later ones added; a bucket's ranges that got no grad are zeroed when it is
-launched (padding stays zero: nothing writes it but reduce-scatters of zeros).
+launched (padding stays zero: nothing writes it but reduce-scatters of zeros). Stage 1 keeps at
+most ``max_inflight`` reduce-scatters in flight (launching one more first waits for the oldest):
+each p2p reduce-scatter holds up to N-1 receive buffers of a shard, so with every bucket in
+flight at once the comm scratch reached 0.75x the gradient bytes at N = 4.
 
 Stage 2 holds at most ``max_inflight`` bucket buffers (filling or being reduced), each sized to
 its bucket, together at most the ``max_inflight`` largest buckets: when a bucket needs one and a
@@ -287,13 +290,16 @@ class Reducer:
             out = shard
         bk.overwrite = bk.fresh
         bk.fresh = False
+        if self.stage == 1:  # bound the comm scratch (p2p receive buffers): see [Note: overlap]
+            while len(self.inflight) >= self.max_inflight:
+                self._finalize(self.inflight.pop(0))
         bk.handle = comm.reduce_scatter(out, inp, group=self.group, avg=True, log=self.log)
         bk.tmp = tmp
         bk.move(BucketState.REDUCING)
         bk.launched = True
         self.inflight.append(bk)
         if self.stage == 2:  # release the buffers of finished reduce-scatters early
-            while self.inflight and _completed(self.inflight[0].handle):
+            while self.inflight and self.inflight[0].handle.is_completed():
                 self._finalize(self.inflight.pop(0))
 
     def _finalize(self, bk: GradBucket) -> None:
@@ -372,7 +378,3 @@ def _post_hook(me, i: int, pos: int):
             r._hook_for(i, pos)(p)
 
     return hook
-
-
-def _completed(h: comm.Handle) -> bool:
-    return h.work is None or h.work.is_completed()

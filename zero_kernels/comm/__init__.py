@@ -1,0 +1,265 @@
+"""Collectives: the only module of zero_kernels that calls ``torch.distributed``.
+
+Every asynchronous collective returns a `Handle` holding the work object *and* the tensors it
+reads and writes, so a caller cannot free a buffer that is still being communicated.
+
+[Note: averaging]
+Gradients are averaged exactly once. Where the backend's reduce-scatter takes ``ReduceOp.AVG``
+(NCCL; gloo in recent torch) the native algorithm uses that op; otherwise, and always for the
+point-to-point algorithms, the sum is divided by the world size when the handle is waited for.
+`avg_supported` probes this once per process group.
+
+The package: `base` (handles, counters, timeouts, the CUDA comm stream: [Note: CUDA streams]),
+`p2p` (the point-to-point algorithms: [Note: algorithms]), `choose` (which algorithm, and the
+probe: [Note: choosing the algorithm]); the functions callers use are here.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from .base import (
+    CollectiveTimeout,
+    CommLog,
+    Handle,
+    _device,
+    _nbytes,
+    _wait,
+    avg_supported,
+    comm_stream,
+    is_initialized,
+    rank,
+    world_size,
+)
+from .choose import (
+    ALGORITHMS,
+    ENV_ALGO,
+    _all_gather_with,
+    _class_label,
+    _reduce_scatter_with,
+    _reset_choices,
+    _size_class,
+    choose_algorithm,
+    probe_results,
+    set_algorithm,
+)
+from .p2p import free_scratch, scratch_bytes
+
+__all__ = [
+    "ALGORITHMS",
+    "CollectiveTimeout",
+    "CommLog",
+    "ENV_ALGO",
+    "Handle",
+    "all_gather",
+    "all_reduce",
+    "avg_supported",
+    "broadcast",
+    "broadcast_object",
+    "choose_algorithm",
+    "comm_stream",
+    "free_scratch",
+    "gather_object",
+    "is_initialized",
+    "probe_results",
+    "rank",
+    "reduce_scatter",
+    "scratch_bytes",
+    "set_algorithm",
+    "world_size",
+]
+__all__ += ["_class_label", "_size_class"]  # tests read the size classes
+
+
+def reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    *,
+    group=None,
+    avg: bool = True,
+    log: CommLog | None = None,
+) -> Handle:
+    """Start ``output = reduce(input)[my chunk]`` (averaged when ``avg``); returns its handle.
+
+    ``output`` may be this rank's own chunk of ``input`` (in place). The algorithm is chosen per
+    group and size ([Note: choosing the algorithm]); ``log`` counts one collective whichever it is.
+    """
+    n = world_size(group)
+    _check_numel("reduce_scatter", output, input, n)
+    if log is not None:
+        log._add("reduce_scatter", input)
+    if n == 1:
+        if output.data_ptr() != input.data_ptr():
+            output.copy_(input)
+        return Handle(None, (output, input), 1.0, log)
+    algo = choose_algorithm("reduce_scatter", _nbytes(input), group=group, device=input.device)
+    return _reduce_scatter_with(algo, output, input, group, avg, log)
+
+
+def all_gather(
+    output: torch.Tensor, input: torch.Tensor, *, group=None, log: CommLog | None = None
+) -> Handle:
+    """Start ``output = cat(input of every rank)``; returns its handle.
+
+    ``input`` may be this rank's own chunk of ``output`` (in place). The algorithm is chosen as
+    for `reduce_scatter`.
+    """
+    n = world_size(group)
+    _check_numel("all_gather", input, output, n)
+    if log is not None:
+        log._add("all_gather", output)
+    if n == 1:
+        if output.data_ptr() != input.data_ptr():
+            output.copy_(input)
+        return Handle(None, (output, input), 1.0, log)
+    algo = choose_algorithm("all_gather", _nbytes(output), group=group, device=output.device)
+    return _all_gather_with(algo, output, input, group, log)
+
+
+def _check_numel(op: str, shard: torch.Tensor, full: torch.Tensor, n: int) -> None:
+    if shard.numel() * n != full.numel():
+        s, f = ("output", "input") if op == "reduce_scatter" else ("input", "output")
+        raise ValueError(
+            f"{op}: {s}.numel() * world_size must equal {f}.numel(); got {s}.shape="
+            f"{tuple(shard.shape)}, {f}.shape={tuple(full.shape)}, world_size={n}"
+        )
+
+
+def all_reduce(
+    t: torch.Tensor,
+    op: str = "sum",
+    *,
+    group=None,
+    log: CommLog | None = None,
+    timeout_s: float | None = None,
+    what: str = "",
+) -> torch.Tensor:
+    """Blocking in-place all-reduce of a small tensor (norms, overflow flags); op sum or max;
+    bounded by ``timeout_s`` as `Handle.wait`."""
+    if log is not None:
+        log.all_reduce_calls += 1
+    if world_size(group) > 1:
+        rop = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+        if timeout_s is None:
+            dist.all_reduce(t, op=rop, group=group)
+        else:
+            _wait(dist.all_reduce(t, op=rop, group=group, async_op=True), timeout_s, what)
+    return t
+
+
+def all_reduce_future(t: torch.Tensor, *, group=None) -> torch.futures.Future:
+    """Start an in-place sum all-reduce of ``t``; a future of ``t`` (what DDP comm hooks return)."""
+    return dist.all_reduce(t, group=group, async_op=True).get_future().then(lambda f: f.value()[0])
+
+
+def init(backend: str, rank: int, world_size: int, timeout_s: float) -> None:
+    """Join the default process group (env:// rendezvous: MASTER_ADDR, MASTER_PORT) if not yet."""
+    if not is_initialized():
+        dist.init_process_group(
+            backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+
+
+def barrier(*, group=None) -> None:
+    if world_size(group) > 1:
+        dist.barrier(group=group)
+
+
+def shutdown() -> None:
+    """Leave the default process group."""
+    if is_initialized():
+        _reset_choices()
+        dist.destroy_process_group()
+
+
+def gather_object(obj, dst: int, *, group=None) -> list | None:
+    """Every rank's ``obj`` on ``dst`` (a group rank), None elsewhere."""
+    n = world_size(group)
+    if n == 1:
+        return [obj]
+    out = [None] * n if rank(group) == dst else None
+    gdst = dist.get_global_rank(group, dst) if group is not None else dst
+    dist.gather_object(obj, out, dst=gdst, group=group)
+    return out
+
+
+def broadcast_object(obj, src: int, *, group=None):
+    """``obj`` of ``src`` (a group rank) on every rank."""
+    if world_size(group) == 1:
+        return obj
+    box = [obj]
+    gsrc = dist.get_global_rank(group, src) if group is not None else src
+    dist.broadcast_object_list(box, src=gsrc, group=group)
+    return box[0]
+
+
+def broadcast(t: torch.Tensor, src: int = 0, *, group=None) -> torch.Tensor:
+    """Blocking in-place broadcast of ``t`` from ``src`` (a group rank)."""
+    if world_size(group) > 1:
+        gsrc = dist.get_global_rank(group, src) if group is not None else src
+        dist.broadcast(t, src=gsrc, group=group)
+    return t
+
+
+def all_gather_object(obj, *, group=None) -> list:
+    """Every rank's ``obj`` (small, picklable), on every rank."""
+    n = world_size(group)
+    if n == 1:
+        return [obj]
+    out = [None] * n
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def side_group(group=None, timeout_s: float = 300.0):
+    """A gloo group over the ranks of ``group`` for agreement checks with a timeout of their own
+    (`check_arrival`); None at world size 1. Collective."""
+    if world_size(group) == 1:
+        return None
+    ranks = None if group is None else dist.get_process_group_ranks(group)
+    return dist.new_group(
+        ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)
+    )
+
+
+def check_arrival(side, what: str, timeout_s: float) -> None:
+    """Every rank of ``side`` reaches this call within ``timeout_s``, or a RuntimeError that says
+    ``what`` is collective (instead of a hang in the collective that follows)."""
+    if side is None:
+        return
+    try:
+        dist.monitored_barrier(side, timeout=datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"{what} is collective: every rank must call it, but not every rank arrived within "
+            f"{timeout_s:g} s ({e})"
+        ) from None
+
+
+def group_or_world(group=None):
+    """``group``, or the default (world) process group for ``None``."""
+    return group if group is not None else dist.group.WORLD
+
+
+def join_notify(joinable) -> int | None:
+    """Inside ``torch.distributed.algorithms.Join``: tell the context this rank has not joined
+    (the all-reduce Join's joined ranks match) and return how many ranks have not; else None."""
+    from torch.distributed.algorithms.join import Join
+
+    work = Join.notify_join_context(joinable)
+    if work is None:
+        return None
+    work.wait()
+    res = work.result()
+    return int(res[0].item()) if res else None
+
+
+def default_device(group=None) -> torch.device:
+    """The device collectives of ``group`` work on (CPU without a process group)."""
+    return _device(group) if is_initialized() else torch.device("cpu")

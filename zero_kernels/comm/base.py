@@ -1,0 +1,252 @@
+"""What every collective of `zero_kernels.comm` stands on: handles, counters, timeouts, the
+process group's size and rank, and the CUDA comm stream.
+
+[Note: CUDA streams]
+On CUDA a collective is launched on a comm stream of its own (one per device) after that stream
+waits for the current (compute) stream, so it starts once its input is produced; the handle's
+division (sum-then-divide averaging) runs on the comm stream too, and an event recorded there
+marks the end. ``Handle.wait()`` makes the current stream wait for that event: the host is never
+blocked, and the compute stream runs on until the data is needed. The tensors a collective
+touches are marked as used by the comm stream (``record_stream``), so the caching allocator never
+hands their memory to another tensor while the collective may still read or write it. The
+exposed communication (how long the compute stream stalled at each wait) is timed with events
+recorded around the wait and added up when `CommLog.as_dict` is read, which is the only place
+that synchronises.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+# One compatibility point for the tensor collectives' names (new names first).
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass
+class CommLog:
+    """Counters of the collectives one optimizer issued (bytes are of the full input/output)."""
+
+    reduce_scatter_bytes: int = 0
+    all_gather_bytes: int = 0
+    reduce_scatter_calls: int = 0
+    all_gather_calls: int = 0
+    all_reduce_calls: int = 0
+    exposed_comm_s: float = 0.0  # time spent waiting on collectives after they were issued
+    sizes: list = field(default_factory=list)  # (kind, numel, dtype) of every call, when traced
+    trace: bool = False
+    # CUDA: (start, end) events around each stream wait, turned into seconds when read (reading
+    # synchronises on them; the step itself never does): [Note: CUDA streams]
+    cuda_spans: list = field(default_factory=list, repr=False)
+
+    def as_dict(self) -> dict:
+        self._resolve()
+        return {
+            k: getattr(self, k)
+            for k in (
+                "reduce_scatter_bytes",
+                "all_gather_bytes",
+                "reduce_scatter_calls",
+                "all_gather_calls",
+                "all_reduce_calls",
+                "exposed_comm_s",
+            )
+        }
+
+    def reset(self) -> None:
+        for k, v in CommLog().as_dict().items():
+            setattr(self, k, v)
+        self.sizes.clear()
+        self.cuda_spans.clear()
+
+    def _resolve(self) -> None:
+        spans, self.cuda_spans = self.cuda_spans, []
+        for e0, e1 in spans:
+            e1.synchronize()
+            self.exposed_comm_s += e0.elapsed_time(e1) / 1e3
+
+    def _add(self, kind: str, t: torch.Tensor) -> None:
+        nbytes = t.numel() * t.element_size()
+        setattr(self, f"{kind}_bytes", getattr(self, f"{kind}_bytes") + nbytes)
+        setattr(self, f"{kind}_calls", getattr(self, f"{kind}_calls") + 1)
+        if self.trace:
+            self.sizes.append((kind, t.numel(), t.dtype))
+
+
+class Handle:
+    """An issued collective: ``wait()`` finishes it (and applies a pending division).
+
+    On CUDA the collective runs on the comm stream and ``event`` marks its end there (the division
+    included); ``wait()`` makes the current stream wait for it and returns at once
+    ([Note: CUDA streams])."""
+
+    __slots__ = ("work", "tensors", "divide", "log", "done", "event")
+
+    def __init__(
+        self, work, tensors: tuple, divide: float = 1.0, log: CommLog | None = None, event=None
+    ):
+        self.work = work
+        self.tensors = tensors  # kept alive until waited for; tensors[0] is the output
+        self.divide = divide
+        self.log = log
+        self.done = False
+        self.event = event
+
+    def is_completed(self) -> bool:
+        """Whether ``wait()`` would not have to wait (never blocks, never synchronises)."""
+        if self.done or (self.work is None and self.event is None):
+            return True
+        return self.event.query() if self.event is not None else self.work.is_completed()
+
+    def wait(self, timeout_s: float | None = None, what: str = "") -> torch.Tensor:
+        """Finish the collective; with ``timeout_s``, a `CollectiveTimeout` naming ``what``
+        when not every rank took part in time (a rank stalled, died or took another path).
+        On CUDA the bound is the process group's own timeout (NCCL's watchdog): a wait there
+        never blocks the host."""
+        if self.done:
+            return self.tensors[0]
+        if self.event is not None:
+            cur = torch.cuda.current_stream(self.tensors[0].device)
+            if self.log is None:
+                cur.wait_event(self.event)
+            else:  # the current stream's stall, timed by events around it
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record(cur)
+                cur.wait_event(self.event)
+                e1.record(cur)
+                self.log.cuda_spans.append((e0, e1))
+            self.done = True
+            return self.tensors[0]
+        t0 = time.perf_counter()
+        if self.work is not None:
+            _wait(self.work, timeout_s, what)
+        if self.divide != 1.0:
+            self.tensors[0].div_(self.divide)
+        if self.log is not None:
+            self.log.exposed_comm_s += time.perf_counter() - t0
+        self.done = True
+        return self.tensors[0]
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective that not every rank completed within the optimizer's ``timeout``."""
+
+
+def _wait(work, timeout_s: float | None, what: str) -> None:
+    """``work.wait()``, bounded by ``timeout_s`` (see `Handle.wait`)."""
+    if timeout_s is None:
+        work.wait()
+        return
+    try:
+        if getattr(work, "takes_seconds", False):  # the p2p algorithms' own works
+            work.wait(timeout_s)
+        else:  # not every backend's work honours wait(timeout) (gloo's reduce-scatter does
+            # not): wait in a thread, bounded here
+            _bounded(work.wait, timeout_s)
+    except CollectiveTimeout:
+        raise
+    except RuntimeError as e:
+        raise CollectiveTimeout(
+            f"{what or 'a collective'}: not every rank completed it within {timeout_s:g} s "
+            f"(a rank stalled, died or ran a different collective): {str(e)[:300]}"
+        ) from e
+
+
+def _bounded(fn, timeout_s: float) -> None:
+    """``fn()`` in a daemon thread; its exception re-raised here; RuntimeError after
+    ``timeout_s`` (the thread is left blocked: the caller is about to fail anyway)."""
+    box: list = []
+
+    def run():
+        try:
+            fn()
+        except BaseException as e:  # re-raised in the caller
+            box.append(e)
+
+    t = threading.Thread(target=run, name="zero_kernels-wait", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        raise RuntimeError(f"timed out after {timeout_s:g} s")
+    if box:
+        raise box[0]
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def world_size(group=None) -> int:
+    return dist.get_world_size(group) if is_initialized() else 1
+
+
+def rank(group=None) -> int:
+    return dist.get_rank(group) if is_initialized() else 0
+
+
+_avg_ok: dict = {}
+
+
+def avg_supported(group=None) -> bool:
+    """Whether reduce-scatter with ``ReduceOp.AVG`` works on ``group`` (probed once, collective)."""
+    key = id(group)
+    if key not in _avg_ok:
+        n = world_size(group)
+        ok = True
+        try:
+            x = torch.ones(n, device=_device(group))
+            out = torch.empty(1, device=x.device)
+            _reduce_scatter(out, x, op=dist.ReduceOp.AVG, group=group)
+            ok = bool(out.item() == 1.0)
+        except Exception:
+            ok = False
+        _avg_ok[key] = ok
+    return _avg_ok[key]
+
+
+def _device(group=None) -> torch.device:
+    backend = dist.get_backend(group)
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+_streams: dict = {}  # CUDA device index -> its comm stream
+
+
+def comm_stream(device: torch.device):
+    """The CUDA stream collectives on ``device`` run on (created once per device)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _streams:
+        _streams[idx] = torch.cuda.Stream(device=idx)
+    return _streams[idx]
+
+
+def on_comm_stream(launch, tensors: tuple, divide: float, log) -> Handle:
+    """Run ``launch()`` (which issues one collective and returns its work) on the CUDA comm
+    stream after the current stream's work, divide ``tensors[0]`` there, and return a handle
+    carrying the end event ([Note: CUDA streams])."""
+    out = tensors[0]
+    cur = torch.cuda.current_stream(out.device)
+    s = comm_stream(out.device)
+    s.wait_stream(cur)
+    with torch.cuda.stream(s):
+        work = launch()
+        if work is not None:
+            work.wait()  # NCCL: the comm stream (not the host) waits for the collective
+        if divide != 1.0:
+            out.div_(divide)
+        for t in tensors:
+            t.record_stream(s)
+        event = torch.cuda.Event()
+        event.record(s)
+    return Handle(None, tensors, 1.0, log, event=event)

@@ -1,0 +1,249 @@
+"""Which reduce-scatter / all-gather algorithm a collective uses, and the launch of each.
+
+[Note: choosing the algorithm]
+NCCL, any tensor off the CPU and any backend but gloo always use native; world size 1 copies. On
+gloo the choice is made per (group, operation, size class of the full buffer): < 64 KiB, then
+powers of 4 from 64 KiB ([64K, 256K), [256K, 1M), [1M, 4M), [4M, 16M)), and >= 16 MiB.
+Precedence: `set_algorithm` (for the group, then for every group), then
+``ZERO_KERNELS_COMM_ALGO=native|pairwise|ring`` (``auto`` or unset: probe), then the probe.
+
+The probe runs lazily, inside the first collective of a class, which every rank calls in the same
+order. On one fp32 buffer of the class's probe size (32 KiB, 128 KiB, 512 KiB, 2 MiB, 8 MiB, 32
+MiB) it runs native, pairwise and (N > 2; a ring of 2 is the pairwise exchange) ring 5 to 1 times
+each (fewer for larger sizes; buffers touched beforehand), interleaved, each run after a barrier.
+It takes each rank's fastest run (warm-up and preemption only add time) and all-reduces them with
+MAX, so every rank sees the same numbers and picks the same algorithm (ranks that chose differently
+would hang). A p2p algorithm must be at least 10% faster than native to be chosen. Each choice is
+logged once (logger ``zero_kernels``, INFO); `probe_results` returns what was measured. The top
+class is probed at 32 MiB because gloo's own collectives slow down per byte above ~32 MB (likely
+fresh, page-faulting temporaries: 32 MiB is glibc's largest mmap threshold): its all-gather ties
+with pairwise at 4 MiB, is ~1.4x slower at 16 MiB and 2.6x slower at 76 MB, so a smaller probe
+chooses wrong for large buckets; there one run each decides (3-5x apart). Probing every class of
+both operations costs ~0.5 s per group (2 ranks, this 2-core machine); a run probes only the
+classes it uses (25 MB buckets: the top one, ~0.25 s, and perhaps one for the last bucket).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from .base import (
+    Handle,
+    _all_gather,
+    _avg_ok,
+    _reduce_scatter,
+    avg_supported,
+    on_comm_stream,
+    world_size,
+)
+from .p2p import (
+    _ag_pairwise,
+    _ag_ring,
+    _check_p2p,
+    _group_key,
+    _next_tag,
+    _rs_pairwise,
+    _rs_ring,
+    _scratch,
+    _tags,
+    free_scratch,
+)
+
+ALGORITHMS = ("native", "pairwise", "ring")
+ENV_ALGO = "ZERO_KERNELS_COMM_ALGO"
+_OPS = ("reduce_scatter", "all_gather")
+_logger = logging.getLogger("zero_kernels")
+
+
+def _reduce_scatter_with(algo: str, output, input, group, avg: bool, log) -> Handle:
+    n = world_size(group)
+    if algo == "native":
+        op = dist.ReduceOp.AVG if avg and avg_supported(group) else dist.ReduceOp.SUM
+        divide = float(n) if avg and op == dist.ReduceOp.SUM else 1.0
+
+        def launch():
+            return _reduce_scatter(output, input, op=op, group=group, async_op=True)
+
+        if output.is_cuda:
+            return on_comm_stream(launch, (output, input), divide, log)
+        return Handle(launch(), (output, input), divide, log)
+    _check_p2p("reduce_scatter", output, input, group)
+    tag = _next_tag(group)
+    if output.numel() == 0:
+        return Handle(None, (output, input), 1.0, log)
+    launch = _rs_pairwise if algo == "pairwise" else _rs_ring
+    work = launch(output.view(-1), input.view(-1), group, tag)
+    return Handle(work, (output, input), float(n) if avg else 1.0, log)  # sum, then divide once
+
+
+def _all_gather_with(algo: str, output, input, group, log) -> Handle:
+    if algo == "native":
+
+        def launch():
+            return _all_gather(output, input, group=group, async_op=True)
+
+        if output.is_cuda:
+            return on_comm_stream(launch, (output, input), 1.0, log)
+        return Handle(launch(), (output, input), 1.0, log)
+    _check_p2p("all_gather", output, input, group)
+    tag = _next_tag(group)
+    if input.numel() == 0:
+        return Handle(None, (output, input), 1.0, log)
+    launch = _ag_pairwise if algo == "pairwise" else _ag_ring
+    return Handle(launch(output.view(-1), input.view(-1), group, tag), (output, input), 1.0, log)
+
+
+_CLASS_BOUNDS = (64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)  # class k: [b[k-1], b[k])
+_PROBE_BYTES = (32 << 10, 128 << 10, 512 << 10, 2 << 20, 8 << 20, 32 << 20)  # one per class
+_PROBE_REPEATS = (5, 4, 4, 3, 3, 1)  # runs per class, more where cheap (the first warms up)
+_P2P_MARGIN = 0.9  # a p2p algorithm must take at most this fraction of native's time
+_overrides: dict = {}  # (group key or None for every group, op) -> algorithm
+_choices: dict = {}  # (group key, op, size class) -> the probe's result
+_logged: set = set()
+
+
+def _size_class(nbytes: int) -> int:
+    return bisect.bisect_right(_CLASS_BOUNDS, nbytes)
+
+
+def _class_label(c: int) -> str:
+    def kib(b: int) -> str:
+        return f"{b >> 20} MiB" if b >= 1 << 20 else f"{b >> 10} KiB"
+
+    if c == 0:
+        return f"< {kib(_CLASS_BOUNDS[0])}"
+    if c == len(_CLASS_BOUNDS):
+        return f">= {kib(_CLASS_BOUNDS[-1])}"
+    return f"[{kib(_CLASS_BOUNDS[c - 1])}, {kib(_CLASS_BOUNDS[c])})"
+
+
+def _env_algorithm() -> str | None:
+    v = os.environ.get(ENV_ALGO, "").strip().lower()
+    if v in ("", "auto"):
+        return None
+    if v not in ALGORITHMS:
+        raise ValueError(f"{ENV_ALGO} must be one of {ALGORITHMS} or 'auto'; got {v!r}")
+    return v
+
+
+def _p2p_capable(group, device: torch.device) -> bool:
+    return device.type == "cpu" and "gloo" in str(dist.get_backend(group))
+
+
+def set_algorithm(op: str, algo: str | None, group=None) -> None:
+    """Use ``algo`` ("native", "pairwise", "ring"; None: back to env/probe) for ``op``.
+
+    ``op`` is "reduce_scatter", "all_gather" or "all"; ``group=None`` sets it for every group (a
+    group's own setting wins). Overrides ``ZERO_KERNELS_COMM_ALGO`` and the probe on gloo; NCCL
+    always uses native. Every rank must make the same call: ranks on different algorithms hang.
+    """
+    if op != "all" and op not in _OPS:
+        raise ValueError(f"op must be one of {_OPS} or 'all'; got {op=!r}")
+    if algo is not None and algo not in ALGORITHMS:
+        raise ValueError(f"algo must be one of {ALGORITHMS} or None; got {algo=!r}")
+    key = None if group is None else _group_key(group)
+    for o in _OPS if op == "all" else (op,):
+        if algo is None:
+            _overrides.pop((key, o), None)
+        else:
+            _overrides[(key, o)] = algo
+
+
+def choose_algorithm(op: str, nbytes: int, *, group=None, device="cpu") -> str:
+    """The algorithm ``op`` uses on ``group`` for a full buffer of ``nbytes`` bytes.
+
+    "copy" at world size 1, else one of `ALGORITHMS`. Collective when the size class has not been
+    probed on ``group`` yet: call it on every rank alike, like the collective itself.
+    """
+    if op not in _OPS:
+        raise ValueError(f"op must be one of {_OPS}; got {op=!r}")
+    if world_size(group) == 1:
+        return "copy"
+    if not _p2p_capable(group, torch.device(device)):
+        return "native"
+    key, c = _group_key(group), _size_class(nbytes)
+    algo = _overrides.get((key, op)) or _overrides.get((None, op))
+    why = "set_algorithm"
+    if algo is None:
+        algo, why = _env_algorithm(), ENV_ALGO
+    if algo is None:
+        if (key, op, c) not in _choices:
+            _choices[(key, op, c)] = _probe(op, group, c)
+        res = _choices[(key, op, c)]
+        algo = res["algorithm"]
+        why = "probe, ms (max over ranks of the fastest run): " + ", ".join(
+            f"{a} {t:.3g}" for a, t in res["times_ms"].items()
+        )
+    if (key, op, c, algo, why[:5]) not in _logged:
+        _logged.add((key, op, c, algo, why[:5]))
+        _logger.info(
+            "comm: %s on %d gloo ranks, buffers %s: %s (%s)",
+            op,
+            world_size(group),
+            _class_label(c),
+            algo,
+            why,
+        )
+    return algo
+
+
+def probe_results(group=None) -> dict:
+    """What the probe measured on ``group``: {(op, size class label): result}."""
+    key = _group_key(group)
+    return {(op, _class_label(c)): dict(v) for (k, op, c), v in _choices.items() if k == key}
+
+
+def _probe(op: str, group, c: int) -> dict:
+    """Time every candidate on one fp32 buffer of class ``c``; the same answer on every rank."""
+    t_start = time.perf_counter()
+    n = world_size(group)
+    numel = max(n, _PROBE_BYTES[c] // 4 // n * n)
+    full, shard = torch.ones(numel), torch.zeros(numel // n)  # touched: no first-use faults
+    warm = [_scratch.take(numel // n, shard) for _ in range(n - 1)]  # the p2p receive buffers
+    for b in warm:
+        b.zero_()
+    _scratch.give(warm)
+    cands = ["native", "pairwise"] + (["ring"] if n > 2 else [])  # a ring of 2 is pairwise
+
+    def once(algo: str) -> None:
+        if op == "reduce_scatter":
+            _reduce_scatter_with(algo, shard, full, group, False, None).wait()
+        else:
+            _all_gather_with(algo, full, shard, group, None).wait()
+
+    reps = _PROBE_REPEATS[c]
+    times = torch.zeros(len(cands), reps, dtype=torch.float64)
+    for i in range(reps):
+        for j, a in enumerate(cands):  # interleaved: drift hits every candidate alike
+            dist.barrier(group=group)  # all start together: no rank times another's lateness
+            t0 = time.perf_counter()
+            once(a)
+            times[j, i] = time.perf_counter() - t0
+    best_t = times.min(dim=1).values  # warm-up and preemption only ever add time
+    dist.all_reduce(best_t, op=dist.ReduceOp.MAX, group=group)  # agreed: all ranks pick the same
+    sec = best_t.tolist()
+    free_scratch()  # the probe's receive buffers are not the caller's
+    best = min(range(1, len(cands)), key=lambda j: sec[j])
+    algo = cands[best] if sec[best] < _P2P_MARGIN * sec[0] else "native"
+    return {
+        "algorithm": algo,
+        "times_ms": {a: round(t * 1e3, 3) for a, t in zip(cands, sec)},
+        "probe_bytes": numel * 4,
+        "seconds": round(time.perf_counter() - t_start, 4),  # this rank's wall time
+    }
+
+
+def _reset_choices() -> None:
+    """Forget per-group state (the group objects die with the process group)."""
+    for d in (_choices, _tags, _avg_ok):
+        d.clear()
+    free_scratch()
+    _logged.clear()
+    for k in [k for k in _overrides if k[0] is not None]:
+        del _overrides[k]
