@@ -233,7 +233,11 @@ class ParamStore:
     - Sharded params (stage 3): the rank's shard of every bucket in one persistent tensor per
       `FlatBuffer` (bucket b's shard at ``b.start // world_size``, as the optimizer's shards),
       and per bucket a *gathered* tensor whose storage exists only while the bucket is in use
-      (`alloc`, then an all-gather fills it; `free` resizes the storage to 0). While its bucket
+      (`alloc`, then an all-gather fills it; `free` resizes the storage to 0). The storage
+      object must stay the same across uses (a pool of tensors cannot replace it): autograd
+      saves views of params (``weight.T`` of a tied head) that keep pointing at the storage they
+      were made from, so the re-gathered values must land in that same storage (tested: a
+      pool of tensors broke the tied-embedding parity). While its bucket
       is gathered a param's ``.data`` is its view of the gathered tensor; while sharded it is a
       placeholder of the param's shape, dtype and device that reads as NaN everywhere and takes
       one element of memory (an expanded scalar): values read between uses are loudly wrong,
@@ -343,3 +347,20 @@ class ParamStore:
         return sum(
             self.gathered[i][b].numel() * self.gathered[i][b].element_size() for i, b in self.live
         )
+
+
+def release_free_heap() -> None:
+    """Return the C heap's free pages to the system (glibc ``malloc_trim``; elsewhere nothing).
+
+    Construction frees what it copied (whole params copied into flat buffers, units copied into
+    shards); glibc keeps freed chunks below its mmap threshold in its heap, where they count in
+    the process's resident memory until reused. Called once at the end of construction."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
+        pass

@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Joinable
 
 from . import comm, syncfree, validate
-from .buffers import GradStore
+from .buffers import GradStore, release_free_heap
 from .grad_access import GradAccess
 from .layout import Layout, ParamSpec, build_layout
 from .param_access import ParamAccess, _call, _call_args, _storage_id
@@ -413,6 +413,7 @@ class ZeroOptimizer(
         self._closed = False
         every = list(self._hook_handles) + (self._scheduler.handles if self._scheduler else [])
         weakref.finalize(self, _remove_hooks, every, dict(self._params))
+        release_free_heap()  # what construction copied and freed, back to the system
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
