@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One command for a machine with an NVIDIA GPU: build zero_kernels with CUDA (sm_80 + sm_90 by
 # default), run the CUDA and Triton tests, then the kernel benchmark against torch's fused AdamW
-# with the device's copy bandwidth measured in the same run. Uses the torch already installed
-# (it never installs one). Meant to finish in under 8 minutes on an H100/H200.
+# with the device's copy bandwidth measured in the same run, then ZeroOptimizer stages 1-3 at
+# world size 1 on NCCL (bench/gpu_zero_check.py: results vs torch, no host sync inside clip +
+# step). Uses the torch already installed (it never installs one). Meant to finish in under 8 minutes on an H100/H200.
 #
 #   bash bench/gpu_check.sh [OUT_DIR]       # results in OUT_DIR (default bench/results)
 set -euo pipefail
@@ -26,3 +27,6 @@ TRITON_INTERPRET=0 "$py" -m pytest -q -p no:cacheprovider tests/test_kernels_cud
 echo "== kernel benchmark (device copy bandwidth measured in the same run)"
 "$py" bench/bench_adam.py --device cuda --sizes 1e7,1e8,5e8 --repeats 20 --no-deepspeed --out "$out" \
   2>&1 | tee "$out/gpu_bench.txt"
+
+echo "== ZeroOptimizer stages 1-3, world size 1 on NCCL (no host sync inside clip + step)"
+"$py" bench/gpu_zero_check.py --device cuda --out "$out" 2>&1 | tee "$out/gpu_zero_check.txt"
