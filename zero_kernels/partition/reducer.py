@@ -55,6 +55,15 @@ from ..layout import Layout
 
 __all__ = ["BucketState", "GradBucket", "Reducer"]
 
+# Under compiled autograd the hooks are traced; raising inside the trace makes dynamo break the
+# graph there and run the hook eagerly (stages 1/2 then give DDP's result, tested); only a
+# fullgraph=True compiled autograd shows this message.
+_COMPILED_AUTOGRAD = (
+    "ZeroOptimizer's gradient hooks cannot be traced into a compiled-autograd graph (they "
+    "launch collectives and keep per-bucket state in Python): they run eagerly at a graph "
+    "break, so use compiled autograd without fullgraph=True, or turn it off"
+)
+
 
 class BucketState(enum.Enum):
     """Where a bucket's gradient is (asserted at each transition, see `GradBucket.move`)."""
@@ -192,6 +201,8 @@ class Reducer:
         off = slot.start - buf.buckets[slot.bucket].start
 
         def hook(p: torch.Tensor) -> None:
+            if torch.compiler.is_compiling():  # traced by compiled autograd
+                raise RuntimeError(_COMPILED_AUTOGRAD)
             g = p.grad
             p.grad = None
             if g is None:

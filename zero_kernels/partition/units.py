@@ -36,6 +36,7 @@ Timeline of one training step (units U1..U3 inside the root, prefetch=1):
 from __future__ import annotations
 
 import enum
+import sys
 import weakref
 
 import torch
@@ -214,6 +215,8 @@ class UnitScheduler:
             )
 
     def pre_forward(self, k: int) -> None:
+        if _compiled_autograd():
+            raise RuntimeError(_NO_COMPILED_AUTOGRAD)
         u = self.by_index[k]
         if _in_backward():  # activation checkpointing: recomputation inside backward
             self.wait(u)
@@ -300,6 +303,28 @@ class UnitScheduler:
         for h in self.handles:
             h.remove()
         self.handles.clear()
+
+
+_NO_COMPILED_AUTOGRAD = (
+    "ZeroOptimizer stage 3 does not run under compiled autograd (its params change storage "
+    "between forward and backward, which the compiled backward's saved tensors do not "
+    "follow); set torch._dynamo.config.compiled_autograd = False, or use stage 1 or 2, which "
+    "run under it"
+)
+
+
+def _compiled_autograd() -> bool:
+    """Whether compiled autograd is switched on (by its config flag or its context); never
+    imports torch._dynamo itself."""
+    cfg = sys.modules.get("torch._dynamo.config")
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")
+    return bool(getattr(cfg, "compiled_autograd", False)) or (
+        ca is not None
+        and bool(
+            getattr(ca, "compiled_autograd_enabled", False)
+            or getattr(ca, "in_compiled_autograd_region", False)
+        )
+    )
 
 
 def _in_backward() -> bool:
