@@ -138,21 +138,27 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-def _list(name: str, text: str, parse, allowed=None) -> tuple:
-    items = [x.strip() for x in str(text).split(",") if x.strip()]
+def _list(name: str, text: str, parse, accepted: str) -> tuple:
+    """A comma-separated list; ``parse`` returns None (or raises ValueError) for a bad item."""
     out = []
-    for x in items:
+    for x in (x.strip() for x in str(text).split(",")):
         try:
-            v = parse(x)
+            v = parse(x) if x else None
         except ValueError:
             v = None
-        if v is None or (allowed is not None and v not in allowed):
-            accepted = ", ".join(map(str, allowed)) if allowed else "a comma-separated list"
-            raise ValueError(f"{name} takes {accepted}; got {text!r}")
+        if v is None:
+            raise ValueError(f"{name} takes {accepted}, comma-separated; got {text!r}")
         out.append(v)
-    if not out:
-        raise ValueError(f"{name} must not be empty; got {text!r}")
     return tuple(dict.fromkeys(out))
+
+
+def _one_of(values: dict):
+    return lambda x: values.get(x.lower())
+
+
+def _words(items) -> str:
+    items = [str(x) for x in items]
+    return ", ".join(items[:-1]) + f" or {items[-1]}" if len(items) > 1 else items[0]
 
 
 def _positive_mb(x: str) -> float:
@@ -174,15 +180,15 @@ def _mem_available() -> int | None:
 
 
 def _check_out(out: str) -> None:
-    p = Path(out)
+    """--out must be a folder tune can write in (created now, so a run does not fail at the
+    end); a test file is written and removed."""
     try:
-        p.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=p, prefix=".tune-write-test-"):
+        Path(out).mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".tune-write-test-"):
             pass
     except OSError as e:
-        raise ValueError(
-            f"--out {out!r} is not a writable folder ({type(e).__name__}: {e.strerror or e})"
-        ) from None
+        why = e.strerror or type(e).__name__
+        raise ValueError(f"--out {out!r} is not a writable folder ({why})") from None
 
 
 def config_from_args(args, argv: list[str] | None = None) -> TuneConfig:
@@ -230,13 +236,17 @@ def config_from_args(args, argv: list[str] | None = None) -> TuneConfig:
         avail = _mem_available()
         limit = None if avail is None else avail // args.nproc
         why = "MemAvailable / nproc"
-    stages = _list("--stages", args.stages, int, tuple(s for s in available_stages() if s))
+    ok = [s for s in available_stages() if s]
+    stages = _list("--stages", args.stages, _one_of({str(s): s for s in ok}), _words(ok))
     buckets = None
     if args.buckets.strip() != "auto":
-        buckets = _list("--buckets", args.buckets, _positive_mb)
-    prefetch = _list("--prefetch", args.prefetch, int, (0, 1, 2, 3, 4))
-    dtypes = _list("--reduce-dtypes", args.reduce_dtypes, str.lower, ("fp32", "bf16"))
-    overlap = _list("--overlap", args.overlap, {"off": False, "on": True}.get, (False, True))
+        buckets = _list("--buckets", args.buckets, _positive_mb, "'auto' or sizes in MiB > 0")
+    pf = {str(k): k for k in range(5)}
+    prefetch = _list("--prefetch", args.prefetch, _one_of(pf), _words(pf))
+    rd = {"fp32": "fp32", "bf16": "bf16"}
+    dtypes = _list("--reduce-dtypes", args.reduce_dtypes, _one_of(rd), _words(rd))
+    ov = {"off": False, "on": True}
+    overlap = _list("--overlap", args.overlap, _one_of(ov), _words(ov))
     _check_out(args.out)
     src = ModelSource(src_kind, spec, args.batch_size, args.seq_len)
     return TuneConfig(

@@ -8,6 +8,7 @@ did not run has no measured figures at all.
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -42,12 +43,14 @@ def _aggregate(t: dict, limit: int | None) -> dict:
     if t["status"] != "measured":
         return entry
     ranks = t["ranks"]
-    step = max(r["step_time_s"] for r in ranks)
+    slow = max(ranks, key=lambda r: r["step_time_s"])
+    step = slow["step_time_s"]
     peak = max(r["peak_rss_bytes"] for r in ranks)
     entry["measured"] = {
         "step_time_s": step,
         "step_time_s_per_rank": [r["step_time_s"] for r in ranks],
         "step_times_s_per_rank": [r["step_times_s"] for r in ranks],
+        "spread": _spread(slow["step_times_s"]),
         "peak_rss_bytes": peak,
         "peak_rss_bytes_per_rank": [r["peak_rss_bytes"] for r in ranks],
         "hwm_reset": all(r["hwm_reset"] for r in ranks),
@@ -65,6 +68,17 @@ def _aggregate(t: dict, limit: int | None) -> dict:
     if not entry["fits"]:
         entry["why"] = f"measured peak {est.format_bytes(peak)} > limit"
     return entry
+
+
+def _spread(xs: list[float]) -> float:
+    """Half the interquartile range (half the range below 4 steps) over the median."""
+    if len(xs) < 2:
+        return 0.0
+    if len(xs) >= 4:
+        q1, _, q3 = statistics.quantiles(xs, n=4)
+    else:
+        q1, q3 = min(xs), max(xs)
+    return (q3 - q1) / 2 / statistics.median(xs)
 
 
 def _kwargs_text(kw: dict) -> str:
@@ -126,7 +140,7 @@ def _print_table(res: dict) -> None:
         f"{b(c['activation_bytes'])}"
     )
     head = (
-        f"\n  {'#':>2}  {'configuration':<44}{'measured':>11}{'predicted':>11}{'ratio':>7}"
+        f"\n  {'#':>2}  {'configuration':<48}{'measured':>11}{'±':>5}{'predicted':>11}{'ratio':>7}"
         f"{'peak RSS':>11}{'pred. mem':>11}  fits"
     )
     print(head + "\n  " + "-" * (len(head) - 3))
@@ -140,15 +154,17 @@ def _print_table(res: dict) -> None:
         label = t["config"]["label"] + (" (ref.)" if t["config"]["stage"] == 0 else "")
         star = "*" if res["recommendation"] and res["recommendation"]["index"] == i - 1 else " "
         print(
-            f" {star}{i:>2}  {label:<44}{_ms(m['step_time_s'] if m else None):>11}"
-            f"{_ms(p['step_time_s']):>11}"
+            f" {star}{i:>2}  {label:<48}{_ms(m['step_time_s'] if m else None):>11}"
+            + (f"{100 * m['spread']:>4.0f}%" if m else f"{'':>5}")
+            + f"{_ms(p['step_time_s']):>11}"
             + (f"{t['ratio_measured_to_predicted']:>7.2f}" if m else f"{'-':>7}")
             + f"{b(m['peak_rss_bytes']) if m else '-':>11}{b(p['memory']['total_bytes']):>11}"
             + f"  {fits}"
         )
     print(
-        "  measured: slower rank's median step / largest peak RSS above the baseline; predicted:"
-        f" the model in tune_plan.py (overlap efficiency {res['prediction']['overlap']:.2g})"
+        "  measured: the slower rank's median step (±: half its interquartile range) and the "
+        "largest peak RSS above the baseline;\n  predicted: the model of [Note: the prediction] "
+        f"in zero_kernels/cli/tune_plan.py (overlap efficiency {res['prediction']['overlap']:.2g})"
     )
 
 

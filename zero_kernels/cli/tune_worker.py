@@ -139,23 +139,22 @@ def _compute(job: dict, rank: int, n: int) -> dict:
     model = build_model(src)
     batches = make_batches(model, src, steps=warm + reps, seed=job["seed"], rank=rank)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+    psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
     fb, step = [], []
     act = 0
+    tracker = PeakRSS()
     for i, batch in enumerate(batches):
-        if i == warm:  # activations: grads already allocated, only what backward adds
-            tracker = PeakRSS()
         t0 = time.perf_counter()
         step_loss(model, batch).backward()
         t1 = time.perf_counter()
-        if i == warm:
-            act = tracker.peak()
+        if i == 0:  # activations: the first backward's peak, less the grads it allocated
+            act = max(0, tracker.peak() - 4 * psi)
         opt.step()
         t2 = time.perf_counter()
         opt.zero_grad(set_to_none=False)
         if i >= warm:
             fb.append(t1 - t0)
             step.append(t2 - t1)
-    psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
     del opt, model, batches
     shard = torch.nn.Parameter(torch.zeros(-(-psi // n)))
     shard.grad = torch.full_like(shard, 1e-3)
@@ -176,9 +175,11 @@ def _compute(job: dict, rank: int, n: int) -> dict:
 
 
 def probe(job: dict, rank: int, n: int) -> dict:
-    bw = _bandwidth(job, n)
+    """Compute first: its activations are measured as growth of a fresh process's memory, which
+    the bandwidth buffers, freed but kept by the allocator, would hide."""
+    compute = _compute(job, rank, n)
     comm.barrier()
-    return {"bandwidth": bw, **_compute(job, rank, n)}
+    return {"bandwidth": _bandwidth(job, n), **compute}
 
 
 # ---------------------------------------------------------------------------------------------
