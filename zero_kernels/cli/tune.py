@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 import platform
 import queue as queue_mod
+import re
 import statistics
 import sys
 import tempfile
@@ -106,7 +107,7 @@ def add_parser(sub, parser_class) -> None:
     t.add_argument(
         "--mem-limit",
         default=None,
-        help="peak memory per rank above its baseline: 2GB, 512MB, 1.5GiB "
+        help="peak memory per rank above its baseline: 2GB, 512MB, 1.5GiB, 300000000B "
         "(default: MemAvailable / nproc)",
     )
     t.add_argument("--out", default=DEFAULT_OUT, help="folder for tune.json and tune.png")
@@ -166,6 +167,17 @@ def _positive_mb(x: str) -> float:
     if not (v > 0 and v < 1e6):
         raise ValueError(x)
     return v
+
+
+def _parse_limit(text: str) -> int:
+    """`2GB`, `512MB`, `1.5GiB`, `80` (GB, as `zero_kernels.estimate.parse_bytes`), and plain
+    bytes `123456B` (which parse_bytes would read as GB)."""
+    m = re.fullmatch(r"\s*([0-9]+)\s*[bB]\s*", text)
+    if m:
+        if int(m.group(1)) <= 0:
+            raise ValueError(f"--mem-limit must be a size > 0 like 2GB or 512MB; got {text!r}")
+        return int(m.group(1))
+    return est.parse_bytes(text, name="--mem-limit")
 
 
 def _mem_available() -> int | None:
@@ -231,7 +243,7 @@ def config_from_args(args, argv: list[str] | None = None) -> TuneConfig:
         if not v > 0:
             raise ValueError(f"{name} must be > 0 seconds; got {v}")
     if args.mem_limit is not None:
-        limit, why = est.parse_bytes(args.mem_limit, name="--mem-limit"), "--mem-limit"
+        limit, why = _parse_limit(args.mem_limit), "--mem-limit"
     else:
         avail = _mem_available()
         limit = None if avail is None else avail // args.nproc
@@ -247,8 +259,9 @@ def config_from_args(args, argv: list[str] | None = None) -> TuneConfig:
     dtypes = _list("--reduce-dtypes", args.reduce_dtypes, _one_of(rd), _words(rd))
     ov = {"off": False, "on": True}
     overlap = _list("--overlap", args.overlap, _one_of(ov), _words(ov))
-    _check_out(args.out)
     src = ModelSource(src_kind, spec, args.batch_size, args.seq_len)
+    model_facts(src)  # builds it on the meta device: a model tune cannot run fails here
+    _check_out(args.out)
     return TuneConfig(
         source=src,
         nproc=args.nproc,

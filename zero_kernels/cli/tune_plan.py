@@ -34,9 +34,15 @@ least promising ones.
   α = clamp((cores - N·threads) / N, 0, 1): the communication of gloo (and of comm's
   point-to-point algorithms) runs on CPU threads, so it hides behind compute only where a core
   is free for it; with every core computing (2 ranks on 2 cores) nothing is hidden.
-- memory per rank: `zero_kernels.estimate` (model states, the stage-3 live window, comm buffers,
-  halved with bf16 reduction) plus the activations measured in the compute probe. Not counted:
-  the allocator's slack, gloo's and the probe's buffers: the measured peak RSS is higher.
+- memory per rank: `zero_kernels.estimate` (model states, the stage-3 live window, comm buffers:
+  stage 2's two largest buckets as laid out, which hold at least a whole parameter each whatever
+  ``bucket_size_mb``, halved with bf16 reduction) plus the activations measured in the compute
+  probe. Not counted, so the measured peak is higher (a lower bound is what pruning needs: a
+  configuration is never skipped that could have fit): the allocator's slack, gloo's buffers,
+  the buffers of `zero_kernels.comm`'s algorithm probe (up to 32 MiB plus shards, in the first
+  step), the point-to-point algorithms' receive buffers, autograd's whole gradient of a
+  parameter before it is copied into its bucket, and stage 1/2's copy of the params into the
+  flat buffer at construction.
 
 This is a simple model meant to rank the configurations and to show where the time goes; the
 table prints its ratio to the measurement for every trial.
@@ -66,6 +72,7 @@ DDP_BUCKET_MB = 25.0  # DistributedDataParallel's bucket_cap_mb default
 DDP_FIRST_BUCKET_MB = 1.0  # and its smaller first bucket
 P2P_MARGIN = 0.9  # as zero_kernels.comm: a p2p algorithm must take <= 0.9x native's time
 FWD_FRACTION = 1 / 3  # of forward + backward
+MAX_INFLIGHT = 2  # ZeroOptimizer's max_inflight_buckets default: stage 2's bucket buffers
 
 
 @dataclass(frozen=True)
@@ -283,7 +290,11 @@ def predict_memory(cfg: TrialConfig, facts: ModelFacts, m: Measured) -> dict:
         bucket_mb=cfg.bucket_mb,
         root_params=facts.root_numel,
     )
-    buffers = e.comm_buffer_bytes * (0.5 if cfg.reduce_dtype == "bf16" else 1.0)
+    buffers = e.comm_buffer_bytes
+    if cfg.stage == 2:  # the real buckets: one holds at least a whole param, whatever its size
+        biggest = sorted(facts.bucket_numels(m.world_size, cfg.bucket_mb))[-MAX_INFLIGHT:]
+        buffers = 4.0 * sum(biggest)
+    buffers *= 0.5 if cfg.reduce_dtype == "bf16" else 1.0
     total = e.total_bytes + buffers + m.activation_bytes
     return {
         "total_bytes": total,
