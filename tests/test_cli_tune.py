@@ -286,7 +286,7 @@ def test_prediction_follows_the_volumes():
             TrialConfig(1, 4.0),
             TrialConfig(2, 4.0),
             TrialConfig(2, 4.0, "bf16"),
-            TrialConfig(3, 25.0, "fp32", 1),
+            TrialConfig(3, None, "fp32", 1),
         )
     }
     s1, s2, s2b, s3 = p.values()
@@ -300,7 +300,7 @@ def test_prediction_follows_the_volumes():
     assert hidden["exposed_comm_s"] < s2["exposed_comm_s"]
     mem = [
         tune_plan.predict_memory(c, facts, m)["total_bytes"]
-        for c in (TrialConfig(1, 1.0), TrialConfig(2, 1.0), TrialConfig(3, 25.0, "fp32", 1))
+        for c in (TrialConfig(1, 1.0), TrialConfig(2, 1.0), TrialConfig(3, None, "fp32", 1))
     ]
     assert mem[0] > mem[1] > mem[2]  # stage 1 > stage 2 > stage 3 per rank
     # stage 2's buffers: its two largest buckets (1 MiB here), half of them with bf16
@@ -308,6 +308,13 @@ def test_prediction_follows_the_volumes():
     assert s2 == pytest.approx(2 * 2**20, rel=0.01)
     bf16 = tune_plan.predict_memory(TrialConfig(2, 1.0, "bf16"), facts, m)["comm_buffer_bytes"]
     assert bf16 == s2 / 2
+    # stage 3 gathers the root unit, the running unit and `prefetch` more; a model without
+    # repeated blocks is all root: gathered whole
+    s3 = tune_plan.predict_memory(TrialConfig(3, None, "fp32", 2), facts, m)
+    assert s3["live_bytes"] == 4 * 3 * (1 << 18)
+    flat = ModelFacts(facts.n_params, facts.shapes, (), facts.n_params, "")
+    s3 = tune_plan.predict_memory(TrialConfig(3, None, "fp32", 1), flat, m)
+    assert s3["live_bytes"] == 4 * facts.n_params
     assert tune_plan.predict_memory(TrialConfig(0, 25.0), facts, m)["total_bytes"] > mem[0]
 
 

@@ -205,8 +205,12 @@ def _check_out(out: str) -> None:
 
 def config_from_args(args, argv: list[str] | None = None) -> TuneConfig:
     """Check every argument (ValueError naming it and its value) and build the configuration."""
-    from .demo import available_stages
+    from .demo import _under_torchrun, available_stages
 
+    if _under_torchrun():
+        raise ValueError(
+            "zero-kernels tune starts its own ranks (--nproc): run it directly, not under torchrun"
+        )
     if args.model is not None:
         if args.model.endswith(".json") or Path(args.model).is_dir():
             src_kind = "config"
@@ -477,9 +481,17 @@ def _order(trials: list[dict]) -> list[dict]:
 
 def run_tune(cfg: TuneConfig) -> int:
     """Run everything ([Note: what tune does]); returns the exit code."""
+    import torch
+
     from .tune_report import finish
 
     t0 = time.monotonic()
+    if torch.cuda.is_available():
+        print(
+            "zero-kernels tune: note: the ranks run on the CPU (gloo); tuning on GPUs (NCCL) "
+            "is not implemented yet",
+            file=sys.stderr,
+        )
     facts: ModelFacts = model_facts(cfg.source)  # ValueError (exit 2) for a model tune can't run
     if cfg.buckets is None:
         cfg = replace(cfg, buckets=default_buckets(facts.n_params))

@@ -34,10 +34,12 @@ least promising ones.
   α = clamp((cores - N·threads) / N, 0, 1): the communication of gloo (and of comm's
   point-to-point algorithms) runs on CPU threads, so it hides behind compute only where a core
   is free for it; with every core computing (2 ranks on 2 cores) nothing is hidden.
-- memory per rank: `zero_kernels.estimate` (model states, the stage-3 live window, comm buffers:
-  stage 2's two largest buckets as laid out, which hold at least a whole parameter each whatever
-  ``bucket_size_mb``, halved with bf16 reduction) plus the activations measured in the compute
-  probe. Not counted, so the measured peak is higher (a lower bound is what pruning needs: a
+- memory per rank: `zero_kernels.estimate`'s model states; stage 2's comm buffers, its two
+  largest buckets as laid out (a bucket holds at least a whole parameter, whatever
+  ``bucket_size_mb``); stage 3's live window (the root unit, the running unit and ``prefetch``
+  more, the largest ones: a model without repeated blocks is all root) and the gradients of its
+  two largest units; buffers halved with bf16 reduction; plus the activations measured in the
+  compute probe. Not counted, so the measured peak is higher (a lower bound is what pruning needs: a
   configuration is never skipped that could have fit): the allocator's slack, gloo's buffers,
   the buffers of `zero_kernels.comm`'s algorithm probe (up to 32 MiB plus shards, in the first
   step), the point-to-point algorithms' receive buffers, autograd's whole gradient of a
@@ -80,7 +82,7 @@ class TrialConfig:
     """One configuration tried. ``stage`` 0 is the reference: DDP + AdamW(fused=True)."""
 
     stage: int
-    bucket_mb: float
+    bucket_mb: float | None  # None at stage 3: a unit is a bucket
     reduce_dtype: str = "fp32"  # "fp32" | "bf16"
     prefetch: int | None = None  # stage 3 only
     overlap_param_gather: bool = False  # stages 1/2 only
@@ -136,7 +138,7 @@ def grid(
         elif s == 3:
             for p in prefetch:
                 for rd in reduce_dtypes:
-                    out.append(TrialConfig(3, est.DEFAULT_BUCKET_MB, rd, p, False))
+                    out.append(TrialConfig(3, None, rd, p, False))
     return list(dict.fromkeys(out))  # reduce_dtypes ("fp32",) and stage 1 may repeat
 
 
@@ -276,31 +278,35 @@ def predict_time(cfg: TrialConfig, facts: ModelFacts, m: Measured) -> dict:
 
 
 def predict_memory(cfg: TrialConfig, facts: ModelFacts, m: Measured) -> dict:
-    """Predicted bytes per rank above the baseline: the estimator's model states and buffers,
-    plus the measured activations ([Note: the prediction])."""
-    largest = max(facts.unit_numels, default=0)
+    """Predicted bytes per rank above the baseline: the estimator's model states, the comm
+    buffers and stage-3 window of this model's real buckets and units, and the measured
+    activations ([Note: the prediction])."""
     e = est.estimate_stage(
         cfg.stage,
         facts.n_params,
         m.world_size,
         precision="fp32",
         optimizer="adam",
-        largest_layer=largest if cfg.stage == 3 else None,
-        prefetch=cfg.prefetch or 1,
-        bucket_mb=cfg.bucket_mb,
-        root_params=facts.root_numel,
+        bucket_mb=cfg.bucket_mb or est.DEFAULT_BUCKET_MB,
     )
-    buffers = e.comm_buffer_bytes
+    states = e.total_bytes  # no live window: largest_layer not given
+    live, buffers = 0.0, 0.0
     if cfg.stage == 2:  # the real buckets: one holds at least a whole param, whatever its size
-        biggest = sorted(facts.bucket_numels(m.world_size, cfg.bucket_mb))[-MAX_INFLIGHT:]
-        buffers = 4.0 * sum(biggest)
+        buffers = 4.0 * sum(
+            sorted(facts.bucket_numels(m.world_size, cfg.bucket_mb))[-MAX_INFLIGHT:]
+        )
+    elif cfg.stage == 3:  # root unit + running + prefetched units; gradients of the largest
+        units = sorted(facts.unit_numels)
+        ahead = min(1 + (cfg.prefetch or 0), len(units))
+        live = 4.0 * (facts.root_numel + sum(units[len(units) - ahead :]))
+        buffers = 4.0 * sum(sorted(units + [facts.root_numel])[-MAX_INFLIGHT:])
     buffers *= 0.5 if cfg.reduce_dtype == "bf16" else 1.0
-    total = e.total_bytes + buffers + m.activation_bytes
     return {
-        "total_bytes": total,
-        "model_state_bytes": e.total_bytes - e.live_bytes,
-        "live_bytes": e.live_bytes,
+        "total_bytes": states + live + buffers + m.activation_bytes,
+        "model_state_bytes": states,
+        "live_bytes": live,
         "comm_buffer_bytes": buffers,
         "activation_bytes": m.activation_bytes,
-        "what": "prediction: zero_kernels.estimate + measured activations",
+        "what": "prediction: zero_kernels.estimate's model states + buckets and units as laid "
+        "out + measured activations",
     }

@@ -248,9 +248,14 @@ def _plot(res: dict, path: Path) -> Path | None:
             )
         ax1.plot(1e3 * p["step_time_s"], yi, "k|", markersize=12)
         ax2.plot(p["memory"]["total_bytes"] / 1e6, yi, "k|", markersize=12)
-    if res["mem_limit_bytes"]:
-        ax2.axvline(res["mem_limit_bytes"] / 1e6, color="tab:red", linestyle="--", label="limit")
+    limit = res["mem_limit_bytes"]
+    shown = [t["measured"]["peak_rss_bytes"] for t in trials if t["measured"]]
+    shown += [t["predicted"]["memory"]["total_bytes"] for t in trials]
+    if limit and limit <= 2 * max(shown, default=0):
+        ax2.axvline(limit / 1e6, color="tab:red", linestyle="--", label="limit")
         ax2.legend(fontsize=7)
+    elif limit:  # far above every bar: a line there would squash them
+        ax2.set_title(f"limit {est.format_bytes(limit)} (off the scale)", fontsize=8)
     ax1.set_yticks(y, labels, fontsize=7)
     ax1.set_xlabel("step time, ms (bars measured, | predicted, hatched: not run)")
     ax2.set_xlabel("peak RSS per rank above baseline, MB (| predicted)")
