@@ -36,8 +36,8 @@ def _run(out, *args) -> tuple[int, str, str]:
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("tune")
-    args = ["--model-size", "tiny", "--stages", "1,2", "--buckets", "1", "--reduce-dtypes"]
-    rc, stdout, stderr = _run(out, *args, "fp32,bf16")
+    args = ["--model-size", "tiny", "--stages", "1,2", "--buckets", "1", "--repeats", "2"]
+    rc, stdout, stderr = _run(out, *args, "--reduce-dtypes", "fp32,bf16")
     return rc, stdout, stderr, out
 
 
@@ -72,7 +72,11 @@ def test_report_of_a_real_run(tiny_run):
         assert t["status"] == "measured", t
         m, p = t["measured"], t["predicted"]
         assert m["step_time_s"] > 0 and len(m["step_time_s_per_rank"]) == 2
-        assert m["step_time_s"] == max(m["step_time_s_per_rank"])  # the slower rank
+        # --repeats 2: two rounds, each the slower rank's median; the median of the two
+        assert len(m["step_time_s_per_run"]) == 2 and len(m["peak_rss_bytes_per_run"]) == 2
+        assert m["step_time_s_per_run"][0] == max(m["step_time_s_per_rank"])  # slower rank
+        assert m["step_time_s"] == pytest.approx(sum(m["step_time_s_per_run"]) / 2)
+        assert m["peak_rss_bytes"] == max(m["peak_rss_bytes_per_run"])
         assert all(len(s) == 2 for s in m["step_times_s_per_rank"])  # --steps 2 timed
         assert len(m["peak_rss_bytes_per_rank"]) == 2 and min(m["peak_rss_bytes_per_rank"]) > 0
         assert m["what"].startswith("measured") and p["what"].startswith("prediction")

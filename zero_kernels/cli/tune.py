@@ -72,6 +72,7 @@ class TuneConfig:
     steps: int = 10
     warmup: int = 3
     max_trials: int = 0  # 0: no limit
+    repeats: int = 1  # rounds over the configurations
     time_budget_s: float = 180.0
     trial_timeout_s: float = 300.0
     seed: int = 0
@@ -122,6 +123,13 @@ def add_parser(sub, parser_class) -> None:
     t.add_argument("--overlap", default="off,on", help="overlap_param_gather (default off,on)")
     t.add_argument("--no-ddp", dest="ddp", action="store_false", help="skip the DDP reference")
     t.add_argument("--max-trials", type=int, default=0, help="most trials run (default 0: all)")
+    t.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="rounds over the configurations, interleaved (default 1); each trial's step is "
+        "the median over its rounds",
+    )
     t.add_argument(
         "--time-budget", type=float, default=180.0, help="seconds for all trials (default 180)"
     )
@@ -228,6 +236,7 @@ def config_from_args(args, argv: list[str] | None = None) -> TuneConfig:
         ("--steps", args.steps, 1),
         ("--warmup", args.warmup, 0),
         ("--max-trials", args.max_trials, 0),
+        ("--repeats", args.repeats, 1),
     ):
         if v < lo:
             raise ValueError(f"{name} must be >= {lo}; got {v}")
@@ -282,6 +291,7 @@ def config_from_args(args, argv: list[str] | None = None) -> TuneConfig:
         steps=args.steps,
         warmup=args.warmup,
         max_trials=args.max_trials,
+        repeats=args.repeats,
         time_budget_s=args.time_budget,
         trial_timeout_s=args.trial_timeout,
         seed=args.seed,
@@ -479,6 +489,35 @@ def _order(trials: list[dict]) -> list[dict]:
     return out
 
 
+def _run_trials(cfg: TuneConfig, launcher: _Launcher, order: list[dict], bar, t0: float) -> None:
+    """Each configuration in ``order`` once per round, ``--repeats`` rounds (A B C A B C: drift
+    on the machine hits every configuration alike), within --max-trials and --time-budget."""
+    last_wall = None
+    for rnd in range(cfg.repeats):
+        for k, t in enumerate(order):
+            c = t["config"]
+            elapsed = time.monotonic() - t0
+            guess = last_wall or (cfg.warmup + cfg.steps) * t["predicted"]["step_time_s"] + 1
+            if t["status"] in ("failed", "not_run"):
+                pass
+            elif rnd == 0 and cfg.max_trials and k >= cfg.max_trials:
+                t["status"], t["why"] = "not_run", f"--max-trials {cfg.max_trials} reached"
+            elif (rnd or k) and elapsed + guess > cfg.time_budget_s:
+                if rnd == 0:
+                    t["status"], t["why"] = "not_run", f"--time-budget {cfg.time_budget_s:g} s"
+            else:
+                bar.show(c.label + (f" (round {rnd + 1})" if cfg.repeats > 1 else ""))
+                start = time.monotonic()
+                try:
+                    t.setdefault("runs", []).append(launcher.run(_job(cfg, "trial", config=c)))
+                    t["status"] = "measured"
+                except JobFailed as e:
+                    t["status"], t["why"] = "failed", str(e)
+                    t.pop("runs", None)
+                last_wall = time.monotonic() - start
+            bar.advance()
+
+
 def run_tune(cfg: TuneConfig) -> int:
     """Run everything ([Note: what tune does]); returns the exit code."""
     import torch
@@ -498,7 +537,7 @@ def run_tune(cfg: TuneConfig) -> int:
     configs = grid(cfg.stages, cfg.buckets, cfg.prefetch, cfg.reduce_dtypes, cfg.overlap, cfg.ddp)
     algorithms = ("native", "pairwise") + (("ring",) if cfg.nproc > 2 else ())
     launcher = _Launcher(cfg.nproc, cfg.trial_timeout_s)
-    bar = _Progress(len(configs) + 1, cfg.progress)
+    bar = _Progress(len(configs) * cfg.repeats + 1, cfg.progress)
     try:
         bar.show("probe: bandwidth and compute")
         sizes = _probe_sizes(facts.n_params)
@@ -519,28 +558,9 @@ def run_tune(cfg: TuneConfig) -> int:
             trials.append(t)
         for t in trials:
             if t["status"] == "over_limit":
-                bar.advance()
-        run = 0
-        last_wall = None
-        for t in _order([t for t in trials if t["status"] == "pending"]):
-            c = t["config"]
-            elapsed = time.monotonic() - t0
-            guess = last_wall or (cfg.warmup + cfg.steps) * t["predicted"]["step_time_s"] + 1
-            if cfg.max_trials and run >= cfg.max_trials:
-                t["status"], t["why"] = "not_run", f"--max-trials {cfg.max_trials} reached"
-            elif run and elapsed + guess > cfg.time_budget_s:
-                t["status"], t["why"] = "not_run", f"--time-budget {cfg.time_budget_s:g} s"
-            else:
-                bar.show(c.label)
-                start = time.monotonic()
-                try:
-                    t["ranks"] = launcher.run(_job(cfg, "trial", config=c))
-                    t["status"] = "measured"
-                except JobFailed as e:
-                    t["status"], t["why"] = "failed", str(e)
-                last_wall = time.monotonic() - start
-                run += 1
-            bar.advance()
+                bar.advance(cfg.repeats)
+        order = _order([t for t in trials if t["status"] == "pending"])
+        _run_trials(cfg, launcher, order, bar, t0)
     except BaseException:
         bar.close()
         raise

@@ -42,18 +42,22 @@ def _aggregate(t: dict, limit: int | None) -> dict:
         entry["fits"] = False
     if t["status"] != "measured":
         return entry
-    ranks = t["ranks"]
-    slow = max(ranks, key=lambda r: r["step_time_s"])
-    step = slow["step_time_s"]
-    peak = max(r["peak_rss_bytes"] for r in ranks)
+    runs = t["runs"]  # each a list by rank
+    slow = [max(ranks, key=lambda r: r["step_time_s"]) for ranks in runs]  # per run
+    step = statistics.median(r["step_time_s"] for r in slow)
+    peaks = [max(r["peak_rss_bytes"] for r in ranks) for ranks in runs]
+    peak = max(peaks)
+    ranks = runs[0]
     entry["measured"] = {
         "step_time_s": step,
+        "step_time_s_per_run": [r["step_time_s"] for r in slow],
         "step_time_s_per_rank": [r["step_time_s"] for r in ranks],
         "step_times_s_per_rank": [r["step_times_s"] for r in ranks],
-        "spread": _spread(slow["step_times_s"]),
+        "spread": _spread([x for r in slow for x in r["step_times_s"]]),
         "peak_rss_bytes": peak,
         "peak_rss_bytes_per_rank": [r["peak_rss_bytes"] for r in ranks],
-        "hwm_reset": all(r["hwm_reset"] for r in ranks),
+        "peak_rss_bytes_per_run": peaks,
+        "hwm_reset": all(r["hwm_reset"] for ranks in runs for r in ranks),
         "exposed_comm_s": max((r.get("exposed_comm_s", 0.0) for r in ranks), default=0.0)
         if c.stage
         else None,
@@ -61,7 +65,8 @@ def _aggregate(t: dict, limit: int | None) -> dict:
         if c.stage
         else None,
         "algorithms": ranks[0].get("algorithms"),
-        "what": "measured: median of the timed steps, slower rank; peak RSS above the baseline",
+        "what": "measured: median of the timed steps of the slower rank (median over rounds); "
+        "peak anonymous RSS above the baseline, the largest rank and round; per_rank: round 1",
     }
     entry["ratio_measured_to_predicted"] = step / t["predicted"]["step_time_s"]
     entry["fits"] = limit is None or peak <= limit
@@ -304,6 +309,7 @@ def finish(cfg, facts, measured, probe_json: dict, trials: list[dict], elapsed: 
             "overlap_param_gather": list(cfg.overlap),
             "ddp": cfg.ddp,
             "max_trials": cfg.max_trials,
+            "repeats": cfg.repeats,
             "time_budget_s": cfg.time_budget_s,
             "seed": cfg.seed,
             "optimizer": "torch.optim.AdamW(lr=1e-3, weight_decay=0.01)",
