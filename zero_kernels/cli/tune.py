@@ -111,8 +111,14 @@ def add_parser(sub, parser_class) -> None:
         help="peak memory per rank above its baseline: 2GB, 512MB, 1.5GiB, 300000000B "
         "(default: MemAvailable / nproc)",
     )
-    t.add_argument("--out", default=DEFAULT_OUT, help="folder for tune.json and tune.png")
-    t.add_argument("--batch-size", type=int, default=8, help="samples per rank per step")
+    t.add_argument(
+        "--out",
+        default=DEFAULT_OUT,
+        help=f"folder for tune.json and tune.png (default {DEFAULT_OUT})",
+    )
+    t.add_argument(
+        "--batch-size", type=int, default=8, help="samples per rank per step (default 8)"
+    )
     t.add_argument("--seq-len", type=int, default=None, help="tokens per sample (token models)")
     t.add_argument("--steps", type=int, default=10, help="timed steps per trial (default 10)")
     t.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
