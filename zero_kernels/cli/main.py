@@ -1,4 +1,4 @@
-"""The `zero-kernels` command: `demo`, `estimate`, `bench` and `checkpoint`.
+"""The `zero-kernels` command: `demo`, `estimate`, `bench`, `tune` and `checkpoint`.
 
 Bad arguments end in one line on stderr naming the argument and what it accepts, exit code 2,
 never a traceback (set ZERO_KERNELS_TRACEBACK=1 to see one for an unexpected error). A reader
@@ -44,7 +44,7 @@ def _positive_float(name: str):
 
 def _build_parser() -> argparse.ArgumentParser:
     from ..models import MODEL_SIZES
-    from . import checkpoint
+    from . import checkpoint, tune
     from .optimizers import OPTIMIZER_CHOICES
 
     p = _Parser(
@@ -54,7 +54,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="store_true", help="print the version and exit")
     sub = p.add_subparsers(
-        dest="command", parser_class=_Parser, metavar="{demo,estimate,bench,checkpoint}"
+        dest="command", parser_class=_Parser, metavar="{demo,estimate,bench,tune,checkpoint}"
     )
 
     d = sub.add_parser(
@@ -194,6 +194,7 @@ def _build_parser() -> argparse.ArgumentParser:
         default=1800.0,
         help="seconds per benchmark script (default 1800)",
     )
+    tune.add_parser(sub, _Parser)
     checkpoint.add_parser(sub, _Parser)
     return p
 
@@ -307,6 +308,12 @@ def _cmd_bench(args) -> int:
     )
 
 
+def _cmd_tune(args, argv: list[str]) -> int:
+    from .tune import config_from_args, run_tune
+
+    return run_tune(config_from_args(args, argv))
+
+
 def _cmd_checkpoint(args) -> int:
     from .checkpoint import run
 
@@ -349,6 +356,7 @@ def _main(argv: list[str] | None) -> int:
             "estimate": _cmd_estimate,
             "bench": _cmd_bench,
             "checkpoint": _cmd_checkpoint,
+            "tune": lambda a: _cmd_tune(a, argv),
         }[args.command]
         return cmd(args)
     except _UsageError as e:

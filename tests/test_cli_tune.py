@@ -1,0 +1,345 @@
+"""`zero-kernels tune`: the report of a real run on gloo (every trial measured, predictions
+labelled, the recommendation the fastest fitting trial), a memory limit that excludes some or all
+configurations, bad arguments, and the pure parts (prediction, grid, peak memory)."""
+
+import contextlib
+import inspect
+import io
+import json
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from zero_kernels.cli import tune_plan
+from zero_kernels.cli.main import main
+from zero_kernels.cli.tune_plan import Measured, TrialConfig
+
+FAST = ["--nproc", "2", "--steps", "2", "--warmup", "1", "--no-progress", "--overlap", "off"]
+BIG_PSI = 32 * (512 * 512 + 512)  # big_mlp's parameters
+
+
+def big_mlp() -> nn.Module:
+    """8.4M fp32 params (34 MB) in 1 MB matrices: model states dominate the runtime's own
+    memory, and 1 MiB buckets stay small (a bucket holds at least a whole parameter)."""
+    return nn.Sequential(*[nn.Linear(512, 512) for _ in range(32)])
+
+
+def _run(out, *args) -> tuple[int, str, str]:
+    so, se = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(so), contextlib.redirect_stderr(se):
+        rc = main(["tune", *FAST, "--out", str(out), *args])
+    return rc, so.getvalue(), se.getvalue()
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tune")
+    args = ["--model-size", "tiny", "--stages", "1,2", "--buckets", "1", "--repeats", "2"]
+    rc, stdout, stderr = _run(out, *args, "--reduce-dtypes", "fp32,bf16")
+    return rc, stdout, stderr, out
+
+
+def _fits_and_fastest(res: dict) -> dict:
+    fit = [
+        t
+        for t in res["trials"]
+        if t["status"] == "measured" and t["fits"] and not t["config"]["ddp"]
+    ]
+    return min(fit, key=lambda t: t["measured"]["step_time_s"])
+
+
+@pytest.mark.distributed
+def test_report_of_a_real_run(tiny_run):
+    rc, stdout, stderr, out = tiny_run
+    assert rc == 0, stderr
+    res = json.loads((out / "tune.json").read_text())
+    assert res["world_size"] == 2 and res["model"]["n_params"] > 100_000
+    assert {"torch", "python", "platform", "cores"} <= set(res["machine"])
+    assert res["command"].startswith("zero-kernels tune")
+    # the grid: DDP, stage 1 (fp32 only: stage 1 refuses bf16), stage 2 in fp32 and bf16
+    labels = sorted(t["config"]["label"] for t in res["trials"])
+    assert labels == sorted(
+        [
+            "DDP + AdamW(fused=True)",
+            "stage 1, bucket 1 MiB, fp32 reduce",
+            "stage 2, bucket 1 MiB, fp32 reduce",
+            "stage 2, bucket 1 MiB, bf16 reduce",
+        ]
+    ), labels
+    for t in res["trials"]:
+        assert t["status"] == "measured", t
+        m, p = t["measured"], t["predicted"]
+        assert m["step_time_s"] > 0 and len(m["step_time_s_per_rank"]) == 2
+        # --repeats 2: two rounds, each the slower rank's median; the median of the two
+        assert len(m["step_time_s_per_run"]) == 2 and len(m["peak_rss_bytes_per_run"]) == 2
+        assert m["step_time_s_per_run"][0] == max(m["step_time_s_per_rank"])  # slower rank
+        assert m["step_time_s"] == pytest.approx(sum(m["step_time_s_per_run"]) / 2)
+        assert m["peak_rss_bytes"] == max(m["peak_rss_bytes_per_run"])
+        assert all(len(s) == 2 for s in m["step_times_s_per_rank"])  # --steps 2 timed
+        assert len(m["peak_rss_bytes_per_rank"]) == 2 and min(m["peak_rss_bytes_per_rank"]) > 0
+        assert m["what"].startswith("measured") and p["what"].startswith("prediction")
+        assert p["memory"]["what"].startswith("prediction")
+        assert p["step_time_s"] >= p["compute_s"] > 0 and p["memory"]["total_bytes"] > 0
+        assert t["ratio_measured_to_predicted"] == pytest.approx(
+            m["step_time_s"] / p["step_time_s"]
+        )
+        assert t["fits"] == (m["peak_rss_bytes"] <= res["mem_limit_bytes"])
+    # every stage's model states are in the peak: at least params + grads + state shards
+    psi = res["model"]["n_params"]
+    for t in res["trials"]:
+        assert t["measured"]["peak_rss_bytes"] > 8 * psi, t["config"]["label"]
+    best = _fits_and_fastest(res)
+    rec = res["recommendation"]
+    assert res["trials"][rec["index"]] is not None
+    assert rec["label"] == best["config"]["label"]
+    assert rec["step_time_s"] == best["measured"]["step_time_s"]
+    assert rec["zero_optimizer_kwargs"]["stage"] == best["config"]["stage"]
+    # bandwidth: reduce-scatter and all-gather per algorithm (no ring at 2 ranks), all-reduce
+    seen = {(r["op"], r["algorithm"]) for r in res["bandwidth"]}
+    assert seen == {
+        ("reduce_scatter", "native"),
+        ("reduce_scatter", "pairwise"),
+        ("all_gather", "native"),
+        ("all_gather", "pairwise"),
+        ("all_reduce", "native"),
+    }
+    assert all(r["seconds"] > 0 and r["bytes"] > 0 for r in res["bandwidth"])
+    sizes = {r["bytes"] for r in res["bandwidth"]}
+    assert max(sizes) == pytest.approx(4 * psi, rel=0.01)  # capped by the model's grads
+    assert res["compute"]["fwd_bwd_s"] > 0 and res["compute"]["activation_bytes"] > 0
+    png = (out / "tune.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+    # the printed table and recommendation
+    assert "collective time, measured" in stdout and "predicted" in stdout
+    assert f"recommended: {rec['label']}" in stdout
+    assert "zero_kernels.ZeroOptimizer(model, torch.optim.AdamW, stage=" in stdout
+    if best["config"]["reduce_dtype"] == "bf16":
+        assert "reduce_dtype=torch.bfloat16" in stdout
+    for t in res["trials"]:
+        assert t["config"]["label"] in stdout
+
+
+def test_recommended_arguments_are_zero_optimizer_arguments():
+    from zero_kernels.optimizer import ZeroOptimizer
+
+    names = set(inspect.signature(ZeroOptimizer.__init__).parameters)
+    configs = tune_plan.grid((1, 2, 3), (1.0, 4.0), (1, 2), ("fp32", "bf16"), (False, True), True)
+    for c in configs:
+        if c.stage:
+            assert set(c.zero_kwargs()) <= names, c
+
+
+@pytest.mark.distributed
+def test_mem_limit_excludes_some_and_recommends_among_the_rest(tmp_path):
+    # DDP holds 16 bytes per param (params, grads, AdamW's two moments): 15 excludes it by
+    # prediction; stage 2 holds 4 + 12/2 = 10 per param and fits with room for the runtime
+    limit = 15 * BIG_PSI
+    rc, stdout, stderr = _run(
+        tmp_path / "out",
+        "--model",
+        "test_cli_tune:big_mlp",
+        "--stages",
+        "1,2",
+        "--buckets",
+        "1",
+        "--reduce-dtypes",
+        "fp32",
+        "--mem-limit",
+        f"{limit}B",
+    )
+    assert rc == 0, stderr
+    res = json.loads((tmp_path / "out" / "tune.json").read_text())
+    assert res["model"]["n_params"] == BIG_PSI and res["mem_limit_bytes"] == limit
+    by = {t["config"]["label"]: t for t in res["trials"]}
+    ddp = by["DDP + AdamW(fused=True)"]
+    assert ddp["status"] == "over_limit" and ddp["fits"] is False and ddp["measured"] is None
+    assert ddp["why"].startswith("over limit (predicted ")
+    assert ddp["predicted"]["memory"]["total_bytes"] > limit
+    measured = [t for t in res["trials"] if t["status"] == "measured"]
+    assert measured and all(not t["config"]["ddp"] for t in measured)
+    for t in measured:
+        assert t["fits"] == (t["measured"]["peak_rss_bytes"] <= limit)
+    s2 = by["stage 2, bucket 1 MiB, fp32 reduce"]
+    assert s2["fits"], s2["measured"]
+    best = _fits_and_fastest(res)
+    assert res["recommendation"]["label"] == best["config"]["label"]
+    assert best["measured"]["peak_rss_bytes"] <= limit
+    assert "over limit (predicted" in stdout
+
+
+@pytest.mark.distributed
+def test_limit_that_excludes_everything_exits_1(tmp_path):
+    rc, stdout, stderr = _run(
+        tmp_path / "out", "--model-size", "tiny", "--stages", "2", "--mem-limit", "50kB"
+    )
+    assert rc == 1
+    assert "no ZeRO configuration fits 50 kB per rank" in stderr, stderr
+    assert "no configuration fits" in stdout and "the smallest predicted is stage 2" in stdout
+    res = json.loads((tmp_path / "out" / "tune.json").read_text())
+    assert res["recommendation"] is None
+    assert all(t["status"] == "over_limit" for t in res["trials"])
+    assert res["smallest_predicted"]["label"].startswith("stage 2")
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--nproc", "0"], "--nproc"),
+        (["--nproc", "100000"], "--nproc"),
+        (["--threads", "100000"], "--threads"),
+        (["--mem-limit", "abc"], "--mem-limit"),
+        (["--mem-limit=-2GB"], "--mem-limit"),
+        (["--mem-limit", "0"], "--mem-limit"),
+        (["--model", "no_such_module_zk:factory"], "--model"),
+        (["--model", "torch.nn:Linear"], "--model"),
+        (["--model", "/nonexistent/config.json"], "--model"),
+        (["--model-size", "huge"], "--model-size"),
+        (["--model-size", "tiny", "--model", "a:b"], "--model"),
+        (["--stages", "4"], "--stages"),
+        (["--buckets", "0"], "--buckets"),
+        (["--prefetch", "x"], "--prefetch"),
+        (["--overlap", "maybe"], "--overlap"),
+        (["--reduce-dtypes", "fp8"], "--reduce-dtypes"),
+        (["--steps", "0"], "--steps"),
+        (["--time-budget", "-1"], "--time-budget"),
+    ],
+)
+def test_bad_arguments_one_line_exit_2(argv, needle, capsys, tmp_path):
+    assert main(["tune", "--out", str(tmp_path / "o"), *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("zero-kernels: error:") and needle in err[0], err
+    assert not (tmp_path / "o").exists()  # nothing created before the arguments are good
+
+
+def test_out_not_writable(tmp_path, capsys):
+    f = tmp_path / "file"
+    f.write_text("x")
+    assert main(["tune", "--model-size", "tiny", "--out", str(f / "sub")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--out" in err[0] and str(f / "sub") in err[0], err
+
+
+def test_plain_progress_line_without_tqdm(monkeypatch, capsys):
+    from zero_kernels.cli.tune import _Progress
+
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm -> ImportError
+    bar = _Progress(3, True)
+    assert bar.bar is None
+    bar.show("stage 2, bucket 1 MiB")
+    bar.advance()
+    bar.close()
+    err = capsys.readouterr().err
+    assert "\rtune: 0/3 stage 2, bucket 1 MiB" in err and "tune: 1/3 done" in err
+
+
+# ---- pure parts -------------------------------------------------------------------------------
+
+
+def _measured(**kw) -> Measured:
+    pts = ((1 << 20, 0.002), (8 << 20, 0.010))
+    bw = {
+        ("reduce_scatter", "native"): pts,
+        ("reduce_scatter", "pairwise"): tuple((b, t / 2) for b, t in pts),
+        ("all_gather", "native"): pts,
+        ("all_gather", "pairwise"): tuple((b, t * 0.95) for b, t in pts),
+        ("all_reduce", "native"): tuple((b, 2 * t) for b, t in pts),
+    }
+    base = dict(
+        world_size=2,
+        bandwidth=bw,
+        fwd_bwd_s=0.1,
+        optimizer_full_s=0.01,
+        optimizer_shard_s=0.005,
+        activation_bytes=1e6,
+        overlap=0.0,
+    )
+    return Measured(**{**base, **kw})
+
+
+def test_collective_time_interpolates_and_extrapolates():
+    pts = ((1000, 1.0), (3000, 2.0))
+    assert tune_plan.collective_time(pts, 10) == 1.0  # latency floor
+    assert tune_plan.collective_time(pts, 2000) == pytest.approx(1.5)
+    assert tune_plan.collective_time(pts, 6000) == pytest.approx(4.0)  # at the top bandwidth
+
+
+def test_algorithm_choice_follows_comm_margin():
+    m = _measured()
+    assert tune_plan.pick_algorithm(m.bandwidth, "reduce_scatter", 4 << 20)[0] == "pairwise"
+    # 0.95x native is inside comm's 10% margin: native
+    assert tune_plan.pick_algorithm(m.bandwidth, "all_gather", 4 << 20)[0] == "native"
+
+
+def test_prediction_follows_the_volumes():
+    from zero_kernels.cli.tune_model import ModelFacts
+
+    facts = ModelFacts(
+        n_params=4 << 20,
+        shapes=((256, 256),) * 64,
+        unit_numels=(1 << 18,) * 16,
+        root_numel=0,
+        input="",
+    )
+    m = _measured()
+    p = {
+        c: tune_plan.predict_time(c, facts, m)
+        for c in (
+            TrialConfig(1, 4.0),
+            TrialConfig(2, 4.0),
+            TrialConfig(2, 4.0, "bf16"),
+            TrialConfig(3, None, "fp32", 1),
+        )
+    }
+    s1, s2, s2b, s3 = p.values()
+    assert s1["comm_s"] == pytest.approx(s2["comm_s"])  # 2Ψ both
+    assert s2b["comm_s"] < s2["comm_s"]  # half the gradient bytes
+    assert s3["comm_s"] > s2["comm_s"]  # 3Ψ
+    for v in p.values():  # nothing hidden with overlap efficiency 0
+        assert v["exposed_comm_s"] == pytest.approx(v["comm_s"])
+        assert v["step_time_s"] == pytest.approx(0.1 + 0.005 + v["comm_s"])
+    hidden = tune_plan.predict_time(TrialConfig(2, 4.0), facts, _measured(overlap=1.0))
+    assert hidden["exposed_comm_s"] < s2["exposed_comm_s"]
+    mem = [
+        tune_plan.predict_memory(c, facts, m)["total_bytes"]
+        for c in (TrialConfig(1, 1.0), TrialConfig(2, 1.0), TrialConfig(3, None, "fp32", 1))
+    ]
+    assert mem[0] > mem[1] > mem[2]  # stage 1 > stage 2 > stage 3 per rank
+    # stage 2's buffers: its two largest buckets (1 MiB here), half of them with bf16
+    s2 = tune_plan.predict_memory(TrialConfig(2, 1.0), facts, m)["comm_buffer_bytes"]
+    assert s2 == pytest.approx(2 * 2**20, rel=0.01)
+    bf16 = tune_plan.predict_memory(TrialConfig(2, 1.0, "bf16"), facts, m)["comm_buffer_bytes"]
+    assert bf16 == s2 / 2
+    # stage 3 gathers the root unit, the running unit and `prefetch` more; a model without
+    # repeated blocks is all root: gathered whole
+    s3 = tune_plan.predict_memory(TrialConfig(3, None, "fp32", 2), facts, m)
+    assert s3["live_bytes"] == 4 * 3 * (1 << 18)
+    flat = ModelFacts(facts.n_params, facts.shapes, (), facts.n_params, "")
+    s3 = tune_plan.predict_memory(TrialConfig(3, None, "fp32", 1), flat, m)
+    assert s3["live_bytes"] == 4 * facts.n_params
+    assert tune_plan.predict_memory(TrialConfig(0, 25.0), facts, m)["total_bytes"] > mem[0]
+
+
+def test_grid_and_defaults():
+    g = tune_plan.grid((1, 2, 3), (1.0,), (1, 2), ("fp32", "bf16"), (False, True), True)
+    assert g[0].stage == 0
+    assert not [c for c in g if c.stage == 1 and c.reduce_dtype == "bf16"]
+    assert not [c for c in g if c.stage == 3 and c.overlap_param_gather]
+    assert len(g) == 1 + 2 + 4 + 4
+    assert tune_plan.default_buckets(100_000) == (1.0,)
+    assert tune_plan.default_buckets(840_000) == (1.0, 4.0)
+    assert tune_plan.default_buckets(100_000_000) == (4.0, 25.0, 100.0)
+    assert tune_plan.overlap_efficiency(2, 2, 1) == 0.0
+    assert tune_plan.overlap_efficiency(8, 2, 1) == 1.0
+
+
+def test_peak_rss_sees_an_allocation():
+    from zero_kernels.cli.tune_worker import PeakRSS
+
+    t = PeakRSS()
+    assert t.hwm_reset  # Linux's clear_refs works here; tune.json says so where it does not
+    x = torch.ones(10_000_000)  # 40 MB, touched
+    del x
+    assert 38e6 < t.peak() < 60e6, t.peak()

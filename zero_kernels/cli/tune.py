@@ -1,0 +1,590 @@
+"""`zero-kernels tune`: measure this machine, try ZeRO configurations on the user's model, and
+recommend the fastest one that fits a memory limit.
+
+[Note: what tune does]
+1. The probe (one job of ``--nproc`` ranks on gloo): reduce-scatter and all-gather time per
+   algorithm `zero_kernels.comm` offers (native, pairwise, and ring above 2 ranks: a ring of 2
+   is the pairwise exchange) and per message size (64 KiB, 1, 8, 64 MiB, capped by the model's
+   fp32 gradient bytes, which are measured too), all-reduce for DDP; then forward + backward of
+   one rank's batch on every rank at once, its activations, and the optimizer step.
+2. The plan (`zero_kernels.cli.tune_plan`): stage x bucket size x prefetch x reduce dtype x
+   overlap_param_gather, plus DDP + AdamW(fused=True) for reference; each with a predicted step
+   time and memory per rank. A configuration predicted over ``--mem-limit`` is not run (listed
+   as "over limit"). The rest run in order of predicted time, taking the stages in turn, until
+   ``--max-trials`` or ``--time-budget`` (those left are listed as not run).
+3. The trials: each its own job of fresh processes (`zero_kernels.cli.tune_worker`):
+   ``--warmup`` steps, then ``--steps`` timed ones; the step time is the slower rank's median,
+   the memory the largest peak RSS above the baseline ([Note: peak memory] there). A trial
+   fits when that peak is within the limit on every rank.
+4. The recommendation: the fastest measured ZeRO configuration that fits, with its
+   ZeroOptimizer(...) arguments; DDP's row says whether plain DDP would be faster. Exit code 0,
+   or 1 when no configuration fits (the one predicted smallest is named), 2 for bad arguments.
+
+Printed: the table on stdout, a progress bar on stderr. Written to ``--out``: tune.json
+(machine, versions, command, bandwidth, compute, every trial with its configuration, measured
+and predicted figures and whether it fits, the recommendation) and tune.png.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import queue as queue_mod
+import re
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from .. import estimate as est
+from .tune_model import ModelFacts, ModelSource, check_size, model_facts
+from .tune_plan import (
+    Measured,
+    default_buckets,
+    grid,
+    overlap_efficiency,
+    predict_memory,
+    predict_time,
+)
+
+__all__ = ["TuneConfig", "add_parser", "config_from_args", "run_tune"]
+
+DEFAULT_OUT = "zero_kernels_tune"
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class TuneConfig:
+    source: ModelSource
+    nproc: int = 2
+    threads: int = 1  # torch threads per rank
+    mem_limit: int | None = None  # bytes per rank; None: MemAvailable / nproc (or no limit)
+    mem_limit_source: str = "--mem-limit"
+    out: str = DEFAULT_OUT
+    stages: tuple[int, ...] = (1, 2, 3)
+    buckets: tuple[float, ...] | None = None  # None: default_buckets(model size)
+    prefetch: tuple[int, ...] = (1, 2)
+    reduce_dtypes: tuple[str, ...] = ("fp32", "bf16")
+    overlap: tuple[bool, ...] = (False, True)
+    ddp: bool = True
+    steps: int = 10
+    warmup: int = 3
+    max_trials: int = 0  # 0: no limit
+    repeats: int = 1  # rounds over the configurations
+    time_budget_s: float = 180.0
+    trial_timeout_s: float = 300.0
+    seed: int = 0
+    progress: bool = True
+    argv: tuple[str, ...] = field(default=())
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments
+# ---------------------------------------------------------------------------------------------
+
+
+def add_parser(sub, parser_class) -> None:
+    from ..models import MODEL_SIZES
+
+    t = sub.add_parser(
+        "tune",
+        help="measure this machine and try ZeRO configurations on a model; recommend one",
+        description="Measure collective bandwidth and compute time here, run short trials of "
+        "stage x bucket size x prefetch x reduce dtype x overlap on the model within a memory "
+        "limit, print a table and the fastest configuration that fits (measured, with the "
+        "prediction beside it); write tune.json and tune.png.",
+    )
+    src = t.add_mutually_exclusive_group()
+    src.add_argument(
+        "--model-size", default=None, choices=list(MODEL_SIZES), help="demo GPT (default small)"
+    )
+    src.add_argument(
+        "--model", default=None, help="package.module:factory, or a GPT-2 style config.json"
+    )
+    t.add_argument("--nproc", type=int, default=2, help="ranks (default 2; at most the cores)")
+    t.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    t.add_argument(
+        "--mem-limit",
+        default=None,
+        help="peak memory per rank above its baseline: 2GB, 512MB, 1.5GiB, 300000000B "
+        "(default: MemAvailable / nproc)",
+    )
+    t.add_argument(
+        "--out",
+        default=DEFAULT_OUT,
+        help=f"folder for tune.json and tune.png (default {DEFAULT_OUT})",
+    )
+    t.add_argument(
+        "--batch-size", type=int, default=8, help="samples per rank per step (default 8)"
+    )
+    t.add_argument("--seq-len", type=int, default=None, help="tokens per sample (token models)")
+    t.add_argument("--steps", type=int, default=10, help="timed steps per trial (default 10)")
+    t.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
+    t.add_argument("--stages", default="1,2,3", help="ZeRO stages to try (default 1,2,3)")
+    t.add_argument("--buckets", default="auto", help="bucket sizes in MiB, e.g. 1,4,25 (auto)")
+    t.add_argument("--prefetch", default="1,2", help="stage-3 prefetch values (default 1,2)")
+    t.add_argument("--reduce-dtypes", default="fp32,bf16", help="stages 2/3 (default fp32,bf16)")
+    t.add_argument("--overlap", default="off,on", help="overlap_param_gather (default off,on)")
+    t.add_argument("--no-ddp", dest="ddp", action="store_false", help="skip the DDP reference")
+    t.add_argument("--max-trials", type=int, default=0, help="most trials run (default 0: all)")
+    t.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="rounds over the configurations, interleaved (default 1); each trial's step is "
+        "the median over its rounds",
+    )
+    t.add_argument(
+        "--time-budget", type=float, default=180.0, help="seconds for all trials (default 180)"
+    )
+    t.add_argument(
+        "--trial-timeout", type=float, default=300.0, help="seconds before a job is stopped"
+    )
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _list(name: str, text: str, parse, accepted: str) -> tuple:
+    """A comma-separated list; ``parse`` returns None (or raises ValueError) for a bad item."""
+    out = []
+    for x in (x.strip() for x in str(text).split(",")):
+        try:
+            v = parse(x) if x else None
+        except ValueError:
+            v = None
+        if v is None:
+            raise ValueError(f"{name} takes {accepted}, comma-separated; got {text!r}")
+        out.append(v)
+    return tuple(dict.fromkeys(out))
+
+
+def _one_of(values: dict):
+    return lambda x: values.get(x.lower())
+
+
+def _words(items) -> str:
+    items = [str(x) for x in items]
+    return ", ".join(items[:-1]) + f" or {items[-1]}" if len(items) > 1 else items[0]
+
+
+def _positive_mb(x: str) -> float:
+    v = float(x)
+    if not (v > 0 and v < 1e6):
+        raise ValueError(x)
+    return v
+
+
+def _parse_limit(text: str) -> int:
+    """`2GB`, `512MB`, `1.5GiB`, `80` (GB, as `zero_kernels.estimate.parse_bytes`), and plain
+    bytes `123456B` (which parse_bytes would read as GB)."""
+    m = re.fullmatch(r"\s*([0-9]+)\s*[bB]\s*", text)
+    if m:
+        if int(m.group(1)) <= 0:
+            raise ValueError(f"--mem-limit must be a size > 0 like 2GB or 512MB; got {text!r}")
+        return int(m.group(1))
+    return est.parse_bytes(text, name="--mem-limit")
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _check_out(out: str) -> None:
+    """--out must be a folder tune can write in (created now, so a run does not fail at the
+    end); a test file is written and removed."""
+    try:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".tune-write-test-"):
+            pass
+    except OSError as e:
+        why = e.strerror or type(e).__name__
+        raise ValueError(f"--out {out!r} is not a writable folder ({why})") from None
+
+
+def config_from_args(args, argv: list[str] | None = None) -> TuneConfig:
+    """Check every argument (ValueError naming it and its value) and build the configuration."""
+    from .demo import _under_torchrun, available_stages
+
+    if _under_torchrun():
+        raise ValueError(
+            "zero-kernels tune starts its own ranks (--nproc): run it directly, not under torchrun"
+        )
+    if args.model is not None:
+        if args.model.endswith(".json") or Path(args.model).is_dir():
+            src_kind = "config"
+        else:
+            src_kind = "factory"
+            est.model_info(args.model)  # imports and builds it on meta; one line on failure
+        spec = args.model
+    else:
+        spec, src_kind = args.model_size or "small", "size"
+        check_size(spec)
+    cores = _cores()
+    for name, v, lo in (
+        ("--threads", args.threads, 1),
+        ("--batch-size", args.batch_size, 1),
+        ("--steps", args.steps, 1),
+        ("--warmup", args.warmup, 0),
+        ("--max-trials", args.max_trials, 0),
+        ("--repeats", args.repeats, 1),
+    ):
+        if v < lo:
+            raise ValueError(f"{name} must be >= {lo}; got {v}")
+    if args.seq_len is not None and args.seq_len < 1:
+        raise ValueError(f"--seq-len must be >= 1; got {args.seq_len}")
+    if not 2 <= args.nproc <= cores:
+        raise ValueError(
+            f"--nproc must be in 2..{cores} (ZeRO needs 2 ranks; this machine has {cores} "
+            f"cores, one per rank); got {args.nproc}"
+        )
+    if args.nproc * args.threads > cores:
+        raise ValueError(
+            f"--threads {args.threads} x --nproc {args.nproc} needs {args.nproc * args.threads} "
+            f"cores; this machine has {cores}"
+        )
+    for name, v in (("--time-budget", args.time_budget), ("--trial-timeout", args.trial_timeout)):
+        if not v > 0:
+            raise ValueError(f"{name} must be > 0 seconds; got {v}")
+    if args.mem_limit is not None:
+        limit, why = _parse_limit(args.mem_limit), "--mem-limit"
+    else:
+        avail = _mem_available()
+        limit = None if avail is None else avail // args.nproc
+        why = "MemAvailable / nproc"
+    ok = [s for s in available_stages() if s]
+    stages = _list("--stages", args.stages, _one_of({str(s): s for s in ok}), _words(ok))
+    buckets = None
+    if args.buckets.strip() != "auto":
+        buckets = _list("--buckets", args.buckets, _positive_mb, "'auto' or sizes in MiB > 0")
+    pf = {str(k): k for k in range(5)}
+    prefetch = _list("--prefetch", args.prefetch, _one_of(pf), _words(pf))
+    rd = {"fp32": "fp32", "bf16": "bf16"}
+    dtypes = _list("--reduce-dtypes", args.reduce_dtypes, _one_of(rd), _words(rd))
+    ov = {"off": False, "on": True}
+    overlap = _list("--overlap", args.overlap, _one_of(ov), _words(ov))
+    src = ModelSource(src_kind, spec, args.batch_size, args.seq_len)
+    model_facts(src)  # builds it on the meta device: a model tune cannot run fails here
+    _check_out(args.out)
+    return TuneConfig(
+        source=src,
+        nproc=args.nproc,
+        threads=args.threads,
+        mem_limit=limit,
+        mem_limit_source=why,
+        out=args.out,
+        stages=tuple(sorted(stages)),
+        buckets=buckets,
+        prefetch=prefetch,
+        reduce_dtypes=dtypes,
+        overlap=overlap,
+        ddp=args.ddp,
+        steps=args.steps,
+        warmup=args.warmup,
+        max_trials=args.max_trials,
+        repeats=args.repeats,
+        time_budget_s=args.time_budget,
+        trial_timeout_s=args.trial_timeout,
+        seed=args.seed,
+        progress=args.progress,
+        argv=tuple(sys.argv[1:] if argv is None else argv),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Jobs: fresh processes per probe and per trial
+# ---------------------------------------------------------------------------------------------
+
+
+class JobFailed(RuntimeError):
+    pass
+
+
+class _Launcher:
+    """Starts ``nproc`` rank processes for one job and supervises them: their results, or the
+    first failing rank's error on one line (the others terminated), or a timeout."""
+
+    def __init__(self, nproc: int, timeout_s: float) -> None:
+        import multiprocessing as mp
+
+        self.nproc, self.timeout_s = nproc, timeout_s
+        self.ctx = mp.get_context("forkserver")  # torch imported once; a job starts in ~0.5 s
+        self.ctx.set_forkserver_preload(["zero_kernels.cli.tune_worker"])
+
+    def run(self, job: dict) -> list:
+        from .demo import _free_port
+        from .tune_worker import rank_main
+
+        q = self.ctx.Queue()
+        port = _free_port()
+        procs = [
+            self.ctx.Process(target=rank_main, args=(i, self.nproc, port, job, q))
+            for i in range(self.nproc)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + self.timeout_s
+        result, error = None, None
+        try:
+            while result is None and error is None:
+                try:
+                    msg = q.get(timeout=0.1)
+                except queue_mod.Empty:
+                    msg = None
+                if msg is not None and msg[0] == "ok":
+                    result = msg[1]
+                elif msg is not None:
+                    error = f"rank {msg[1]} failed: {msg[2]}"
+                    if os.environ.get("ZERO_KERNELS_TRACEBACK"):
+                        print(msg[3], file=sys.stderr)
+                elif any(p.exitcode not in (None, 0) for p in procs):
+                    k = next(i for i, p in enumerate(procs) if p.exitcode not in (None, 0))
+                    error = f"rank {k} failed with exit code {procs[k].exitcode}"
+                elif time.monotonic() > deadline:
+                    error = f"timed out after {self.timeout_s:g} s (--trial-timeout)"
+            if result is not None:
+                for p in procs:
+                    p.join(max(1.0, deadline - time.monotonic()))
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+            for p in procs:
+                p.join(10)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+            q.close()
+        if error is not None:
+            raise JobFailed(error)
+        return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Progress
+# ---------------------------------------------------------------------------------------------
+
+
+class _Progress:
+    """tqdm on stderr when installed, else one line rewritten with \\r; nothing when off."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.n, self.enabled, self.bar = total, 0, enabled, None
+        if not enabled:
+            return
+        try:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc="tune", file=sys.stderr, dynamic_ncols=True)
+        except ImportError:
+            self.bar = None
+
+    def show(self, what: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.set_postfix_str(what)
+        else:
+            line = f"tune: {self.n}/{self.total} {what}"
+            print(f"\r{line[:100]:<100}", end="", file=sys.stderr, flush=True)
+
+    def advance(self, k: int = 1) -> None:
+        self.n += k
+        if self.bar is not None:
+            self.bar.update(k)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        elif self.enabled:
+            print(f"\rtune: {self.n}/{self.total} done{'':<90}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+# ---------------------------------------------------------------------------------------------
+
+
+def _probe_sizes(n_params: int) -> list[int]:
+    grads = 4 * n_params
+    sizes = [s for s in (64 * 1024, MIB, 8 * MIB, 64 * MIB) if s < grads]
+    if not sizes or grads > 1.5 * sizes[-1]:
+        sizes.append(min(grads, 64 * MIB) if sizes else grads)
+    return sizes
+
+
+def _job(cfg: TuneConfig, kind: str, **extra) -> dict:
+    return {
+        "kind": kind,
+        "source": cfg.source,
+        "threads": cfg.threads,
+        "seed": cfg.seed,
+        "steps": cfg.steps,
+        "warmup": cfg.warmup,
+        "timeout_s": cfg.trial_timeout_s,
+        **extra,
+    }
+
+
+def _measured(cfg: TuneConfig, per_rank: list[dict]) -> tuple[Measured, dict]:
+    """Rank-wise probe results -> the plan's `Measured` and the JSON's probe section."""
+    rows = []
+    bandwidth: dict = {}
+    for k, row in enumerate(per_rank[0]["bandwidth"]):
+        reps = zip(*(r["bandwidth"][k]["seconds"] for r in per_rank))
+        sec = statistics.median(max(rep) for rep in reps)  # the slower rank, median of runs
+        rows.append(
+            {
+                "op": row["op"],
+                "algorithm": row["algorithm"],
+                "bytes": row["bytes"],
+                "seconds": sec,
+                "gb_per_s": row["bytes"] / sec / 1e9 if sec > 0 else None,
+                "runs": len(row["seconds"]),
+            }
+        )
+        bandwidth.setdefault((row["op"], row["algorithm"]), []).append((row["bytes"], sec))
+    worst = {k: max(r[k] for r in per_rank) for k in per_rank[0] if k != "bandwidth"}
+    m = Measured(
+        world_size=cfg.nproc,
+        bandwidth={k: tuple(sorted(v)) for k, v in bandwidth.items()},
+        fwd_bwd_s=worst["fwd_bwd_s"],
+        optimizer_full_s=worst["optimizer_full_s"],
+        optimizer_shard_s=worst["optimizer_shard_s"],
+        activation_bytes=float(worst["activation_bytes"]),
+        overlap=overlap_efficiency(_cores(), cfg.nproc, cfg.threads),
+    )
+    compute = {
+        "fwd_bwd_s": m.fwd_bwd_s,
+        "fwd_bwd_s_per_rank": [r["fwd_bwd_s"] for r in per_rank],
+        "optimizer_step_s": {
+            "AdamW(fused=True), every param (DDP)": m.optimizer_full_s,
+            "fused kernel, 1/N of the params (ZeRO shard)": m.optimizer_shard_s,
+        },
+        "activation_bytes": m.activation_bytes,
+        "what": "measured: median of the timed runs, the slower rank",
+    }
+    return m, {"bandwidth": rows, "compute": compute, "hwm_reset": worst["hwm_reset"]}
+
+
+def _order(trials: list[dict]) -> list[dict]:
+    """DDP first, then the stages in turn, each in order of predicted time."""
+    by_stage: dict[int, list[dict]] = {}
+    for t in sorted(trials, key=lambda t: t["predicted"]["step_time_s"]):
+        by_stage.setdefault(t["config"].stage, []).append(t)
+    out = by_stage.pop(0, [])
+    while any(by_stage.values()):
+        for s in sorted(by_stage):
+            if by_stage[s]:
+                out.append(by_stage[s].pop(0))
+    return out
+
+
+def _run_trials(cfg: TuneConfig, launcher: _Launcher, order: list[dict], bar, t0: float) -> None:
+    """Each configuration in ``order`` once per round, ``--repeats`` rounds (A B C A B C: drift
+    on the machine hits every configuration alike), within --max-trials and --time-budget."""
+    last_wall = None
+    for rnd in range(cfg.repeats):
+        for k, t in enumerate(order):
+            c = t["config"]
+            elapsed = time.monotonic() - t0
+            guess = last_wall or (cfg.warmup + cfg.steps) * t["predicted"]["step_time_s"] + 1
+            if t["status"] in ("failed", "not_run"):
+                pass
+            elif rnd == 0 and cfg.max_trials and k >= cfg.max_trials:
+                t["status"], t["why"] = "not_run", f"--max-trials {cfg.max_trials} reached"
+            elif (rnd or k) and elapsed + guess > cfg.time_budget_s:
+                if rnd == 0:
+                    t["status"], t["why"] = "not_run", f"--time-budget {cfg.time_budget_s:g} s"
+            else:
+                bar.show(c.label + (f" (round {rnd + 1})" if cfg.repeats > 1 else ""))
+                start = time.monotonic()
+                try:
+                    t.setdefault("runs", []).append(launcher.run(_job(cfg, "trial", config=c)))
+                    t["status"] = "measured"
+                except JobFailed as e:
+                    t["status"], t["why"] = "failed", str(e)
+                    t.pop("runs", None)
+                last_wall = time.monotonic() - start
+            bar.advance()
+
+
+def run_tune(cfg: TuneConfig) -> int:
+    """Run everything ([Note: what tune does]); returns the exit code."""
+    import torch
+
+    from .tune_report import finish
+
+    t0 = time.monotonic()
+    if torch.cuda.is_available():
+        print(
+            "zero-kernels tune: note: the ranks run on the CPU (gloo); tuning on GPUs (NCCL) "
+            "is not implemented yet",
+            file=sys.stderr,
+        )
+    facts: ModelFacts = model_facts(cfg.source)  # ValueError (exit 2) for a model tune can't run
+    if cfg.buckets is None:
+        cfg = replace(cfg, buckets=default_buckets(facts.n_params))
+    configs = grid(cfg.stages, cfg.buckets, cfg.prefetch, cfg.reduce_dtypes, cfg.overlap, cfg.ddp)
+    algorithms = ("native", "pairwise") + (("ring",) if cfg.nproc > 2 else ())
+    launcher = _Launcher(cfg.nproc, cfg.trial_timeout_s)
+    bar = _Progress(len(configs) * cfg.repeats + 1, cfg.progress)
+    try:
+        bar.show("probe: bandwidth and compute")
+        sizes = _probe_sizes(facts.n_params)
+        try:
+            probe = launcher.run(_job(cfg, "probe", algorithms=algorithms, sizes=sizes))
+        except JobFailed as e:
+            bar.close()
+            print(f"zero-kernels tune: error: the probe failed: {e}", file=sys.stderr)
+            return 1
+        bar.advance()
+        measured, probe_json = _measured(cfg, probe)
+        trials = []
+        for c in configs:
+            mem = predict_memory(c, facts, measured)
+            t = {"config": c, "predicted": predict_time(c, facts, measured), "memory": mem}
+            over = cfg.mem_limit is not None and mem["total_bytes"] > cfg.mem_limit
+            t["status"] = "over_limit" if over else "pending"
+            trials.append(t)
+        for t in trials:
+            if t["status"] == "over_limit":
+                bar.advance(cfg.repeats)
+        order = _order([t for t in trials if t["status"] == "pending"])
+        _run_trials(cfg, launcher, order, bar, t0)
+    except BaseException:
+        bar.close()
+        raise
+    bar.close()
+    return finish(cfg, facts, measured, probe_json, trials, time.monotonic() - t0)
+
+
+def machine() -> dict:
+    import torch
+
+    from .. import __version__
+
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cores": _cores(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "zero_kernels": __version__,
+        "backend": "gloo (CPU)",
+    }
