@@ -55,6 +55,7 @@ def test_parse_bytes():
     assert est.parse_bytes("80GB") == 80e9
     assert est.parse_bytes("80") == 80e9
     assert est.parse_bytes("24GiB") == 24 * 2**30
+    assert est.parse_bytes("4096B") == 4096 and est.parse_bytes("1.5kB") == 1500
     with pytest.raises(ValueError, match="--gpu-mem"):
         est.parse_bytes("lots")
 

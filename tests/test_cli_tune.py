@@ -133,9 +133,10 @@ def test_recommended_arguments_are_zero_optimizer_arguments():
 
 @pytest.mark.distributed
 def test_mem_limit_excludes_some_and_recommends_among_the_rest(tmp_path):
-    # DDP holds 16 bytes per param (params, grads, AdamW's two moments): 15 excludes it by
-    # prediction; stage 2 holds 4 + 12/2 = 10 per param and fits with room for the runtime
-    limit = 15 * BIG_PSI
+    # DDP holds 16 bytes per param (params, grads, AdamW's two moments) and is predicted at
+    # 16.1: 15.9 excludes it by prediction; stage 2 holds 4 + 12/2 = 10 per param (measured
+    # 12.4 here, with the runtime's own memory) and fits with room
+    limit = int(15.9 * BIG_PSI)
     rc, stdout, stderr = _run(
         tmp_path / "out",
         "--model",

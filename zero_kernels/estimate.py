@@ -130,12 +130,16 @@ def parse_count(text: str | int | float, *, name: str = "--params") -> int:
 
 
 def parse_bytes(text: str | int | float, *, name: str = "--gpu-mem") -> int:
-    """`80GB`, `80G`, `80` (GB), `24GiB`, `512MB` -> bytes."""
+    """`80GB`, `80G`, `80` (GB), `24GiB`, `512MB`, `4096B` (bytes) -> bytes."""
     if isinstance(text, int | float):
         return int(float(text) * GB)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMgGtT]?)(i?)[bB]?\s*", text)
-    if not m or float(m.group(1)) <= 0:
+    m = re.fullmatch(
+        r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMgGtT]?)(i?)([bB]?)\s*", text
+    )
+    if not m or float(m.group(1)) <= 0 or (m.group(3) and not m.group(2)):
         raise ValueError(f"{name} must be a size like 80GB, 24GiB or 80 (GB); got {text!r}")
+    if not m.group(2) and m.group(4):  # "4096B": bytes
+        return int(float(m.group(1)))
     unit = m.group(2).lower() or "g"
     base = 1024 if m.group(3) else 1000
     return int(float(m.group(1)) * base ** {"k": 1, "m": 2, "g": 3, "t": 4}[unit])
