@@ -21,9 +21,28 @@ computed in a lower precision than their own), and nothing is held twice:
   between steps and counted as communication buffers, not as gradients.
 
 The optimizer steps the reduced shard of every bucket: views, never copies.
+
+[Note: gathered memory]
+Stage 3 gathers a bucket, uses it and frees it again on every forward and backward, and the
+tensor's storage must stay the same object throughout (autograd's saved views of params keep it,
+see `ParamStore`). Through the allocator (``storage.resize_``) each use is a malloc and a free:
+glibc serves buckets under its mmap threshold (which it raises up to 32 MiB as blocks are freed)
+from its heap and keeps the freed ones there, counted in the process's memory: at 1 GiB per
+rank that cost stage 3 ~10 of 67 layers of capacity (bench/README.md, "Stage 3"); buckets above
+it are fresh mappings each time, whose page faults cost 8x the copy that fills them (32 MiB:
+60 ms against 7.5 ms on this machine). So on the CPU each bucket gets an anonymous memory
+mapping of its own for the optimizer's life: `free` returns its pages at once
+(``madvise(MADV_DONTNEED)``: resident memory drops, the address range stays) and the all-gather
+that refills it faults them back in, as 2 MiB transparent huge pages where the kernel allows
+(``MADV_HUGEPAGE``: 19 ms for the same 32 MiB). Between uses the mapping costs address space
+only. ``ZERO_KERNELS_GATHERED=allocator`` goes back to the allocator; on GPUs the caching
+allocator already keeps freed blocks for reuse, so there the storage is resized.
 """
 
 from __future__ import annotations
+
+import mmap
+import os
 
 import torch
 
@@ -225,6 +244,29 @@ class GradStore:
         return max((torch.finfo(d).bits // 8 for d in self.reduce_dtypes), default=4)
 
 
+class _Mapped:
+    """A gathered bucket's memory on the CPU: an anonymous memory mapping of its own, whose
+    pages `release` returns to the system at once (``madvise(MADV_DONTNEED)``) while the mapping,
+    and so the tensor's storage, stay ([Note: gathered memory])."""
+
+    _HUGE = 2 << 20  # transparent huge page size on x86-64 and most arm64 kernels
+
+    def __init__(self, numel: int, dtype: torch.dtype):
+        nbytes = max(1, numel) * torch.empty((), dtype=dtype).element_size()
+        # private: released pages are freed (a shared mapping would keep them in shmem)
+        self.map = mmap.mmap(-1, nbytes + self._HUGE, flags=mmap.MAP_PRIVATE)
+        if hasattr(mmap, "MADV_HUGEPAGE"):  # 2 MiB pages: 512x fewer faults when refilled
+            self.map.madvise(mmap.MADV_HUGEPAGE)
+        raw = torch.frombuffer(self.map, dtype=torch.uint8)
+        self.start = (-raw.data_ptr()) % self._HUGE
+        self.nbytes = nbytes
+        self.tensor = raw[self.start : self.start + nbytes].view(dtype)[:numel]
+
+    def release(self) -> None:
+        lo = self.start - self.start % mmap.PAGESIZE
+        self.map.madvise(mmap.MADV_DONTNEED, lo, self.start + self.nbytes - lo)
+
+
 class ParamStore:
     """Where the parameters live, by stage (see [Note: layout] for the ranges).
 
@@ -232,8 +274,9 @@ class ParamStore:
       it and is whole on every rank at all times; the rank's shard of a bucket is a slice.
     - Sharded params (stage 3): the rank's shard of every bucket in one persistent tensor per
       `FlatBuffer` (bucket b's shard at ``b.start // world_size``, as the optimizer's shards),
-      and per bucket a *gathered* tensor whose storage exists only while the bucket is in use
-      (`alloc`, then an all-gather fills it; `free` resizes the storage to 0). The storage
+      and per bucket a *gathered* tensor whose memory exists only while the bucket is in use
+      (`alloc`, then an all-gather fills it; `free` releases it, see [Note: gathered memory]).
+      The storage
       object must stay the same across uses (a pool of tensors cannot replace it): autograd
       saves views of params (``weight.T`` of a tied head) that keep pointing at the storage they
       were made from, so the re-gathered values must land in that same storage (tested: a
@@ -256,6 +299,7 @@ class ParamStore:
         self.shards: list[torch.Tensor] = []  # sharded params: the persistent shards
         self.gathered: list[list[torch.Tensor]] = []  # sharded: per bucket, storage 0 when freed
         self.raw: list[list[torch.Tensor]] = []
+        self.maps: list[list[_Mapped | None]] = []  # sharded, CPU: each bucket's mapping
         self.live: set[tuple[int, int]] = set()  # sharded: buckets allocated now
         self.peak_gathered = 0  # sharded: most bytes gathered at once (the live window)
         for buf in layout.buffers:
@@ -264,12 +308,18 @@ class ParamStore:
                 self.flats.append(flatten_params(buf, params, device))
                 continue
             self.shards.append(torch.zeros(buf.shard_numel(n), dtype=dt, device=device))
-            full, raw = [], []
+            full, raw, maps = [], [], []
             for bk in buf.buckets:
-                t = torch.empty(bk.numel(n), dtype=dt, device=device)
-                t.untyped_storage().resize_(0)
+                if _maps_memory(device):
+                    m = _Mapped(bk.numel(n), dt)
+                    t = m.tensor
+                else:
+                    m, t = None, torch.empty(bk.numel(n), dtype=dt, device=device)
+                    t.untyped_storage().resize_(0)
                 full.append(t)
                 raw.append(t.data)
+                maps.append(m)
+            self.maps.append(maps)
             self.gathered.append(full)
             self.raw.append(raw)
         # sharded: per bucket, (param, its view of the gathered tensor, its placeholder)
@@ -323,7 +373,8 @@ class ParamStore:
         if (i, b) in self.live:
             return
         t = self.gathered[i][b]
-        t.untyped_storage().resize_(t.numel() * t.element_size())
+        if self.maps[i][b] is None:
+            t.untyped_storage().resize_(t.numel() * t.element_size())
         self.live.add((i, b))
         self.peak_gathered = max(self.peak_gathered, self.gathered_nbytes())
         for p, view, _ in self.members.get((i, b), ()):
@@ -334,7 +385,10 @@ class ParamStore:
             return
         for p, _, placeholder in self.members.get((i, b), ()):
             p.data = placeholder
-        self.gathered[i][b].untyped_storage().resize_(0)
+        if self.maps[i][b] is not None:
+            self.maps[i][b].release()
+        else:
+            self.gathered[i][b].untyped_storage().resize_(0)
         self.live.discard((i, b))
 
     def nbytes(self) -> int:
@@ -364,3 +418,15 @@ def release_free_heap() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
         pass
+
+
+def _maps_memory(device) -> bool:
+    """Whether stage 3's gathered buckets on ``device`` get memory mappings of their own
+    ([Note: gathered memory]): on the CPU where ``madvise`` exists, unless
+    ``ZERO_KERNELS_GATHERED=allocator``."""
+    return (
+        torch.device(device).type == "cpu"
+        and hasattr(mmap.mmap, "madvise")
+        and hasattr(mmap, "MADV_DONTNEED")
+        and os.environ.get("ZERO_KERNELS_GATHERED", "") != "allocator"
+    )
