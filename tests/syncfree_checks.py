@@ -114,10 +114,14 @@ def check_syncfree(rank: int, world: int) -> dict:
         records: list[str] = []
 
         class Keep(logging.Handler):
-            def emit(self, record):
-                records.append(record.getMessage())
+            def __init__(self, into: list):
+                super().__init__()
+                self.into = into
 
-        h = Keep()
+            def emit(self, record):
+                self.into.append(record.getMessage())
+
+        h = Keep(records)
         logging.getLogger("zero_kernels").addHandler(h)
         try:
             for step in range(4):
