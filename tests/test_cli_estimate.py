@@ -248,3 +248,15 @@ def test_closed_pipe_exits_quietly(extra):
     rc = p.wait(timeout=120)
     assert err == "", err
     assert rc == 141, rc  # 128 + SIGPIPE, as a shell reports a tool killed by SIGPIPE
+
+
+def test_stage3_without_resharding():
+    """reshard_after_forward=False: the live window is the whole model (every unit gathered from
+    its forward to its backward) and params are gathered once per step (2 psi, not 3)."""
+    kw = dict(precision="fp32", optimizer="adamw", largest_layer=1000, root_params=200)
+    on = est.estimate_stage(3, 10_000, 4, **kw)
+    off = est.estimate_stage(3, 10_000, 4, reshard_after_forward=False, **kw)
+    assert on.live_bytes == (200 + 2 * 1000) * 4 and off.live_bytes == 10_000 * 4
+    assert on.all_gather_bytes == 2 * off.all_gather_bytes == 2 * 10_000 * 4
+    assert on.comm_elements == 30_000 and off.comm_elements == 20_000
+    assert off.total_bytes - on.total_bytes == off.live_bytes - on.live_bytes

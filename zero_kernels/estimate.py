@@ -394,9 +394,12 @@ def estimate_stage(
     bucket_mb: float = DEFAULT_BUCKET_MB,
     max_inflight_buckets: int = 2,
     root_params: int = 0,
+    reshard_after_forward: bool = True,
 ) -> StageEstimate:
     """Per-rank model-state bytes, comm buffers and per-step communication of one stage (see
-    the Note above); ``bucket_mb`` / ``max_inflight_buckets`` as ZeroOptimizer's."""
+    the Note above); ``bucket_mb`` / ``max_inflight_buckets`` / ``reshard_after_forward`` as
+    ZeroOptimizer's (stage 3 without resharding: every unit stays gathered from its forward to
+    its backward, so the live window is the whole model, and params are gathered once: 2Ψ)."""
     if stage not in STAGES:
         raise ValueError(f"--stage must be one of {STAGES}; got {stage!r}")
     if world_size < 1:
@@ -418,13 +421,18 @@ def estimate_stage(
         pb, gb, ob = p, g / n, k / n
     else:
         pb, gb, ob = p / n, g / n, k / n
-        if largest_layer:
+        if not reshard_after_forward:
+            live = p
+        elif largest_layer:
             live = (root_params + (1 + prefetch) * largest_layer) * prec.param_bytes
     ring = (n - 1) / n
     if stage == 0:
         ar, rs, ag, elems = g, 0.0, 0.0, 2.0
         wire = 2 * ring * g
     elif stage in (1, 2):
+        ar, rs, ag, elems = 0.0, g, p, 2.0
+        wire = ring * (g + p)
+    elif not reshard_after_forward:
         ar, rs, ag, elems = 0.0, g, p, 2.0
         wire = ring * (g + p)
     else:
