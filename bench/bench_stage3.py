@@ -59,14 +59,11 @@ import argparse
 import ctypes
 import math
 import os
-import resource
-import socket
 import statistics
 import sys
 import threading
 import time
 import traceback
-from datetime import timedelta
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -79,66 +76,29 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, ".."))
 
-from harness import machine, markdown_table, write_results  # noqa: E402
+import harness  # noqa: E402
+from harness import (  # noqa: E402
+    ON_MARK,
+    free_port,
+    git_status,
+    init_gloo,
+    machine,
+    mark,
+    markdown_table,
+    run_timing,
+    status_bytes,
+    write_results,
+)
 
 MB = 1e6
 MiB = 2**20
 ADAMW = dict(weight_decay=0.01, betas=(0.9, 0.999), eps=1e-8)
-_MARK: dict[str, float] = {}  # end of forward / backward of the step running now
-_ON_MARK: list = []  # RSS trials: called with the phase name at each mark
-
-
-def _mark(what: str) -> None:
-    _MARK[what] = time.perf_counter()
-    for f in _ON_MARK:
-        f(what)
-
-
-# ------------------------------------------------------------------------------------ common
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _status_bytes(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for ln in f:
-            if ln.startswith(key + ":"):
-                return int(ln.split()[1]) * 1024
-    return 0
 
 
 def _reset_hwm() -> None:
     """Reset this process's peak RSS (VmHWM, and with it ru_maxrss) to its current RSS."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-
-
-def _init(rank: int, world: int, port: int) -> None:
-    import logging
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    torch.set_num_threads(1)
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=900),
-    )
 
 
 def _import_libs(name: str) -> None:
@@ -203,9 +163,9 @@ def _build(name: str, model: nn.Module, args, lr: float):
             # buckets rebuilt in the 2nd step do not coexist with the 1st step's (+4 B/param)
             opt.zero_grad(set_to_none=True)
             loss = _fwd_loss(ddp, x, y)
-            _mark("fwd")
+            mark("fwd")
             loss.backward()
-            _mark("bwd")
+            mark("bwd")
             opt.step()
             return loss
 
@@ -230,9 +190,9 @@ def _build(name: str, model: nn.Module, args, lr: float):
         def step(x, y):
             opt.zero_grad(set_to_none=True)
             loss = _fwd_loss(model, x, y)
-            _mark("fwd")
+            mark("fwd")
             loss.backward()
-            _mark("bwd")
+            mark("bwd")
             opt.step()
             return loss
 
@@ -264,9 +224,9 @@ def _build(name: str, model: nn.Module, args, lr: float):
 
         def step(x, y):
             loss = _fwd_loss(engine, x, y)
-            _mark("fwd")
+            mark("fwd")
             engine.backward(loss)
-            _mark("bwd")
+            mark("bwd")
             engine.step()
             return loss
 
@@ -294,9 +254,9 @@ def _build(name: str, model: nn.Module, args, lr: float):
         def step(x, y):
             opt.zero_grad()
             loss = _fwd_loss(model, x, y)
-            _mark("fwd")
+            mark("fwd")
             loss.backward()
-            _mark("bwd")
+            mark("bwd")
             opt.step()
             return loss
 
@@ -313,205 +273,30 @@ def _fwd_loss(fwd, x, y):
 # ------------------------------------------------------------------------------------ timing
 
 
-class _Waits:
-    """Intervals spent in Work.wait() (Python-level), recorded only while ``on``."""
+def _timing_model(name: str, args) -> nn.Module:
+    from zero_kernels.models import GPT
 
-    def __init__(self):
-        self.on = False
-        self.spans: list[tuple[float, float]] = []
-        work = torch._C._distributed_c10d.Work
-        orig = work.wait
-        me = self
-
-        def wait(w, *a, **k):
-            if not me.on:
-                return orig(w, *a, **k)
-            t = time.perf_counter()
-            try:
-                return orig(w, *a, **k)
-            finally:
-                me.spans.append((t, time.perf_counter()))
-
-        work.wait = wait
+    return GPT(_gpt_cfg(args.layers, args.d, args.heads, args.tokens))
 
 
-def _union(spans: list[tuple[float, float]], lo: float, hi: float) -> float:
-    total, end = 0.0, lo
-    for a, b in sorted(spans):
-        a, b = max(a, end), min(b, hi)
-        if b > a:
-            total += b - a
-            end = b
-    return total
+def _timing_ready(name: str, opt) -> dict:
+    return {"units": [n for n, _ in opt._unit_modules] if name.startswith("ours") else None}
 
 
-def timing_worker(name, rank, world, port, args, cmd_q, res_q):
-    try:
-        waits = _Waits()  # before any import binds torch.distributed functions
-        _init(rank, world, port)
-        _import_libs(name)
-        from zero_kernels.models import GPT
-
-        rss_import = _status_bytes("VmRSS")
-        torch.manual_seed(0)
-        model = GPT(_gpt_cfg(args.layers, args.d, args.heads, args.tokens))
-        psi = sum(p.numel() for p in model.parameters())
-        last_grad = [None]
-
-        def hook(_p):
-            last_grad[0] = time.perf_counter()
-
-        for p in model.parameters():
-            p.register_post_accumulate_grad_hook(hook)
-        step, opt = _build(name, model, args, args.lr)
-        units = None
-        if name.startswith("ours"):
-            units = [n for n, _ in opt._unit_modules]
-        dist.barrier()
-        res_q.put(
-            (
-                name,
-                rank,
-                "ready",
-                {
-                    "psi": psi,
-                    "rss_after_import": rss_import,
-                    "rss_after_setup": _status_bytes("VmRSS"),
-                    "units": units,
-                },
-            )
-        )
-        i = 0
-        while True:
-            cmd = cmd_q.get()
-            if cmd == "reset" and name.startswith("ours"):
-                opt.reset_comm_stats()
-            if cmd != "step":
-                if cmd == "stop":
-                    break
-                continue
-            x, y = _gpt_batch(args, rank, i)
-            i += 1
-            dist.barrier()
-            waits.spans.clear()
-            last_grad[0] = None
-            waits.on = True
-            t0 = time.perf_counter()
-            loss = step(x, y)
-            t3 = time.perf_counter()
-            waits.on = False
-            t1, t2 = _MARK["fwd"], _MARK["bwd"]
-            spans = list(waits.spans)
-            if last_grad[0] is not None:  # end-of-backward flush after the last gradient
-                spans.append((last_grad[0], t2))
-            exposed = _union(spans, t0, t3)
-            res_q.put(
-                (
-                    name,
-                    rank,
-                    "step",
-                    {
-                        "step_s": t3 - t0,
-                        "fwd_s": t1 - t0,
-                        "bwd_s": t2 - t1,
-                        "opt_s": t3 - t2,
-                        "exposed_comm_s": exposed,
-                        "fwd_wait_s": _union(list(waits.spans), t0, t1),
-                        "bwd_wait_s": _union(spans, t1, t2),
-                        "opt_wait_s": _union(list(waits.spans), t2, t3),
-                        "loss": float(loss.detach()),
-                    },
-                )
-            )
-        ru = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        final = {"peak_rss": max(ru, _status_bytes("VmHWM")), "end_rss": _status_bytes("VmRSS")}
-        if name.startswith("ours"):
-            final["comm_stats"] = opt.comm_stats
-            final["memory_report"] = opt.memory_report()
-        res_q.put((name, rank, "final", final))
-        dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001
-        res_q.put((name, rank, "error", traceback.format_exc()))
-
-
-def run_timing(args, cands: list[str], log) -> dict:
-    ctx = mp.get_context("spawn")
-    res_q = ctx.Queue()
-    world = 2
-    procs, cmd_qs = [], {}
-    for name in cands:
-        port = _free_port()
-        for r in range(world):
-            q = ctx.Queue()
-            cmd_qs[(name, r)] = q
-            p = ctx.Process(
-                target=timing_worker, args=(name, r, world, port, args, q, res_q), daemon=True
-            )
-            p.start()
-            procs.append(p)
-
-    def collect(kind: str, n: int) -> list[tuple]:
-        out = []
-        while len(out) < n:
-            name, rank, k, payload = res_q.get(timeout=900)
-            if k == "error":
-                for p in procs:
-                    p.kill()
-                raise RuntimeError(f"{name} rank {rank} failed:\n{payload}")
-            assert k == kind, (name, rank, k, kind)
-            out.append((name, rank, payload))
-        return out
-
-    t0 = time.perf_counter()
-    setup = {}
-    for name, rank, info in collect("ready", world * len(cands)):
-        setup.setdefault(name, {})[rank] = info
-    log(f"[timing] {len(cands)} candidate groups ready in {time.perf_counter() - t0:.0f}s")
-    steps = {n: [] for n in cands}
-    n_rounds = args.warmup + args.repeats
-    for rnd in range(n_rounds):
-        if rnd == args.warmup:
-            for q in cmd_qs.values():
-                q.put("reset")
-        k = rnd % len(cands)
-        for name in cands[k:] + cands[:k]:
-            for r in range(world):
-                cmd_qs[(name, r)].put("step")
-            got = {rank: s for _, rank, s in collect("step", world)}
-            if rnd >= args.warmup:
-                steps[name].append(got)
-        if rnd >= args.warmup:
-            log(
-                f"[timing] round {rnd + 1}/{n_rounds}: "
-                + " ".join(
-                    f"{n}={max(s['step_s'] for s in steps[n][-1].values()):.3f}s" for n in cands
-                )
-            )
-    for q in cmd_qs.values():
-        q.put("stop")
-    finals = {}
-    for name, rank, f in collect("final", world * len(cands)):
-        finals.setdefault(name, {})[rank] = f
-    for p in procs:
-        p.join(timeout=60)
-    return {"setup": setup, "steps": steps, "finals": finals}
+# the timing part's candidates, for harness.run_timing (module-level functions: spawn pickles them)
+TIMING = dict(
+    imports=_import_libs, model=_timing_model, build=_build, batch=_gpt_batch, ready=_timing_ready
+)
 
 
 def summarize_timing(raw: dict, cands: list[str]) -> list[dict]:
     steps = raw["steps"]
 
     def per_round(name, key="step_s"):
-        return [max(s[key] for s in st.values()) for st in steps[name]]
+        return harness.per_round(steps, name, key)
 
     def paired(name, other):
-        if other not in steps:
-            return ""
-        return round(
-            statistics.median(
-                a / b for a, b in zip(per_round(name), per_round(other), strict=True)
-            ),
-            3,
-        )
+        return harness.paired(steps, name, other)
 
     fsdp = [c for c in cands if c.startswith("fsdp2")]
     best_fsdp = min(fsdp, key=lambda c: statistics.median(per_round(c))) if fsdp else None
@@ -600,7 +385,7 @@ class _Peak:
 
     def __init__(self, baseline: int, limit: float | None, on_over):
         self.baseline, self.limit, self.on_over = baseline, limit, on_over
-        self.peak = _status_bytes("VmRSS")
+        self.peak = status_bytes("VmRSS")
         self.phases: list[dict] = []
         self.lock = threading.Lock()
         self.stop = False
@@ -611,7 +396,7 @@ class _Peak:
     def _watch(self):
         while not self.stop:
             with self.lock:
-                self.peak = max(self.peak, _status_bytes("VmHWM"))
+                self.peak = max(self.peak, status_bytes("VmHWM"))
                 over = self.peak - self.baseline > self.limit
             if over:
                 self.on_over(self.peak)
@@ -620,13 +405,13 @@ class _Peak:
 
     def mark(self, phase: str) -> None:
         with self.lock:
-            hwm = _status_bytes("VmHWM")
+            hwm = status_bytes("VmHWM")
             self.peak = max(self.peak, hwm)
             self.phases.append(
                 {
                     "phase": phase,
                     "peak_above_base": hwm - self.baseline,
-                    "rss_above_base": _status_bytes("VmRSS") - self.baseline,
+                    "rss_above_base": status_bytes("VmRSS") - self.baseline,
                     "malloc": _malloc_stats(),
                     "comm_scratch": _scratch(),
                 }
@@ -654,12 +439,12 @@ def rss_worker(spec: dict, rank: int, world: int, port: int, res_q) -> None:
     import baseline (per phase) and, for ZeroOptimizer, memory_report()."""
     try:
         name = spec["cand"]
-        _init(rank, world, port)
+        init_gloo(rank, world, port)
         _import_libs(name)
         from zero_kernels.models import GPT
 
         dist.barrier()
-        baseline = _status_bytes("VmRSS")
+        baseline = status_bytes("VmRSS")
 
         def over(peak):
             res_q.put((rank, "over", {"peak_above_base": peak - baseline}))
@@ -682,7 +467,7 @@ def rss_worker(spec: dict, rank: int, world: int, port: int, res_q) -> None:
         t0 = time.perf_counter()
         losses = []
         step_no = [0]
-        _ON_MARK.append(lambda what: pk.mark(f"step {step_no[0]} {what}"))
+        ON_MARK.append(lambda what: pk.mark(f"step {step_no[0]} {what}"))
         for i in range(spec["steps"]):
             step_no[0] = i + 1
             g = torch.Generator().manual_seed(1000 * i + rank)
@@ -741,7 +526,7 @@ def run_rss_trial(spec: dict, world: int, timeout: float = 600) -> dict:
 def _rss_trial(spec: dict, world: int, timeout: float) -> dict:
     ctx = mp.get_context("spawn")
     res_q = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=rss_worker, args=(spec, r, world, port, res_q), daemon=True)
         for r in range(world)
@@ -1019,8 +804,6 @@ def memory_rows(args, log) -> tuple[list[dict], list[dict], dict]:
 
 
 def _meta_info(args) -> dict:
-    import subprocess
-
     info = machine()
     info["command"] = "python bench/bench_stage3.py " + " ".join(sys.argv[1:])
     try:
@@ -1029,16 +812,9 @@ def _meta_info(args) -> dict:
         info["deepspeed"] = deepspeed.__version__
     except Exception as e:  # noqa: BLE001
         info["deepspeed"] = f"not available: {type(e).__name__}: {e}"
-    try:
-        info["zero_kernels_uncommitted_changes"] = subprocess.run(
-            ["git", "status", "--porcelain", "--", "zero_kernels", "csrc"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            cwd=os.path.join(HERE, ".."),
-        ).stdout.split("\n")[:20]
-    except OSError:
-        pass
+    info["zero_kernels_uncommitted_changes"] = git_status(
+        os.path.join(HERE, ".."), "zero_kernels", "csrc"
+    )
     info["date"] = time.strftime("%Y-%m-%d %H:%M %Z")
     info["load_avg_at_start"] = os.getloadavg()
     return info
@@ -1127,7 +903,7 @@ def main():
         cands.remove("deepspeed_zero3")
 
     if "timing" in parts:
-        raw = run_timing(args, cands, log)
+        raw = run_timing(TIMING, args, cands, log)
         info["load_avg_after_timing"] = os.getloadavg()
         rows, best_fsdp = summarize_timing(raw, cands)
         psi = raw["setup"][cands[0]][0]["psi"]
