@@ -80,11 +80,10 @@ import harness  # noqa: E402
 from harness import (  # noqa: E402
     ON_MARK,
     free_port,
-    git_status,
     init_gloo,
-    machine,
-    mark,
     markdown_table,
+    marked_step,
+    run_info,
     run_timing,
     status_bytes,
     write_results,
@@ -158,18 +157,10 @@ def _build(name: str, model: nn.Module, args, lr: float):
         ddp = DDP(model, gradient_as_bucket_view=True, bucket_cap_mb=args.bucket_mb)
         opt = torch.optim.AdamW(model.parameters(), fused=True, **kw)
 
-        def step(x, y):
-            # None (not zeros): backward makes them views of DDP's buckets again, and the
-            # buckets rebuilt in the 2nd step do not coexist with the 1st step's (+4 B/param)
-            opt.zero_grad(set_to_none=True)
-            loss = _fwd_loss(ddp, x, y)
-            mark("fwd")
-            loss.backward()
-            mark("bwd")
-            opt.step()
-            return loss
-
-        return step, opt
+        # None (not zeros): backward makes them views of DDP's buckets again, and the
+        # buckets rebuilt in the 2nd step do not coexist with the 1st step's (+4 B/param)
+        zero = lambda: opt.zero_grad(set_to_none=True)  # noqa: E731
+        return marked_step(lambda x, y: _fwd_loss(ddp, x, y), opt.step, zero), opt
     if name.startswith("fsdp2"):
         from torch.distributed.fsdp import fully_shard
 
@@ -187,16 +178,8 @@ def _build(name: str, model: nn.Module, args, lr: float):
             model._set_unshard_async_op(True)
         opt = torch.optim.AdamW(model.parameters(), fused=True, **kw)
 
-        def step(x, y):
-            opt.zero_grad(set_to_none=True)
-            loss = _fwd_loss(model, x, y)
-            mark("fwd")
-            loss.backward()
-            mark("bwd")
-            opt.step()
-            return loss
-
-        return step, opt
+        zero = lambda: opt.zero_grad(set_to_none=True)  # noqa: E731
+        return marked_step(lambda x, y: _fwd_loss(model, x, y), opt.step, zero), opt
     if name.startswith("deepspeed"):
         import deepspeed
         from deepspeed.ops.adam import DeepSpeedCPUAdam
@@ -222,14 +205,9 @@ def _build(name: str, model: nn.Module, args, lr: float):
             model=model, optimizer=opt, config=cfg, dist_init_required=False
         )
 
-        def step(x, y):
-            loss = _fwd_loss(engine, x, y)
-            mark("fwd")
-            engine.backward(loss)
-            mark("bwd")
-            engine.step()
-            return loss
-
+        step = marked_step(
+            lambda x, y: _fwd_loss(engine, x, y), engine.step, backward=engine.backward
+        )
         return step, engine
     if name.startswith(("ours", "stage")):
         from zero_kernels import ZeroOptimizer
@@ -251,16 +229,7 @@ def _build(name: str, model: nn.Module, args, lr: float):
             model, torch.optim.AdamW, stage=stage, bucket_size_mb=args.bucket_mb, **extra, **kw
         )
 
-        def step(x, y):
-            opt.zero_grad()
-            loss = _fwd_loss(model, x, y)
-            mark("fwd")
-            loss.backward()
-            mark("bwd")
-            opt.step()
-            return loss
-
-        return step, opt
+        return marked_step(lambda x, y: _fwd_loss(model, x, y), opt.step, opt.zero_grad), opt
     raise ValueError(f"unknown candidate {name!r}")
 
 
@@ -803,23 +772,6 @@ def memory_rows(args, log) -> tuple[list[dict], list[dict], dict]:
 # ------------------------------------------------------------------------------------ main
 
 
-def _meta_info(args) -> dict:
-    info = machine()
-    info["command"] = "python bench/bench_stage3.py " + " ".join(sys.argv[1:])
-    try:
-        import deepspeed
-
-        info["deepspeed"] = deepspeed.__version__
-    except Exception as e:  # noqa: BLE001
-        info["deepspeed"] = f"not available: {type(e).__name__}: {e}"
-    info["zero_kernels_uncommitted_changes"] = git_status(
-        os.path.join(HERE, ".."), "zero_kernels", "csrc"
-    )
-    info["date"] = time.strftime("%Y-%m-%d %H:%M %Z")
-    info["load_avg_at_start"] = os.getloadavg()
-    return info
-
-
 def main():
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -895,7 +847,7 @@ def main():
         print(msg, flush=True)
 
     t_start = time.perf_counter()
-    info = _meta_info(args)
+    info = run_info("bench_stage3.py")
     config = {k: v for k, v in vars(args).items() if k not in ("out", "parts", "tag")}
     cands = args.cands.split(",")
     if "deepspeed_zero3" in cands and info["deepspeed"].startswith("not available"):

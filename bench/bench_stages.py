@@ -70,11 +70,10 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 import harness  # noqa: E402
 from harness import (  # noqa: E402
     free_port,
-    git_status,
     init_gloo,
-    machine,
-    mark,
     markdown_table,
+    marked_step,
+    run_info,
     run_timing,
     write_results,
 )
@@ -165,17 +164,11 @@ def _model(name: str, args) -> nn.Module:
 
 def _plain_step(fwd, opt):
     """zero_grad(set_to_none), forward + loss, backward, step: the torch optimizers' loop."""
-
-    def step(x, y):
-        opt.zero_grad(set_to_none=True)
-        loss = _loss(fwd(x), x, y)
-        mark("fwd")
-        loss.backward()
-        mark("bwd")
-        opt.step()
-        return loss
-
-    return step
+    return marked_step(
+        lambda x, y: _loss(fwd(x), x, y),
+        opt.step,
+        zero_grad=lambda: opt.zero_grad(set_to_none=True),
+    )
 
 
 def _build(name: str, model: nn.Module, args, lr: float):
@@ -226,16 +219,7 @@ def _build(name: str, model: nn.Module, args, lr: float):
             **kw,
         )
 
-        def step(x, y):
-            opt.zero_grad()
-            loss = _loss(model(x), x, y)
-            mark("fwd")
-            loss.backward()
-            mark("bwd")
-            opt.step()
-            return loss
-
-        return step, opt
+        return marked_step(lambda x, y: _loss(model(x), x, y), opt.step, opt.zero_grad), opt
     if name.startswith("deepspeed_stage"):
         import deepspeed
 
@@ -268,14 +252,9 @@ def _build(name: str, model: nn.Module, args, lr: float):
             model=model, optimizer=opt, config=cfg, dist_init_required=False
         )
 
-        def step(x, y):
-            loss = _loss(engine(x), x, y)
-            mark("fwd")
-            engine.backward(loss)
-            mark("bwd")
-            engine.step()
-            return loss
-
+        step = marked_step(
+            lambda x, y: _loss(engine(x), x, y), engine.step, backward=engine.backward
+        )
         return step, engine
     raise ValueError(f"unknown candidate {name!r}")
 
@@ -519,25 +498,6 @@ TABLE = [
 ]
 
 
-def _info() -> dict:
-    info = machine()
-    info["command"] = "python bench/bench_stages.py " + " ".join(sys.argv[1:])
-    try:
-        import deepspeed
-
-        info["deepspeed"] = deepspeed.__version__
-    except Exception as e:  # noqa: BLE001
-        info["deepspeed"] = None
-        info["deepspeed_error"] = f"{type(e).__name__}: {e}"
-    # other work may be in progress in this tree: say whether the library was committed
-    info["zero_kernels_uncommitted_changes"] = git_status(
-        os.path.join(HERE, ".."), "zero_kernels", "csrc"
-    )
-    info["date"] = time.strftime("%Y-%m-%d %H:%M %Z")
-    info["load_avg_at_start"] = os.getloadavg()
-    return info
-
-
 def _regime_config(args, regime: str) -> dict:
     keys = ["lr", "warmup", "comm_repeats" if regime == "comm" else "repeats", "bucket_mb"]
     keys += ["mlp_width", "mlp_layers", "mlp_batch"] if regime == "comm" else []
@@ -639,10 +599,10 @@ def main():
     def log(msg):
         print(msg, flush=True)
 
-    info = _info()
+    info = run_info("bench_stages.py")
     cands = args.cands.split(",")
-    if not info["deepspeed"]:
-        log(f"[stages] DeepSpeed not measured: {info['deepspeed_error']}")
+    if info["deepspeed"].startswith("not available"):
+        log(f"[stages] DeepSpeed not measured: {info['deepspeed']}")
         cands = [c for c in cands if not c.startswith("deepspeed")]
     if not args.skip_timing:
         for regime in ("compute", "comm") if args.regime == "both" else (args.regime,):

@@ -166,6 +166,26 @@ def mark(what: str) -> None:
         f(what)
 
 
+def marked_step(forward_loss, opt_step, zero_grad=None, backward=None):
+    """-> step(x, y) -> loss: zero_grad(), forward_loss(x, y), mark("fwd"), backward(loss)
+    (default loss.backward()), mark("bwd"), opt_step()."""
+
+    def step(x, y):
+        if zero_grad is not None:
+            zero_grad()
+        loss = forward_loss(x, y)
+        mark("fwd")
+        if backward is None:
+            loss.backward()
+        else:
+            backward(loss)
+        mark("bwd")
+        opt_step()
+        return loss
+
+    return step
+
+
 def free_port() -> int:
     import socket
 
@@ -415,6 +435,27 @@ def paired(steps: dict, name: str, other: str | None) -> float | str:
         return ""
     ratios = [a / b for a, b in zip(per_round(steps, name), per_round(steps, other), strict=True)]
     return round(statistics.median(ratios), 3)
+
+
+def run_info(script: str) -> dict:
+    """machine() plus the command of ``script`` (bench/<script>), DeepSpeed's version (or why it
+    is not available), uncommitted changes of the library, the date and the load average."""
+    info = machine()
+    info["command"] = f"python bench/{script} " + " ".join(sys.argv[1:])
+    try:
+        import deepspeed
+
+        info["deepspeed"] = deepspeed.__version__
+    except Exception as e:  # noqa: BLE001
+        info["deepspeed"] = f"not available: {type(e).__name__}: {e}"
+    # other work may be in progress in this tree: say whether the library was committed
+    here = os.path.dirname(os.path.abspath(__file__))
+    info["zero_kernels_uncommitted_changes"] = git_status(
+        os.path.join(here, ".."), "zero_kernels", "csrc"
+    )
+    info["date"] = time.strftime("%Y-%m-%d %H:%M %Z")
+    info["load_avg_at_start"] = os.getloadavg()
+    return info
 
 
 def git_status(path: str, *what: str) -> list[str]:
