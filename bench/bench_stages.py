@@ -26,6 +26,8 @@ Candidates (--cands; default all but ours_stage3 and deepspeed_stage{1,2}):
                              True / False, torch AdamW(fused=True) on the DTensor params
     ours_stage1, ours_stage2 zero_kernels.ZeroOptimizer(model, AdamW, stage=1/2)
     ours_stage2_bf16         the same, stage 2, reduce_dtype=torch.bfloat16
+    ours_stage{1,2}_agoverlap  (optional) overlap_param_gather=True: the step's all-gathers are
+                             waited for by the next forward instead of at the end of step()
     ours_stage3              (optional) stage 3, reshard_after_forward=True, prefetch=1
 
 Same model (seed 0), same per-rank batches, lr, weight decay, betas, eps everywhere; gradient
@@ -209,7 +211,11 @@ def _build(name: str, model: nn.Module, args, lr: float):
     if name.startswith("ours_stage"):
         from zero_kernels import ZeroOptimizer
 
-        extra = {"reduce_dtype": torch.bfloat16} if name.endswith("_bf16") else {}
+        extra = {}
+        if "_bf16" in name:
+            extra["reduce_dtype"] = torch.bfloat16
+        if "_agoverlap" in name:  # all-gathers waited for at each bucket's next forward use
+            extra["overlap_param_gather"] = True
         opt = ZeroOptimizer(
             model,
             torch.optim.AdamW,
@@ -280,7 +286,7 @@ def _loss_check(raw: dict, name: str) -> dict:
     for a, b in zip(steps[name], steps[BASE], strict=True):
         for r in b:
             worst = max(worst, abs(a[r]["loss"] - b[r]["loss"]) / max(abs(b[r]["loss"]), 1e-12))
-    tol = LOSS_RTOL["bf16" if name.endswith("_bf16") else "fp32"]
+    tol = LOSS_RTOL["bf16" if "_bf16" in name else "fp32"]
     return {"loss_max_rel_diff": float(f"{worst:.3g}"), "loss_ok": worst <= tol}
 
 
