@@ -155,6 +155,8 @@ def markdown_table(rows: list[dict], keys: list[str]) -> str:
 #                                  mark("fwd") after the forward and mark("bwd") after backward
 #   batch(args, rank, i)           -> (x, y) of step i on this rank
 #   ready(name, opt)               optional: -> dict added to the candidate's "ready" record
+#   fingerprint(name, model, opt, args)  optional, after the last step (every rank, so it may
+#                                  be collective): -> what the final record keeps of the result
 
 MARK: dict[str, float] = {}  # end of forward / backward of the step running now
 ON_MARK: list = []  # called with the phase name at each mark (RSS trials)
@@ -341,6 +343,8 @@ def timing_worker(bench: dict, name, rank, world, port, args, cmd_q, res_q):
             )
         ru = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         final = {"peak_rss": max(ru, status_bytes("VmHWM")), "end_rss": status_bytes("VmRSS")}
+        if "fingerprint" in bench:  # after the peak is read: its own memory is not counted
+            final["fingerprint"] = bench["fingerprint"](name, model, opt, args)
         if hasattr(opt, "comm_stats") and hasattr(opt, "memory_report"):  # ZeroOptimizer
             final["comm_stats"] = opt.comm_stats
             try:
