@@ -188,12 +188,34 @@ def marked_step(forward_loss, opt_step, zero_grad=None, backward=None):
     return step
 
 
+_PORTS_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
+    """A TCP port free now on 127.0.0.1, below the kernel's ephemeral range where it can
+    (a port from that range can be taken, between choosing it and the store binding it, by a
+    client socket of another group being set up: EADDRINUSE), never one given before."""
+    import random
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    candidates = random.sample(range(max(low - 12000, 1024), low), 200) if low > 2048 else []
+    for port in candidates + [0]:
+        if port in _PORTS_GIVEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            port = s.getsockname()[1]
+        _PORTS_GIVEN.add(port)
+        return port
+    raise RuntimeError("no free TCP port on 127.0.0.1")
 
 
 def status_bytes(key: str) -> int:
