@@ -27,7 +27,8 @@ Candidates (--cands; default all but ours_stage3 and deepspeed_stage{1,2}):
     ours_stage1, ours_stage2 zero_kernels.ZeroOptimizer(model, AdamW, stage=1/2)
     ours_stage2_bf16         the same, stage 2, reduce_dtype=torch.bfloat16
     ours_stage{1,2}_agoverlap  (optional) overlap_param_gather=True: the step's all-gathers are
-                             waited for by the next forward instead of at the end of step()
+                             waited for by the next forward instead of at the end of step();
+                             time it with --steps-per-turn 2 (see harness.run_timing)
     ours_stage3              (optional) stage 3, reshard_after_forward=True, prefetch=1
 
 Same model (seed 0), same per-rank batches, lr, weight decay, betas, eps everywhere; gradient
@@ -555,6 +556,7 @@ TABLE = [
 
 def _regime_config(args, regime: str) -> dict:
     keys = ["lr", "warmup", "comm_repeats" if regime == "comm" else "repeats", "bucket_mb"]
+    keys += ["steps_per_turn"]
     keys += ["mlp_width", "mlp_layers", "mlp_batch"] if regime == "comm" else []
     keys += ["layers", "d", "vocab", "batch", "tokens"] if regime == "compute" else []
     return {"regime": regime, **{k: getattr(args, k) for k in keys}}
@@ -636,6 +638,13 @@ def main():
         help="measured rounds in the comm regime (default 4 x --repeats: its steps are short)",
     )
     ap.add_argument("--bucket-mb", type=float, default=25.0)
+    ap.add_argument(
+        "--steps-per-turn",
+        type=int,
+        default=1,
+        help="steps per candidate turn, back to back, the last one timed (2: a step pays for "
+        "what the previous one left in flight, e.g. overlap_param_gather's all-gathers)",
+    )
     ap.add_argument("--mem-world-sizes", default="1,2,3,4")
     ap.add_argument("--skip-timing", action="store_true")
     ap.add_argument("--skip-memory", action="store_true")
