@@ -642,8 +642,9 @@ def main():
         "--steps-per-turn",
         type=int,
         default=1,
-        help="steps per candidate turn, back to back, the last one timed (2: a step pays for "
-        "what the previous one left in flight, e.g. overlap_param_gather's all-gathers)",
+        help="steps per candidate turn, back to back after one barrier, the last one timed (2: a "
+        "step pays for what the previous one left in flight, e.g. overlap_param_gather's "
+        "all-gathers)",
     )
     ap.add_argument("--mem-world-sizes", default="1,2,3,4")
     ap.add_argument("--skip-timing", action="store_true")

@@ -331,9 +331,12 @@ def timing_worker(bench: dict, name, rank, world, port, args, cmd_q, res_q):
                 if cmd == "stop":
                     break
                 continue
+            dist.barrier()
+            for _ in range(getattr(args, "steps_per_turn", 1) - 1):  # untimed, back to back
+                step(*bench["batch"](args, rank, i))
+                i += 1
             x, y = bench["batch"](args, rank, i)
             i += 1
-            dist.barrier()
             waits.spans.clear()
             last_grad[0] = None
             waits.on = True
@@ -382,10 +385,11 @@ def timing_worker(bench: dict, name, rank, world, port, args, cmd_q, res_q):
 def run_timing(bench: dict, args, cands: list[str], log, tag: str = "[timing]", world: int = 2):
     """Start a group per candidate, run ``args.warmup + args.repeats`` rotated rounds.
 
-    ``args.steps_per_turn`` (default 1): steps each candidate runs back to back in its turn,
-    only the last timed. With 1, what a step leaves in flight (an all-gather waited for by the
-    next forward) completes during the other candidates' turns, off the clock; with 2 the timed
-    step pays for what its predecessor left.
+    ``args.steps_per_turn`` (default 1): steps a candidate's ranks run in one turn, back to
+    back after one barrier, only the last timed. With 1, what a step leaves in flight (an
+    all-gather waited for by the next forward) completes off the clock, during the barrier and the
+    other candidates' turns; with 2 the timed step starts right after its predecessor and pays for
+    what that one left.
 
     -> {"setup": {name: {rank: ready}}, "steps": {name: [{rank: step}, ...]} (measured rounds),
     "finals": {name: {rank: final}}}."""
@@ -426,17 +430,15 @@ def run_timing(bench: dict, args, cands: list[str], log, tag: str = "[timing]", 
     log(f"{tag} {len(cands)} candidate groups ready in {time.perf_counter() - t0:.0f}s")
     steps: dict = {n: [] for n in cands}
     n_rounds = args.warmup + args.repeats
-    per_turn = getattr(args, "steps_per_turn", 1)
     for rnd in range(n_rounds):
         if rnd == args.warmup:
             for q in cmd_qs.values():
                 q.put("reset")
         k = rnd % len(cands)
         for name in cands[k:] + cands[:k]:
-            for _ in range(per_turn):  # back to back; only the last one is kept
-                for r in range(world):
-                    cmd_qs[(name, r)].put("step")
-                got = {rank: s for _, rank, s in collect("step", world)}
+            for r in range(world):
+                cmd_qs[(name, r)].put("step")
+            got = {rank: s for _, rank, s in collect("step", world)}
             if rnd >= args.warmup:
                 steps[name].append(got)
         if rnd >= args.warmup:
