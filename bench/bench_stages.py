@@ -1,40 +1,56 @@
-"""ZeRO stages end to end (issue 3, "Measured"): step time, exposed communication and peak RSS
-at world size 2 side by side, and per-rank model-state bytes at world sizes 1-4 against the
-formula.
+"""ZeRO stages 1 and 2 end to end (issues 3 and 10): step time, exposed communication and peak
+RSS at world size 2 against every baseline at its strongest, in two regimes, side by side; and
+per-rank model-state bytes at world sizes 1-4 against the formula.
 
-Part 1, timing (world size 2, gloo on CPU, 1 thread per rank). Candidates:
+Part 1, timing (world size 2, gloo on CPU, 1 thread per rank). Regimes (--regime):
 
-    ddp                      DDP + torch.optim.AdamW
-    torch_zero_redundancy    DDP + torch.distributed.optim.ZeroRedundancyOptimizer(AdamW)
-    deepspeed_stage{1,2}     deepspeed.initialize, zero_optimization stage 1/2, fp32, client
-                             optimizer torch.optim.AdamW (same math and code as DDP's)
-    deepspeed_stage{1,2}_cpuadam   the same with DeepSpeedCPUAdam(adamw_mode=True), DeepSpeed's
-                             own fused CPU kernel (--ds-adam torch|cpu|both)
-    ours_stage{1,2}          zero_kernels.ZeroOptimizer(model, AdamW, stage=1/2)
+    compute   GPT-like transformer, 6 layers, d=320, vocab 8192, tied embeddings (10.0M params),
+              batch 2 x 128 tokens per rank: backward compute dominates the step
+    comm      MLP of 8 residual blocks x + ReLU(Linear(1536, 1536)(x)) (18.9M params), batch
+              16 per rank, MSE loss: little compute per step, 76 MB of gradients every step
 
-Same model (seed 0), same per-rank batches, lr, weight decay, betas, eps; gradient buckets of
---bucket-mb MiB everywhere (DDP bucket_cap_mb, DeepSpeed reduce/allgather_bucket_size in
-elements, ZeroOptimizer bucket_size_mb); DeepSpeed with overlap_comm and contiguous_gradients on.
+Candidates (--cands; default all but ours_stage3 and deepspeed_stage{1,2}):
 
-Design: every candidate runs in its own spawned process group (its own 2 processes, own TCP
-store), so each process's peak RSS (ru_maxrss == VmHWM) belongs to one candidate. All groups are
-started first and stay alive; the parent then runs steps round by round, one candidate group at a
-time (the others block on a queue, using no CPU), rotating the order every round
-(A B C .. / B C .. A / ...), so drift on the shared machine hits all candidates alike. Each step is
-fenced by a barrier; its time is the slower rank's; medians over the measured rounds.
+    ddp_fused                DDP(gradient_as_bucket_view=True) + torch AdamW(fused=True): the
+                             baseline every ratio is taken against
+    ddp                      DDP (defaults) + torch AdamW() (foreach): issue 3's baseline, kept
+                             for reference
+    zero_redundancy          DDP(gradient_as_bucket_view=True) + torch.distributed.optim.
+                             ZeroRedundancyOptimizer(AdamW, fused=True,
+                             parameters_as_bucket_view=True)
+    deepspeed_stage{1,2}_cpuadam   deepspeed.initialize, zero_optimization stage 1/2 (fp32,
+                             overlap_comm, contiguous_gradients), DeepSpeedCPUAdam(adamw_mode=True)
+    deepspeed_stage{1,2}     the same with torch AdamW as client optimizer (optional)
+    fsdp2_reshard            torch.distributed.fsdp.fully_shard on a CPU gloo mesh, one unit per
+    fsdp2_noreshard          block (GPT block / MLP layer) plus the root, reshard_after_forward
+                             True / False, torch AdamW(fused=True) on the DTensor params
+    ours_stage1, ours_stage2 zero_kernels.ZeroOptimizer(model, AdamW, stage=1/2)
+    ours_stage2_bf16         the same, stage 2, reduce_dtype=torch.bfloat16
+    ours_stage{1,2}_agoverlap  (optional) overlap_param_gather=True: the step's all-gathers are
+                             waited for by the next forward instead of at the end of step();
+                             time it with --steps-per-turn 2 (see harness.run_timing)
+    ours_stage3              (optional) stage 3, reshard_after_forward=True, prefetch=1
 
-Exposed communication per step = the union of (a) the time from the last gradient produced
-(post-accumulate-grad hook on every parameter) to the return of backward, i.e. DDP's and
-DeepSpeed's end-of-backward bucket flush and wait, and (b) every Python-level wait on a
-collective inside the step (torch's Work.wait, which sync collectives call too): ZeroOptimizer's
-reduce-scatter and all-gather waits, ZeroRedundancyOptimizer's broadcasts, DeepSpeed's gloo
-reductions (synchronous on CPU, so they block even inside backward).
+Same model (seed 0), same per-rank batches, lr, weight decay, betas, eps everywhere; gradient
+buckets of --bucket-mb MiB (DDP bucket_cap_mb, DeepSpeed reduce/allgather_bucket_size in
+elements, ZeroOptimizer bucket_size_mb). The process-group harness (harness.run_timing: one
+spawned group per candidate, all alive, rotated rounds, a step = the slower rank's, exposed
+communication = union of Work.wait and the end-of-backward flush) is described in harness.py.
+Ratios are "paired": the median over rounds of (candidate / reference) in the same round.
+Correctness, so that a broken configuration is never timed silently: (1) every candidate's loss
+at every measured step on every rank against ddp_fused's (relative difference); (2) where training
+moved the parameters, Δ = θ_end - θ_0 (θ_0 rebuilt from the seed): its norm and its projections
+on 4 fixed random directions, whose distance to ddp_fused's estimates |Δ - Δ_ddp| / |Δ_ddp|, and
+the same between the two ranks (0: params in sync). bf16 reduction has looser tolerances. The
+loss alone is a weak check here: with lr 1e-4 it moves ~1e-4 relative over the run, so even an
+untrained model's loss is within a 1e-3 tolerance; a wrong gradient moves Δ by ~0.8-1.3.
 
 Part 2, memory (world sizes 1-4, all groups at once: tensor counts do not depend on timing): after
 one step, per-rank bytes counted from the tensors: stage 0 = DDP + AdamW (params, .grad, AdamW
 state), stages 1/2 = ZeroOptimizer.memory_report(); against zero_kernels.estimate (fp32, AdamW).
 
-    python bench/bench_stages.py [--quick] [--out DIR] [--repeats 10] [--ds-adam both]
+    python bench/bench_stages.py [--regime compute|comm|both] [--quick] [--out DIR]
+        [--repeats 16] [--cands a,b,..] [--skip-memory]
 """
 
 from __future__ import annotations
@@ -42,13 +58,10 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import resource
-import socket
 import statistics
 import sys
 import time
 import traceback
-from datetime import timedelta
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -61,9 +74,29 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, ".."))
 
-from harness import machine, markdown_table, write_results  # noqa: E402
+import harness  # noqa: E402
+from harness import (  # noqa: E402
+    free_port,
+    init_gloo,
+    markdown_table,
+    marked_step,
+    run_info,
+    run_timing,
+    write_results,
+)
 
 MB = 1e6
+BASE = "ddp_fused"
+CANDS = (
+    "ddp_fused,ddp,zero_redundancy,deepspeed_stage1_cpuadam,deepspeed_stage2_cpuadam,"
+    "fsdp2_reshard,fsdp2_noreshard,ours_stage1,ours_stage2,ours_stage2_bf16"
+)
+# loss at every measured step vs ddp_fused's, relative: fp32 (summation order, fused kernels)
+LOSS_RTOL = {"fp32": 1e-3, "bf16": 2e-2}
+# |Δ - Δ_ddp| / |Δ_ddp| estimated (see _fingerprint). Measured single-process, fused vs foreach
+# AdamW: 1e-3 (both regimes); bf16-rounded gradients: 4e-3; a wrong gradient (another rank's
+# batch): 0.8 (comm), 1.3 (compute)
+UPDATE_RTOL = {"fp32": 1e-2, "bf16": 5e-2}
 
 
 class GPT(nn.Module):
@@ -86,120 +119,128 @@ class GPT(nn.Module):
         return self.head(self.norm(h))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class MLP(nn.Module):
+    """``layers`` residual blocks x + ReLU(Linear(width, width)(x)): the communication-heavy
+    regime's model. Residual, so that every layer's gradient carries signal (a plain stack of
+    default-initialised Linear + ReLU shrinks its output ~1/3 per layer: its gradients are then
+    mostly noise, and where training goes says little about whether it was correct)."""
+
+    def __init__(self, width, layers):
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(layers)
+        )
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = x + b(x)
+        return x
 
 
-def _status_bytes(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for ln in f:
-            if ln.startswith(key + ":"):
-                return int(ln.split()[1]) * 1024
-    return 0
-
-
-def _init(rank: int, world: int, port: int) -> None:
-    import warnings
-
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    torch.set_num_threads(1)
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=900),
-    )
-
-
-def _batch(args, rank: int, step: int) -> torch.Tensor:
+def _batch(args, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randint(0, args.vocab, (args.batch, args.tokens), generator=g)
+    if args.regime == "comm":
+        x = torch.randn(args.mlp_batch, args.mlp_width, generator=g)
+        return x, torch.randn(args.mlp_batch, args.mlp_width, generator=g)
+    return torch.randint(0, args.vocab, (args.batch, args.tokens), generator=g), None
 
 
-def _loss(out: torch.Tensor, x: torch.Tensor, vocab: int) -> torch.Tensor:
+def _loss(out: torch.Tensor, x: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
+    if y is not None:
+        return nn.functional.mse_loss(out, y)
+    vocab = out.shape[-1]
     return nn.functional.cross_entropy(out[:, :-1].reshape(-1, vocab), x[:, 1:].reshape(-1))
 
 
 # ------------------------------------------------------------------------------------ timing
 
 
-class _Waits:
-    """Intervals spent in Work.wait() (Python-level), recorded only while ``on``."""
+def _imports(name: str) -> None:
+    """The candidate's libraries, imported before the RSS baseline (not training memory)."""
+    from torch.nn.parallel import DistributedDataParallel  # noqa: F401
 
-    def __init__(self):
-        self.on = False
-        self.spans: list[tuple[float, float]] = []
-        work = torch._C._distributed_c10d.Work
-        orig = work.wait
-        me = self
-
-        def wait(w, *a, **k):
-            if not me.on:
-                return orig(w, *a, **k)
-            t = time.perf_counter()
-            try:
-                return orig(w, *a, **k)
-            finally:
-                me.spans.append((t, time.perf_counter()))
-
-        work.wait = wait
+    if name.startswith("deepspeed"):
+        import deepspeed  # noqa: F401
+        from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: F401
+    elif name.startswith("ours"):
+        import zero_kernels  # noqa: F401
+    elif name.startswith("fsdp2"):
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    else:
+        from torch.distributed.optim import ZeroRedundancyOptimizer  # noqa: F401
 
 
-def _union(spans: list[tuple[float, float]], lo: float, hi: float) -> float:
-    total, end = 0.0, lo
-    for a, b in sorted(spans):
-        a, b = max(a, end), min(b, hi)
-        if b > a:
-            total += b - a
-            end = b
-    return total
+def _model(name: str, args) -> nn.Module:
+    if args.regime == "comm":
+        return MLP(args.mlp_width, args.mlp_layers)
+    return GPT(args.vocab, args.d, args.layers)
 
 
-def _build(name: str, model: nn.Module, args):
-    """-> (forward, backward(loss), zero_grad, step, optimizer-or-engine)."""
-    kw = dict(lr=args.lr, weight_decay=0.01, betas=(0.9, 0.999), eps=1e-8)
+def _plain_step(fwd, opt):
+    """zero_grad(set_to_none), forward + loss, backward, step: the torch optimizers' loop."""
+    return marked_step(
+        lambda x, y: _loss(fwd(x), x, y),
+        opt.step,
+        zero_grad=lambda: opt.zero_grad(set_to_none=True),
+    )
+
+
+def _build(name: str, model: nn.Module, args, lr: float):
+    """-> (step(x, y) -> loss, optimizer or engine). Candidates as in the module docstring."""
+    kw = dict(lr=lr, weight_decay=0.01, betas=(0.9, 0.999), eps=1e-8)
     bucket_elems = int(args.bucket_mb * 2**20) // 4
-    if name == "ddp" or name == "torch_zero_redundancy":
+    if name in ("ddp_fused", "ddp", "zero_redundancy"):
         from torch.distributed.optim import ZeroRedundancyOptimizer
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        ddp = DDP(model, bucket_cap_mb=args.bucket_mb)
-        opt = (
-            torch.optim.AdamW(model.parameters(), **kw)
-            if name == "ddp"
-            else ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, **kw)
-        )
-        return (
-            ddp,
-            lambda loss: loss.backward(),
-            lambda: opt.zero_grad(set_to_none=True),
-            opt.step,
-            opt,
-        )
+        if name == "ddp":  # issue 3's baseline: DDP's defaults, torch's default AdamW (foreach)
+            ddp = DDP(model, bucket_cap_mb=args.bucket_mb)
+            opt = torch.optim.AdamW(model.parameters(), **kw)
+        else:
+            ddp = DDP(model, bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=True)
+            if name == "ddp_fused":
+                opt = torch.optim.AdamW(model.parameters(), fused=True, **kw)
+            else:
+                opt = ZeroRedundancyOptimizer(
+                    model.parameters(),
+                    torch.optim.AdamW,
+                    parameters_as_bucket_view=True,
+                    fused=True,
+                    **kw,
+                )
+        return _plain_step(ddp, opt), opt
+    if name.startswith("fsdp2"):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        reshard = name == "fsdp2_reshard"
+        for b in model.blocks:
+            fully_shard(b, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+        opt = torch.optim.AdamW(model.parameters(), fused=True, **kw)
+        return _plain_step(model, opt), opt
     if name.startswith("ours_stage"):
         from zero_kernels import ZeroOptimizer
 
+        extra = {}
+        if "_bf16" in name:
+            extra["reduce_dtype"] = torch.bfloat16
+        if "_agoverlap" in name:  # all-gathers waited for at each bucket's next forward use
+            extra["overlap_param_gather"] = True
         opt = ZeroOptimizer(
-            model, torch.optim.AdamW, stage=int(name[-1]), bucket_size_mb=args.bucket_mb, **kw
+            model,
+            torch.optim.AdamW,
+            stage=int(name[len("ours_stage")]),
+            bucket_size_mb=args.bucket_mb,
+            **extra,
+            **kw,
         )
-        return model, lambda loss: loss.backward(), opt.zero_grad, opt.step, opt
-    if name.startswith("deepspeed_stage"):
-        import logging
 
+        return marked_step(lambda x, y: _loss(model(x), x, y), opt.step, opt.zero_grad), opt
+    if name.startswith("deepspeed_stage"):
         import deepspeed
 
-        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
         stage = int(name[len("deepspeed_stage")])
         if name.endswith("_cpuadam"):
             from deepspeed.ops.adam import DeepSpeedCPUAdam
@@ -207,8 +248,9 @@ def _build(name: str, model: nn.Module, args):
             opt = DeepSpeedCPUAdam(model.parameters(), adamw_mode=True, **kw)
         else:
             opt = torch.optim.AdamW(model.parameters(), **kw)
+        micro = args.mlp_batch if args.regime == "comm" else args.batch
         cfg = {
-            "train_micro_batch_size_per_gpu": args.batch,
+            "train_micro_batch_size_per_gpu": micro,
             "gradient_accumulation_steps": 1,
             "gradient_clipping": 0.0,
             "fp16": {"enabled": False},
@@ -227,224 +269,148 @@ def _build(name: str, model: nn.Module, args):
         engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=opt, config=cfg, dist_init_required=False
         )
-        return engine, engine.backward, lambda: None, engine.step, engine
+
+        step = marked_step(
+            lambda x, y: _loss(engine(x), x, y), engine.step, backward=engine.backward
+        )
+        return step, engine
     raise ValueError(f"unknown candidate {name!r}")
 
 
-def timing_worker(name, rank, world, port, args, cmd_q, res_q):
-    try:
-        waits = _Waits()  # before any import binds torch.distributed functions
-        _init(rank, world, port)
-        if name.startswith("deepspeed"):  # the library's own import is not training memory
-            import deepspeed  # noqa: F401
-            from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: F401
-        elif name.startswith("ours"):
-            import zero_kernels  # noqa: F401
+def _fingerprint(name: str, model: nn.Module, opt, args, k: int = 4) -> dict:
+    """Where training moved the parameters: |Δ| and Δ's projections on ``k`` fixed random
+    directions, Δ = θ_end - θ_0 in float64, θ_0 rebuilt from the seed (collective for FSDP2 and
+    stage 3, whose params are sharded)."""
+    torch.manual_seed(0)
+    start = dict(_model(name, args).named_parameters())
+    sq, proj = 0.0, [0.0] * k
+    for j, (key, p) in enumerate(model.named_parameters()):
+        if hasattr(p, "full_tensor"):  # FSDP2's DTensor
+            whole = p.full_tensor()
+        elif getattr(opt, "stage", None) == 3:
+            whole = opt.full_param(p)
         else:
-            from torch.distributed.optim import ZeroRedundancyOptimizer  # noqa: F401
-        rss_import = _status_bytes("VmRSS")
-        torch.manual_seed(0)
-        model = GPT(args.vocab, args.d, args.layers)
-        psi = sum(p.numel() for p in model.parameters())
-        last_grad = [0.0]
-
-        def hook(_p):
-            last_grad[0] = time.perf_counter()
-
-        for p in model.parameters():
-            p.register_post_accumulate_grad_hook(hook)
-        fwd, bwd, zero_grad, step, opt = _build(name, model, args)
-        dist.barrier()
-        res_q.put(
-            (
-                name,
-                rank,
-                "ready",
-                {
-                    "psi": psi,
-                    "rss_after_import": rss_import,
-                    "rss_after_setup": _status_bytes("VmRSS"),
-                },
-            )
-        )
-        i = 0
-        while True:
-            cmd = cmd_q.get()
-            if cmd == "reset" and name.startswith("ours"):
-                opt.reset_comm_stats()
-            if cmd != "step":
-                if cmd == "stop":
-                    break
-                continue
-            x = _batch(args, rank, i)
-            i += 1
-            dist.barrier()
-            waits.spans.clear()
-            waits.on = True
-            t0 = time.perf_counter()
-            zero_grad()
-            loss = _loss(fwd(x), x, args.vocab)
-            t1 = time.perf_counter()
-            last_grad[0] = t1
-            bwd(loss)
-            t2 = time.perf_counter()
-            step()
-            t3 = time.perf_counter()
-            waits.on = False
-            exposed = _union(waits.spans + [(last_grad[0], t2)], t0, t3)
-            res_q.put(
-                (
-                    name,
-                    rank,
-                    "step",
-                    {
-                        "step_s": t3 - t0,
-                        "fwd_s": t1 - t0,
-                        "bwd_s": t2 - t1,
-                        "opt_s": t3 - t2,
-                        "exposed_comm_s": exposed,
-                        "loss": float(loss.detach()),
-                    },
-                )
-            )
-        ru = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        final = {"peak_rss": max(ru, _status_bytes("VmHWM")), "end_rss": _status_bytes("VmRSS")}
-        if name.startswith("ours"):
-            final["comm_stats"] = opt.comm_stats
-            try:
-                final["memory_report"] = opt.memory_report()
-            except Exception as e:  # noqa: BLE001
-                final["memory_report"] = f"{type(e).__name__}: {e}"
-        res_q.put((name, rank, "final", final))
-        dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001
-        res_q.put((name, rank, "error", traceback.format_exc()))
+            whole = p
+        d = (whole.detach().double() - start[key].detach().double()).reshape(-1)
+        sq += float(d @ d)
+        for i in range(k):
+            g = torch.Generator().manual_seed(7919 * i + j)
+            proj[i] += float(d @ torch.randn(d.numel(), generator=g, dtype=torch.float64))
+    return {"norm": sq**0.5, "proj": proj}
 
 
-def run_timing(args, cands: list[str], log) -> dict:
-    ctx = mp.get_context("spawn")
-    res_q = ctx.Queue()
-    world = 2
-    procs, cmd_qs = [], {}
-    for name in cands:
-        port = _free_port()
-        for r in range(world):
-            q = ctx.Queue()
-            cmd_qs[(name, r)] = q
-            p = ctx.Process(
-                target=timing_worker, args=(name, r, world, port, args, q, res_q), daemon=True
-            )
-            p.start()
-            procs.append(p)
+def _distance(a: dict, b: dict) -> float:
+    """Estimate of |Δa - Δb| / |Δb| from two fingerprints."""
+    worst = max(abs(x - y) for x, y in zip(a["proj"], b["proj"], strict=True))
+    return max(abs(a["norm"] - b["norm"]), worst) / max(b["norm"], 1e-30)
 
-    def collect(kind: str, n: int) -> list[tuple]:
-        out = []
-        while len(out) < n:
-            name, rank, k, payload = res_q.get(timeout=900)
-            if k == "error":
-                for p in procs:
-                    p.kill()
-                raise RuntimeError(f"{name} rank {rank} failed:\n{payload}")
-            assert k == kind, (name, rank, k, kind)
-            out.append((name, rank, payload))
-        return out
 
-    t0 = time.perf_counter()
-    setup = {}
-    for name, rank, info in collect("ready", world * len(cands)):
-        setup.setdefault(name, {})[rank] = info
-    log(f"[stages] {len(cands)} candidate groups ready in {time.perf_counter() - t0:.0f}s")
-    steps = {n: [] for n in cands}
-    n_rounds = args.warmup + args.repeats
-    for rnd in range(n_rounds):
-        if rnd == args.warmup:
-            for q in cmd_qs.values():
-                q.put("reset")
-        k = rnd % len(cands)
-        for name in cands[k:] + cands[:k]:
-            for r in range(world):
-                cmd_qs[(name, r)].put("step")
-            got = {rank: s for _, rank, s in collect("step", world)}
-            if rnd >= args.warmup:
-                steps[name].append(got)
-        log(
-            f"[stages] round {rnd + 1}/{n_rounds}: "
-            + " ".join(
-                f"{n}={max(s['step_s'] for s in steps[n][-1].values()):.2f}s"
-                for n in cands
-                if rnd >= args.warmup
-            )
-        )
-    for q in cmd_qs.values():
-        q.put("stop")
-    finals = {}
-    for name, rank, f in collect("final", world * len(cands)):
-        finals.setdefault(name, {})[rank] = f
-    for p in procs:
-        p.join(timeout=60)
-    return {"setup": setup, "steps": steps, "finals": finals}
+# for harness.run_timing (module-level functions: spawn pickles them by name)
+TIMING = dict(imports=_imports, model=_model, build=_build, batch=_batch, fingerprint=_fingerprint)
+
+
+def _same_stage_deepspeed(name: str) -> list[str]:
+    if not name.startswith("ours_stage") or name[len("ours_stage")] not in "12":
+        return []
+    s = name[len("ours_stage")]
+    return [f"deepspeed_stage{s}_cpuadam", f"deepspeed_stage{s}"]
+
+
+def _loss_check(raw: dict, name: str) -> dict:
+    """Largest relative difference of this candidate's losses (every measured step, every rank)
+    from ddp_fused's, and whether it is within the tolerance."""
+    steps = raw["steps"]
+    if BASE not in steps:
+        return {"loss_max_rel_diff": "", "loss_ok": "", "check_ok": ""}
+    worst = 0.0
+    for a, b in zip(steps[name], steps[BASE], strict=True):
+        for r in b:
+            worst = max(worst, abs(a[r]["loss"] - b[r]["loss"]) / max(abs(b[r]["loss"]), 1e-12))
+    kind = "bf16" if "_bf16" in name else "fp32"
+    out = {"loss_max_rel_diff": float(f"{worst:.3g}"), "loss_ok": worst <= LOSS_RTOL[kind]}
+    fin, ref = raw["finals"][name], raw["finals"][BASE]
+    if "fingerprint" in fin[0]:
+        d = _distance(fin[0]["fingerprint"], ref[0]["fingerprint"])
+        ranks = max(_distance(fin[r]["fingerprint"], fin[0]["fingerprint"]) for r in fin)
+        out["update_dist"] = float(f"{d:.3g}")
+        out["ranks_dist"] = float(f"{ranks:.3g}")
+        out["update_ok"] = d <= UPDATE_RTOL[kind] and ranks <= 1e-6
+    out["check_ok"] = out["loss_ok"] and out.get("update_ok", True)
+    return out
 
 
 def summarize_timing(raw: dict, cands: list[str]) -> list[dict]:
-    rows = []
     steps = raw["steps"]
 
-    def med(name, key, agg=max):
-        return statistics.median(agg(s[key] for s in st.values()) for st in steps[name])
+    def med(name, key="step_s"):
+        return statistics.median(harness.per_round(steps, name, key))
 
-    def paired(name, other):
-        """Median over rounds of this candidate's step time / ``other``'s in the same round."""
-        if other not in steps:
-            return ""
-        return round(
-            statistics.median(
-                max(s["step_s"] for s in a.values()) / max(s["step_s"] for s in b.values())
-                for a, b in zip(steps[name], steps[other], strict=True)
-            ),
-            3,
-        )
-
-    base = med("ddp", "step_s") if "ddp" in steps else None
+    base = med(BASE) if BASE in steps else None
+    rows = []
     for name in cands:
-        step = med(name, "step_s")
         fin, su = raw["finals"][name], raw["setup"][name]
-        peak = max(f["peak_rss"] for f in fin.values())
         row = {
             "candidate": name,
-            "median_step_s": round(step, 4),
-            "vs_ddp": round(step / base, 3) if base else "",
-            "vs_ddp_paired": paired(name, "ddp"),
-            "min_step_s": round(
-                min(max(s["step_s"] for s in st.values()) for st in steps[name]), 4
-            ),
-            "fwd_s": round(med(name, "fwd_s"), 4),
-            "bwd_s": round(med(name, "bwd_s"), 4),
-            "opt_s": round(med(name, "opt_s"), 4),
-            "exposed_comm_s": round(med(name, "exposed_comm_s"), 4),
-            "peak_rss_MB": round(peak / MB, 1),
-            "rss_after_import_MB": round(max(s["rss_after_import"] for s in su.values()) / MB, 1),
+            "median_step_ms": round(1e3 * med(name), 1),
+            "vs_ddp_fused_paired": harness.paired(steps, name, BASE),
+            "vs_ddp_fused": round(med(name) / base, 3) if base else "",
+            "speedup_vs_deepspeed_same_stage_paired": "",
+            "fwd_ms": round(1e3 * med(name, "fwd_s"), 1),
+            "bwd_ms": round(1e3 * med(name, "bwd_s"), 1),
+            "opt_ms": round(1e3 * med(name, "opt_s"), 1),
+            "exposed_comm_ms": round(1e3 * med(name, "exposed_comm_s"), 1),
+            "fwd_wait_ms": round(1e3 * med(name, "fwd_wait_s"), 1),
+            "bwd_wait_ms": round(1e3 * med(name, "bwd_wait_s"), 1),
+            "opt_wait_ms": round(1e3 * med(name, "opt_wait_s"), 1),
+            "peak_rss_MB": round(max(f["peak_rss"] for f in fin.values()) / MB, 1),
             "peak_minus_import_MB": round(
                 max(fin[r]["peak_rss"] - su[r]["rss_after_import"] for r in fin) / MB, 1
             ),
-            "end_rss_MB": round(max(f["end_rss"] for f in fin.values()) / MB, 1),
-            "last_loss_rank0": round(steps[name][-1][0]["loss"], 5),
+            "min_step_ms": round(1e3 * min(harness.per_round(steps, name)), 1),
+            "last_loss_rank0": round(steps[name][-1][0]["loss"], 6),
+            **_loss_check(raw, name),
             "n": len(steps[name]),
         }
+        for ds in _same_stage_deepspeed(name):
+            if ds in steps:  # DeepSpeed's time / ours, paired: > 1 = ours faster
+                sp = harness.paired(steps, ds, name)
+                row[f"speedup_vs_{ds}_paired"] = sp
+                if not row["speedup_vs_deepspeed_same_stage_paired"]:
+                    row["speedup_vs_deepspeed_same_stage_paired"] = sp
         if name.startswith("ours"):
             cs = fin[0]["comm_stats"]
-            row["own_exposed_comm_s"] = round(cs["exposed_comm_s"] / max(cs["steps"], 1), 4)
+            n = max(cs["steps"], 1)
+            row["own_exposed_comm_ms"] = round(1e3 * cs["exposed_comm_s"] / n, 1)
+            row["reduce_scatter_MB_per_step"] = round(cs["reduce_scatter_bytes"] / n / MB, 2)
+            row["all_gather_MB_per_step"] = round(cs["all_gather_bytes"] / n / MB, 2)
         rows.append(row)
-    for row in rows:  # same-stage DeepSpeed ratio for ours
-        if row["candidate"].startswith("ours_stage"):
-            s = row["candidate"][-1]
-            for ds in (f"deepspeed_stage{s}", f"deepspeed_stage{s}_cpuadam"):
-                other = next((r for r in rows if r["candidate"] == ds), None)
-                if other:
-                    row[f"speedup_vs_{ds}"] = round(
-                        other["median_step_s"] / row["median_step_s"], 3
-                    )
-                    row[f"speedup_vs_{ds}_paired"] = paired(ds, row["candidate"])
     return rows
+
+
+def verdicts(rows: list[dict], steps: dict) -> dict:
+    """The issue-10 targets, from paired ratios: stages 1, 2 within 1.05x of ddp_fused; at least
+    1.25x faster than DeepSpeed's same stage; bf16 reduction faster than fp32 stage 2."""
+    by = {r["candidate"]: r for r in rows}
+    out = {}
+    for name in ("ours_stage1", "ours_stage2", "ours_stage2_bf16"):
+        if name not in by:
+            continue
+        r = by[name]
+        if r["vs_ddp_fused_paired"] != "":
+            out[f"{name} within 1.05x of ddp_fused"] = {
+                "value": r["vs_ddp_fused_paired"],
+                "met": r["vs_ddp_fused_paired"] <= 1.05,
+            }
+        sp = r["speedup_vs_deepspeed_same_stage_paired"]
+        if sp != "":
+            out[f"{name} at least 1.25x faster than DeepSpeed same stage"] = {
+                "value": sp,
+                "met": sp >= 1.25,
+            }
+    if "ours_stage2_bf16" in steps and "ours_stage2" in steps:
+        v = harness.paired(steps, "ours_stage2_bf16", "ours_stage2")
+        out["ours_stage2_bf16 faster than ours_stage2"] = {"value": v, "met": v < 1.0}
+    return out
 
 
 # ------------------------------------------------------------------------------------ memory
@@ -456,7 +422,7 @@ def _tensor_bytes(t) -> int:
 
 def memory_worker(rank, world, port, args, res_q):
     try:
-        _init(rank, world, port)
+        init_gloo(rank, world, port)
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         from zero_kernels import ZeroOptimizer
@@ -465,7 +431,7 @@ def memory_worker(rank, world, port, args, res_q):
         base = GPT(args.vocab, args.d, args.layers)
         psi = sum(p.numel() for p in base.parameters())
         kw = dict(lr=args.lr, weight_decay=0.01)
-        x = _batch(args, rank, 0)
+        x, y = _batch(args, rank, 0)
         rows = []
         for stage in (0, 1, 2):
             m = copy.deepcopy(base)
@@ -478,7 +444,7 @@ def memory_worker(rank, world, port, args, res_q):
                     m, torch.optim.AdamW, stage=stage, bucket_size_mb=args.bucket_mb, **kw
                 )
             opt.zero_grad()
-            _loss(fwd(x), x, args.vocab).backward()
+            _loss(fwd(x), x, y).backward()
             opt.step()
             if stage == 0:
                 params = list(m.parameters())  # a tied tensor once
@@ -511,7 +477,7 @@ def run_memory(args, world_sizes: list[int]) -> list[dict]:
     res_q = ctx.Queue()
     procs = []
     for ws in world_sizes:
-        port = _free_port()
+        port = free_port()
         for r in range(ws):
             p = ctx.Process(target=memory_worker, args=(r, ws, port, args, res_q), daemon=True)
             p.start()
@@ -570,6 +536,72 @@ def run_memory(args, world_sizes: list[int]) -> list[dict]:
 
 # ------------------------------------------------------------------------------------ main
 
+TABLE = [
+    "candidate",
+    "median_step_ms",
+    "vs_ddp_fused_paired",
+    "vs_ddp_fused",
+    "speedup_vs_deepspeed_same_stage_paired",
+    "fwd_ms",
+    "bwd_ms",
+    "opt_ms",
+    "exposed_comm_ms",
+    "peak_rss_MB",
+    "peak_minus_import_MB",
+    "loss_max_rel_diff",
+    "update_dist",
+    "check_ok",
+]
+
+
+def _regime_config(args, regime: str) -> dict:
+    keys = ["lr", "warmup", "comm_repeats" if regime == "comm" else "repeats", "bucket_mb"]
+    keys += ["steps_per_turn"]
+    keys += ["mlp_width", "mlp_layers", "mlp_batch"] if regime == "comm" else []
+    keys += ["layers", "d", "vocab", "batch", "tokens"] if regime == "compute" else []
+    return {"regime": regime, **{k: getattr(args, k) for k in keys}}
+
+
+def run_regime(args, regime: str, cands: list[str], info: dict, log) -> None:
+    rargs = copy.copy(args)
+    rargs.regime = regime
+    if regime == "comm":
+        rargs.repeats = args.comm_repeats
+    tag = f"[stages {regime}]"
+    raw = run_timing(TIMING, rargs, cands, log, tag=tag)
+    load_after = os.getloadavg()
+    rows = summarize_timing(raw, cands)
+    verdict = verdicts(rows, raw["steps"])
+    psi = raw["setup"][cands[0]][0]["psi"]
+    j, c = write_results(
+        args.out,
+        f"stages_ws2_{regime}{args.tag}",
+        {
+            "machine": {**info, "load_avg_after": load_after},
+            "config": _regime_config(args, regime),
+            "world_size": 2,
+            "params": psi,
+            "verdicts": verdict,
+            "loss_rtol": LOSS_RTOL,
+            "update_rtol": UPDATE_RTOL,
+            "ours": {n: raw["finals"][n][0] for n in cands if n.startswith("ours")},
+            "per_step": raw["steps"],
+            "setup": raw["setup"],
+        },
+        rows,
+    )
+    log(f"{tag} {psi / 1e6:.2f}M params, world size 2; wrote {j} {c}")
+    log(markdown_table(rows, TABLE))
+    for r in rows:
+        extra = {k: v for k, v in r.items() if k.startswith(("speedup_vs_deepspeed_stage", "own_"))}
+        if extra:
+            log(f"  {r['candidate']}: {extra}")
+    for k, v in verdict.items():
+        log(f"  target {k}: {v['value']} -> {'met' if v['met'] else 'NOT met'}")
+    bad = [r["candidate"] for r in rows if r["check_ok"] is False]
+    if bad:
+        log(f"{tag} LOSS MISMATCH vs {BASE} (timings of these are not valid): {bad}")
+
 
 def main():
     ap = argparse.ArgumentParser(
@@ -578,28 +610,41 @@ def main():
     ap.add_argument(
         "--quick",
         action="store_true",
-        help="smoke run (~1 min): tiny model, 1 warm-up + 2 rounds, memory at N=2",
+        help="smoke run (~2 min): tiny models, 1 warm-up + 2 rounds, memory at N=2",
     )
+    ap.add_argument("--regime", choices=("compute", "comm", "both"), default="both")
     ap.add_argument(
         "--out",
         default=os.path.join(HERE, "results"),
-        help="folder for stages_ws2.{json,csv} and stages_memory.{json,csv}",
+        help="folder for stages_ws2_<regime>.{json,csv} and stages_memory.{json,csv}",
     )
-    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--tag", default="", help="suffix of the timing output names")
+    ap.add_argument("--cands", default=CANDS, help=f"comma-separated (default {CANDS})")
+    ap.add_argument("--layers", type=int, default=6, help="compute regime: GPT depth")
     ap.add_argument("--d", type=int, default=320)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--mlp-width", type=int, default=1536, help="comm regime: MLP width")
+    ap.add_argument("--mlp-layers", type=int, default=8)
+    ap.add_argument("--mlp-batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=16, help="measured rounds")
+    ap.add_argument("--repeats", type=int, default=16, help="measured rounds (compute regime)")
+    ap.add_argument(
+        "--comm-repeats",
+        type=int,
+        default=None,
+        help="measured rounds in the comm regime (default 4 x --repeats: its steps are short)",
+    )
     ap.add_argument("--bucket-mb", type=float, default=25.0)
     ap.add_argument(
-        "--ds-adam",
-        choices=("torch", "cpu", "both", "none"),
-        default=None,
-        help="DeepSpeed's optimizer: torch AdamW, DeepSpeedCPUAdam, both or skip "
-        "(default both; torch with --quick)",
+        "--steps-per-turn",
+        type=int,
+        default=1,
+        help="steps per candidate turn, back to back after one barrier, the last one timed (2: a "
+        "step pays for what the previous one left in flight, e.g. overlap_param_gather's "
+        "all-gathers)",
     )
     ap.add_argument("--mem-world-sizes", default="1,2,3,4")
     ap.add_argument("--skip-timing", action="store_true")
@@ -607,115 +652,38 @@ def main():
     args = ap.parse_args()
     if args.quick:
         args.layers, args.d, args.vocab, args.tokens = 2, 64, 1024, 32
+        args.mlp_width, args.mlp_layers = 256, 4
         args.warmup, args.repeats = 1, 2
+        args.comm_repeats = args.comm_repeats or 2
         args.mem_world_sizes = "2"
-    if args.ds_adam is None:
-        args.ds_adam = "torch" if args.quick else "both"
+    if args.comm_repeats is None:
+        args.comm_repeats = 4 * args.repeats
+    if args.tag:
+        args.tag = "_" + args.tag
     t_start = time.perf_counter()
 
     def log(msg):
         print(msg, flush=True)
 
-    try:
-        import deepspeed
-
-        ds_version = deepspeed.__version__
-    except Exception as e:  # noqa: BLE001
-        ds_version = None
-        log(f"[stages] DeepSpeed not measured: {type(e).__name__}: {e}")
-    cands = ["ddp", "torch_zero_redundancy"]
-    if ds_version:
-        for s in (1, 2):
-            if args.ds_adam in ("torch", "both"):
-                cands.append(f"deepspeed_stage{s}")
-            if args.ds_adam in ("cpu", "both"):
-                cands.append(f"deepspeed_stage{s}_cpuadam")
-    cands += ["ours_stage1", "ours_stage2"]
-    info = machine()
-    info["command"] = "python bench/bench_stages.py " + " ".join(sys.argv[1:])
-    info["deepspeed"] = ds_version
-    try:  # other work may be in progress in this tree: say whether the library was committed
-        import subprocess
-
-        info["zero_kernels_uncommitted_changes"] = subprocess.run(
-            ["git", "status", "--porcelain", "--", "zero_kernels", "csrc"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            cwd=os.path.join(HERE, ".."),
-        ).stdout.split("\n")[:20]
-    except OSError:
-        pass
-    info["date"] = time.strftime("%Y-%m-%d %H:%M %Z")
-    info["load_avg_at_start"] = os.getloadavg()
-    config = {
-        k: getattr(args, k)
-        for k in (
-            "layers",
-            "d",
-            "vocab",
-            "batch",
-            "tokens",
-            "lr",
-            "warmup",
-            "repeats",
-            "bucket_mb",
-            "ds_adam",
-        )
-    }
+    info = run_info("bench_stages.py")
+    cands = args.cands.split(",")
+    if info["deepspeed"].startswith("not available"):
+        log(f"[stages] DeepSpeed not measured: {info['deepspeed']}")
+        cands = [c for c in cands if not c.startswith("deepspeed")]
     if not args.skip_timing:
-        raw = run_timing(args, cands, log)
-        info["load_avg_after_timing"] = os.getloadavg()
-        rows = summarize_timing(raw, cands)
-        psi = raw["setup"]["ddp"][0]["psi"]
-        ours = {n: raw["finals"][n][0] for n in cands if n.startswith("ours")}
-        j, c = write_results(
-            args.out,
-            "stages_ws2",
-            {
-                "machine": info,
-                "config": config,
-                "world_size": 2,
-                "params": psi,
-                "ours": ours,
-                "per_step": raw["steps"],
-                "setup": raw["setup"],
-            },
-            rows,
-        )
-        log(f"[stages] {psi / 1e6:.2f}M params, world size 2; wrote {j} {c}")
-        log(
-            markdown_table(
-                rows,
-                [
-                    "candidate",
-                    "median_step_s",
-                    "vs_ddp",
-                    "vs_ddp_paired",
-                    "fwd_s",
-                    "bwd_s",
-                    "opt_s",
-                    "exposed_comm_s",
-                    "peak_rss_MB",
-                    "peak_minus_import_MB",
-                    "end_rss_MB",
-                    "last_loss_rank0",
-                ],
-            )
-        )
-        for r in rows:
-            extra = {k: v for k, v in r.items() if k.startswith(("speedup", "own_"))}
-            if extra:
-                log(f"  {r['candidate']}: {extra}")
+        for regime in ("compute", "comm") if args.regime == "both" else (args.regime,):
+            run_regime(args, regime, cands, info, log)
     if not args.skip_memory:
+        margs = copy.copy(args)
+        margs.regime = "compute"
         ws = [int(w) for w in args.mem_world_sizes.split(",")]
-        mrows = run_memory(args, ws)
+        mrows = run_memory(margs, ws)
         j, c = write_results(
             args.out,
             "stages_memory",
             {
                 "machine": info,
-                "config": config,
+                "config": _regime_config(args, "compute"),
                 "formula": "zero_kernels.estimate.estimate_stage(stage, psi, N, precision='fp32', "
                 "optimizer='adamw'); measured = max over ranks after one step",
             },

@@ -138,3 +138,370 @@ def markdown_table(rows: list[dict], keys: list[str]) -> str:
     for r in rows:
         lines.append("| " + " | ".join(str(r.get(k, "")) for k in keys) + " |")
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------ process groups
+#
+# One spawned process group per candidate (its own processes and TCP store, so a process's
+# peak RSS belongs to one candidate). All groups start first and stay alive; the parent runs
+# one step of one group at a time (the others block on a queue, using no CPU), in rounds whose
+# order rotates (A B C .. / B C .. A / ..), so drift on a shared machine hits every candidate
+# alike. A step is fenced by a barrier; its time is the slower rank's.
+#
+# What a benchmark supplies (module-level functions, so that spawn can pickle them), as a dict:
+#   imports(name)                  the candidate's libraries (before the import RSS baseline)
+#   model(name, args)              -> nn.Module, built from the same seed for everyone
+#   build(name, model, args, lr)   -> (step(x, y) -> loss, optimizer or engine); step calls
+#                                  mark("fwd") after the forward and mark("bwd") after backward
+#   batch(args, rank, i)           -> (x, y) of step i on this rank
+#   ready(name, opt)               optional: -> dict added to the candidate's "ready" record
+#   fingerprint(name, model, opt, args)  optional, after the last step (every rank, so it may
+#                                  be collective): -> what the final record keeps of the result
+
+MARK: dict[str, float] = {}  # end of forward / backward of the step running now
+ON_MARK: list = []  # called with the phase name at each mark (RSS trials)
+
+
+def mark(what: str) -> None:
+    MARK[what] = time.perf_counter()
+    for f in ON_MARK:
+        f(what)
+
+
+def marked_step(forward_loss, opt_step, zero_grad=None, backward=None):
+    """-> step(x, y) -> loss: zero_grad(), forward_loss(x, y), mark("fwd"), backward(loss)
+    (default loss.backward()), mark("bwd"), opt_step()."""
+
+    def step(x, y):
+        if zero_grad is not None:
+            zero_grad()
+        loss = forward_loss(x, y)
+        mark("fwd")
+        if backward is None:
+            loss.backward()
+        else:
+            backward(loss)
+        mark("bwd")
+        opt_step()
+        return loss
+
+    return step
+
+
+_PORTS_GIVEN: set[int] = set()
+
+
+def free_port() -> int:
+    """A TCP port free now on 127.0.0.1, below the kernel's ephemeral range where it can
+    (a port from that range can be taken, between choosing it and the store binding it, by a
+    client socket of another group being set up: EADDRINUSE), never one given before."""
+    import random
+    import socket
+
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    candidates = random.sample(range(max(low - 12000, 1024), low), 200) if low > 2048 else []
+    for port in candidates + [0]:
+        if port in _PORTS_GIVEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            port = s.getsockname()[1]
+        _PORTS_GIVEN.add(port)
+        return port
+    raise RuntimeError("no free TCP port on 127.0.0.1")
+
+
+def status_bytes(key: str) -> int:
+    """A byte figure of /proc/self/status (VmRSS, VmHWM, ...)."""
+    with open("/proc/self/status") as f:
+        for ln in f:
+            if ln.startswith(key + ":"):
+                return int(ln.split()[1]) * 1024
+    return 0
+
+
+def init_gloo(rank: int, world: int, port: int) -> None:
+    """A gloo process group on 127.0.0.1, 1 torch thread, library warnings silenced."""
+    import logging
+    import warnings
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore")
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    torch.set_num_threads(1)
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=900),
+    )
+
+
+class Waits:
+    """Intervals spent in Work.wait() (Python-level, which synchronous collectives call too),
+    recorded only while ``on``. Made before any import binds torch.distributed functions."""
+
+    def __init__(self):
+        self.on = False
+        self.spans: list[tuple[float, float]] = []
+        work = torch._C._distributed_c10d.Work
+        orig = work.wait
+        me = self
+
+        def wait(w, *a, **k):
+            if not me.on:
+                return orig(w, *a, **k)
+            t = time.perf_counter()
+            try:
+                return orig(w, *a, **k)
+            finally:
+                me.spans.append((t, time.perf_counter()))
+
+        work.wait = wait
+
+
+def union(spans: list[tuple[float, float]], lo: float, hi: float) -> float:
+    """Length of the union of ``spans`` clipped to [lo, hi]."""
+    total, end = 0.0, lo
+    for a, b in sorted(spans):
+        a, b = max(a, end), min(b, hi)
+        if b > a:
+            total += b - a
+            end = b
+    return total
+
+
+def timing_worker(bench: dict, name, rank, world, port, args, cmd_q, res_q):
+    """One rank of one candidate: build, report "ready", then one step per "step" command.
+
+    Exposed communication per step = the union of every Work.wait inside the step and, where a
+    post-accumulate-grad hook fires, the time from the last gradient produced to the end of
+    backward (DDP's and DeepSpeed's end-of-backward flush)."""
+    import resource
+    import traceback
+
+    import torch.distributed as dist
+
+    try:
+        waits = Waits()
+        init_gloo(rank, world, port)
+        bench["imports"](name)
+        rss_import = status_bytes("VmRSS")
+        torch.manual_seed(0)
+        model = bench["model"](name, args)
+        psi = sum(p.numel() for p in model.parameters())
+        last_grad = [None]
+
+        def hook(_p):
+            last_grad[0] = time.perf_counter()
+
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(hook)
+        step, opt = bench["build"](name, model, args, args.lr)
+        ready = {"psi": psi, "rss_after_import": rss_import}
+        if "ready" in bench:
+            ready.update(bench["ready"](name, opt))
+        dist.barrier()
+        ready["rss_after_setup"] = status_bytes("VmRSS")
+        res_q.put((name, rank, "ready", ready))
+        i = 0
+        while True:
+            cmd = cmd_q.get()
+            if cmd == "reset" and hasattr(opt, "reset_comm_stats"):
+                opt.reset_comm_stats()
+            if cmd != "step":
+                if cmd == "stop":
+                    break
+                continue
+            dist.barrier()
+            for _ in range(getattr(args, "steps_per_turn", 1) - 1):  # untimed, back to back
+                step(*bench["batch"](args, rank, i))
+                i += 1
+            x, y = bench["batch"](args, rank, i)
+            i += 1
+            waits.spans.clear()
+            last_grad[0] = None
+            waits.on = True
+            t0 = time.perf_counter()
+            loss = step(x, y)
+            t3 = time.perf_counter()
+            waits.on = False
+            t1, t2 = MARK["fwd"], MARK["bwd"]
+            spans = list(waits.spans)
+            if last_grad[0] is not None:  # end-of-backward flush after the last gradient
+                spans.append((last_grad[0], t2))
+            res_q.put(
+                (
+                    name,
+                    rank,
+                    "step",
+                    {
+                        "step_s": t3 - t0,
+                        "fwd_s": t1 - t0,
+                        "bwd_s": t2 - t1,
+                        "opt_s": t3 - t2,
+                        "exposed_comm_s": union(spans, t0, t3),
+                        "fwd_wait_s": union(list(waits.spans), t0, t1),
+                        "bwd_wait_s": union(spans, t1, t2),
+                        "opt_wait_s": union(list(waits.spans), t2, t3),
+                        "loss": float(loss.detach()),
+                    },
+                )
+            )
+        ru = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        final = {"peak_rss": max(ru, status_bytes("VmHWM")), "end_rss": status_bytes("VmRSS")}
+        if "fingerprint" in bench:  # after the peak is read: its own memory is not counted
+            final["fingerprint"] = bench["fingerprint"](name, model, opt, args)
+        if hasattr(opt, "comm_stats") and hasattr(opt, "memory_report"):  # ZeroOptimizer
+            final["comm_stats"] = opt.comm_stats
+            try:
+                final["memory_report"] = opt.memory_report()
+            except Exception as e:  # noqa: BLE001
+                final["memory_report"] = f"{type(e).__name__}: {e}"
+        res_q.put((name, rank, "final", final))
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001
+        res_q.put((name, rank, "error", traceback.format_exc()))
+
+
+def run_timing(bench: dict, args, cands: list[str], log, tag: str = "[timing]", world: int = 2):
+    """Start a group per candidate, run ``args.warmup + args.repeats`` rotated rounds.
+
+    ``args.steps_per_turn`` (default 1): steps a candidate's ranks run in one turn, back to
+    back after one barrier, only the last timed. With 1, what a step leaves in flight (an
+    all-gather waited for by the next forward) completes off the clock, during the barrier and the
+    other candidates' turns; with 2 the timed step starts right after its predecessor and pays for
+    what that one left.
+
+    -> {"setup": {name: {rank: ready}}, "steps": {name: [{rank: step}, ...]} (measured rounds),
+    "finals": {name: {rank: final}}}."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    res_q = ctx.Queue()
+    procs, cmd_qs = [], {}
+    for name in cands:
+        port = free_port()
+        for r in range(world):
+            q = ctx.Queue()
+            cmd_qs[(name, r)] = q
+            p = ctx.Process(
+                target=timing_worker,
+                args=(bench, name, r, world, port, args, q, res_q),
+                daemon=True,
+            )
+            p.start()
+            procs.append(p)
+
+    def collect(kind: str, n: int) -> list[tuple]:
+        out = []
+        while len(out) < n:
+            name, rank, k, payload = res_q.get(timeout=900)
+            if k == "error":
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"{name} rank {rank} failed:\n{payload}")
+            assert k == kind, (name, rank, k, kind)
+            out.append((name, rank, payload))
+        return out
+
+    t0 = time.perf_counter()
+    setup: dict = {}
+    for name, rank, info in collect("ready", world * len(cands)):
+        setup.setdefault(name, {})[rank] = info
+    log(f"{tag} {len(cands)} candidate groups ready in {time.perf_counter() - t0:.0f}s")
+    steps: dict = {n: [] for n in cands}
+    n_rounds = args.warmup + args.repeats
+    for rnd in range(n_rounds):
+        if rnd == args.warmup:
+            for q in cmd_qs.values():
+                q.put("reset")
+        k = rnd % len(cands)
+        for name in cands[k:] + cands[:k]:
+            for r in range(world):
+                cmd_qs[(name, r)].put("step")
+            got = {rank: s for _, rank, s in collect("step", world)}
+            if rnd >= args.warmup:
+                steps[name].append(got)
+        if rnd >= args.warmup:
+            log(
+                f"{tag} round {rnd + 1}/{n_rounds}: "
+                + " ".join(
+                    f"{n}={max(s['step_s'] for s in steps[n][-1].values()):.3f}s" for n in cands
+                )
+            )
+    for q in cmd_qs.values():
+        q.put("stop")
+    finals: dict = {}
+    for name, rank, f in collect("final", world * len(cands)):
+        finals.setdefault(name, {})[rank] = f
+    for p in procs:
+        p.join(timeout=60)
+    return {"setup": setup, "steps": steps, "finals": finals}
+
+
+def per_round(steps: dict, name: str, key: str = "step_s") -> list[float]:
+    """``key`` of each measured round of ``name``, the slower rank's."""
+    return [max(s[key] for s in st.values()) for st in steps[name]]
+
+
+def paired(steps: dict, name: str, other: str | None) -> float | str:
+    """Median over rounds of ``name``'s step time / ``other``'s in the same round ("" when
+    ``other`` was not run)."""
+    if other not in steps:
+        return ""
+    ratios = [a / b for a, b in zip(per_round(steps, name), per_round(steps, other), strict=True)]
+    return round(statistics.median(ratios), 3)
+
+
+def run_info(script: str) -> dict:
+    """machine() plus the command of ``script`` (bench/<script>), DeepSpeed's version (or why it
+    is not available), uncommitted changes of the library, the date and the load average."""
+    info = machine()
+    info["command"] = f"python bench/{script} " + " ".join(sys.argv[1:])
+    try:
+        import deepspeed
+
+        info["deepspeed"] = deepspeed.__version__
+    except Exception as e:  # noqa: BLE001
+        info["deepspeed"] = f"not available: {type(e).__name__}: {e}"
+    # other work may be in progress in this tree: say whether the library was committed
+    here = os.path.dirname(os.path.abspath(__file__))
+    info["zero_kernels_uncommitted_changes"] = git_status(
+        os.path.join(here, ".."), "zero_kernels", "csrc"
+    )
+    info["date"] = time.strftime("%Y-%m-%d %H:%M %Z")
+    info["load_avg_at_start"] = os.getloadavg()
+    return info
+
+
+def git_status(path: str, *what: str) -> list[str]:
+    """``git status --porcelain`` of ``what`` under ``path`` (uncommitted library changes)."""
+    try:
+        return subprocess.run(
+            ["git", "status", "--porcelain", "--", *what],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            cwd=path,
+        ).stdout.split("\n")[:20]
+    except OSError:
+        return []
