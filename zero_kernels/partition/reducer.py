@@ -106,7 +106,8 @@ class GradBucket:
         self.launched = False  # reduce-scatter issued in this pass
         self.fresh = True  # stage 2: the next reduction overwrites the shard (else adds to it)
         self.overwrite = False  # the reduction in flight overwrites the shard
-        self.written: set[int] = set()  # stage 1: slot positions written since zero_grad
+        self.written: set[int] = set()  # slots written: stage 1 since zero_grad, else since
+        # the bucket took its buffer
         self.handle: comm.Handle | None = None
         self.tmp: torch.Tensor | None = None  # stage 2: reduced values added to the shard after
 
@@ -222,7 +223,8 @@ class Reducer:
                 bk.launched = False
                 bk.arrived = 0
             dst = self._accumulator(bk)[off : off + slot.numel]
-            if self.stage == 1 and pos not in bk.written:
+            if pos not in bk.written:  # copy, not add: a mixed-dtype add (fp32 grad into a
+                # bf16 bucket) costs 5-8x a converting copy (bench/README.md, bf16 reduction)
                 dst.copy_(g.reshape(-1))
                 bk.written.add(pos)
             else:
@@ -257,6 +259,8 @@ class Reducer:
             # bound the buffers: wait for the oldest reduce-scatters until one is free
             while self.inflight and not self.grads.fits(*bk.key):
                 self._finalize(self.inflight.pop(0))
+        if self.stage != 1 and bk.key not in self.grads.live:
+            bk.written.clear()  # a fresh (zeroed) buffer: each slot's first grad is copied in
         if bk.state is not BucketState.FILLING:
             bk.move(BucketState.FILLING)
         return self.grads.bucket(*bk.key)
