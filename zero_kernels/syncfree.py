@@ -197,8 +197,11 @@ class GradChecks:
                 f"non-finite ({float(total)}), error_if_nonfinite=True"
             )
         coef = clip_coefficient(total, max_norm)
-        if shards:
-            torch._foreach_mul_(shards, coef.to(shards[0].dtype))
+        by_dtype: dict = {}
+        for g in shards:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        for dt, gs in by_dtype.items():  # float64 params have float64 grads
+            torch._foreach_mul_(gs, coef.to(dt))
         return total.float()
 
     def _log_nonfinite(self, step: int) -> None:
