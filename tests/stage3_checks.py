@@ -324,6 +324,32 @@ def check_order_differs(rank: int, world: int) -> dict:
     except ValueError as e:
         assert "blocks." in str(e), e
     dist.barrier()
+    zo.close()
+    # check_order="every": the same order in the first steps, another one on the last rank in
+    # a later step (the first-step check cannot see it): every rank raises at the first
+    # collective launched differently, before anything is sent
+    torch.manual_seed(0)
+    m = Net3()
+    zo = ZeroOptimizer(m, O.SGD, stage=3, lr=0.1, check_order="every")
+    raised = None
+    for step in range(3):
+        m.order = [0, 2, 1, 3] if step == 2 and rank == world - 1 else [0, 1, 2, 3]
+        x, y = _batch(rank, step)
+        zo.zero_grad()
+        try:
+            _loss(m(x), y).backward()
+        except ValueError as e:
+            raised = (step, str(e))
+            break
+        zo.step()
+    if world > 1:
+        assert raised is not None, "a later change of module order on one rank passed"
+        assert raised[0] == 2 and "about to launch" in raised[1], raised
+        assert "nothing was sent" in raised[1], raised
+    else:
+        assert raised is None, raised
+        zo.close()  # (after the error the ranks' units differ: close() would raise again)
+    dist.barrier()
     return {"order": "ok"}
 
 

@@ -47,6 +47,10 @@ def test_stage3_bad_input():
         ZeroOptimizer(m, torch.optim.SGD, stage=3, units=[m], lr=0.1)
     with pytest.raises(TypeError, match="units must be"):
         ZeroOptimizer(m, torch.optim.SGD, stage=3, units="blocks", lr=0.1)
+    with pytest.raises(ValueError, match="check_order='always'"):
+        ZeroOptimizer(m, torch.optim.SGD, stage=3, check_order="always", lr=0.1)
+    with pytest.raises(ValueError, match="check_order= is a stage-3 option"):
+        ZeroOptimizer(m, torch.optim.SGD, stage=2, check_order="every", lr=0.1)
     # param groups first and module= (accepted at every stage)
     zo = ZeroOptimizer([{"params": m.parameters()}], torch.optim.SGD, stage=3, module=m, lr=0.1)
     zo.close()

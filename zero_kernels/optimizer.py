@@ -99,6 +99,11 @@ class ZeroOptimizer(
             unit, instead of waiting for the process group's own timeout (30 min on gloo).
             Collective-only calls (``consolidated_state_dict``, ``full_param``, stage 3's
             ``model.state_dict()``) check that every rank arrived within it (default 300).
+        check_order: stage 3: "first" (default) checks in the first forward that every rank
+            runs the same units in the same order; "every" also compares, before each
+            all-gather and reduce-scatter, what every rank launches (`SequenceCheck`: a
+            ValueError on every rank at the first difference, nothing sent; one small
+            all-reduce per launch, 1.06-1.30x step time measured).
         **defaults: passed to ``optimizer_class``.
 
     Gradients: after backward, ``param.grad`` is a `ShardedGrad` (this rank's piece of the
@@ -151,6 +156,7 @@ class ZeroOptimizer(
         reshard_after_forward: bool = True,
         prefetch: int = 1,
         persist_below: int = 0,
+        check_order: str = "first",
         reduce_dtype: torch.dtype | None = None,
         overlap_param_gather: bool = False,
         init_fn=None,
@@ -170,6 +176,8 @@ class ZeroOptimizer(
                 raise ValueError("module= differs from the module passed as params")
             module = params
         validate.check_stage3(stage, module, units, reshard_after_forward, prefetch, persist_below)
+        validate.check_order_arg(stage, check_order)
+        self.check_order = check_order
         self.mode, why = choose_mode(optimizer_class, partition)
         validate.check_kwargs(optimizer_class, defaults)
         self.stage, self.group, self.overlap_comm = stage, process_group, overlap_comm
@@ -270,6 +278,7 @@ class ZeroOptimizer(
                 "units": [n for n, _ in self._unit_modules],
                 "reshard_after_forward": reshard_after_forward,
                 "prefetch": prefetch,
+                "check_order": check_order,
                 "persist_below": persist_below,
                 "reduce_dtype": str(reduce_dtype),
                 "overlap_param_gather": bool(overlap_param_gather),
@@ -367,6 +376,10 @@ class ZeroOptimizer(
             self._scheduler = self._make_scheduler()
             self._scheduler.timeout = self._op_timeout
             self._scheduler.describe = _call_args(me, "_where")
+            if self.check_order == "every":
+                check = self._sequence_check()
+                check.describe = _call_args(me, "_where")
+                self._scheduler.check = self._reducer.check = check
             self._reducer.on_bucket_ready = self._scheduler.bucket_done
             m = self._module
             self._scheduler.handles += [

@@ -13,7 +13,7 @@ from torch import nn
 from . import comm
 from .buffers import ParamStore
 from .materialize import materialize_modules_
-from .partition.units import Unit, UnitScheduler, UnitState, unit_members
+from .partition.units import SequenceCheck, Unit, UnitScheduler, UnitState, unit_members
 
 __all__ = ["ParamAccess"]
 
@@ -178,6 +178,16 @@ class ParamAccess:
             prefetch=self.prefetch,
             persistent=persistent if persistent.buckets else None,
         )
+
+    def _sequence_check(self) -> SequenceCheck:
+        """Stage 3: the check that every rank launches the same collective (`SequenceCheck`)."""
+        names = {}
+        for u in self._scheduler.all_units:
+            for i, b in u.buckets:
+                where = f"unit {u.name!r} (bucket {b} of flat buffer {i})"
+                names[("all_gather", i, b)] = f"all-gather of {where}"
+                names[("reduce_scatter", i, b)] = f"reduce-scatter of the gradients of {where}"
+        return SequenceCheck(self._side, names, self._op_timeout)
 
     # ------------------------------------------------------------------ overlapped all-gather
     def _gather_wait_hooks(self, me) -> list:

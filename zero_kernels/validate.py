@@ -43,6 +43,7 @@ _OPTIONS = (
     "reshard_after_forward",
     "prefetch",
     "persist_below",
+    "check_order",
     "reduce_dtype",
     "init_fn",
     "seed",
@@ -102,6 +103,13 @@ def check_stage3(stage, module, units, reshard_after_forward, prefetch, persist_
         raise ValueError(f"persist_below must be an int >= 0, got persist_below={persist_below!r}")
     if stage != 3 and persist_below:
         raise ValueError(f"persist_below= is a stage-3 option, got stage={stage!r}")
+
+
+def check_order_arg(stage, check_order) -> None:
+    if check_order not in ("first", "every"):
+        raise ValueError(f"check_order must be 'first' or 'every', got check_order={check_order!r}")
+    if stage != 3 and check_order != "first":
+        raise ValueError(f"check_order= is a stage-3 option, got stage={stage!r}")
 
 
 def check_kwargs(optimizer_class, defaults: dict) -> None:

@@ -131,6 +131,7 @@ class Reducer:
         self.sync = True  # False inside no_sync()
         self.overlap = True  # False: launch every bucket at the end of backward instead
         self.max_inflight = grads.max_inflight  # stage 2: bucket buffers held at once
+        self.check = None  # stage 3: a SequenceCheck called before each launch
         self.buckets = {
             (i, b.index): GradBucket(i, b.index, len(b.slots))
             for i, buf in enumerate(layout.buffers)
@@ -308,6 +309,8 @@ class Reducer:
         if self.stage == 1:  # bound the comm scratch (p2p receive buffers): see [Note: overlap]
             while len(self.inflight) >= self.max_inflight:
                 self._finalize(self.inflight.pop(0))
+        if self.check is not None:  # stage 3: every rank launches this one (SequenceCheck)
+            self.check("reduce_scatter", *bk.key)
         bk.handle = comm.reduce_scatter(out, inp, group=self.group, avg=True, log=self.log)
         bk.tmp = tmp
         bk.move(BucketState.REDUCING)

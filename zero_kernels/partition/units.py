@@ -152,6 +152,7 @@ class UnitScheduler:
         self._done: set[tuple[int, int]] = set()  # buckets whose grads all arrived
         self.timeout: float | None = None  # bound on each wait (the optimizer's ``timeout``)
         self.describe = lambda: ""  # where we are, for a timeout's message
+        self.check = None  # SequenceCheck: every launch compared across ranks first
         self.handles = []
         me = weakref.ref(self)
         for u in units:
@@ -168,6 +169,8 @@ class UnitScheduler:
         if u.state is not UnitState.SHARDED:
             return
         for i, b in u.buckets:
+            if self.check is not None:
+                self.check("all_gather", i, b)
             self.store.alloc(i, b)
             u.handles.append(self.runner.gather(i, b, self.log, self.group))
         u.state = UnitState.GATHERING
@@ -311,6 +314,40 @@ _NO_COMPILED_AUTOGRAD = (
     "follow); set torch._dynamo.config.compiled_autograd = False, or use stage 1 or 2, which "
     "run under it"
 )
+
+
+class SequenceCheck:
+    """Stage 3: before each all-gather or reduce-scatter is launched, every rank must be
+    launching the same one (the collectives are matched by their order; a rank whose module
+    order changed after the first step would otherwise abort in gloo where sizes differ, or
+    exchange one unit's values for another's where they agree). One small blocking all-reduce
+    on the optimizer's gloo side group per launch (its own sequence: a mismatch on the main
+    group cannot shift it); at the first launch that differs, a ValueError on every rank, before
+    anything is sent. ``None`` side group (world size 1): nothing to check."""
+
+    def __init__(self, side, names: dict[tuple[str, int, int], str], timeout: float | None):
+        self.side, self.names, self.timeout = side, names, timeout
+        self.codes = {key: k for k, key in enumerate(sorted(names))}
+        self.keys = {k: key for key, k in self.codes.items()}
+        self.describe = lambda: ""
+
+    def __call__(self, kind: str, i: int, b: int) -> None:
+        if self.side is None:
+            return
+        code = self.codes[(kind, i, b)]
+        t = torch.tensor([code, -code], dtype=torch.int64)
+        what = f"{self.describe()}: order check"
+        comm.all_reduce(t, "max", group=self.side, timeout_s=self.timeout, what=what)
+        hi, lo = int(t[0]), -int(t[1])
+        if hi != code or lo != code:
+            other = self.keys[hi if hi != code else lo]
+            raise ValueError(
+                f"stage 3: this rank is about to launch the {self.names[(kind, i, b)]} where "
+                f"another rank launches the {self.names[other]}: the ranks' module order (or "
+                "set) differs in this forward or backward, and collectives are matched by "
+                "order; nothing was sent. Every rank must call the same modules in the same "
+                "order at stage 3"
+            )
 
 
 def _compiled_autograd() -> bool:
