@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from ..models import MODEL_SIZES, build_gpt, get_batch, load_corpus
+from . import stop_processes
 from .optimizers import optimizer_spec
 
 __all__ = ["DemoConfig", "available_stages", "run_demo"]
@@ -467,15 +468,7 @@ def run_demo(cfg: DemoConfig) -> int:
     except KeyboardInterrupt:
         failed = -2
     finally:
-        if failed is not None:
-            for p in procs:
-                if p.is_alive():
-                    p.terminate()
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        stop_processes(procs, terminate=failed is not None)
     if failed is None:
         return 0
     if failed == -1:

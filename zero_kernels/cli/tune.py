@@ -38,6 +38,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .. import estimate as est
+from . import stop_processes
 from .tune_model import ModelFacts, ModelSource, check_size, model_facts
 from .tune_plan import (
     Measured,
@@ -354,14 +355,7 @@ class _Launcher:
                 for p in procs:
                     p.join(max(1.0, deadline - time.monotonic()))
         finally:
-            for p in procs:
-                if p.is_alive():
-                    p.terminate()
-            for p in procs:
-                p.join(10)
-                if p.is_alive():
-                    p.kill()
-                    p.join()
+            stop_processes(procs)
             q.close()
         if error is not None:
             raise JobFailed(error)
