@@ -46,24 +46,12 @@ class GradAccess:
         idx = sorted(self._trainable)
         pos = {k: j for j, k in enumerate(idx)}
         local = self._views.active | self._reducer.got
+        on_host = self._sync_free and self._side is not None  # host knowledge, reduced there
+        mask = torch.zeros(len(idx), dtype=torch.uint8, device="cpu" if on_host else self.device)
+        if local:
+            mask[[pos[k] for k in local]] = 1
         what = "backward: which params have gradients"
-        if self._sync_free and self._side is not None:  # host knowledge, reduced on the host
-            mask = torch.zeros(len(idx), dtype=torch.uint8)
-            if local:
-                mask[[pos[k] for k in local]] = 1
-            comm.all_reduce(
-                mask,
-                "max",
-                group=self._side,
-                log=self.comm_log,
-                timeout_s=self._op_timeout,
-                what=f"{self._where()}, {what}",
-            )
-        else:
-            mask = torch.zeros(len(idx), dtype=torch.uint8, device=self.device)
-            if local:
-                mask[[pos[k] for k in local]] = 1
-            self._all_reduce(mask, "max", what)
+        self._all_reduce(mask, "max", what, group=self._side if on_host else None)
         self._views.active = {idx[j] for j in mask.nonzero().flatten().tolist()}
         self._reducer.got.clear()
         self._views.install(self._trainable)

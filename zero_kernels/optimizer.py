@@ -516,12 +516,13 @@ class ZeroOptimizer(
                     "gradient; build the ZeroOptimizer after unfreezing it"
                 )
 
-    def _all_reduce(self, t: torch.Tensor, op: str, what: str) -> torch.Tensor:
-        """A small blocking all-reduce of this optimizer, bounded by ``timeout`` when given."""
+    def _all_reduce(self, t: torch.Tensor, op: str, what: str, group=None) -> torch.Tensor:
+        """A small blocking all-reduce of this optimizer (on ``group``, default its process
+        group), bounded by ``timeout`` when given."""
         return comm.all_reduce(
             t,
             op,
-            group=self.group,
+            group=self.group if group is None else group,
             log=self.comm_log,
             timeout_s=self._op_timeout,
             what=f"{self._where()}, {what}",

@@ -231,11 +231,13 @@ def comm_stream(device: torch.device):
     return _streams[idx]
 
 
-def on_comm_stream(launch, tensors: tuple, divide: float, log) -> Handle:
-    """Run ``launch()`` (which issues one collective and returns its work) on the CUDA comm
-    stream after the current stream's work, divide ``tensors[0]`` there, and return a handle
-    carrying the end event ([Note: CUDA streams])."""
+def launch_native(launch, tensors: tuple, divide: float, log) -> Handle:
+    """Issue one backend collective (``launch()`` returns its work) and return its handle; on
+    CUDA on the comm stream after the current stream's work, ``tensors[0]`` divided there and
+    the handle carrying the end event ([Note: CUDA streams])."""
     out = tensors[0]
+    if not out.is_cuda:
+        return Handle(launch(), tensors, divide, log)
     cur = torch.cuda.current_stream(out.device)
     s = comm_stream(out.device)
     s.wait_stream(cur)

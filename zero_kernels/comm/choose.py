@@ -39,7 +39,7 @@ from .base import (
     _avg_ok,
     _reduce_scatter,
     avg_supported,
-    on_comm_stream,
+    launch_native,
     world_size,
 )
 from .p2p import (
@@ -70,9 +70,7 @@ def _reduce_scatter_with(algo: str, output, input, group, avg: bool, log) -> Han
         def launch():
             return _reduce_scatter(output, input, op=op, group=group, async_op=True)
 
-        if output.is_cuda:
-            return on_comm_stream(launch, (output, input), divide, log)
-        return Handle(launch(), (output, input), divide, log)
+        return launch_native(launch, (output, input), divide, log)
     _check_p2p("reduce_scatter", output, input, group)
     tag = _next_tag(group)
     if output.numel() == 0:
@@ -88,9 +86,7 @@ def _all_gather_with(algo: str, output, input, group, log) -> Handle:
         def launch():
             return _all_gather(output, input, group=group, async_op=True)
 
-        if output.is_cuda:
-            return on_comm_stream(launch, (output, input), 1.0, log)
-        return Handle(launch(), (output, input), 1.0, log)
+        return launch_native(launch, (output, input), 1.0, log)
     _check_p2p("all_gather", output, input, group)
     tag = _next_tag(group)
     if input.numel() == 0:
