@@ -22,6 +22,8 @@ hyper-parameters):
     ours_prefetch0          reshard_after_forward=True, prefetch=0 (what prefetch overlaps)
     ours_*_native / _pairwise   (optional, --cands) the same with zero_kernels.comm's algorithm
                             pinned instead of probed
+    ours_*_check_first / _check_every   (optional) the same with check_order="first" / "every"
+                            (default "pass")
 
 Every candidate runs in its own spawned process group (own 2 processes, own TCP store). All groups
 are started first and stay alive; the parent runs one step of one group at a time (the others

@@ -141,8 +141,12 @@ def build(name: str, model: nn.Module, args, lr: float):
                 comm.set_algorithm("all", algo)
                 name = name[: -len(algo) - 1]
         extra = {}
+        for mode in ("first", "pass", "every"):  # e.g. ours_reshard_check_first
+            if name.endswith("_check_" + mode):
+                extra["check_order"] = mode
+                name = name[: -len(mode) - 7]
         if stage == 3:
-            extra = dict(
+            extra.update(
                 reshard_after_forward="_noreshard" not in name,
                 prefetch=0 if name.endswith("prefetch0") else 1,
             )

@@ -63,10 +63,10 @@ def run_workers(fn, world: int, *args, timeout: float = 300.0) -> list:
         try:
             rank, status, payload = q.get(timeout=min(left, 5.0))
         except _queue.Empty:
-            if errors or any(p.exitcode not in (None, 0) for p in procs):
-                # a rank died without reporting, or one failed: give the others a moment
-                if time.monotonic() > deadline - timeout + 1 and errors:
-                    deadline = min(deadline, time.monotonic() + 10)
+            if any(p.exitcode not in (None, 0) for p in procs):
+                # a rank died without reporting (what it sent is read first): the others
+                # get a moment, not the whole timeout
+                deadline = min(deadline, time.monotonic() + 10)
             continue
         if status == "ok":
             results[rank] = payload

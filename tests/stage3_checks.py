@@ -325,31 +325,49 @@ def check_order_differs(rank: int, world: int) -> dict:
         assert "blocks." in str(e), e
     dist.barrier()
     zo.close()
-    # check_order="every": the same order in the first steps, another one on the last rank in
-    # a later step (the first-step check cannot see it): every rank raises at the first
-    # collective launched differently, before anything is sent
-    torch.manual_seed(0)
-    m = Net3()
-    zo = ZeroOptimizer(m, O.SGD, stage=3, lr=0.1, check_order="every")
-    raised = None
-    for step in range(3):
-        m.order = [0, 2, 1, 3] if step == 2 and rank == world - 1 else [0, 1, 2, 3]
-        x, y = _batch(rank, step)
-        zo.zero_grad()
-        try:
-            _loss(m(x), y).backward()
-        except ValueError as e:
-            raised = (step, str(e))
-            break
-        zo.step()
-    if world > 1:
-        assert raised is not None, "a later change of module order on one rank passed"
-        assert raised[0] == 2 and "about to launch" in raised[1], raised
-        assert "nothing was sent" in raised[1], raised
-    else:
-        assert raised is None, raised
-        zo.close()  # (after the error the ranks' units differ: close() would raise again)
-    dist.barrier()
+    # check_order="every" / "pass": the same order in the first steps, another one on the
+    # last rank in a later step (the first-step check cannot see it): every rank raises;
+    # "every" at the first collective launched differently, before anything is sent; "pass"
+    # at the end of the forward or backward where the launches differ, naming the first
+    # (equal-size blocks, no prefetch, no re-gather in backward: the launches differ only in
+    # which block each all-gather is for, the case that sizes cannot reveal)
+    for mode in ("every", "pass"):
+        torch.manual_seed(0)
+        m = Net3()
+        arg = {"check_order": mode}
+        if mode == "pass":  # the default
+            arg = dict(reshard_after_forward=False, prefetch=0)
+        zo = ZeroOptimizer(m, O.SGD, stage=3, lr=0.1, **arg)
+        assert zo.check_order == mode, zo.check_order
+        raised = None
+        for step in range(3):
+            m.order = [0, 2, 1, 3] if step == 2 and rank == world - 1 else [0, 1, 2, 3]
+            x, y = _batch(rank, step)
+            zo.zero_grad()
+            try:
+                _loss(m(x), y).backward()
+            except ValueError as e:
+                raised = (step, str(e))
+                break
+            zo.step()
+        if world > 1:
+            assert raised is not None, f"{mode}: a later change of module order passed"
+            assert raised[0] == 2, (mode, raised)
+            if mode == "every":
+                assert "about to launch" in raised[1] and "nothing was sent" in raised[1], raised
+            else:
+                me, other = ("2", "1") if rank == world - 1 else ("1", "2")
+                assert (
+                    f"collective #3 of this forward was the all-gather of unit 'blocks.{me}'"
+                    in raised[1]
+                ), raised
+                assert f"launched the all-gather of unit 'blocks.{other}'" in raised[1], raised
+                assert "not valid" in raised[1], raised
+        else:
+            assert raised is None, raised
+            zo.close()  # (after the error the ranks' units differ: close() would raise again)
+        if mode == "every":  # after "pass"'s error the main group is out of step, as it says
+            dist.barrier()
     return {"order": "ok"}
 
 

@@ -43,6 +43,11 @@ class GradAccess:
 
     def _publish(self) -> None:
         """End of a reduction: which params have a gradient on any rank, and their views."""
+        if self._scheduler is not None and self._scheduler.check is not None:
+            # stage 3: every rank launched the same collectives in this backward, checked
+            # before anything else goes through the main group (a difference may have left
+            # it out of step)
+            self._scheduler.check.end_pass("backward")
         idx = sorted(self._trainable)
         pos = {k: j for j, k in enumerate(idx)}
         local = self._views.active | self._reducer.got

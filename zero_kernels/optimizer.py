@@ -99,11 +99,15 @@ class ZeroOptimizer(
             unit, instead of waiting for the process group's own timeout (30 min on gloo).
             Collective-only calls (``consolidated_state_dict``, ``full_param``, stage 3's
             ``model.state_dict()``) check that every rank arrived within it (default 300).
-        check_order: stage 3: "first" (default) checks in the first forward that every rank
-            runs the same units in the same order; "every" also compares, before each
-            all-gather and reduce-scatter, what every rank launches (`SequenceCheck`: a
-            ValueError on every rank at the first difference, nothing sent; one small
-            all-reduce per launch, 1.06-1.30x step time measured).
+        check_order: stage 3 (None: "pass"). Every mode checks in the first forward that
+            every rank runs the same units in the same order. "pass" also compares, at the end
+            of every forward and every backward, a hash of the all-gathers and reduce-scatters
+            each rank launched in it (`SequenceCheck`: one small all-reduce on a side group per
+            pass): a later change of module order on some rank is a ValueError on every rank
+            before an output or gradient of that pass is used, instead of values exchanged
+            between the wrong units. "every" compares before each launch (blocking), so
+            nothing is sent (1.06-1.30x step time measured). "first": the first forward only;
+            a later change goes unseen.
         **defaults: passed to ``optimizer_class``.
 
     Gradients: after backward, ``param.grad`` is a `ShardedGrad` (this rank's piece of the
@@ -156,7 +160,7 @@ class ZeroOptimizer(
         reshard_after_forward: bool = True,
         prefetch: int = 1,
         persist_below: int = 0,
-        check_order: str = "first",
+        check_order: str | None = None,
         reduce_dtype: torch.dtype | None = None,
         overlap_param_gather: bool = False,
         init_fn=None,
@@ -177,6 +181,8 @@ class ZeroOptimizer(
             module = params
         validate.check_stage3(stage, module, units, reshard_after_forward, prefetch, persist_below)
         validate.check_order_arg(stage, check_order)
+        if stage == 3 and check_order is None:
+            check_order = "pass"
         self.check_order = check_order
         self.mode, why = choose_mode(optimizer_class, partition)
         validate.check_kwargs(optimizer_class, defaults)
@@ -376,8 +382,8 @@ class ZeroOptimizer(
             self._scheduler = self._make_scheduler()
             self._scheduler.timeout = self._op_timeout
             self._scheduler.describe = _call_args(me, "_where")
-            if self.check_order == "every":
-                check = self._sequence_check()
+            if self.check_order != "first":
+                check = self._sequence_check(self.check_order)
                 check.describe = _call_args(me, "_where")
                 self._scheduler.check = self._reducer.check = check
             self._reducer.on_bucket_ready = self._scheduler.bucket_done

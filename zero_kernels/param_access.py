@@ -179,7 +179,7 @@ class ParamAccess:
             persistent=persistent if persistent.buckets else None,
         )
 
-    def _sequence_check(self) -> SequenceCheck:
+    def _sequence_check(self, mode: str) -> SequenceCheck:
         """Stage 3: the check that every rank launches the same collective (`SequenceCheck`)."""
         names = {}
         for u in self._scheduler.all_units:
@@ -187,7 +187,7 @@ class ParamAccess:
                 where = f"unit {u.name!r} (bucket {b} of flat buffer {i})"
                 names[("all_gather", i, b)] = f"all-gather of {where}"
                 names[("reduce_scatter", i, b)] = f"reduce-scatter of the gradients of {where}"
-        return SequenceCheck(self._side, names, self._op_timeout)
+        return SequenceCheck(self._side, names, self._op_timeout, mode)
 
     # ------------------------------------------------------------------ overlapped all-gather
     def _gather_wait_hooks(self, me) -> list:

@@ -106,9 +106,11 @@ def check_stage3(stage, module, units, reshard_after_forward, prefetch, persist_
 
 
 def check_order_arg(stage, check_order) -> None:
-    if check_order not in ("first", "every"):
-        raise ValueError(f"check_order must be 'first' or 'every', got check_order={check_order!r}")
-    if stage != 3 and check_order != "first":
+    if check_order not in (None, "first", "pass", "every"):
+        raise ValueError(
+            f"check_order must be 'pass', 'every' or 'first', got check_order={check_order!r}"
+        )
+    if stage != 3 and check_order is not None:
         raise ValueError(f"check_order= is a stage-3 option, got stage={stage!r}")
 
 

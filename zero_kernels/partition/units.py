@@ -277,6 +277,8 @@ class UnitScheduler:
         self.recording = []
         if not torch.is_grad_enabled():
             self.free_all()
+        if self.check is not None:  # before the output is returned
+            self.check.end_pass("forward")
 
     # ---- backward
     def pre_backward(self, k: int) -> None:
@@ -317,37 +319,97 @@ _NO_COMPILED_AUTOGRAD = (
 
 
 class SequenceCheck:
-    """Stage 3: before each all-gather or reduce-scatter is launched, every rank must be
-    launching the same one (the collectives are matched by their order; a rank whose module
-    order changed after the first step would otherwise abort in gloo where sizes differ, or
-    exchange one unit's values for another's where they agree). One small blocking all-reduce
-    on the optimizer's gloo side group per launch (its own sequence: a mismatch on the main
-    group cannot shift it); at the first launch that differs, a ValueError on every rank, before
-    anything is sent. ``None`` side group (world size 1): nothing to check."""
+    """Stage 3 (check_order "pass" or "every"): every rank launches the same all-gathers and
+    reduce-scatters in the same order. The collectives are matched by their order; a rank whose
+    module order changed after the first step would otherwise abort in gloo where sizes differ,
+    or exchange one unit's values for another's where they agree. The comparison runs on the
+    optimizer's gloo side group (its own sequence: a mismatch on the main group cannot shift
+    it). ``None`` side group (world size 1): nothing to check.
 
-    def __init__(self, side, names: dict[tuple[str, int, int], str], timeout: float | None):
-        self.side, self.names, self.timeout = side, names, timeout
+    "pass": each launch is folded into a running hash; at the end of every forward (before its
+    output is returned) and of every backward (before the gradients are published) one small
+    blocking all-reduce compares the hashes: two per training step, whatever the number of
+    units. A difference is a ValueError on every rank naming the first collective that differs
+    (found by exchanging the pass's launch lists, on the error path only). Values may have been
+    exchanged between the wrong units by then, but none has reached a returned output or the
+    optimizer (a size mismatch can abort in gloo first).
+
+    "every": one blocking all-reduce before each launch, so the first launch that differs is a
+    ValueError on every rank before anything is sent, at the cost of a rendezvous per launch."""
+
+    _MOD = (1 << 61) - 1  # the running hash: a polynomial in the launch codes, modulo a prime
+
+    def __init__(
+        self, side, names: dict[tuple[str, int, int], str], timeout: float | None, mode: str
+    ):
+        assert mode in ("pass", "every"), mode
+        self.side, self.names, self.timeout, self.mode = side, names, timeout, mode
         self.codes = {key: k for k, key in enumerate(sorted(names))}
         self.keys = {k: key for key, k in self.codes.items()}
         self.describe = lambda: ""
+        self.hash = 0
+        self.launched: list[int] = []  # codes launched in this pass ("pass")
 
     def __call__(self, kind: str, i: int, b: int) -> None:
+        """Before launching collective (kind, bucket i, b)."""
         if self.side is None:
             return
         code = self.codes[(kind, i, b)]
+        if self.mode == "pass":
+            self.hash = (self.hash * 1_000_003 + code + 1) % self._MOD
+            self.launched.append(code)
+            return
         t = torch.tensor([code, -code], dtype=torch.int64)
         what = f"{self.describe()}: order check"
         comm.all_reduce(t, "max", group=self.side, timeout_s=self.timeout, what=what)
         hi, lo = int(t[0]), -int(t[1])
         if hi != code or lo != code:
-            other = self.keys[hi if hi != code else lo]
+            other = self.names[self.keys[hi if hi != code else lo]]
             raise ValueError(
-                f"stage 3: this rank is about to launch the {self.names[(kind, i, b)]} where "
-                f"another rank launches the {self.names[other]}: the ranks' module order (or "
-                "set) differs in this forward or backward, and collectives are matched by "
-                "order; nothing was sent. Every rank must call the same modules in the same "
-                "order at stage 3"
+                f"stage 3: this rank is about to launch the {self.names[self.keys[code]]} where "
+                f"another rank launches the {other}: {self._WHY}; nothing was sent. {self._FIX}"
             )
+
+    _WHY = (
+        "the ranks' module order (or set) differs in this forward or backward, and collectives "
+        "are matched by order"
+    )
+    _FIX = "Every rank must call the same modules in the same order at stage 3"
+
+    def end_pass(self, which: str) -> None:
+        """ "pass": the end of a forward or backward (``which``): every rank launched the same
+        collectives since the last check, or a ValueError on every rank."""
+        if self.side is None or self.mode != "pass":
+            return
+        h, launched = self.hash, self.launched
+        self.hash, self.launched = 0, []
+        t = torch.tensor([h, -h], dtype=torch.int64)
+        what = f"{self.describe()}: order check at the end of {which}"
+        comm.all_reduce(t, "max", group=self.side, timeout_s=self.timeout, what=what)
+        if int(t[0]) == h and -int(t[1]) == h:
+            return
+        every = comm.all_gather_object(launched, group=self.side)
+        me = comm.rank(self.side)
+        name = lambda c: "nothing" if c is None else f"the {self.names[self.keys[c]]}"  # noqa: E731
+        where = (
+            "the ranks reached this check from different places (a forward on some, a "
+            "backward on others)"
+        )
+        for k in range(max(len(x) for x in every)):
+            col = [x[k] if k < len(x) else None for x in every]
+            if len(set(col)) > 1:
+                other = next(c for c in col if c != col[me])
+                where = (
+                    f"collective #{k + 1} of this {which} was {name(col[me])} on rank {me} "
+                    f"where another rank launched {name(other)}"
+                )
+                break
+        raise ValueError(
+            f"stage 3: {where}: {self._WHY}. Values may have been exchanged between the wrong "
+            "units, so params, buffers and gradient shards of this step are not valid, and the "
+            "process group's collectives may be out of step: restart the processes from a "
+            f"checkpoint. {self._FIX}"
+        )
 
 
 def _compiled_autograd() -> bool:
