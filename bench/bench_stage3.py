@@ -361,6 +361,8 @@ def main():
                     "bytes_per_param",
                     "formula_bytes_per_param",
                     "peak_vs_formula",
+                    "formula_with_scratch_bpp",
+                    "peak_vs_formula_with_scratch",
                     "peak_phase",
                     "end_rss_bpp",
                 ],

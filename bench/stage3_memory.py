@@ -155,6 +155,7 @@ def rss_worker(spec: dict, rank: int, world: int, port: int, res_q) -> None:
             else:
                 model = GPT(gpt_cfg(spec["layers"], spec["d"], spec["heads"], spec["tokens"]))
         psi = sum(p.numel() for p in model.parameters())
+        largest_param = max(p.numel() for p in model.parameters())
         largest, root, n_units = _units_info(model)
         pk.mark("build model")
         step, opt = build(name, model, _NS(bucket_mb=spec["bucket_mb"], batch=spec["batch"]), 1e-4)
@@ -178,6 +179,7 @@ def rss_worker(spec: dict, rank: int, world: int, port: int, res_q) -> None:
         pk.stop = True
         out = {
             "psi": psi,
+            "largest_param": largest_param,
             "largest_unit": largest,
             "root_unit": root,
             "n_units": n_units,
@@ -414,12 +416,14 @@ def memory_rows(args, log) -> tuple[list[dict], list[dict], dict]:
             root_params=root if stage == 3 else 0,
             prefetch=1,
             bucket_mb=args.bucket_mb,
+            largest_param=ranks[0]["largest_param"],
         )
         if stage == 3 and "noreshard" in spec["cand"]:
             est_live = None  # the window then spans forward to backward: not the estimator's
         else:
             est_live = est.live_bytes
         formula = est.total_bytes + est.comm_buffer_bytes
+        with_scratch = formula + est.scratch_bytes  # + receive buffers, autograd's largest grad
         peak = r["peak_above_base"]
         # which phase holds the peak (max over ranks of each phase's own peak)
         phases = {}
@@ -438,6 +442,9 @@ def memory_rows(args, log) -> tuple[list[dict], list[dict], dict]:
             "formula_live_bpp": round(est.live_bytes / psi, 2),
             "formula_comm_buffers_bpp": round(est.comm_buffer_bytes / psi, 2),
             "peak_vs_formula": round(peak / formula, 3),
+            "formula_scratch_bpp": round(est.scratch_bytes / psi, 2),
+            "formula_with_scratch_bpp": round(with_scratch / psi, 2),
+            "peak_vs_formula_with_scratch": round(peak / with_scratch, 3),
             "peak_phase": worst,
             **{f"phase: {k} (bpp)": round(v / psi, 2) for k, v in phases.items()},
             "end_rss_bpp": round(max(rk["phases"][-1]["rss_above_base"] for rk in ranks) / psi, 2),
@@ -446,7 +453,8 @@ def memory_rows(args, log) -> tuple[list[dict], list[dict], dict]:
         rss_rows.append(row)
         log(
             f"[memory] {model_name} {label}: {psi / 1e6:.1f}M params, peak-base "
-            f"{peak / MB:.0f} MB = {peak / psi:.2f} B/param (formula {formula / psi:.2f}), "
+            f"{peak / MB:.0f} MB = {peak / psi:.2f} B/param (formula {formula / psi:.2f}, "
+            f"with scratch {with_scratch / psi:.2f}), "
             f"phases " + ", ".join(f"{k} {v / psi:.2f}" for k, v in phases.items())
         )
         if stage == 3:

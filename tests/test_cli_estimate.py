@@ -1,6 +1,7 @@
 """The estimator: the ZeRO paper's figures, parsing, config.json / meta-device models."""
 
 import json
+import math
 import subprocess
 import sys
 
@@ -260,3 +261,33 @@ def test_stage3_without_resharding():
     assert on.all_gather_bytes == 2 * off.all_gather_bytes == 2 * 10_000 * 4
     assert on.comm_elements == 30_000 and off.comm_elements == 20_000
     assert off.total_bytes - on.total_bytes == off.live_bytes - on.live_bytes
+
+
+def test_scratch_bytes():
+    # receive buffers of the pairwise reduce-scatter and autograd's largest gradient, per stage:
+    # MLP-like model, 67.1M fp32 params in 8 units of 8.39M, N = 4, two 25 MiB buckets in flight
+    psi, layer, n = 8 * 2896 * 2896, 2896 * 2896, 4
+    kw = dict(precision="fp32", optimizer="adamw", largest_param=layer)
+    s = [
+        est.estimate_stage(k, psi, n, largest_layer=layer if k == 3 else None, **kw)
+        for k in range(4)
+    ]
+    grad = 4 * layer
+    assert s[0].scratch_bytes == grad  # DDP: the gradient only
+    assert s[1].scratch_bytes == 3 / 4 * 2 * 25 * 2**20 + grad  # in place: N-1 shards per bucket
+    assert s[2].scratch_bytes == 2 / 4 * s[2].comm_buffer_bytes + grad  # N-2 shards per buffer
+    assert s[3].scratch_bytes == 2 / 4 * (2 * layer * 4) + grad
+    assert est.estimate_stage(3, psi, 2, largest_layer=layer, **kw).scratch_bytes == grad
+    assert (
+        est.estimate_stage(2, psi, 4, precision="fp32").scratch_bytes == s[2].scratch_bytes - grad
+    )
+    # the model-based estimate takes the largest param from the model's shapes
+    e = est.estimate(model="zero_kernels.models:gpt_small", world_size=2)
+    info = est.model_info("zero_kernels.models:gpt_small")
+    largest = max(math.prod(x) for x in info.shapes)
+    assert e.stages[0].scratch_bytes == largest * 2  # bf16 params: a bf16 gradient
+    # the fit check counts it
+    s3 = s[3]
+    need = s3.total_bytes + s3.comm_buffer_bytes + s3.scratch_bytes
+    assert est.estimate_stage(3, psi, n, largest_layer=layer, gpu_mem=int(need), **kw).fits
+    assert not est.estimate_stage(3, psi, n, largest_layer=layer, gpu_mem=int(need) - 8, **kw).fits

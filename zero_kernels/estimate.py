@@ -34,6 +34,14 @@ up to ``bucket_mb`` MiB (fp32 grads) while reducing, each sized to its bucket (s
 all grads); stage 3 as many of its largest units' gradients (a bucket is a layer or the root
 unit); stage 1 reduce-scatters in place in its full gradient buffer and DDP's grads are
 views of its buckets (``gradient_as_bucket_view``): none.
+
+Scratch (``scratch_bytes``, also outside the totals) is the rest of what a step needs at its
+peak: the receive buffers of ZeroOptimizer's pairwise reduce-scatter (the algorithm its probe
+picks on gloo; `zero_kernels.comm` keeps them cached between steps): per bucket in flight one
+shard per peer, less the one that lands in the output (stage 1 reduces in place: (N-1)/N of
+each in-flight bucket; stages 2/3 into a separate shard: (N-2)/N of each bucket buffer); and the
+gradient autograd produces whole for one param (the largest, ``largest_param``) before the hook
+copies it into its bucket: every data-parallel implementation has that one, DDP included.
 """
 
 from __future__ import annotations
@@ -375,6 +383,7 @@ class StageEstimate:
     wire_bytes: float  # bytes one rank sends per step with ring collectives
     fits: bool | None = None
     comm_buffer_bytes: float = 0.0  # stage 2's in-flight bucket buffers (see the Note)
+    scratch_bytes: float = 0.0  # receive buffers + autograd's largest gradient (see the Note)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -395,11 +404,14 @@ def estimate_stage(
     max_inflight_buckets: int = 2,
     root_params: int = 0,
     reshard_after_forward: bool = True,
+    largest_param: int | None = None,
 ) -> StageEstimate:
     """Per-rank model-state bytes, comm buffers and per-step communication of one stage (see
     the Note above); ``bucket_mb`` / ``max_inflight_buckets`` / ``reshard_after_forward`` as
     ZeroOptimizer's (stage 3 without resharding: every unit stays gathered from its forward to
-    its backward, so the live window is the whole model, and params are gathered once: 2Ψ)."""
+    its backward, so the live window is the whole model, and params are gathered once: 2Ψ).
+    ``largest_param``: elements of the largest param, whose gradient autograd allocates whole
+    (counted in ``scratch_bytes``)."""
     if stage not in STAGES:
         raise ValueError(f"--stage must be one of {STAGES}; got {stage!r}")
     if world_size < 1:
@@ -447,7 +459,18 @@ def estimate_stage(
     elif stage == 3 and largest_layer:  # a bucket is a layer (or the root unit)
         biggest = sorted([root_params] + [largest_layer] * max_inflight_buckets, reverse=True)
         buffers = min(sum(biggest[:max_inflight_buckets]), psi) * GRAD_REDUCE_BYTES
-    fits = None if gpu_mem is None else total + buffers <= gpu_mem
+    # scratch: the pairwise reduce-scatters' receive buffers (one shard per peer whose chunk does
+    # not land in the output: N-1 in place (stage 1, in max_inflight buckets of its full
+    # gradient buffer), N-2 into a separate shard (stages 2/3, per in-flight bucket buffer)), and
+    # autograd's whole gradient of the largest param before the hook buckets it
+    if stage == 1:
+        recv = (n - 1) / n * min(max_inflight_buckets * bucket_mb * 2**20, GRAD_REDUCE_BYTES * psi)
+    elif stage in (2, 3):
+        recv = max(n - 2, 0) / n * buffers
+    else:
+        recv = 0.0
+    scratch = recv + (largest_param or 0) * prec.param_bytes
+    fits = None if gpu_mem is None else total + buffers + scratch <= gpu_mem
     return StageEstimate(
         stage=stage,
         world_size=world_size,
@@ -464,6 +487,7 @@ def estimate_stage(
         wire_bytes=wire,
         fits=fits,
         comm_buffer_bytes=buffers,
+        scratch_bytes=scratch,
     )
 
 
@@ -522,6 +546,7 @@ def estimate(
             gpu_mem=gpu_mem,
             bucket_mb=bucket_mb,
             max_inflight_buckets=max_inflight_buckets,
+            largest_param=max((math.prod(x) for x in shapes), default=0) if shapes else None,
         )
         for s in stages
     ]

@@ -268,6 +268,12 @@ def _cmd_estimate(args) -> int:
                 f"(<= 2 in-flight buckets of {e.bucket_mb:g} MiB, fp32 grads), not in the "
                 "totals above"
             )
+    for s in e.stages:
+        if s.scratch_bytes:
+            print(
+                f"{'scratch':<8}stage {s.stage}: + {f(s.scratch_bytes)} of receive buffers and "
+                "autograd's largest gradient, not in the totals above"
+            )
     notes = [
         "model states only: activations, temporary buffers and fragmentation come on top",
         "comm/step: the ZeRO paper's volume, 2Ψ elements for DDP (all-reduce) and stages "
