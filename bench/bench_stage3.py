@@ -45,6 +45,8 @@ cheap and never take the machine's memory). Depths are searched by bracketing: a
 the formula, then points inside the bracket [largest fit, smallest fail] predicted by a line
 through the measured peaks (bisection when there is no line yet), until the bracket is 1 wide.
 Stage 3 builds the model on the meta device; DDP and stages 1, 2 build it normally.
+``--cap-cands`` also takes ``stage3_prefetch0_inflight1`` (the leanest stage 3: no unit gathered
+ahead, one reduce-scatter in flight; the knobs a user maximising model size would set).
 
 Part "memory" (4 ranks): a 67M-param MLP (8 x Linear(2896, 2896)) and the timing GPT: peak RSS
 per rank above the import baseline, per phase (the high-water mark is reset at each phase start

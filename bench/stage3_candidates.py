@@ -72,6 +72,12 @@ def gpt_batch(args, rank: int, step: int):
 def build(name: str, model: nn.Module, args, lr: float):
     """-> (step(x, y) -> loss, optimizer-or-engine). Candidates as in the module docstring."""
     kw = dict(lr=lr, **ADAMW)
+    if "_mmap" in name:  # e.g. ddp_mmap4096: glibc's mmap threshold fixed at 4096 KiB here
+        import ctypes
+
+        name, kib = name.rsplit("_mmap", 1)
+        if not ctypes.CDLL("libc.so.6").mallopt(-3, int(kib) * 1024):  # M_MMAP_THRESHOLD
+            raise RuntimeError("mallopt(M_MMAP_THRESHOLD) failed")
     if name == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -141,6 +147,9 @@ def build(name: str, model: nn.Module, args, lr: float):
                 comm.set_algorithm("all", algo)
                 name = name[: -len(algo) - 1]
         extra = {}
+        if name.endswith("_inflight1"):  # e.g. stage3_prefetch0_inflight1: the leanest stage 3
+            extra["max_inflight_buckets"] = 1
+            name = name[: -len("_inflight1")]
         for mode in ("first", "pass", "every"):  # e.g. ours_reshard_check_first
             if name.endswith("_check_" + mode):
                 extra["check_order"] = mode

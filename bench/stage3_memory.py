@@ -285,7 +285,7 @@ def capacity_search(cand: str, args, log) -> dict:
         bucket_mb=args.bucket_mb,
         steps=args.cap_steps,
         limit=limit,
-        meta=cand == "stage3",
+        meta=cand.startswith("stage3"),
     )
     trials: list[dict] = []
     lo, hi = 0, None  # largest depth that fits, smallest that does not
@@ -303,7 +303,7 @@ def capacity_search(cand: str, args, log) -> dict:
         return None
 
     # first guess from the formula, 80% of the limit (activations and buffers are not in it)
-    depth = max(1, int(0.8 * limit / (FORMULA_BPP[cand] * per_layer)))
+    depth = max(1, int(0.8 * limit / (FORMULA_BPP[cand.split("_")[0]] * per_layer)))
     t_start = time.perf_counter()
     while True:
         r = run_rss_trial({**spec0, "layers": depth}, world)
