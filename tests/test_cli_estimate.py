@@ -166,6 +166,10 @@ def test_comm_buffers_beside_model_states(capsys):
     )
     out = capsys.readouterr().out
     assert "stage 2: + 2.1 MB of comm buffers" in out, out
+    # receive buffers: stage 1 3/4 of 2 x 1 MiB in place, stage 2 2/4 of its 2.1 MB of buffers
+    assert "stage 1: + 1.57 MB of receive buffers (--model adds" in out, out
+    assert "stage 2: + 1.05 MB of receive buffers" in out, out
+    assert "scratch stage 0" not in out and "scratch stage 3" not in out, out
 
 
 def test_mixed_fp32_grads_is_what_zero_holds(capsys):

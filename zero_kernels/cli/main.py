@@ -268,11 +268,17 @@ def _cmd_estimate(args) -> int:
                 f"(<= 2 in-flight buckets of {e.bucket_mb:g} MiB, fp32 grads), not in the "
                 "totals above"
             )
+    what = "receive buffers" + (
+        " and autograd's largest gradient"
+        if e.model
+        else " (--model adds autograd's largest gradient)"
+    )
     for s in e.stages:
         if s.scratch_bytes:
             print(
-                f"{'scratch':<8}stage {s.stage}: + {f(s.scratch_bytes)} of receive buffers and "
-                "autograd's largest gradient, not in the totals above"
+                f"{'scratch':<8}stage {s.stage}: + {f(s.scratch_bytes)} of "
+                f"{what if s.stage else 'autograd' + chr(39) + 's largest gradient'}, not in the "
+                "totals above"
             )
     notes = [
         "model states only: activations, temporary buffers and fragmentation come on top",
