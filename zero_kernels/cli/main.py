@@ -268,6 +268,7 @@ def _cmd_estimate(args) -> int:
                 f"(<= 2 in-flight buckets of {e.bucket_mb:g} MiB, fp32 grads), not in the "
                 "totals above"
             )
+    grad_only = "autograd's largest gradient"  # DDP: no receive buffers of ours
     what = "receive buffers" + (
         " and autograd's largest gradient"
         if e.model
@@ -277,8 +278,7 @@ def _cmd_estimate(args) -> int:
         if s.scratch_bytes:
             print(
                 f"{'scratch':<8}stage {s.stage}: + {f(s.scratch_bytes)} of "
-                f"{what if s.stage else 'autograd' + chr(39) + 's largest gradient'}, not in the "
-                "totals above"
+                f"{what if s.stage else grad_only}, not in the totals above"
             )
     notes = [
         "model states only: activations, temporary buffers and fragmentation come on top",
