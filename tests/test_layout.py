@@ -100,7 +100,8 @@ def test_stage2_pool_sizes_buffers_to_buckets():
         for b in order + order[::-1]:
             assert g.fits(0, b) or len(g.live) == 0
             t = g.bucket(0, b)
-            assert t.numel() == sizes[b] and bool((t == 0).all())
+            assert t.numel() == sizes[b]  # not zeroed: the reducer zeroes what gets no grad
+            t.fill_(1.0)  # (reduced values left behind)
             assert g.comm_nbytes() <= 4 * g.cap_numel
             g.release(0, b)
     assert len(g._free) <= 2 and g.comm_peak_nbytes() <= 4 * 100
@@ -141,3 +142,32 @@ def test_gathered_memory_is_returned_at_free():
     assert float(m.tensor[:1000].abs().sum()) == 0.0
     m.tensor.fill_(2.0)
     assert float(m.tensor[-1]) == 2.0
+
+
+def test_bucket_gaps_are_the_complement_of_the_params():
+    """What the reducer zeroes besides unwritten params before reducing a pool buffer: every
+    element of a bucket that is no param's (alignment and shard padding), and nothing else."""
+    from zero_kernels.layout import bucket_gaps
+
+    padded = 0
+    for world, align in ((1, 1), (2, 4), (3, 4), (4, 16)):
+        lay = build_layout(
+            specs([(7,), (5, 3), (1,), (30,), (2, 2)]), world, bucket_numel=16, align=align
+        )
+        for buf in lay.buffers:
+            for bk in buf.buckets:
+                n = bk.numel(world)
+                owned = [0] * n
+                for k in bk.slots:
+                    s = buf.slots[k]
+                    for e in range(s.start - bk.start, s.end - bk.start):
+                        owned[e] += 1
+                gaps = bucket_gaps(buf, bk, world)
+                in_gap = [0] * n
+                for lo, hi in gaps:
+                    assert 0 <= lo < hi <= n, (gaps, n)
+                    for e in range(lo, hi):
+                        in_gap[e] += 1
+                assert all(o + g == 1 for o, g in zip(owned, in_gap)), (world, align, gaps)
+                padded += sum(in_gap)
+    assert padded > 0  # the layouts above do pad

@@ -179,8 +179,7 @@ class GradStore:
         t = self.live.get((i, b))
         if t is None and create:
             base = self._take(n, self.reduce_dtypes[i])
-            t = base[:n]
-            t.zero_()
+            t = base[:n]  # not zeroed: the reducer zeroes what no grad was written into
             self.live[(i, b)] = t
             self._live_numel += base.numel()
             self.peak_live = max(self.peak_live, len(self.live))

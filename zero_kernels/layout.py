@@ -310,6 +310,20 @@ def shard_bytes(layout: Layout, rank: int, itemsize: int) -> int:
     return sum(b.shard_numel(layout.world_size) for b in layout.buffers) * itemsize
 
 
+def bucket_gaps(buf: FlatBuffer, bucket: Bucket, world_size: int) -> list[tuple[int, int]]:
+    """The ranges of ``bucket`` that hold no parameter (alignment and shard padding), as
+    [lo, hi) offsets from the bucket's start, in order."""
+    gaps, pos = [], 0
+    for s in sorted((buf.slots[k] for k in bucket.slots), key=lambda s: s.start):
+        if s.start - bucket.start > pos:
+            gaps.append((pos, s.start - bucket.start))
+        pos = max(pos, s.end - bucket.start)
+    n = bucket.numel(world_size)
+    if n > pos:
+        gaps.append((pos, n))
+    return gaps
+
+
 __all__ = [
     "MODES",
     "Bucket",
@@ -318,6 +332,7 @@ __all__ = [
     "ParamSpec",
     "Piece",
     "Slot",
+    "bucket_gaps",
     "build_layout",
     "pieces",
     "shard_bytes",

@@ -51,7 +51,7 @@ import torch
 
 from .. import comm
 from ..buffers import GradStore
-from ..layout import Layout
+from ..layout import Layout, bucket_gaps
 
 __all__ = ["BucketState", "GradBucket", "Reducer"]
 
@@ -159,6 +159,7 @@ class Reducer:
         self.describe = lambda: ""  # where we are, for a timeout's message ("step 3")
         self._hooks = []
         self._hook_cache: dict = {}
+        self._gap_cache: dict = {}
         me = weakref.ref(self)  # hooks must not keep the reducer (and its optimizer) alive
         for i, buf in enumerate(layout.buffers):
             for pos, slot in enumerate(buf.slots):
@@ -261,7 +262,8 @@ class Reducer:
             while self.inflight and not self.grads.fits(*bk.key):
                 self._finalize(self.inflight.pop(0))
         if self.stage != 1 and bk.key not in self.grads.live:
-            bk.written.clear()  # a fresh (zeroed) buffer: each slot's first grad is copied in
+            bk.written.clear()  # a fresh buffer: each slot's first grad is copied in (and what
+            # gets none is zeroed before the reduction, `_zero_unwritten`)
         if bk.state is not BucketState.FILLING:
             bk.move(BucketState.FILLING)
         return self.grads.bucket(*bk.key)
@@ -279,17 +281,30 @@ class Reducer:
             t[lo : lo + lay.shard_numel].mul_(n)
 
     def _zero_unwritten(self, bk: GradBucket) -> None:
-        """Stage 1: zero the ranges of the bucket that got no grad since zero_grad."""
+        """Before a reduction, zero what no grad was written into: the slots that got none
+        (stage 1: since zero_grad; stages 2/3: since the bucket took its buffer) and, stages 2/3,
+        the padding between and after them (a pool buffer is not zeroed when taken: whatever
+        the first grads overwrite would be zeroed for nothing)."""
         i, b = bk.key
         buf = self.layout.buffers[i]
         lay = buf.buckets[b]
+        t = self.grads.bucket(i, b)
+        if self.stage != 1:
+            for lo, hi in self._gaps(i, b):
+                t[lo:hi].zero_()
         if len(bk.written) < len(lay.slots):
-            full = self.grads.full[i]
             for pos in lay.slots:
                 if pos not in bk.written:
                     slot = buf.slots[pos]
-                    full[slot.start : slot.end].zero_()
+                    t[slot.start - lay.start : slot.end - lay.start].zero_()
             bk.written.update(lay.slots)
+
+    def _gaps(self, i: int, b: int) -> list[tuple[int, int]]:
+        g = self._gap_cache.get((i, b))
+        if g is None:
+            buf = self.layout.buffers[i]
+            g = self._gap_cache[(i, b)] = bucket_gaps(buf, buf.buckets[b], self.layout.world_size)
+        return g
 
     def _launch(self, bk: GradBucket) -> None:
         if self.stage == 1 and bk.state is BucketState.REDUCED:
@@ -297,8 +312,8 @@ class Reducer:
         inp = self.grads.bucket(*bk.key) if self.stage == 1 else self._accumulator(bk)
         tmp = None
         shard = self.grads.shard(*bk.key)
+        self._zero_unwritten(bk)
         if self.stage == 1:
-            self._zero_unwritten(bk)
             out = shard  # in place: the rank's slice of ``inp``
         elif not bk.fresh or inp.dtype != shard.dtype:  # added (or cast) into the shard after
             tmp = out = torch.empty(shard.shape, dtype=inp.dtype, device=shard.device)
