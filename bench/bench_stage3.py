@@ -47,6 +47,8 @@ through the measured peaks (bisection when there is no line yet), until the brac
 Stage 3 builds the model on the meta device; DDP and stages 1, 2 build it normally.
 ``--cap-cands`` also takes ``stage3_prefetch0_inflight1`` (the leanest stage 3: no unit gathered
 ahead, one reduce-scatter in flight; the knobs a user maximising model size would set).
+``--cap-ckpt``: every candidate's GPT uses activation checkpointing (as the ZeRO paper's largest
+runs did), so activations, which no stage shards, weigh less.
 
 Part "memory" (4 ranks): a 67M-param MLP (8 x Linear(2896, 2896)) and the timing GPT: peak RSS
 per rank above the import baseline, per phase (the high-water mark is reset at each phase start
@@ -188,6 +190,12 @@ def main():
     ap.add_argument("--cap-batch", type=int, default=1)
     ap.add_argument("--cap-steps", type=int, default=3)
     ap.add_argument("--cap-cands", default="ddp,stage1,stage2,stage3")
+    ap.add_argument(
+        "--cap-ckpt",
+        action="store_true",
+        help="capacity: the GPT recomputes each block in backward (activation checkpointing) "
+        "for every candidate",
+    )
     ap.add_argument(
         "--merge",
         action="store_true",

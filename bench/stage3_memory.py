@@ -5,6 +5,7 @@ per-rank limit, and per-rank bytes against the formulas (see bench_stage3.py's d
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import math
 import os
 import sys
@@ -153,7 +154,10 @@ def rss_worker(spec: dict, rank: int, world: int, port: int, res_q) -> None:
             if spec["model"] == "mlp":
                 model = _mlp(spec["width"], spec["layers"])
             else:
-                model = GPT(gpt_cfg(spec["layers"], spec["d"], spec["heads"], spec["tokens"]))
+                cfg = gpt_cfg(spec["layers"], spec["d"], spec["heads"], spec["tokens"])
+                if spec.get("ckpt"):
+                    cfg = dataclasses.replace(cfg, activation_checkpointing=True)
+                model = GPT(cfg)
         psi = sum(p.numel() for p in model.parameters())
         largest_param = max(p.numel() for p in model.parameters())
         largest, root, n_units = _units_info(model)
@@ -286,6 +290,7 @@ def capacity_search(cand: str, args, log) -> dict:
         steps=args.cap_steps,
         limit=limit,
         meta=cand.startswith("stage3"),
+        ckpt=args.cap_ckpt,
     )
     trials: list[dict] = []
     lo, hi = 0, None  # largest depth that fits, smallest that does not

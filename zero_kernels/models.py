@@ -13,6 +13,7 @@ from importlib import resources
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 __all__ = ["GPTConfig", "GPT", "MODEL_SIZES", "build_gpt", "load_corpus", "get_batch"]
 
@@ -24,6 +25,9 @@ class GPTConfig:
     n_layer: int = 2
     n_head: int = 4
     n_embd: int = 64
+    # recompute each block in backward instead of keeping its activations (torch.utils.checkpoint,
+    # non-reentrant): less memory, one more forward of every block
+    activation_checkpointing: bool = False
 
 
 # Sizes a laptop CPU trains in seconds to minutes; the larger ones are for GPUs and the estimator.
@@ -86,8 +90,9 @@ class GPT(nn.Module):
         t = idx.shape[1]
         pos = torch.arange(t, device=idx.device)
         x = self.wte(idx) + self.wpe(pos)
+        ckpt = self.cfg.activation_checkpointing and torch.is_grad_enabled()
         for block in self.blocks:
-            x = block(x)
+            x = checkpoint(block, x, use_reentrant=False) if ckpt else block(x)
         logits = self.head(self.ln_f(x))
         if targets is None:
             return logits
