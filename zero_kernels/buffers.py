@@ -34,8 +34,10 @@ it are fresh mappings each time, whose page faults cost 8x the copy that fills t
 mapping of its own for the optimizer's life: `free` returns its pages at once
 (``madvise(MADV_DONTNEED)``: resident memory drops, the address range stays) and the all-gather
 that refills it faults them back in, as 2 MiB transparent huge pages where the kernel allows
-(``MADV_HUGEPAGE``: 19 ms for the same 32 MiB). Between uses the mapping costs address space
-only. ``ZERO_KERNELS_GATHERED=allocator`` goes back to the allocator; on GPUs the caching
+(``MADV_HUGEPAGE``: 19 ms for the same 32 MiB). `free` gives back the whole mapping, slack
+included: the huge page holding a bucket's last bytes extends past them, and giving back only
+the bucket's own range split that page and left its tail resident. Between uses the mapping
+costs address space only. ``ZERO_KERNELS_GATHERED=allocator`` goes back to the allocator; on GPUs the caching
 allocator already keeps freed blocks for reuse, so there the storage is resized.
 """
 
