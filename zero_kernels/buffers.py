@@ -37,8 +37,9 @@ that refills it faults them back in, as 2 MiB transparent huge pages where the k
 (``MADV_HUGEPAGE``: 19 ms for the same 32 MiB). `free` gives back the whole mapping, slack
 included: the huge page holding a bucket's last bytes extends past them, and giving back only
 the bucket's own range split that page and left its tail resident. Between uses the mapping
-costs address space only. ``ZERO_KERNELS_GATHERED=allocator`` goes back to the allocator; on GPUs the caching
-allocator already keeps freed blocks for reuse, so there the storage is resized.
+costs address space only. ``ZERO_KERNELS_GATHERED=allocator`` goes back to the allocator; on
+GPUs the caching allocator already keeps freed blocks for reuse, so there the storage is
+resized.
 """
 
 from __future__ import annotations
