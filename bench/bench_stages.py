@@ -189,12 +189,7 @@ def _build(name: str, model: nn.Module, args, lr: float):
     """-> (step(x, y) -> loss, optimizer or engine). Candidates as in the module docstring."""
     kw = dict(lr=lr, weight_decay=0.01, betas=(0.9, 0.999), eps=1e-8)
     bucket_elems = int(args.bucket_mb * 2**20) // 4
-    if "_mmap" in name:  # e.g. ours_stage2_mmap4096: glibc's mmap threshold fixed at 4096 KiB
-        import ctypes
-
-        name, kib = name.rsplit("_mmap", 1)
-        if not ctypes.CDLL("libc.so.6").mallopt(-3, int(kib) * 1024):  # M_MMAP_THRESHOLD
-            raise RuntimeError("mallopt(M_MMAP_THRESHOLD) failed")
+    name = harness.strip_mmap_threshold(name)  # e.g. ddp_mmap4096: glibc's threshold 4 MiB
     if name in ("ddp_fused", "ddp", "zero_redundancy"):
         from torch.distributed.optim import ZeroRedundancyOptimizer
         from torch.nn.parallel import DistributedDataParallel as DDP

@@ -505,3 +505,17 @@ def git_status(path: str, *what: str) -> list[str]:
         ).stdout.split("\n")[:20]
     except OSError:
         return []
+
+
+def strip_mmap_threshold(name: str) -> str:
+    """A candidate named ``<name>_mmap<KiB>`` (e.g. ``ddp_mmap4096``): fix glibc's mmap threshold
+    at that many KiB in this process (``mallopt(M_MMAP_THRESHOLD)``, as ``MALLOC_MMAP_THRESHOLD_``
+    does at start) and return ``<name>``; other names are returned as they are."""
+    if "_mmap" not in name:
+        return name
+    import ctypes
+
+    name, kib = name.rsplit("_mmap", 1)
+    if not ctypes.CDLL("libc.so.6").mallopt(-3, int(kib) * 1024):  # -3: M_MMAP_THRESHOLD
+        raise RuntimeError(f"mallopt(M_MMAP_THRESHOLD, {kib} KiB) failed")
+    return name

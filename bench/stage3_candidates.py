@@ -15,7 +15,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, ".."))
 
-from harness import marked_step  # noqa: E402
+from harness import marked_step, strip_mmap_threshold  # noqa: E402
 
 MiB = 2**20
 ADAMW = dict(weight_decay=0.01, betas=(0.9, 0.999), eps=1e-8)
@@ -72,12 +72,7 @@ def gpt_batch(args, rank: int, step: int):
 def build(name: str, model: nn.Module, args, lr: float):
     """-> (step(x, y) -> loss, optimizer-or-engine). Candidates as in the module docstring."""
     kw = dict(lr=lr, **ADAMW)
-    if "_mmap" in name:  # e.g. ddp_mmap4096: glibc's mmap threshold fixed at 4096 KiB here
-        import ctypes
-
-        name, kib = name.rsplit("_mmap", 1)
-        if not ctypes.CDLL("libc.so.6").mallopt(-3, int(kib) * 1024):  # M_MMAP_THRESHOLD
-            raise RuntimeError("mallopt(M_MMAP_THRESHOLD) failed")
+    name = strip_mmap_threshold(name)  # e.g. ddp_mmap4096: glibc's threshold at 4096 KiB
     if name == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
