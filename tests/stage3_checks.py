@@ -5,6 +5,7 @@ construction, and ranks that run different modules."""
 from __future__ import annotations
 
 import copy
+import time
 
 import torch
 import torch.distributed as dist
@@ -358,17 +359,71 @@ def check_order_differs(rank: int, world: int) -> dict:
             else:
                 me, other = ("2", "1") if rank == world - 1 else ("1", "2")
                 assert (
-                    f"collective #3 of this forward was the all-gather of unit 'blocks.{me}'"
-                    in raised[1]
+                    "#4 of this forward's collectives and unit forwards (in order) was the "
+                    f"forward of unit 'blocks.{me}' on rank {rank}" in raised[1]
                 ), raised
-                assert f"launched the all-gather of unit 'blocks.{other}'" in raised[1], raised
+                assert f"another rank ran the forward of unit 'blocks.{other}'" in raised[1], raised
                 assert "not valid" in raised[1], raised
         else:
             assert raised is None, raised
             zo.close()  # (after the error the ranks' units differ: close() would raise again)
         if mode == "every":  # after "pass"'s error the main group is out of step, as it says
             dist.barrier()
-    return {"order": "ok"}
+    out = {"order": "ok"}
+    if world > 1:
+        out.update(_check_fewer_modules(rank, world))
+    return out
+
+
+def _check_fewer_modules(rank: int, world: int) -> dict:
+    """The last rank skips a block: every rank raises a ValueError naming the blocks, never a
+    hang. Each case runs on a process group of its own: one that a rank ended early is left with
+    collectives no rank will complete (as the error says)."""
+    cases = [  # (name, step of the skip, blocks the last rank runs, options, expected)
+        ("first step", 0, [0, 1, 2], {}, ["rank {s} ended the forward after", "of a hang"]),
+        (
+            "later, no prefetch",
+            2,
+            [0, 1, 3],
+            dict(reshard_after_forward=False, prefetch=0),
+            [
+                "ran the forward of unit 'blocks.2' where rank {s} ran the forward of unit "
+                "'blocks.3'",
+                "of a hang",
+            ],
+        ),
+        # prefetch: the skipped block is gathered and freed, so the all-gathers agree; the
+        # unit forwards differ at the end of the forward, before a backward whose collectives
+        # would differ in size
+        ("later, prefetch", 2, [0, 1, 3], {}, ["another rank ran the forward of unit 'blocks."]),
+    ]
+    out = {}
+    for name, at, blocks, kw, expected in cases:
+        g = dist.new_group(backend="gloo")
+        torch.manual_seed(0)
+        m = Net3()
+        zo = ZeroOptimizer(m, O.SGD, stage=3, lr=0.1, process_group=g, **kw)
+        zo._scheduler.check.probe_s = 0.5
+        raised = None
+        t0 = time.monotonic()
+        for step in range(at + 1):
+            m.order = blocks if step == at and rank == world - 1 else [0, 1, 2, 3]
+            x, y = _batch(rank, step)
+            zo.zero_grad()
+            try:
+                _loss(m(x), y).backward()
+            except ValueError as e:
+                raised = (step, str(e))
+                break
+            zo.step()
+        assert raised is not None, f"{name}: a rank that skips a block passed"
+        assert raised[0] == at, (name, raised)
+        assert "blocks.2" in raised[1] or "blocks.3" in raised[1], (name, raised)
+        for text in expected:
+            assert text.format(s=world - 1) in raised[1], (name, raised)
+        assert time.monotonic() - t0 < 30, (name, time.monotonic() - t0)
+        out[f"fewer modules, {name}"] = "ok"
+    return out
 
 
 def stage3_all(rank: int, world: int) -> dict:

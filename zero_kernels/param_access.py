@@ -187,6 +187,7 @@ class ParamAccess:
                 where = f"unit {u.name!r} (bucket {b} of flat buffer {i})"
                 names[("all_gather", i, b)] = f"all-gather of {where}"
                 names[("reduce_scatter", i, b)] = f"reduce-scatter of the gradients of {where}"
+            names[("order", u.index, 0)] = f"forward of unit {u.name!r}"
         return SequenceCheck(self._side, names, self._op_timeout, mode)
 
     # ------------------------------------------------------------------ overlapped all-gather

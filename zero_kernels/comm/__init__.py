@@ -25,6 +25,7 @@ from .base import (
     CollectiveTimeout,
     CommLog,
     Handle,
+    Watch,
     _device,
     _nbytes,
     _wait,
@@ -54,6 +55,7 @@ __all__ = [
     "CommLog",
     "ENV_ALGO",
     "Handle",
+    "Watch",
     "all_gather",
     "all_reduce",
     "avg_supported",
@@ -64,6 +66,7 @@ __all__ = [
     "free_scratch",
     "gather_object",
     "is_initialized",
+    "kv_store",
     "probe_results",
     "rank",
     "reduce_scatter",
@@ -136,14 +139,18 @@ def all_reduce(
     log: CommLog | None = None,
     timeout_s: float | None = None,
     what: str = "",
+    watch: Watch | None = None,
 ) -> torch.Tensor:
     """Blocking in-place all-reduce of a small tensor (norms, overflow flags); op sum or max;
-    bounded by ``timeout_s`` as `Handle.wait`."""
+    bounded by ``timeout_s`` and watched by ``watch`` as `Handle.wait`."""
     if log is not None:
         log.all_reduce_calls += 1
     if world_size(group) > 1:
         rop = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
-        if timeout_s is None:
+        if watch is not None:
+            work = dist.all_reduce(t, op=rop, group=group, async_op=True)
+            Handle(work, (t,)).wait(timeout_s, what, watch)
+        elif timeout_s is None:
             dist.all_reduce(t, op=rop, group=group)
         else:
             _wait(dist.all_reduce(t, op=rop, group=group, async_op=True), timeout_s, what)
@@ -240,6 +247,14 @@ def check_arrival(side, what: str, timeout_s: float) -> None:
             f"{what} is collective: every rank must call it, but not every rank arrived within "
             f"{timeout_s:g} s ({e})"
         ) from None
+
+
+def kv_store():
+    """The default process group's key-value store (TCPStore, FileStore...), or None."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
 
 
 def group_or_world(group=None):

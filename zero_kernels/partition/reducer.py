@@ -338,7 +338,9 @@ class Reducer:
     def _finalize(self, bk: GradBucket) -> None:
         i, b = bk.key
         bk.handle.wait(
-            self.timeout, f"{self.describe()}, backward: reduce-scatter of bucket {b} of buffer {i}"
+            self.timeout,
+            f"{self.describe()}, backward: reduce-scatter of bucket {b} of buffer {i}",
+            self.check.watch if self.check is not None else None,
         )
         if bk.tmp is not None:
             shard = self.grads.shard(*bk.key)

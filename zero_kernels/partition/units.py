@@ -36,7 +36,10 @@ Timeline of one training step (units U1..U3 inside the root, prefetch=1):
 from __future__ import annotations
 
 import enum
+import json
 import sys
+import time
+import uuid
 import weakref
 
 import torch
@@ -178,8 +181,9 @@ class UnitScheduler:
     def wait(self, u: Unit) -> None:
         self.gather(u)
         if u.state is UnitState.GATHERING:
+            watch = self.check.watch if self.check is not None else None
             for h in u.handles:
-                h.wait(self.timeout, f"{self.describe()}: all-gather of unit {u.name}")
+                h.wait(self.timeout, f"{self.describe()}: all-gather of unit {u.name}", watch)
             u.handles.clear()
             u.state = UnitState.GATHERED
         u.expect(UnitState.GATHERED)
@@ -207,7 +211,11 @@ class UnitScheduler:
     def _check_same(self, u: Unit) -> None:
         """First step: every rank reaches the same unit here, or a ValueError on every rank."""
         t = torch.tensor([u.index, -u.index], dtype=torch.int64, device=self.store.device)
-        comm.all_reduce(t, "max", group=self.group)
+        watch = None
+        if self.check is not None:  # a rank that ends the forward early is found (stalled)
+            self.check.called(u.index)
+            watch = self.check.watch
+        comm.all_reduce(t, "max", group=self.group, watch=watch)
         if int(t[0]) != u.index or int(t[1]) != -u.index:
             lo, hi = -int(t[1]), int(t[0])
             raise ValueError(
@@ -230,6 +238,8 @@ class UnitScheduler:
             self.recording.append(k)
             self.wait(u)
             return
+        if self.check is not None:
+            self.check.called(k)
         if self.pos < len(self.order) and self.order[self.pos] == k:
             self.pos += 1
         else:  # out of the recorded order: find it further on, else gather on demand
@@ -318,7 +328,7 @@ _NO_COMPILED_AUTOGRAD = (
 )
 
 
-class SequenceCheck:
+class SequenceCheck(comm.Watch):
     """Stage 3 (check_order "pass" or "every"): every rank launches the same all-gathers and
     reduce-scatters in the same order. The collectives are matched by their order; a rank whose
     module order changed after the first step would otherwise abort in gloo where sizes differ,
@@ -334,10 +344,21 @@ class SequenceCheck:
     exchanged between the wrong units by then, but none has reached a returned output or the
     optimizer (a size mismatch can abort in gloo first).
 
+    A rank that launches *fewer* collectives in a pass (it skipped a module) would leave the
+    others waiting for one it never launches while it waits at the end of the pass. So in "pass"
+    mode the waits of a pass are watched ([Note: watched waits]): a wait that lasts
+    ``probe_s`` posts this rank's launch list (and whether it reached the end of the pass) to the
+    process group's key-value store, one key per rank, and reads the others' (`stalled`). Two
+    lists that differ where both have an entry, or a list longer than that of a rank that ended
+    the pass, cannot be waited out: a ValueError naming the first collective that differs, on
+    every rank (each finds it at its own next probe). Lists that agree (a slow rank) are waited
+    for, up to ``timeout``. Nothing is exchanged unless a wait lasts.
+
     "every": one blocking all-reduce before each launch, so the first launch that differs is a
     ValueError on every rank before anything is sent, at the cost of a rendezvous per launch."""
 
     _MOD = (1 << 61) - 1  # the running hash: a polynomial in the launch codes, modulo a prime
+    probe_s = 2.0
 
     def __init__(
         self, side, names: dict[tuple[str, int, int], str], timeout: float | None, mode: str
@@ -349,6 +370,20 @@ class SequenceCheck:
         self.describe = lambda: ""
         self.hash = 0
         self.launched: list[int] = []  # codes launched in this pass ("pass")
+        self.passes = 0  # passes ended
+        self.ending: list[int] | None = None  # the launch list while at the end of a pass
+        self.ending_which = ""
+        self.posted = None
+        self.store, self.prefix = None, ""
+        if side is not None and mode == "pass":
+            self.store = comm.kv_store()
+            token = uuid.uuid4().hex[:16] if comm.rank(side) == 0 else None
+            self.prefix = f"zero_kernels/order/{comm.broadcast_object(token, 0, group=side)}/"
+
+    @property
+    def watch(self) -> SequenceCheck | None:
+        """What the waits of a pass pass as ``watch``: this check, when it can diagnose."""
+        return self if self.store is not None else None
 
     def __call__(self, kind: str, i: int, b: int) -> None:
         """Before launching collective (kind, bucket i, b)."""
@@ -356,8 +391,7 @@ class SequenceCheck:
             return
         code = self.codes[(kind, i, b)]
         if self.mode == "pass":
-            self.hash = (self.hash * 1_000_003 + code + 1) % self._MOD
-            self.launched.append(code)
+            self._fold(code)
             return
         t = torch.tensor([code, -code], dtype=torch.int64)
         what = f"{self.describe()}: order check"
@@ -370,11 +404,33 @@ class SequenceCheck:
                 f"another rank launches the {other}: {self._WHY}; nothing was sent. {self._FIX}"
             )
 
+    def _fold(self, code: int) -> None:
+        self.hash = (self.hash * 1_000_003 + code + 1) % self._MOD
+        self.launched.append(code)
+
+    def called(self, k: int) -> None:
+        """ "pass": unit ``k``'s forward runs (outside a recomputation). Folded in with the
+        launches, so ranks that run different modules differ at the end of the forward even
+        where their all-gathers agree (a unit prefetched but skipped is gathered and freed on
+        the rank that skips it), before a backward whose collectives would differ in size (which
+        gloo answers by aborting the process)."""
+        if self.side is not None and self.mode == "pass":
+            self._fold(self.codes[("order", k, 0)])
+
     _WHY = (
         "the ranks' module order (or set) differs in this forward or backward, and collectives "
         "are matched by order"
     )
     _FIX = "Every rank must call the same modules in the same order at stage 3"
+    _EVENTS = "collectives and unit forwards (in order)"
+    _SPOILED = (
+        "Values may have been exchanged between the wrong units, so params, buffers and "
+        "gradient shards of this step are not valid, and the process group's collectives may be "
+        "out of step: restart the processes from a checkpoint."
+    )
+
+    def _name(self, c: int | None) -> str:
+        return "nothing" if c is None else f"the {self.names[self.keys[c]]}"
 
     def end_pass(self, which: str) -> None:
         """ "pass": the end of a forward or backward (``which``): every rank launched the same
@@ -385,12 +441,18 @@ class SequenceCheck:
         self.hash, self.launched = 0, []
         t = torch.tensor([h, -h], dtype=torch.int64)
         what = f"{self.describe()}: order check at the end of {which}"
-        comm.all_reduce(t, "max", group=self.side, timeout_s=self.timeout, what=what)
+        self.ending, self.ending_which = launched, which
+        try:
+            comm.all_reduce(
+                t, "max", group=self.side, timeout_s=self.timeout, what=what, watch=self.watch
+            )
+        finally:
+            self.ending = None
+            self.passes += 1
         if int(t[0]) == h and -int(t[1]) == h:
             return
         every = comm.all_gather_object(launched, group=self.side)
         me = comm.rank(self.side)
-        name = lambda c: "nothing" if c is None else f"the {self.names[self.keys[c]]}"  # noqa: E731
         where = (
             "the ranks reached this check from different places (a forward on some, a "
             "backward on others)"
@@ -400,16 +462,97 @@ class SequenceCheck:
             if len(set(col)) > 1:
                 other = next(c for c in col if c != col[me])
                 where = (
-                    f"collective #{k + 1} of this {which} was {name(col[me])} on rank {me} "
-                    f"where another rank launched {name(other)}"
+                    f"#{k + 1} of this {which}'s {self._EVENTS} was {self._name(col[me])} on "
+                    f"rank {me} where another rank ran {self._name(other)}"
                 )
                 break
-        raise ValueError(
-            f"stage 3: {where}: {self._WHY}. Values may have been exchanged between the wrong "
-            "units, so params, buffers and gradient shards of this step are not valid, and the "
-            "process group's collectives may be out of step: restart the processes from a "
-            f"checkpoint. {self._FIX}"
+        raise ValueError(f"stage 3: {where}: {self._WHY}. {self._SPOILED} {self._FIX}")
+
+    def stalled(self, final: bool = False) -> None:
+        """A wait of this pass has lasted ``probe_s``, or failed (``final``: a peer closed the
+        connection, a timeout): see the class doc. A ValueError when some rank will never launch
+        what is waited for; nothing otherwise (a failing store included: the wait goes on, or
+        its own error is raised)."""
+        try:
+            msg = self._diagnose()
+        except (RuntimeError, OSError, ValueError):  # the store (its host may have exited)
+            return
+        if msg is not None:
+            raise ValueError(msg)
+
+    def _diagnose(self) -> str | None:
+        """The error every rank raises, or None. The first rank to find it posts it and waits
+        (up to ``2 * probe_s + 1`` s) until every rank has read it, so that a rank whose error
+        ends its process (closing its connections) does not turn the others' diagnosis into a
+        bare "connection closed"."""
+        store, found = self.store, f"{self.prefix}found"
+        if store.check([found]):
+            store.add(f"{self.prefix}read", 1)
+            return store.get(found).decode()
+        me, n = comm.rank(self.side), comm.world_size(self.side)
+        ended = self.ending is not None
+        mine = list(self.ending if ended else self.launched)
+        which = self.ending_which if ended else "backward" if _in_backward() else "forward"
+        state = {"pass": self.passes, "ended": ended, "launched": mine, "which": which}
+        if state != self.posted:
+            store.set(f"{self.prefix}{me}", json.dumps(state))
+            self.posted = state
+        lists = {me: (ended, mine)}
+        for r in range(n):
+            key = f"{self.prefix}{r}"
+            if r == me or not store.check([key]):
+                continue
+            other = json.loads(store.get(key))
+            if other["pass"] == self.passes:  # an older post is from a pass that ended well
+                lists[r] = (other["ended"], other["launched"])
+                if other["ended"]:
+                    which = other["which"]
+        diff = _first_difference(lists)
+        if diff is None:
+            return None
+        k, r, s = diff
+        ran = lambda q: (  # noqa: E731
+            f"ran {self._name(lists[q][1][k])}"
+            if k < len(lists[q][1])
+            else f"ended the {which} after {k}"
         )
+        msg = (
+            f"stage 3: #{k + 1} of this {which}'s {self._EVENTS} differs between the ranks: "
+            f"rank {r} {ran(r)} where rank {s} {ran(s)}, so a rank waits for a collective that "
+            f"another will never launch (found when a wait lasted {self.probe_s:g} s, instead "
+            f"of a hang): {self._WHY}. {self._SPOILED} {self._FIX}"
+        )
+        store.set(found, msg)
+        deadline = time.monotonic() + 2 * self.probe_s + 1
+        read = store.add(f"{self.prefix}read", 1)
+        while read < n and time.monotonic() < deadline:
+            time.sleep(0.05)
+            read = store.add(f"{self.prefix}read", 0)
+        return msg
+
+
+def _first_difference(lists: dict[int, tuple[bool, list]]) -> tuple[int, int, int] | None:
+    """The first position k where two ranks' launch lists cannot both be completed, and the two
+    ranks (lower first): their entries differ, or one rank ended the pass (``True``) before k
+    while the other launched an entry there. A list that is only shorter (a rank behind, still
+    in the pass) differs in nothing yet."""
+    ranks = sorted(lists)
+    longest = max(len(x) for _, x in lists.values())
+    for k in range(longest):
+        seen: dict = {}  # entry at k (None: ended before k) -> a rank
+        for r in ranks:
+            ended, x = lists[r]
+            if k < len(x):
+                entry = x[k]
+            elif ended:
+                entry = None
+            else:
+                continue  # not there yet: it may still launch anything
+            seen.setdefault(entry, r)
+        if len(seen) > 1:
+            r, s = sorted(seen.values())[:2]
+            return k, r, s
+    return None
 
 
 def _compiled_autograd() -> bool:
