@@ -8,10 +8,11 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from . import comm
-from .buffers import ParamStore
+from .buffers import ParamStore, dtype_of
 from .materialize import materialize_modules_
 from .partition.units import SequenceCheck, Unit, UnitScheduler, UnitState, unit_members
 
@@ -188,7 +189,28 @@ class ParamAccess:
                 names[("all_gather", i, b)] = f"all-gather of {where}"
                 names[("reduce_scatter", i, b)] = f"reduce-scatter of the gradients of {where}"
             names[("order", u.index, 0)] = f"forward of unit {u.name!r}"
-        return SequenceCheck(self._side, names, self._op_timeout, mode)
+            names[("check", u.index, 0)] = f"first-step order check at unit {u.name!r}"
+        return SequenceCheck(self._side, names, self._op_timeout, mode, self._scratch_collective)
+
+    def _scratch_collective(self, key: tuple[str, int, int]):
+        """Collective ``key`` of stage 3 (the same sizes, dtype and algorithm) on scratch
+        buffers: what a rank that never launched it launches so that the others' waits
+        complete once the module-order error is found (`SequenceCheck`)."""
+        kind, i, b = key
+        n, dev = self.world_size, self.device
+        if kind == "check":  # `UnitScheduler._check_same`'s all-reduce
+            t = torch.zeros(2, dtype=torch.int64, device=dev)
+            return dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True), t
+        numel = self.layout.buffers[i].buckets[b].numel(n)
+        if kind == "all_gather":
+            dt = dtype_of(self.layout.buffers[i].dtype)
+            out = torch.empty(numel, dtype=dt, device=dev)
+            inp = torch.zeros(numel // n, dtype=dt, device=dev)
+            return comm.all_gather(out, inp, group=self.group)
+        dt = self._grads.reduce_dtypes[i]  # "reduce_scatter"
+        out = torch.empty(numel // n, dtype=dt, device=dev)
+        inp = torch.zeros(numel, dtype=dt, device=dev)
+        return comm.reduce_scatter(out, inp, group=self.group, avg=True)
 
     # ------------------------------------------------------------------ overlapped all-gather
     def _gather_wait_hooks(self, me) -> list:

@@ -38,11 +38,13 @@ from __future__ import annotations
 import enum
 import json
 import sys
+import threading
 import time
 import uuid
 import weakref
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
@@ -213,7 +215,7 @@ class UnitScheduler:
         t = torch.tensor([u.index, -u.index], dtype=torch.int64, device=self.store.device)
         watch = None
         if self.check is not None:  # a rank that ends the forward early is found (stalled)
-            self.check.called(u.index)
+            self.check("check", u.index, 0)
             watch = self.check.watch
         comm.all_reduce(t, "max", group=self.group, watch=watch)
         if int(t[0]) != u.index or int(t[1]) != -u.index:
@@ -315,6 +317,8 @@ class UnitScheduler:
         self.free_all()
 
     def remove(self) -> None:
+        if self.check is not None:
+            self.check.close()
         for h in self.handles:
             h.remove()
         self.handles.clear()
@@ -336,23 +340,29 @@ class SequenceCheck(comm.Watch):
     optimizer's gloo side group (its own sequence: a mismatch on the main group cannot shift
     it). ``None`` side group (world size 1): nothing to check.
 
-    "pass": each launch is folded into a running hash; at the end of every forward (before its
-    output is returned) and of every backward (before the gradients are published) one small
-    blocking all-reduce compares the hashes: two per training step, whatever the number of
-    units. A difference is a ValueError on every rank naming the first collective that differs
-    (found by exchanging the pass's launch lists, on the error path only). Values may have been
-    exchanged between the wrong units by then, but none has reached a returned output or the
-    optimizer (a size mismatch can abort in gloo first).
+    "pass": each launch, and each unit's forward, is folded into a running hash; at the end of
+    every forward (before its output is returned) and of every backward (before the gradients
+    are published) one small blocking all-reduce compares the hashes: two per training step,
+    whatever the number of units. A difference is a ValueError on every rank naming the first
+    entry that differs (found by exchanging the pass's lists, on the error path only). Values
+    may have been exchanged between the wrong units by then, but none has reached a returned
+    output or the optimizer. The unit forwards count so that ranks that run different modules
+    differ at the end of the forward even where their all-gathers agree (a prefetched unit is
+    gathered, and freed unused, on the rank that skips it), before a backward whose collectives
+    would differ in size, which gloo answers by aborting the process.
 
-    A rank that launches *fewer* collectives in a pass (it skipped a module) would leave the
-    others waiting for one it never launches while it waits at the end of the pass. So in "pass"
-    mode the waits of a pass are watched ([Note: watched waits]): a wait that lasts
-    ``probe_s`` posts this rank's launch list (and whether it reached the end of the pass) to the
-    process group's key-value store, one key per rank, and reads the others' (`stalled`). Two
-    lists that differ where both have an entry, or a list longer than that of a rank that ended
-    the pass, cannot be waited out: a ValueError naming the first collective that differs, on
-    every rank (each finds it at its own next probe). Lists that agree (a slow rank) are waited
-    for, up to ``timeout``. Nothing is exchanged unless a wait lasts.
+    Fewer modules on one rank (it skipped one at the end, or with prefetch off) would leave the
+    others waiting for a collective it never launches while it waits at the end of the pass:
+    a hang. So the waits of a pass are watched ([Note: watched waits]). Once one has lasted
+    ``probe_s``, the waiting rank's monitor thread posts its list, and whether it ended the
+    pass, to the process group's key-value store and reads the others'. Two lists that differ
+    where both have an entry, or a list
+    longer than that of a rank that ended the pass, cannot be waited out: the first rank to see
+    it posts the error; every rank reads it, posts its final list, and launches on scratch
+    buffers the collectives that the longest list has beyond its own (and the end-of-pass
+    all-reduce, where it did not end the pass), so that every wait in progress completes; then
+    every rank raises the same ValueError. Lists that agree (a slow
+    rank) are waited for, up to ``timeout``. Nothing is exchanged unless a wait lasts.
 
     "every": one blocking all-reduce before each launch, so the first launch that differs is a
     ValueError on every rank before anything is sent, at the cost of a rendezvous per launch."""
@@ -361,29 +371,72 @@ class SequenceCheck(comm.Watch):
     probe_s = 2.0
 
     def __init__(
-        self, side, names: dict[tuple[str, int, int], str], timeout: float | None, mode: str
+        self,
+        side,
+        names: dict[tuple[str, int, int], str],
+        timeout: float | None,
+        mode: str,
+        fill=None,
     ):
         assert mode in ("pass", "every"), mode
         self.side, self.names, self.timeout, self.mode = side, names, timeout, mode
+        self.fill = fill  # (kind, i, b) -> a handle: that collective on scratch buffers
         self.codes = {key: k for k, key in enumerate(sorted(names))}
         self.keys = {k: key for key, k in self.codes.items()}
         self.describe = lambda: ""
         self.hash = 0
-        self.launched: list[int] = []  # codes launched in this pass ("pass")
+        self.launched: list[int] = []  # what this pass launched and ran ("pass")
         self.passes = 0  # passes ended
-        self.ending: list[int] | None = None  # the launch list while at the end of a pass
+        self.ending: list[int] | None = None  # the list while at the end of a pass
         self.ending_which = ""
+        self.blocked_at: float | None = None  # a main-group wait of a pass in progress since
+        self.blocked_which = "forward"
+        self.failure: str | None = None  # the error, once found (raised on every rank)
         self.posted = None
+        self.responded = False
+        self.filled: list = []  # the scratch collectives launched (kept alive)
+        self.lock = threading.Lock()  # the monitor and the rank's own thread probe in turn
         self.store, self.prefix = None, ""
         if side is not None and mode == "pass":
             self.store = comm.kv_store()
             token = uuid.uuid4().hex[:16] if comm.rank(side) == 0 else None
             self.prefix = f"zero_kernels/order/{comm.broadcast_object(token, 0, group=side)}/"
+        if self.store is not None:
+            self.stop = threading.Event()
+            threading.Thread(
+                target=_monitor, args=(weakref.ref(self), self.stop), daemon=True
+            ).start()
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.stop.set()
 
     @property
     def watch(self) -> SequenceCheck | None:
-        """What the waits of a pass pass as ``watch``: this check, when it can diagnose."""
+        """What the main-group waits of a pass pass as ``watch``: this check, when it can
+        diagnose (a store to post to)."""
         return self if self.store is not None else None
+
+    # ---- the waits of a pass (comm.Watch)
+    def enter(self) -> None:
+        if self.failure is not None:
+            self._fail()
+        self.blocked_which = "backward" if _in_backward() else "forward"
+        self.blocked_at = time.monotonic()
+
+    def leave(self, error: BaseException | None = None) -> None:
+        self.blocked_at = None
+        if error is not None and self.failure is None:
+            self._probe()  # why: a rank that found the error may have ended its process
+        if self.failure is not None:
+            self._fail(error)
+
+    def _fail(self, error: BaseException | None = None) -> None:
+        """Raise the error found, once this rank has answered it (`_respond`, which the monitor
+        may be running: after the raise this thread may block in the store, which the monitor
+        needs, or exit, closing the connections the others' scratch collectives use)."""
+        self._probe()
+        raise ValueError(self.failure) from error
 
     def __call__(self, kind: str, i: int, b: int) -> None:
         """Before launching collective (kind, bucket i, b)."""
@@ -391,6 +444,8 @@ class SequenceCheck(comm.Watch):
             return
         code = self.codes[(kind, i, b)]
         if self.mode == "pass":
+            if self.failure is not None:
+                self._fail()
             self._fold(code)
             return
         t = torch.tensor([code, -code], dtype=torch.int64)
@@ -409,11 +464,7 @@ class SequenceCheck(comm.Watch):
         self.launched.append(code)
 
     def called(self, k: int) -> None:
-        """ "pass": unit ``k``'s forward runs (outside a recomputation). Folded in with the
-        launches, so ranks that run different modules differ at the end of the forward even
-        where their all-gathers agree (a unit prefetched but skipped is gathered and freed on
-        the rank that skips it), before a backward whose collectives would differ in size (which
-        gloo answers by aborting the process)."""
+        """ "pass": unit ``k``'s forward runs (outside a recomputation): see the class doc."""
         if self.side is not None and self.mode == "pass":
             self._fold(self.codes[("order", k, 0)])
 
@@ -437,6 +488,8 @@ class SequenceCheck(comm.Watch):
         collectives since the last check, or a ValueError on every rank."""
         if self.side is None or self.mode != "pass":
             return
+        if self.failure is not None:
+            self._fail()
         h, launched = self.hash, self.launched
         self.hash, self.launched = 0, []
         t = torch.tensor([h, -h], dtype=torch.int64)
@@ -468,31 +521,34 @@ class SequenceCheck(comm.Watch):
                 break
         raise ValueError(f"stage 3: {where}: {self._WHY}. {self._SPOILED} {self._FIX}")
 
-    def stalled(self, final: bool = False) -> None:
-        """A wait of this pass has lasted ``probe_s``, or failed (``final``: a peer closed the
-        connection, a timeout): see the class doc. A ValueError when some rank will never launch
-        what is waited for; nothing otherwise (a failing store included: the wait goes on, or
-        its own error is raised)."""
-        try:
-            msg = self._diagnose()
-        except (RuntimeError, OSError, ValueError):  # the store (its host may have exited)
-            return
-        if msg is not None:
-            raise ValueError(msg)
+    # ---- a wait that lasts (see the class doc)
+    def _probe(self) -> None:
+        """Post, read, and when the error is found, answer it (`_respond`); never raises (a
+        failing store: nothing found)."""
+        with self.lock:
+            try:
+                if self.failure is None:
+                    self.failure = self._diagnose()
+                if self.failure is not None and not self.responded:
+                    self.responded = True
+                    self._respond()
+            except (RuntimeError, OSError, ValueError):  # the store (its host may have exited)
+                pass
+
+    def _mine(self) -> tuple[bool, list[int], str]:
+        ended = self.ending is not None
+        if ended:
+            return True, list(self.ending), self.ending_which
+        return False, list(self.launched), self.blocked_which
 
     def _diagnose(self) -> str | None:
-        """The error every rank raises, or None. The first rank to find it posts it and waits
-        (up to ``2 * probe_s + 1`` s) until every rank has read it, so that a rank whose error
-        ends its process (closing its connections) does not turn the others' diagnosis into a
-        bare "connection closed"."""
+        """The error every rank raises (read from the store when another rank found it first),
+        or None."""
         store, found = self.store, f"{self.prefix}found"
         if store.check([found]):
-            store.add(f"{self.prefix}read", 1)
             return store.get(found).decode()
         me, n = comm.rank(self.side), comm.world_size(self.side)
-        ended = self.ending is not None
-        mine = list(self.ending if ended else self.launched)
-        which = self.ending_which if ended else "backward" if _in_backward() else "forward"
+        ended, mine, which = self._mine()
         state = {"pass": self.passes, "ended": ended, "launched": mine, "which": which}
         if state != self.posted:
             store.set(f"{self.prefix}{me}", json.dumps(state))
@@ -523,12 +579,56 @@ class SequenceCheck(comm.Watch):
             f"of a hang): {self._WHY}. {self._SPOILED} {self._FIX}"
         )
         store.set(found, msg)
-        deadline = time.monotonic() + 2 * self.probe_s + 1
-        read = store.add(f"{self.prefix}read", 1)
-        while read < n and time.monotonic() < deadline:
-            time.sleep(0.05)
-            read = store.add(f"{self.prefix}read", 0)
         return msg
+
+    def _respond(self) -> None:
+        """The error is found: post this rank's final list, read every rank's (up to
+        ``max(10, 3 * probe_s)`` s: a rank posts once one of its waits lasts), and launch the
+        collectives the longest list has beyond this rank's, on scratch buffers, and, on a rank
+        that did not end the pass, the end-of-pass all-reduce (none waited for), so that no rank
+        stays blocked in a wait; then every rank raises."""
+        me, n = comm.rank(self.side), comm.world_size(self.side)
+        _, mine, _ = self._mine()
+        self.store.set(f"{self.prefix}final/{me}", json.dumps(mine))
+        lists = {me: mine}
+        deadline = time.monotonic() + max(10.0, 3 * self.probe_s)
+        while len(lists) < n and time.monotonic() < deadline:
+            for r in range(n):
+                key = f"{self.prefix}final/{r}"
+                if r not in lists and self.store.check([key]):
+                    lists[r] = json.loads(self.store.get(key))
+            if len(lists) < n:
+                time.sleep(0.02)
+        longest = max(lists.values(), key=len)
+        if self.fill is not None:
+            for code in longest[len(mine) :]:
+                key = self.keys[code]
+                if key[0] != "order":  # a unit forward: nothing launched
+                    self.filled.append(self.fill(key))
+        if self.ending is None:  # the end-of-pass all-reduce of the ranks that ended the pass
+            t = torch.zeros(2, dtype=torch.int64)
+            work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.side, async_op=True)
+            self.filled.append((work, t))
+
+
+def _monitor(ref, stop: threading.Event) -> None:
+    """A `SequenceCheck`'s monitor: probes when a main-group wait of a pass has lasted
+    ``probe_s`` (until the check is closed or collected)."""
+    while True:
+        me = ref()
+        if me is None:
+            return
+        probe = me.probe_s
+        del me
+        if stop.wait(probe):
+            return
+        me = ref()
+        if me is None:
+            return
+        t = me.blocked_at
+        if t is not None and time.monotonic() - t >= me.probe_s:
+            me._probe()
+        del me
 
 
 def _first_difference(lists: dict[int, tuple[bool, list]]) -> tuple[int, int, int] | None:
