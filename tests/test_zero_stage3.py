@@ -161,3 +161,20 @@ def test_bf16_reduction_refused_at_stage_1():
         ZeroOptimizer(m, torch.optim.SGD, stage=1, reduce_dtype=torch.bfloat16, lr=0.1)
     with pytest.raises(ValueError, match="reduce_dtype"):
         ZeroOptimizer(m, torch.optim.SGD, stage=2, reduce_dtype=torch.int8, lr=0.1)
+
+
+def test_first_difference():
+    """Which launch lists of a pass cannot all be completed (`SequenceCheck` diagnosis)."""
+    from zero_kernels.partition.units import _first_difference
+
+    # a rank behind (shorter, still in the pass) differs in nothing
+    assert _first_difference({0: (False, [1, 2, 3]), 1: (False, [1, 2])}) is None
+    assert _first_difference({0: (False, [1, 2]), 1: (True, [1, 2])}) is None
+    # a rank that ended the pass before an entry another launched
+    assert _first_difference({0: (False, [1, 2, 3]), 1: (True, [1, 2])}) == (2, 0, 1)
+    # entries that differ where both lists have one; the first position wins
+    assert _first_difference({0: (False, [1, 5, 3]), 1: (False, [1, 2, 4])}) == (1, 0, 1)
+    # three ranks: the two lowest ranks that differ are named
+    lists = {0: (False, [1, 2]), 1: (False, [1, 2, 7]), 2: (True, [1, 2])}
+    assert _first_difference(lists) == (2, 1, 2)
+    assert _first_difference({0: (True, []), 1: (False, [4])}) == (0, 0, 1)

@@ -101,11 +101,13 @@ class ZeroOptimizer(
             ``model.state_dict()``) check that every rank arrived within it (default 300).
         check_order: stage 3 (None: "pass"). Every mode checks in the first forward that
             every rank runs the same units in the same order. "pass" also compares, at the end
-            of every forward and every backward, a hash of the all-gathers and reduce-scatters
-            each rank launched in it (`SequenceCheck`: one small all-reduce on a side group per
-            pass): a later change of module order on some rank is a ValueError on every rank
-            before an output or gradient of that pass is used, instead of values exchanged
-            between the wrong units. "every" compares before each launch (blocking), so
+            of every forward and every backward, a hash of the all-gathers, reduce-scatters
+            and unit forwards of each rank in it (`SequenceCheck`: one small all-reduce on a
+            side group per pass): a later change of modules on some rank is a ValueError on
+            every rank before an output or gradient of that pass is used, instead of values
+            exchanged between the wrong units; a rank that runs fewer modules is found once a
+            wait has lasted 2 s (a ValueError on every rank, not a hang). "every" compares
+            before each launch (blocking), so
             nothing is sent (1.06-1.30x step time measured). "first": the first forward only;
             a later change goes unseen.
         **defaults: passed to ``optimizer_class``.
