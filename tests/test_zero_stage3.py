@@ -165,7 +165,7 @@ def test_bf16_reduction_refused_at_stage_1():
 
 def test_first_difference():
     """Which launch lists of a pass cannot all be completed (`SequenceCheck` diagnosis)."""
-    from zero_kernels.partition.units import _first_difference
+    from zero_kernels.partition.order import _first_difference
 
     # a rank behind (shorter, still in the pass) differs in nothing
     assert _first_difference({0: (False, [1, 2, 3]), 1: (False, [1, 2])}) is None

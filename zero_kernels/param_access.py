@@ -14,7 +14,8 @@ from torch import nn
 from . import comm
 from .buffers import ParamStore, dtype_of
 from .materialize import materialize_modules_
-from .partition.units import SequenceCheck, Unit, UnitScheduler, UnitState, unit_members
+from .partition.order import SequenceCheck
+from .partition.units import Unit, UnitScheduler, UnitState, unit_members
 
 __all__ = ["ParamAccess"]
 
