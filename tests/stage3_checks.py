@@ -311,6 +311,21 @@ def check_meta(rank: int, world: int) -> dict:
     return out
 
 
+def _train_until_error(zo, m, rank: int, world: int, steps: int, at: int, blocks: list):
+    """Train ``steps`` steps of Net3 ``m``; in step ``at`` the last rank runs ``blocks`` (the
+    others all four in order): (step, message) of the ValueError raised, or None."""
+    for step in range(steps):
+        m.order = blocks if step == at and rank == world - 1 else [0, 1, 2, 3]
+        x, y = _batch(rank, step)
+        zo.zero_grad()
+        try:
+            _loss(m(x), y).backward()
+        except ValueError as e:
+            return step, str(e)
+        zo.step()
+    return None
+
+
 def check_order_differs(rank: int, world: int) -> dict:
     """Ranks that run different modules in the first step: a ValueError on every rank."""
     torch.manual_seed(0)
@@ -340,17 +355,7 @@ def check_order_differs(rank: int, world: int) -> dict:
             arg = dict(reshard_after_forward=False, prefetch=0)
         zo = ZeroOptimizer(m, O.SGD, stage=3, lr=0.1, **arg)
         assert zo.check_order == mode, zo.check_order
-        raised = None
-        for step in range(3):
-            m.order = [0, 2, 1, 3] if step == 2 and rank == world - 1 else [0, 1, 2, 3]
-            x, y = _batch(rank, step)
-            zo.zero_grad()
-            try:
-                _loss(m(x), y).backward()
-            except ValueError as e:
-                raised = (step, str(e))
-                break
-            zo.step()
+        raised = _train_until_error(zo, m, rank, world, 3, 2, [0, 2, 1, 3])
         if world > 1:
             assert raised is not None, f"{mode}: a later change of module order passed"
             assert raised[0] == 2, (mode, raised)
@@ -404,18 +409,8 @@ def _check_fewer_modules(rank: int, world: int) -> dict:
         m = Net3()
         zo = ZeroOptimizer(m, O.SGD, stage=3, lr=0.1, process_group=g, **kw)
         zo._scheduler.check.probe_s = 0.5
-        raised = None
         t0 = time.monotonic()
-        for step in range(at + 1):
-            m.order = blocks if step == at and rank == world - 1 else [0, 1, 2, 3]
-            x, y = _batch(rank, step)
-            zo.zero_grad()
-            try:
-                _loss(m(x), y).backward()
-            except ValueError as e:
-                raised = (step, str(e))
-                break
-            zo.step()
+        raised = _train_until_error(zo, m, rank, world, at + 1, at, blocks)
         assert raised is not None, f"{name}: a rank that skips a block passed"
         assert raised[0] == at, (name, raised)
         assert "blocks.2" in raised[1] or "blocks.3" in raised[1], (name, raised)
