@@ -44,12 +44,11 @@ class SequenceCheck(comm.Watch):
     a hang. So the waits of a pass are watched ([Note: watched waits]). Once one has lasted
     ``probe_s``, the waiting rank's monitor thread posts its list, and whether it ended the
     pass, to the process group's key-value store and reads the others'. Two lists that differ
-    where both have an entry, or a list
-    longer than that of a rank that ended the pass, cannot be waited out: the first rank to see
-    it posts the error; every rank reads it, posts its final list, and launches on scratch
-    buffers the collectives that the longest list has beyond its own (and the end-of-pass
-    all-reduce, where it did not end the pass), so that every wait in progress completes; then
-    every rank raises the same ValueError. Lists that agree (a slow
+    where both have an entry, or a list longer than that of a rank that ended the pass, cannot
+    be waited out: the first rank to see it posts the error; every rank reads it, posts its
+    final list, and launches on scratch buffers the collectives that the longest list has beyond
+    its own (and the end-of-pass all-reduce, where it did not end the pass), so that every wait
+    in progress completes; then every rank raises the same ValueError. Lists that agree (a slow
     rank) are waited for, up to ``timeout``. Nothing is exchanged unless a wait lasts.
 
     "every": one blocking all-reduce before each launch, so the first launch that differs is a
