@@ -24,6 +24,8 @@ hyper-parameters):
                             pinned instead of probed
     ours_*_check_first / _check_every   (optional) the same with check_order="first" / "every"
                             (default "pass")
+    ours_*_onegroup         (optional) the same with the reduce-scatters on the main group (no
+                            twin group: stage 3 before [Note: backward gathers])
 
 Every candidate runs in its own spawned process group (own 2 processes, own TCP store). All groups
 are started first and stay alive; the parent runs one step of one group at a time (the others

@@ -142,6 +142,11 @@ def build(name: str, model: nn.Module, args, lr: float):
                 comm.set_algorithm("all", algo)
                 name = name[: -len(algo) - 1]
         extra = {}
+        if name.endswith("_onegroup"):  # reduce-scatters on the main group, as before the twin
+            from zero_kernels import comm
+
+            comm.twin_group = lambda group=None: group
+            name = name[: -len("_onegroup")]
         if name.endswith("_inflight1"):  # e.g. stage3_prefetch0_inflight1: the leanest stage 3
             extra["max_inflight_buckets"] = 1
             name = name[: -len("_inflight1")]

@@ -364,7 +364,7 @@ def check_order_differs(rank: int, world: int) -> dict:
             else:
                 me, other = ("2", "1") if rank == world - 1 else ("1", "2")
                 assert (
-                    "#4 of this forward's collectives and unit forwards (in order) was the "
+                    "#4 of this forward's all-gathers and unit forwards (in order) was the "
                     f"forward of unit 'blocks.{me}' on rank {rank}" in raised[1]
                 ), raised
                 assert f"another rank ran the forward of unit 'blocks.{other}'" in raised[1], raised
@@ -421,10 +421,77 @@ def _check_fewer_modules(rank: int, world: int) -> dict:
     return out
 
 
+class AuxNet(nn.Module):
+    """Blocks plus an auxiliary head (a unit of another size) on the output of block ``at``
+    (-1: on the embedding, so its backward comes last); the caller decides whether its output
+    takes part in a rank's loss."""
+
+    def __init__(self, at: int):
+        super().__init__()
+        self.at = at
+        self.emb = nn.Embedding(V, D)
+        self.blocks = nn.ModuleList(Block() for _ in range(4))
+        self.aux = nn.Linear(D, 40)
+        self.head = nn.Linear(D, V)
+
+    def forward(self, x):
+        h = self.emb(x)
+        a = self.aux(h) if self.at < 0 else None
+        for k, b in enumerate(self.blocks):
+            h = b(h)
+            if k == self.at:
+                a = self.aux(h)
+        return self.head(h), a
+
+
+def _aux_units(name, mod):
+    return name == "aux" or (name.startswith("blocks.") and name.count(".") == 1)
+
+
+def check_unused_outputs(rank: int, world: int) -> dict:
+    """An output used in the loss on some ranks only (the auxiliary head's): this rank's
+    backward skips that unit. Stage 3 gives the result of averaging every rank's gradients
+    with zeros where a rank's loss did not use a param (what stages 1 and 2 give), resharding
+    or not, with or without prefetch; before, the all-gathers of backward were launched in a
+    different order on the skipping rank (a gloo abort where sizes differed)."""
+    out = {}
+    cases = [(1, {}), (1, dict(prefetch=0)), (1, dict(reshard_after_forward=False)), (-1, {})]
+    for at, kw in cases:
+        torch.manual_seed(0)
+        base = AuxNet(at)
+        m1, ref = copy.deepcopy(base), copy.deepcopy(base)
+        zo = ZeroOptimizer(m1, O.AdamW, stage=3, units=_aux_units, lr=1e-2, **kw)
+        to = O.AdamW(ref.parameters(), lr=1e-2)
+        for step in range(4):
+            x, y = _batch(rank, step)
+            skip = world > 1 and rank == 1 + step % (world - 1) and step > 0  # step 0: all use it
+            zo.zero_grad()
+            to.zero_grad()
+            for m in (m1, ref):
+                o, a = m(x)
+                loss = _loss(o, y)
+                if not skip:
+                    loss = loss + a.float().pow(2).mean()
+                loss.backward()
+            for p in ref.parameters():  # the average over ranks, zeros where unused
+                g = p.grad if p.grad is not None else torch.zeros_like(p)
+                if world > 1:
+                    dist.all_reduce(g)
+                p.grad = g / world
+            zo.step()
+            to.step()
+            assert not zo._store.live, (at, kw, step, zo._store.live)
+        _close(zo, m1, ref, 1e-6, f"unused aux output at {at}, {kw}")
+        zo.close()
+        out[f"unused output at {at} {kw}"] = "ok"
+    return out
+
+
 def stage3_all(rank: int, world: int) -> dict:
     out = {}
     out.update(check_cases(rank, world))
     out.update(check_memory_and_comm(rank, world))
     out.update(check_meta(rank, world))
     out.update(check_order_differs(rank, world))
+    out.update(check_unused_outputs(rank, world))
     return out

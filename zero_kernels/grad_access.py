@@ -43,6 +43,8 @@ class GradAccess:
 
     def _publish(self) -> None:
         """End of a reduction: which params have a gradient on any rank, and their views."""
+        if self._scheduler is not None:  # stage 3: units of the forward left behind
+            self._scheduler.finish_backward()
         if self._scheduler is not None and self._scheduler.check is not None:
             # stage 3: every rank launched the same collectives in this backward, checked
             # before anything else goes through the main group (a difference may have left

@@ -350,8 +350,14 @@ class ZeroOptimizer(
             max_inflight=max_inflight_buckets,
             reduce_dtype=self.reduce_dtype,
         )
+        # stage 3 on gloo: the reduce-scatters form a sequence of their own, apart from the
+        # all-gathers (see [Note: backward gathers] in zero_kernels/partition/units.py);
+        # check_order="every" compares every launch in one sequence, so it keeps one group
+        self._rs_group = group
+        if self.stage == 3 and self.check_order != "every":
+            self._rs_group = comm.twin_group(group)
         self._reducer = Reducer(
-            self.layout, self._params, self._grads, self.rank, group, self.comm_log
+            self.layout, self._params, self._grads, self.rank, self._rs_group, self.comm_log
         )
         self._hook_handles = self._reducer.handles_to_remove()
         self._reducer.overlap = bool(self.overlap_comm)
@@ -389,6 +395,7 @@ class ZeroOptimizer(
                 check.describe = _call_args(me, "_where")
                 self._scheduler.check = self._reducer.check = check
             self._reducer.on_bucket_ready = self._scheduler.bucket_done
+            self._scheduler.on_skip = _call_args(me, "_skip_unit")
             m = self._module
             self._scheduler.handles += [
                 m._register_state_dict_hook(_call_args(me, "_state_dict_hook")),

@@ -191,7 +191,14 @@ class ParamAccess:
                 names[("reduce_scatter", i, b)] = f"reduce-scatter of the gradients of {where}"
             names[("order", u.index, 0)] = f"forward of unit {u.name!r}"
             names[("check", u.index, 0)] = f"first-step order check at unit {u.name!r}"
-        return SequenceCheck(self._side, names, self._op_timeout, mode, self._scratch_collective)
+        return SequenceCheck(
+            self._side,
+            names,
+            self._op_timeout,
+            mode,
+            self._scratch_collective,
+            split=self._rs_group is not self.group,
+        )
 
     def _scratch_collective(self, key: tuple[str, int, int]):
         """Collective ``key`` of stage 3 (the same sizes, dtype and algorithm) on scratch
@@ -211,7 +218,11 @@ class ParamAccess:
         dt = self._grads.reduce_dtypes[i]  # "reduce_scatter"
         out = torch.empty(numel // n, dtype=dt, device=dev)
         inp = torch.zeros(numel, dtype=dt, device=dev)
-        return comm.reduce_scatter(out, inp, group=self.group, avg=True)
+        return comm.reduce_scatter(out, inp, group=self._rs_group, avg=True)
+
+    def _skip_unit(self, unit) -> None:
+        """Stage 3: this rank's backward skipped ``unit`` (see [Note: backward gathers])."""
+        self._reducer.give_up(unit.buckets)
 
     # ------------------------------------------------------------------ overlapped all-gather
     def _gather_wait_hooks(self, me) -> list:

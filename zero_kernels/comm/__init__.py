@@ -45,6 +45,7 @@ from .choose import (
     _size_class,
     choose_algorithm,
     probe_results,
+    register_twin,
     set_algorithm,
 )
 from .p2p import free_scratch, scratch_bytes
@@ -233,6 +234,25 @@ def side_group(group=None, timeout_s: float = 300.0):
     return dist.new_group(
         ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)
     )
+
+
+def twin_group(group=None):
+    """A second gloo group over the ranks of gloo ``group``, with its timeout: collectives on it
+    form a sequence of their own (stage 3's reduce-scatters, see [Note: backward gathers] in
+    `zero_kernels.partition.units`). ``group`` itself where it is not gloo (NCCL orders
+    communicators together, so a twin would not separate the sequences) or has one rank.
+    Collective."""
+    if world_size(group) == 1 or "gloo" not in str(dist.get_backend(group)):
+        return group
+    pg = group if group is not None else dist.group.WORLD
+    try:
+        timeout = pg._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):  # older or other builds: the default
+        timeout = None
+    ranks = None if group is None else dist.get_process_group_ranks(group)
+    twin = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+    register_twin(twin, group)
+    return twin
 
 
 def check_arrival(side, what: str, timeout_s: float) -> None:

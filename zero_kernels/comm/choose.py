@@ -101,6 +101,21 @@ _PROBE_REPEATS = (5, 4, 4, 3, 3, 1)  # runs per class, more where cheap (the fir
 _P2P_MARGIN = 0.9  # a p2p algorithm must take at most this fraction of native's time
 _overrides: dict = {}  # (group key or None for every group, op) -> algorithm
 _choices: dict = {}  # (group key, op, size class) -> the probe's result
+_twins: dict = {}  # twin group key -> its parent's (`zero_kernels.comm.twin_group`)
+
+
+def _choice_key(group) -> tuple:
+    """The key of ``group``'s algorithm settings and probe results: a twin group shares its
+    parent's (the same ranks and transport)."""
+    key = _group_key(group)
+    return _twins.get(key, key)
+
+
+def register_twin(twin, parent) -> None:
+    """``twin`` uses ``parent``'s algorithm settings and probe results."""
+    _twins[_group_key(twin)] = _choice_key(parent)
+
+
 _logged: set = set()
 
 
@@ -143,7 +158,7 @@ def set_algorithm(op: str, algo: str | None, group=None) -> None:
         raise ValueError(f"op must be one of {_OPS} or 'all'; got {op=!r}")
     if algo is not None and algo not in ALGORITHMS:
         raise ValueError(f"algo must be one of {ALGORITHMS} or None; got {algo=!r}")
-    key = None if group is None else _group_key(group)
+    key = None if group is None else _choice_key(group)
     for o in _OPS if op == "all" else (op,):
         if algo is None:
             _overrides.pop((key, o), None)
@@ -163,7 +178,7 @@ def choose_algorithm(op: str, nbytes: int, *, group=None, device="cpu") -> str:
         return "copy"
     if not _p2p_capable(group, torch.device(device)):
         return "native"
-    key, c = _group_key(group), _size_class(nbytes)
+    key, c = _choice_key(group), _size_class(nbytes)
     algo = _overrides.get((key, op)) or _overrides.get((None, op))
     why = "set_algorithm"
     if algo is None:
@@ -191,7 +206,7 @@ def choose_algorithm(op: str, nbytes: int, *, group=None, device="cpu") -> str:
 
 def probe_results(group=None) -> dict:
     """What the probe measured on ``group``: {(op, size class label): result}."""
-    key = _group_key(group)
+    key = _choice_key(group)
     return {(op, _class_label(c)): dict(v) for (k, op, c), v in _choices.items() if k == key}
 
 
@@ -237,7 +252,7 @@ def _probe(op: str, group, c: int) -> dict:
 
 def _reset_choices() -> None:
     """Forget per-group state (the group objects die with the process group)."""
-    for d in (_choices, _tags, _avg_ok):
+    for d in (_choices, _tags, _avg_ok, _twins):
         d.clear()
     free_scratch()
     _logged.clear()

@@ -64,17 +64,31 @@ class SequenceCheck(comm.Watch):
         timeout: float | None,
         mode: str,
         fill=None,
+        split: bool = False,
     ):
         assert mode in ("pass", "every"), mode
+        assert not (split and mode == "every"), "every launch is compared in one sequence"
         self.side, self.names, self.timeout, self.mode = side, names, timeout, mode
         self.fill = fill  # (kind, i, b) -> a handle: that collective on scratch buffers
         self.codes = {key: k for k, key in enumerate(sorted(names))}
         self.keys = {k: key for key, k in self.codes.items()}
+        # the sequences compared apart: one, or (split) the reduce-scatters on a group of
+        # their own and the rest (see [Note: backward gathers] in partition/units.py)
+        self.streams = 2 if split else 1
+        self.stream_of = {
+            k: int(split and key[0] == "reduce_scatter") for key, k in self.codes.items()
+        }
+        self.events = (
+            ("all-gathers and unit forwards (in order)", "reduce-scatters (in order)")
+            if split
+            else ("collectives and unit forwards (in order)",)
+        )
         self.describe = lambda: ""
-        self.hash = 0
-        self.launched: list[int] = []  # what this pass launched and ran ("pass")
+        self.hash = [0] * self.streams
+        self.launched: list[list[int]] = [[] for _ in range(self.streams)]  # per sequence:
+        # what this pass launched and ran ("pass")
         self.passes = 0  # passes ended
-        self.ending: list[int] | None = None  # the list while at the end of a pass
+        self.ending: list[list[int]] | None = None  # the lists while at the end of a pass
         self.ending_which = ""
         self.blocked_at: float | None = None  # a main-group wait of a pass in progress since
         self.blocked_which = "forward"
@@ -147,8 +161,9 @@ class SequenceCheck(comm.Watch):
             )
 
     def _fold(self, code: int) -> None:
-        self.hash = (self.hash * 1_000_003 + code + 1) % self._MOD
-        self.launched.append(code)
+        s = self.stream_of[code]
+        self.hash[s] = (self.hash[s] * 1_000_003 + code + 1) % self._MOD
+        self.launched[s].append(code)
 
     def called(self, k: int) -> None:
         """ "pass": unit ``k``'s forward runs (outside a recomputation): see the class doc."""
@@ -160,7 +175,6 @@ class SequenceCheck(comm.Watch):
         "are matched by order"
     )
     _FIX = "Every rank must call the same modules in the same order at stage 3"
-    _EVENTS = "collectives and unit forwards (in order)"
     _SPOILED = (
         "Values may have been exchanged between the wrong units, so params, buffers and "
         "gradient shards of this step are not valid, and the process group's collectives may be "
@@ -178,8 +192,8 @@ class SequenceCheck(comm.Watch):
         if self.failure is not None:
             self._fail()
         h, launched = self.hash, self.launched
-        self.hash, self.launched = 0, []
-        t = torch.tensor([h, -h], dtype=torch.int64)
+        self.hash, self.launched = [0] * self.streams, [[] for _ in range(self.streams)]
+        t = torch.tensor([x for v in h for x in (v, -v)], dtype=torch.int64)
         what = f"{self.describe()}: order check at the end of {which}"
         self.ending, self.ending_which = launched, which
         try:
@@ -189,7 +203,7 @@ class SequenceCheck(comm.Watch):
         finally:
             self.ending = None
             self.passes += 1
-        if int(t[0]) == h and -int(t[1]) == h:
+        if all(int(t[2 * s]) == v and -int(t[2 * s + 1]) == v for s, v in enumerate(h)):
             return
         every = comm.all_gather_object(launched, group=self.side)
         me = comm.rank(self.side)
@@ -197,14 +211,21 @@ class SequenceCheck(comm.Watch):
             "the ranks reached this check from different places (a forward on some, a "
             "backward on others)"
         )
-        for k in range(max(len(x) for x in every)):
-            col = [x[k] if k < len(x) else None for x in every]
-            if len(set(col)) > 1:
-                other = next(c for c in col if c != col[me])
-                where = (
-                    f"#{k + 1} of this {which}'s {self._EVENTS} was {self._name(col[me])} on "
-                    f"rank {me} where another rank ran {self._name(other)}"
-                )
+        for s in range(self.streams):
+            lists = [x[s] for x in every]
+            col = None
+            for k in range(max(len(x) for x in lists)):
+                col = [x[k] if k < len(x) else None for x in lists]
+                if len(set(col)) > 1:
+                    other = next(c for c in col if c != col[me])
+                    where = (
+                        f"#{k + 1} of this {which}'s {self.events[s]} was "
+                        f"{self._name(col[me])} on rank {me} where another rank ran "
+                        f"{self._name(other)}"
+                    )
+                    break
+                col = None
+            if col is not None:
                 break
         raise ValueError(f"stage 3: {where}: {self._WHY}. {self._SPOILED} {self._FIX}")
 
@@ -222,11 +243,11 @@ class SequenceCheck(comm.Watch):
             except (RuntimeError, OSError, ValueError):  # the store (its host may have exited)
                 pass
 
-    def _mine(self) -> tuple[bool, list[int], str]:
+    def _mine(self) -> tuple[bool, list[list[int]], str]:
         ended = self.ending is not None
         if ended:
-            return True, list(self.ending), self.ending_which
-        return False, list(self.launched), self.blocked_which
+            return True, [list(x) for x in self.ending], self.ending_which
+        return False, [list(x) for x in self.launched], self.blocked_which
 
     def _diagnose(self) -> str | None:
         """The error every rank raises (read from the store when another rank found it first),
@@ -250,17 +271,21 @@ class SequenceCheck(comm.Watch):
                 lists[r] = (other["ended"], other["launched"])
                 if other["ended"]:
                     which = other["which"]
-        diff = _first_difference(lists)
-        if diff is None:
+        for seq in range(self.streams):
+            one = {q: (ended, x[seq]) for q, (ended, x) in lists.items()}
+            diff = _first_difference(one)
+            if diff is not None:
+                break
+        else:
             return None
         k, r, s = diff
         ran = lambda q: (  # noqa: E731
-            f"ran {self._name(lists[q][1][k])}"
-            if k < len(lists[q][1])
+            f"ran {self._name(one[q][1][k])}"
+            if k < len(one[q][1])
             else f"ended the {which} after {k}"
         )
         msg = (
-            f"stage 3: #{k + 1} of this {which}'s {self._EVENTS} differs between the ranks: "
+            f"stage 3: #{k + 1} of this {which}'s {self.events[seq]} differs between the ranks: "
             f"rank {r} {ran(r)} where rank {s} {ran(s)}, so a rank waits for a collective that "
             f"another will never launch (found when a wait lasted {self.probe_s:g} s, instead "
             f"of a hang): {self._WHY}. {self._SPOILED} {self._FIX}"
@@ -286,14 +311,15 @@ class SequenceCheck(comm.Watch):
                     lists[r] = json.loads(self.store.get(key))
             if len(lists) < n:
                 time.sleep(0.02)
-        longest = max(lists.values(), key=len)
         if self.fill is not None:
-            for code in longest[len(mine) :]:
-                key = self.keys[code]
-                if key[0] != "order":  # a unit forward: nothing launched
-                    self.filled.append(self.fill(key))
+            for s in range(self.streams):
+                longest = max((x[s] for x in lists.values()), key=len)
+                for code in longest[len(mine[s]) :]:
+                    key = self.keys[code]
+                    if key[0] != "order":  # a unit forward: nothing launched
+                        self.filled.append(self.fill(key))
         if self.ending is None:  # the end-of-pass all-reduce of the ranks that ended the pass
-            t = torch.zeros(2, dtype=torch.int64)
+            t = torch.zeros(2 * self.streams, dtype=torch.int64)  # as `end_pass`'s
             work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.side, async_op=True)
             self.filled.append((work, t))
 

@@ -91,6 +91,7 @@ class GradBucket:
         "state",
         "arrived",
         "launched",
+        "given_up",
         "fresh",
         "overwrite",
         "written",
@@ -104,6 +105,7 @@ class GradBucket:
         self.state = BucketState.CLEAN
         self.arrived = 0  # grads arrived in this pass
         self.launched = False  # reduce-scatter issued in this pass
+        self.given_up = False  # stage 3: its unit's backward was skipped here (launch at its turn)
         self.fresh = True  # stage 2: the next reduction overwrites the shard (else adds to it)
         self.overwrite = False  # the reduction in flight overwrites the shard
         self.written: set[int] = set()  # slots written: stage 1 since zero_grad, else since
@@ -175,6 +177,7 @@ class Reducer:
         for bk in self.buckets.values():
             bk.arrived = 0
             bk.launched = False
+            bk.given_up = False
         self.next = 0
         self.callback_queued = False
         self.pass_started = False
@@ -244,11 +247,23 @@ class Reducer:
     def _launch_ready(self) -> None:
         while self.next < len(self.order):
             bk = self.order[self.next]
-            if not bk.launched and bk.arrived < bk.need:
+            if not bk.launched and bk.arrived < bk.need and not bk.given_up:
                 return
             if not bk.launched:
                 self._launch(bk)
             self.next += 1
+
+    def give_up(self, keys) -> None:
+        """Stage 3: this rank's backward skipped the unit of buckets ``keys`` (its output took
+        no part in this rank's loss): they get no more grads in this pass, so they are reduced
+        at their turn in the fixed order, with zeros for what did not arrive, instead of at the
+        end of backward (see [Note: backward gathers] in `zero_kernels.partition.units`)."""
+        for key in keys:
+            bk = self.buckets.get(key)
+            if bk is not None:
+                bk.given_up = True
+        if self.overlap and self.callback_queued:  # (else: at the next grad, or the end)
+            self._launch_ready()
 
     def _accumulator(self, bk: GradBucket) -> torch.Tensor:
         """The bucket's local grad storage, ready to accumulate into (FILLING)."""

@@ -21,8 +21,9 @@ Timeline of one training step (units U1..U3 inside the root, prefetch=1):
   ``prefetch`` units in forward order are started; post-forward: freed when
   ``reshard_after_forward`` (default) or when no backward will follow (``torch.no_grad``).
 - pre-backward (a hook on the unit's outputs): the unit is gathered again if it was freed, the
-  next units in backward order prefetched; post-backward: when every gradient of a bucket has
-  arrived (the reducer's hook) its reduce-scatter starts and its params are freed.
+  next units in backward order prefetched (see [Note: backward gathers]); post-backward: when
+  every gradient of a bucket has arrived (the reducer's hook) its reduce-scatter starts and its
+  params are freed.
 - The root unit is gathered from the model's pre-forward to the end of backward.
 - A module called twice re-gathers once per call (at most one extra gather); activation
   checkpointing re-runs a unit's forward inside backward, which gathers it if needed and does not
@@ -31,6 +32,31 @@ Timeline of one training step (units U1..U3 inside the root, prefetch=1):
   all-reduce per unit): ranks that run different modules get a ValueError naming them, never
   all-gathers that do not match. Later steps prefetch by the recorded order; a unit reached out of
   that order is gathered on demand, and prefetched units left unused are freed at the end.
+
+[Note: backward gathers]
+A rank's backward can skip units that every rank ran forward: an output that takes part in the
+loss on some ranks only (an auxiliary head, a task head chosen by the batch). Gathers launched
+as hooks fire would then differ between ranks, and the collectives are matched by their order.
+So the backward's all-gathers follow one list, the same on every rank: the units of the last
+forward whose outputs need a gradient (a hook is registered on them), in reverse forward order,
+which is the order autograd runs them in (it runs ready nodes latest-created first). A unit's
+pre-backward hook gathers every unit of the list before it that this rank has not reached
+(*passed over*: gathered as the others do, then freed unless the list needs it again) and then
+itself, and prefetches the next ``prefetch`` of the list; the end of backward passes over what
+is left. The reduce-scatters are launched in the reducer's fixed bucket order; a passed-over
+unit's buckets are launched at their turn with zeros for the grads that will not come
+(`Reducer.give_up`) instead of holding the later buckets until the end of backward, which could
+deadlock: a rank bounded in bucket buffers waits for a reduce-scatter the skipping rank holds
+back while the skipping rank waits for an all-gather the first has not reached. Gathers and
+reduce-scatters interleave differently on a rank that skips (its grads do not come where the
+others' do), so on gloo the reduce-scatters run on a twin process group, a sequence of their
+own (`zero_kernels.comm.twin_group`): each sequence is the same on every rank, and each is
+hashed and compared apart (`SequenceCheck`). NCCL orders communicators together, so there (and
+with ``check_order="every"``, which compares every launch in one sequence) they stay on the main
+group, and a skipping rank is found by the comparison instead. The result is every rank's
+gradient averaged with zeros where a rank's loss did not use a param: what stages 1 and 2 give.
+A rank whose backward runs units in a different order (not only fewer) is not covered: the
+comparison finds it, or gloo aborts where the sizes differ first.
 """
 
 from __future__ import annotations
@@ -150,6 +176,13 @@ class UnitScheduler:
         self.recording: list[int] = []
         self.pos = 0  # position in the recorded order during a forward
         self._done: set[tuple[int, int]] = set()  # buckets whose grads all arrived
+        # [Note: backward gathers]: the units of this forward whose backward is expected (a
+        # hook on their outputs), in forward order, and how far the backward got through them
+        # (from the end); ``on_skip(u)``: a unit this rank's backward passed over (its buckets
+        # are reduced at their turn without waiting for grads that will not come)
+        self.bwd_units: list[int] = []
+        self.bwd_next = 0
+        self.on_skip = None
         self.timeout: float | None = None  # bound on each wait (the optimizer's ``timeout``)
         self.describe = lambda: ""  # where we are, for a timeout's message
         self.check = None  # SequenceCheck: every launch compared across ranks first
@@ -261,6 +294,7 @@ class UnitScheduler:
             if ts:
                 me = weakref.ref(self)
                 torch.autograd.graph.register_multi_grad_hook(ts, _pre_bwd(me, k), mode="any")
+                self.bwd_units.append(k)
             if self.reshard_after_forward:
                 self.free(u)
         else:
@@ -271,6 +305,7 @@ class UnitScheduler:
             self.wait(self.root)
             return
         self.pos = 0
+        self.bwd_units, self.bwd_next = [], 0  # the last forward's backward is the next one
         self.wait(self.root)
         if self.order is not None:
             for j in self.order[: self.prefetch]:
@@ -290,12 +325,38 @@ class UnitScheduler:
     # ---- backward
     def pre_backward(self, k: int) -> None:
         u = self.by_index[k]
+        todo = self.bwd_units[::-1]  # backward order
+        try:
+            at = todo.index(k, self.bwd_next)
+        except ValueError:  # not expected here (a second call's hook, or out of order)
+            self.wait(u)
+            return
+        self._pass_over(todo[self.bwd_next : at], todo[at + 1 :])
+        self.bwd_next = at + 1
         self.wait(u)
-        order = self.order or []
-        if k in order:
-            at = len(order) - 1 - order[::-1].index(k)
-            for j in order[max(0, at - self.prefetch) : at][::-1]:
-                self.gather(self.by_index[j])
+        for j in todo[at + 1 : at + 1 + self.prefetch]:
+            self.gather(self.by_index[j])
+
+    def _pass_over(self, skipped: list[int], later: list[int], reduce: bool = True) -> None:
+        """Units whose backward this rank skipped (see [Note: backward gathers]): gathered as
+        every rank does at that point, freed at once unless needed again later in this
+        backward, and (``reduce``) their gradient buckets handed to the reducer as complete."""
+        for j in skipped:
+            v = self.by_index[j]
+            self.gather(v)
+            if j not in later:
+                self.free(v)
+            if reduce and self.on_skip is not None:
+                self.on_skip(v)
+
+    def finish_backward(self) -> None:
+        """The end of a backward, before its collectives are compared: units of the forward
+        whose backward this rank did not reach are passed over (gathered and freed; the reducer
+        has launched every bucket by now), so that every rank launched the same all-gathers."""
+        todo = self.bwd_units[::-1]
+        if self.bwd_next < len(todo):
+            self._pass_over(todo[self.bwd_next :], [], reduce=False)
+        self.bwd_next = len(todo)
 
     def bucket_done(self, i: int, b: int) -> None:
         """Every gradient of bucket (i, b) arrived: its unit's params are not needed any more
@@ -309,6 +370,7 @@ class UnitScheduler:
 
     def end_backward(self) -> None:
         self._done = set()
+        self.bwd_units, self.bwd_next = [], 0
         self.free_all()
 
     def remove(self) -> None:
