@@ -484,6 +484,22 @@ def check_unused_outputs(rank: int, world: int) -> dict:
         _close(zo, m1, ref, 1e-6, f"unused aux output at {at}, {kw}")
         zo.close()
         out[f"unused output at {at} {kw}"] = "ok"
+    if world > 1:  # check_order="every" keeps one sequence: the skip is a clear error instead
+        g = dist.new_group(backend="gloo")
+        torch.manual_seed(0)
+        m = AuxNet(1)
+        zo = ZeroOptimizer(
+            m, O.AdamW, stage=3, units=_aux_units, check_order="every", process_group=g, lr=1e-2
+        )
+        x, y = _batch(rank, 0)
+        o, a = m(x)
+        loss = _loss(o, y) + (0 if rank == 1 else a.float().pow(2).mean())
+        try:
+            loss.backward()
+            raise AssertionError("check_order='every': a skipped unit passed")
+        except ValueError as e:
+            assert "about to launch" in str(e) and "nothing was sent" in str(e), e
+        out["unused output, check_order='every'"] = "ok"
     return out
 
 
