@@ -35,6 +35,8 @@ def _fixed_mmap_threshold():
         del os.environ["MALLOC_MMAP_THRESHOLD_"]
     else:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = old
+
+
 BIG_PSI = 32 * (512 * 512 + 512)  # big_mlp's parameters
 
 
