@@ -221,8 +221,10 @@ class ParamAccess:
         return comm.reduce_scatter(out, inp, group=self._rs_group, avg=True)
 
     def _skip_unit(self, unit) -> None:
-        """Stage 3: this rank's backward skipped ``unit`` (see [Note: backward gathers])."""
-        self._reducer.give_up(unit.buckets)
+        """Stage 3: this rank's backward skipped ``unit`` (see [Note: backward gathers]): the
+        reducer stops waiting for its params' grads that will not come."""
+        index = {id(p): i for i, p in self._trainable.items()}
+        self._reducer.give_up([index[id(p)] for p in unit.module.parameters() if id(p) in index])
 
     # ------------------------------------------------------------------ overlapped all-gather
     def _gather_wait_hooks(self, me) -> list:

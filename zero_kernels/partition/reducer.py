@@ -91,7 +91,7 @@ class GradBucket:
         "state",
         "arrived",
         "launched",
-        "given_up",
+        "skipped",
         "fresh",
         "overwrite",
         "written",
@@ -105,7 +105,7 @@ class GradBucket:
         self.state = BucketState.CLEAN
         self.arrived = 0  # grads arrived in this pass
         self.launched = False  # reduce-scatter issued in this pass
-        self.given_up = False  # stage 3: its unit's backward was skipped here (launch at its turn)
+        self.skipped = 0  # stage 3: grads that will not come in this pass (`Reducer.give_up`)
         self.fresh = True  # stage 2: the next reduction overwrites the shard (else adds to it)
         self.overwrite = False  # the reduction in flight overwrites the shard
         self.written: set[int] = set()  # slots written: stage 1 since zero_grad, else since
@@ -162,6 +162,12 @@ class Reducer:
         self._hooks = []
         self._hook_cache: dict = {}
         self._gap_cache: dict = {}
+        self._params = params
+        self._slot_of = {  # param index -> (buffer, bucket, param index)
+            slot.index: (i, slot.bucket, slot.index)
+            for i, buf in enumerate(layout.buffers)
+            for slot in buf.slots
+        }
         me = weakref.ref(self)  # hooks must not keep the reducer (and its optimizer) alive
         for i, buf in enumerate(layout.buffers):
             for pos, slot in enumerate(buf.slots):
@@ -177,8 +183,9 @@ class Reducer:
         for bk in self.buckets.values():
             bk.arrived = 0
             bk.launched = False
-            bk.given_up = False
+            bk.skipped = 0
         self.next = 0
+        self._gave_up: set[int] = set()  # params counted by `give_up` in this pass
         self.callback_queued = False
         self.pass_started = False
 
@@ -247,21 +254,25 @@ class Reducer:
     def _launch_ready(self) -> None:
         while self.next < len(self.order):
             bk = self.order[self.next]
-            if not bk.launched and bk.arrived < bk.need and not bk.given_up:
+            if not bk.launched and bk.arrived + bk.skipped < bk.need:
                 return
             if not bk.launched:
                 self._launch(bk)
             self.next += 1
 
-    def give_up(self, keys) -> None:
-        """Stage 3: this rank's backward skipped the unit of buckets ``keys`` (its output took
-        no part in this rank's loss): they get no more grads in this pass, so they are reduced
-        at their turn in the fixed order, with zeros for what did not arrive, instead of at the
-        end of backward (see [Note: backward gathers] in `zero_kernels.partition.units`)."""
-        for key in keys:
-            bk = self.buckets.get(key)
-            if bk is not None:
-                bk.given_up = True
+    def give_up(self, indices) -> None:
+        """Stage 3: this rank's backward skipped a unit holding params ``indices`` (its output
+        took no part in this rank's loss). Those whose gradient will not come in this backward
+        (autograd's engine will not run their accumulation: a param tied into a unit that runs
+        still gets one) are counted as arrived, so that their buckets are reduced at their turn
+        in the fixed order, with zeros for them, not at the end of backward (see [Note: backward
+        gathers] in `zero_kernels.partition.units`)."""
+        for idx in indices:
+            where = self._slot_of.get(idx)
+            if where is None or where[2] in self._gave_up or _grad_will_come(self._params[idx]):
+                continue
+            self._gave_up.add(where[2])
+            self.buckets[where[:2]].skipped += 1
         if self.overlap and self.callback_queued:  # (else: at the next grad, or the end)
             self._launch_ready()
 
@@ -410,6 +421,18 @@ class Reducer:
     def flush_pending_waits(self) -> None:
         if self.inflight:
             self.wait_all()
+
+
+def _grad_will_come(p: torch.Tensor) -> bool:
+    """Inside backward: whether autograd's engine will accumulate a gradient into leaf ``p`` in
+    the backward now running (its accumulation node is part of it)."""
+    edge = getattr(torch.autograd.graph, "get_gradient_edge", None)
+    if edge is not None:
+        node = edge(p).node
+    else:  # torch < 2.2: the node a view's graph leads to
+        with torch.enable_grad():
+            node = p.view_as(p).grad_fn.next_functions[0][0]
+    return bool(torch._C._will_engine_execute_node(node))
 
 
 def _pre_hook(me):

@@ -43,11 +43,13 @@ which is the order autograd runs them in (it runs ready nodes latest-created fir
 pre-backward hook gathers every unit of the list before it that this rank has not reached
 (*passed over*: gathered as the others do, then freed unless the list needs it again) and then
 itself, and prefetches the next ``prefetch`` of the list; the end of backward passes over what
-is left. The reduce-scatters are launched in the reducer's fixed bucket order; a passed-over
-unit's buckets are launched at their turn with zeros for the grads that will not come
-(`Reducer.give_up`) instead of holding the later buckets until the end of backward, which could
-deadlock: a rank bounded in bucket buffers waits for a reduce-scatter the skipping rank holds
-back while the skipping rank waits for an all-gather the first has not reached. Gathers and
+is left. The reduce-scatters are launched in the reducer's fixed bucket order; the params of a
+passed-over unit whose grads will not come in this backward (autograd's engine will not run
+their accumulation; a weight tied into a unit that runs still gets one) count as arrived
+(`Reducer.give_up`), so their buckets are launched at their turn with zeros for them, instead
+of holding the later buckets until the end of backward, which could deadlock: a rank bounded
+in bucket buffers waits for a reduce-scatter the skipping rank holds back while the skipping
+rank waits for an all-gather the first has not reached. Gathers and
 reduce-scatters interleave differently on a rank that skips (its grads do not come where the
 others' do), so on gloo the reduce-scatters run on a twin process group, a sequence of their
 own (`zero_kernels.comm.twin_group`): each sequence is the same on every rank, and each is
