@@ -3,6 +3,7 @@ clear error. Run on spawned gloo ranks by tests/test_zero_contract.py, several c
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import time
@@ -409,7 +410,7 @@ def check_join(rank: int, world: int) -> dict:
     from torch.distributed.algorithms.join import Join
 
     out = {}
-    for stage in (1, 2):
+    for stage in (1, 2, 3):
         n_batches = 2 + rank  # the last rank has the most
         m1, m2, zo, ddp, to = _pair(stage)
         with Join([zo]):
@@ -422,12 +423,13 @@ def check_join(rank: int, world: int) -> dict:
                 to.zero_grad()
                 ddp(_x(rank, step)).pow(2).mean().backward()
                 to.step()
-        if rank == world - 1:  # stepped in every iteration under DDP too
-            _close(m1, m2, 1e-6, f"Join stage={stage}")
-        for p in m1.parameters():
-            ref = p.detach().clone()
-            dist.broadcast(ref, 0)
-            assert torch.equal(ref, p.detach()), "ranks differ after Join"
+        with zo.gathered_params() if stage == 3 else contextlib.nullcontext():
+            if rank == world - 1:  # stepped in every iteration under DDP too
+                _close(m1, m2, 1e-6, f"Join stage={stage}")
+            for p in m1.parameters():
+                ref = p.detach().clone()
+                dist.broadcast(ref, 0)
+                assert torch.equal(ref, p.detach()), "ranks differ after Join"
         zo.close()
         out[f"join stage={stage}"] = "ok"
     # clipping once a rank joined: a clear error on the ranks still training, no hang. It ends
@@ -447,6 +449,39 @@ def check_join(rank: int, world: int) -> dict:
                 assert "Join" in str(e), e
                 out["join clip error"] = str(e)[:60]
     return out
+
+
+def check_join_refusals(rank: int, world: int, what: str) -> dict:
+    """Once a rank joined (Join), what its shadow iterations cannot match is a clear error on
+    the ranks still training: at stage 3 an evaluation forward (``what="eval"``: its
+    all-gathers would have no partner) or gradient accumulation (``"accumulate"``: the joined
+    rank would step after each micro-batch). The group is unusable after (the joined rank
+    waits in a collective that never comes, until it sees its partners leave), so each case
+    runs in processes of its own."""
+    from torch.distributed.algorithms.join import Join
+
+    m1 = _model()
+    zo = ZeroOptimizer(m1, O.AdamW, stage=3, lr=1e-2)
+    try:
+        with Join([zo]):
+            for step in range(1 + rank):
+                zo.zero_grad()
+                if what == "accumulate":
+                    with zo.no_sync():
+                        m1(_x(rank, 2 * step)).pow(2).mean().backward()
+                m1(_x(rank, step)).pow(2).mean().backward()
+                zo.step()
+                if what == "eval":
+                    with torch.no_grad():
+                        m1(_x(rank, step))
+        assert rank == 0, f"{what} after a rank joined did not raise"
+    except RuntimeError as e:
+        if rank == 0:  # joined: it sees its partner leave
+            return {}
+        words = {"eval": "forward without gradients", "accumulate": "accumulation (no_sync)"}
+        assert words[what] in str(e) and "Join" in str(e), e
+        return {what: "ok"}
+    return {}
 
 
 def contract_all(rank: int, world: int) -> dict:

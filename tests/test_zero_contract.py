@@ -24,6 +24,13 @@ def test_contract(world):
         assert rep[0]["lone call s"] < 30  # an error on the lone rank, not a hang
 
 
+@pytest.mark.distributed
+@pytest.mark.parametrize("what", ["eval", "accumulate"])
+def test_join_stage3_refusals(what):
+    rep = run_workers(contract_checks.check_join_refusals, 2, what, timeout=120)
+    assert rep[1] == {what: "ok"}, rep
+
+
 def _m():
     return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.algorithms.join import JoinHook
+from torch.utils._pytree import tree_flatten
 
 from . import comm
 
@@ -23,6 +24,10 @@ class _JoinHook(JoinHook):
     def main_hook(self) -> None:
         self.opt._shadow_iteration()
 
+    def post_hook(self, is_last_joiner: bool) -> None:
+        self.opt._join_input = None  # the Join context ends on every rank
+        self.opt._join_active = None
+
 
 class GradAccess:
     """The gradient views' bookkeeping and Join (see the module doc)."""
@@ -32,8 +37,10 @@ class GradAccess:
         """First grad of a backward pass: take user changes, make the store accumulate in
         loss-scaled units, and take the views off the params so autograd writes fresh grads.
         Inside a ``Join`` context, a synchronising pass first tells it this rank still trains."""
-        if self._reducer.sync or self.stage == 2:
+        if self.stage != 3 and (self._reducer.sync or self.stage == 2):  # stage 3: forward
             self._join_active = comm.join_notify(self)
+            if not self._reducer.sync:  # stage 2 reduces (and a joined rank steps) each time
+                self._check_not_joined("gradient accumulation (no_sync)")
         self._sync_user_changes()
         ls = 1.0 / self.loss_scale
         if self._views.active and self._grad_factor != ls:
@@ -118,15 +125,63 @@ class GradAccess:
     def join_process_group(self):
         return comm.group_or_world(self.group)
 
+    def _forward_start(self, args: tuple, kwargs: dict) -> None:
+        """Stage 3, a forward begins: inside a ``Join`` context, tell it this rank still trains
+        (before the forward's all-gathers, which a joined rank shadows after that all-reduce)
+        and keep the inputs, which this rank's shadow iterations run again once it joins."""
+        if self._shadowing:
+            return
+        if not torch.is_grad_enabled():  # its all-gathers have no partner on a joined rank
+            self._check_not_joined("a forward without gradients at stage 3")
+            return
+        if getattr(getattr(self, "_join_config", None), "enable", False):
+            self._join_input = (args, kwargs)
+        self._join_active = comm.join_notify(self)
+        if not self._reducer.sync:  # a joined rank steps after each shadowed backward
+            self._check_not_joined("gradient accumulation (no_sync)")
+
     def _shadow_iteration(self) -> None:
         self._reset_grads()
-        self._reducer.finish()  # every bucket reduced with zeros; the gradient mask
+        if self.stage == 3:
+            self._shadow_stage3()
+        else:
+            self._reducer.finish()  # every bucket reduced with zeros; the gradient mask
         self.step()
+
+    def _shadow_iteration_input(self):
+        got = self._join_input
+        if got is None:
+            raise RuntimeError(
+                "ZeroOptimizer stage 3 under Join: this rank ran out of inputs before its first "
+                "forward in the Join context, so it has no input to shadow the others' "
+                "forwards with (their all-gathers need a partner); give every rank at least "
+                "one batch"
+            )
+        return got
+
+    def _shadow_stage3(self) -> None:
+        """Stage 3: a joined rank's part of the others' forward and backward: the model run
+        again on this rank's last inputs, backward with zero output gradients (so its
+        gradients count as zeros in the averages, DDP's default under Join), which launches the
+        same all-gathers and reduce-scatters as a training forward and backward."""
+        args, kwargs = self._shadow_iteration_input()
+        self._shadowing = True
+        try:
+            with torch.enable_grad():
+                out = self._module(*args, **kwargs)
+            ts = [
+                t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad
+            ]
+            if ts:
+                torch.autograd.backward(ts, [torch.zeros_like(t) for t in ts])
+        finally:
+            self._shadowing = False
 
     def _check_not_joined(self, what: str) -> None:
         if self._join_active is not None and self._join_active < self.world_size:
             raise RuntimeError(
                 f"{what} after a rank ran out of inputs under Join: the joined rank shadows only "
-                "one backward and one step per iteration, so this collective has no partner; "
-                "clip only while every rank has inputs (or pad the inputs to equal length)"
+                "one forward (stage 3), one backward and one step per iteration, so this has no "
+                "partner there or would step its shard more often than the others'; do it only "
+                "while every rank has inputs (or pad the inputs to equal length)"
             )

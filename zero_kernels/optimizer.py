@@ -173,6 +173,8 @@ class ZeroOptimizer(
         self._hook_handles: list = []
         Joinable.__init__(self)
         self._join_active: int | None = None  # ranks still training, inside a Join context
+        self._join_input = None  # stage 3 under Join: the last forward's inputs (shadowing)
+        self._shadowing = False  # stage 3: a joined rank's shadow forward and backward runs
         validate.check_args(
             stage, bucket_size_mb, max_inflight_buckets, kernel_backend, nonfinite, timeout
         )
@@ -396,6 +398,7 @@ class ZeroOptimizer(
                 self._scheduler.check = self._reducer.check = check
             self._reducer.on_bucket_ready = self._scheduler.bucket_done
             self._scheduler.on_skip = _call_args(me, "_skip_unit")
+            self._scheduler.on_forward_start = _call_args(me, "_forward_start")
             m = self._module
             self._scheduler.handles += [
                 m._register_state_dict_hook(_call_args(me, "_state_dict_hook")),

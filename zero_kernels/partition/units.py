@@ -185,6 +185,7 @@ class UnitScheduler:
         self.bwd_units: list[int] = []
         self.bwd_next = 0
         self.on_skip = None
+        self.on_forward_start = None  # (args, kwargs) of a forward outside backward
         self.timeout: float | None = None  # bound on each wait (the optimizer's ``timeout``)
         self.describe = lambda: ""  # where we are, for a timeout's message
         self.check = None  # SequenceCheck: every launch compared across ranks first
@@ -193,7 +194,7 @@ class UnitScheduler:
         for u in units:
             self.handles.append(u.module.register_forward_pre_hook(_pre(me, u.index)))
             self.handles.append(u.module.register_forward_hook(_post(me, u.index)))
-        self.handles.append(model.register_forward_pre_hook(_root_pre(me)))
+        self.handles.append(model.register_forward_pre_hook(_root_pre(me), with_kwargs=True))
         self.handles.append(model.register_forward_hook(_root_post(me)))
         self.by_index = {u.index: u for u in self.all_units}
         self.bucket_unit = {b: u for u in self.all_units for b in u.buckets}
@@ -302,10 +303,12 @@ class UnitScheduler:
         else:
             self.free(u)
 
-    def root_pre(self) -> None:
+    def root_pre(self, args: tuple = (), kwargs: dict | None = None) -> None:
         if _in_backward():
             self.wait(self.root)
             return
+        if self.on_forward_start is not None:  # before any collective of the forward (Join)
+            self.on_forward_start(args, kwargs or {})
         self.pos = 0
         self.bwd_units, self.bwd_next = [], 0  # the last forward's backward is the next one
         self.wait(self.root)
@@ -429,10 +432,10 @@ def _post(me, k):
 
 
 def _root_pre(me):
-    def hook(module, args):
+    def hook(module, args, kwargs):
         s = me()
         if s is not None:
-            s.root_pre()
+            s.root_pre(args, kwargs)
 
     return hook
 
