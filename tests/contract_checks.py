@@ -455,18 +455,19 @@ def check_join_refusals(rank: int, world: int, what: str) -> dict:
     """Once a rank joined (Join), what its shadow iterations cannot match is a clear error on
     the ranks still training: at stage 3 an evaluation forward (``what="eval"``: its
     all-gathers would have no partner) or gradient accumulation (``"accumulate"``: the joined
-    rank would step after each micro-batch). The group is unusable after (the joined rank
+    rank would step after each micro-batch; ``"accumulate2"``: the same at stage 2, which reduces
+    each micro-batch). The group is unusable after (the joined rank
     waits in a collective that never comes, until it sees its partners leave), so each case
     runs in processes of its own."""
     from torch.distributed.algorithms.join import Join
 
     m1 = _model()
-    zo = ZeroOptimizer(m1, O.AdamW, stage=3, lr=1e-2)
+    zo = ZeroOptimizer(m1, O.AdamW, stage=2 if what == "accumulate2" else 3, lr=1e-2)
     try:
         with Join([zo]):
             for step in range(1 + rank):
                 zo.zero_grad()
-                if what == "accumulate":
+                if what.startswith("accumulate"):
                     with zo.no_sync():
                         m1(_x(rank, 2 * step)).pow(2).mean().backward()
                 m1(_x(rank, step)).pow(2).mean().backward()
@@ -478,8 +479,8 @@ def check_join_refusals(rank: int, world: int, what: str) -> dict:
     except RuntimeError as e:
         if rank == 0:  # joined: it sees its partner leave
             return {}
-        words = {"eval": "forward without gradients", "accumulate": "accumulation (no_sync)"}
-        assert words[what] in str(e) and "Join" in str(e), e
+        words = "forward without gradients" if what == "eval" else "accumulation (no_sync)"
+        assert words in str(e) and "Join" in str(e), e
         return {what: "ok"}
     return {}
 

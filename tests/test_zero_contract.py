@@ -25,7 +25,7 @@ def test_contract(world):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("what", ["eval", "accumulate"])
+@pytest.mark.parametrize("what", ["eval", "accumulate", "accumulate2"])
 def test_join_stage3_refusals(what):
     rep = run_workers(contract_checks.check_join_refusals, 2, what, timeout=120)
     assert rep[1] == {what: "ok"}, rep
