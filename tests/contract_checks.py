@@ -404,6 +404,20 @@ def check_nonfinite(rank: int, world: int) -> dict:
     return out
 
 
+class _Calls(nn.Module):
+    """Identity that counts its forwards in a buffer and draws once from torch's generator
+    (state a shadow forward must leave as it was)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x):
+        self.calls += 1
+        torch.rand(())
+        return x
+
+
 def check_join(rank: int, world: int) -> dict:
     """Uneven inputs through torch's Join: the ranks with more batches get DDP-under-Join's
     result (the joined ranks count as zero gradients), every rank ends with the same params."""
@@ -413,6 +427,8 @@ def check_join(rank: int, world: int) -> dict:
     for stage in (1, 2, 3):
         n_batches = 2 + rank  # the last rank has the most
         m1, m2, zo, ddp, to = _pair(stage)
+        m1.append(_Calls())  # counts this rank's own forwards (a stage-3 shadow adds none)
+        rng = torch.get_rng_state()
         with Join([zo]):
             for step in range(n_batches):
                 zo.zero_grad()
@@ -424,6 +440,11 @@ def check_join(rank: int, world: int) -> dict:
                 ddp(_x(rank, step)).pow(2).mean().backward()
                 to.step()
         zo.clip_grad_norm_(1e9)  # after the Join context: every rank trains again
+        assert int(m1[-1].calls) == n_batches, (stage, int(m1[-1].calls), n_batches)
+        now = torch.get_rng_state()
+        torch.set_rng_state(rng)
+        torch.rand(n_batches)  # this rank's own forwards' draws, nothing more
+        assert torch.equal(torch.get_rng_state(), now), "a shadow iteration used the RNG"
         with zo.gathered_params() if stage == 3 else contextlib.nullcontext():
             if rank == world - 1:  # stepped in every iteration under DDP too
                 _close(m1, m2, 1e-6, f"Join stage={stage}")

@@ -134,7 +134,7 @@ class GradAccess:
         if not torch.is_grad_enabled():  # its all-gathers have no partner on a joined rank
             self._check_not_joined("a forward without gradients at stage 3")
             return
-        if getattr(getattr(self, "_join_config", None), "enable", False):
+        if self._join_config.enable:
             self._join_input = (args, kwargs)
         self._join_active = comm.join_notify(self)
         if not self._reducer.sync:  # a joined rank steps after each shadowed backward
@@ -148,34 +148,39 @@ class GradAccess:
             self._reducer.finish()  # every bucket reduced with zeros; the gradient mask
         self.step()
 
-    def _shadow_iteration_input(self):
-        got = self._join_input
-        if got is None:
+    def _shadow_stage3(self) -> None:
+        """Stage 3: a joined rank's part of the others' forward and backward: the model run
+        again on this rank's last inputs, backward with zero output gradients (so its
+        gradients count as zeros in the averages, DDP's default under Join), which launches the
+        same all-gathers and reduce-scatters as a training forward and backward."""
+        if self._join_input is None:
             raise RuntimeError(
                 "ZeroOptimizer stage 3 under Join: this rank ran out of inputs before its first "
                 "forward in the Join context, so it has no input to shadow the others' "
                 "forwards with (their all-gathers need a partner); give every rank at least "
                 "one batch"
             )
-        return got
-
-    def _shadow_stage3(self) -> None:
-        """Stage 3: a joined rank's part of the others' forward and backward: the model run
-        again on this rank's last inputs, backward with zero output gradients (so its
-        gradients count as zeros in the averages, DDP's default under Join), which launches the
-        same all-gathers and reduce-scatters as a training forward and backward."""
-        args, kwargs = self._shadow_iteration_input()
+        args, kwargs = self._join_input
+        # the shadow leaves no trace on this rank: buffers (BatchNorm's running statistics)
+        # and random state are as before it, as on a joined DDP rank that runs no forward
+        saved = [(b, b.detach().clone()) for b in self._module.buffers()]
+        cuda = [self.device.index or 0] if self.device.type == "cuda" else []
         self._shadowing = True
         try:
-            with torch.enable_grad():
+            with torch.random.fork_rng(devices=cuda), torch.enable_grad():
                 out = self._module(*args, **kwargs)
-            ts = [
-                t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad
-            ]
-            if ts:
-                torch.autograd.backward(ts, [torch.zeros_like(t) for t in ts])
+                ts = [
+                    t
+                    for t in tree_flatten(out)[0]
+                    if isinstance(t, torch.Tensor) and t.requires_grad
+                ]
+                if ts:
+                    torch.autograd.backward(ts, [torch.zeros_like(t) for t in ts])
         finally:
             self._shadowing = False
+            with torch.no_grad():
+                for b, v in saved:
+                    b.copy_(v)
 
     def _check_not_joined(self, what: str) -> None:
         if self._join_active is not None and self._join_active < self.world_size:

@@ -211,21 +211,16 @@ class SequenceCheck(comm.Watch):
             "the ranks reached this check from different places (a forward on some, a "
             "backward on others)"
         )
-        for s in range(self.streams):
-            lists = [x[s] for x in every]
-            col = None
-            for k in range(max(len(x) for x in lists)):
-                col = [x[k] if k < len(x) else None for x in lists]
-                if len(set(col)) > 1:
-                    other = next(c for c in col if c != col[me])
-                    where = (
-                        f"#{k + 1} of this {which}'s {self.events[s]} was "
-                        f"{self._name(col[me])} on rank {me} where another rank ran "
-                        f"{self._name(other)}"
-                    )
-                    break
-                col = None
-            if col is not None:
+        for s in range(self.streams):  # every rank ended: the first entry that differs
+            diff = _first_difference({r: (True, x[s]) for r, x in enumerate(every)})
+            if diff is not None:
+                k = diff[0]
+                col = [x[s][k] if k < len(x[s]) else None for x in every]
+                other = next(c for c in col if c != col[me])
+                where = (
+                    f"#{k + 1} of this {which}'s {self.events[s]} was {self._name(col[me])} "
+                    f"on rank {me} where another rank ran {self._name(other)}"
+                )
                 break
         raise ValueError(f"stage 3: {where}: {self._WHY}. {self._SPOILED} {self._FIX}")
 

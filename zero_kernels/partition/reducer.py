@@ -163,10 +163,8 @@ class Reducer:
         self._hook_cache: dict = {}
         self._gap_cache: dict = {}
         self._params = params
-        self._slot_of = {  # param index -> (buffer, bucket, param index)
-            slot.index: (i, slot.bucket, slot.index)
-            for i, buf in enumerate(layout.buffers)
-            for slot in buf.slots
+        self._bucket_of = {  # param index -> its bucket's key
+            s.index: (i, s.bucket) for i, buf in enumerate(layout.buffers) for s in buf.slots
         }
         me = weakref.ref(self)  # hooks must not keep the reducer (and its optimizer) alive
         for i, buf in enumerate(layout.buffers):
@@ -268,11 +266,11 @@ class Reducer:
         in the fixed order, with zeros for them, not at the end of backward (see [Note: backward
         gathers] in `zero_kernels.partition.units`)."""
         for idx in indices:
-            where = self._slot_of.get(idx)
-            if where is None or where[2] in self._gave_up or _grad_will_come(self._params[idx]):
+            key = self._bucket_of.get(idx)
+            if key is None or idx in self._gave_up or _grad_will_come(self._params[idx]):
                 continue
-            self._gave_up.add(where[2])
-            self.buckets[where[:2]].skipped += 1
+            self._gave_up.add(idx)
+            self.buckets[key].skipped += 1
         if self.overlap and self.callback_queued:  # (else: at the next grad, or the end)
             self._launch_ready()
 

@@ -330,16 +330,16 @@ class UnitScheduler:
     # ---- backward
     def pre_backward(self, k: int) -> None:
         u = self.by_index[k]
-        todo = self.bwd_units[::-1]  # backward order
-        try:
-            at = todo.index(k, self.bwd_next)
-        except ValueError:  # not expected here (a second call's hook, or out of order)
+        fwd = self.bwd_units  # forward order: backward position p is fwd[len - 1 - p]
+        top = len(fwd) - 1 - self.bwd_next  # the unit the backward should reach next
+        at = next((j for j in range(top, -1, -1) if fwd[j] == k), None)
+        if at is None:  # not expected here (a second call's hook, or out of order)
             self.wait(u)
             return
-        self._pass_over(todo[self.bwd_next : at], todo[at + 1 :])
-        self.bwd_next = at + 1
+        self._pass_over(fwd[at + 1 : top + 1][::-1], fwd[:at])
+        self.bwd_next = len(fwd) - at
         self.wait(u)
-        for j in todo[at + 1 : at + 1 + self.prefetch]:
+        for j in fwd[max(0, at - self.prefetch) : at][::-1]:
             self.gather(self.by_index[j])
 
     def _pass_over(self, skipped: list[int], later: list[int], reduce: bool = True) -> None:
@@ -358,10 +358,10 @@ class UnitScheduler:
         """The end of a backward, before its collectives are compared: units of the forward
         whose backward this rank did not reach are passed over (gathered and freed; the reducer
         has launched every bucket by now), so that every rank launched the same all-gathers."""
-        todo = self.bwd_units[::-1]
-        if self.bwd_next < len(todo):
-            self._pass_over(todo[self.bwd_next :], [], reduce=False)
-        self.bwd_next = len(todo)
+        fwd = self.bwd_units
+        if self.bwd_next < len(fwd):
+            self._pass_over(fwd[: len(fwd) - self.bwd_next][::-1], [], reduce=False)
+        self.bwd_next = len(fwd)
 
     def bucket_done(self, i: int, b: int) -> None:
         """Every gradient of bucket (i, b) arrived: its unit's params are not needed any more
