@@ -30,6 +30,7 @@ cpu_sources = [
     "csrc/adam_cpu_avx2.cpp",
     "csrc/adam_cpu_avx512.cpp",
     "csrc/flat_copy.cpp",
+    "csrc/shm_sync.cpp",
 ]
 cxx_flags = ["-O3", "-std=c++17", "-fopenmp", "-Wall", "-Wno-unknown-pragmas"]
 

@@ -1,4 +1,5 @@
-"""comm's reduce-scatter and all-gather algorithms (native, pairwise, ring) on spawned gloo ranks.
+"""comm's reduce-scatter and all-gather algorithms (native, pairwise, ring, shm) on spawned gloo
+ranks.
 
 Against the backend's own collective and a reference sum in the documented order ([Note:
 algorithms] in comm.py): all-gather bitwise; p2p reduce-scatter bitwise equal to the reference
@@ -19,7 +20,7 @@ from zero_kernels import comm
 
 pytestmark = pytest.mark.distributed
 
-ALGOS = ("native", "pairwise", "ring")  # native first: the others are compared with it
+ALGOS = ("native", "pairwise", "ring", "shm")  # native first: the others are compared with it
 DTYPES = (torch.float32, torch.bfloat16, torch.float64)
 SHARDS = (1, 7, 1023, 65537)
 
@@ -136,7 +137,13 @@ def _out_of_order_checks(r: int, n: int) -> None:
     s = 4099
     xs = _inputs(n, s, torch.float32, seed=7)
     ys = _inputs(n, 2 * s, torch.float32, seed=8)
-    for algos in (("pairwise",) * 3, ("ring",) * 3, ("ring", "pairwise", "native")):
+    for algos in (
+        ("pairwise",) * 3,
+        ("ring",) * 3,
+        ("shm",) * 3,
+        ("ring", "pairwise", "native"),
+        ("shm", "native", "shm"),
+    ):
         comm.set_algorithm("all", algos[0])
         a_out = torch.empty(s)
         a = comm.reduce_scatter(a_out, xs[r].clone(), avg=True)
@@ -158,6 +165,55 @@ def _out_of_order_checks(r: int, n: int) -> None:
         if algos[2] != "native":
             want = _ref_sum(ys, r, 2 * s, _ring_order(r, n))
             _assert_equal(_chunk(c_in, r, 2 * s), want, what + " (c)")
+    comm.set_algorithm("all", None)
+
+
+def _shm_checks(r: int, n: int) -> None:
+    """shm: more collectives in flight than slots, waited in a different order on each rank; a
+    slot that grows; no file left in /dev/shm; a bounded wait given up and resumed; ranks that
+    launch different collectives all get the same error at once."""
+    from zero_kernels.comm import shm
+
+    comm.set_algorithm("all", "shm")
+    for s in (513, 70001):  # the second replaces every slot's file by a larger one
+        xs = _inputs(n, s, torch.float32, seed=11 + s)
+        hs, outs = [], []
+        for i in range(2 * shm.SLOTS + 1):
+            if i % 2:
+                outs.append(torch.full((n * s,), float("nan")))
+                hs.append(comm.all_gather(outs[-1], _chunk(xs[r], r, s).clone()))
+            else:
+                outs.append(torch.full((s,), float("nan")))
+                hs.append(comm.reduce_scatter(outs[-1], xs[r].clone(), avg=i == 2))
+        for i in [[4, 3, 2, 1, 0], [2, 0, 4, 1, 3], [1, 4, 0, 3, 2], [0, 1, 2, 3, 4]][r]:
+            hs[i].wait()
+        for i, out in enumerate(outs):
+            if i % 2:
+                want = torch.cat([_chunk(xs[k], k, s) for k in range(n)])
+            else:
+                want = _ref_sum(xs, r, s, _ring_order(r, n)) / (n if i == 2 else 1)
+            _assert_equal(out, want, f"shm in flight #{i} shard={s} rank={r}/{n}")
+    ch = shm._channels[shm._key(None)]
+    comm.barrier()  # every rank has mapped every file: each was unlinked by the last to map it
+    prefix = os.path.basename(ch.base)
+    assert not [f for f in os.listdir(shm.SHM_DIR) if f.startswith(prefix)], prefix
+    # a wait bounded by a timeout is given up and resumed (gloo's cannot be)
+    g = torch.distributed.new_group(backend="gloo")
+    assert shm.capable(g) is None  # the group's first shm use sets its channel up: collective
+    out = torch.full((4 * n,), float("nan"))
+    if r == 0:
+        h = comm.all_gather(out, torch.full((4,), 0.0), group=g)
+        with pytest.raises(comm.CollectiveTimeout, match="within 0.3 s"):
+            h.wait(timeout_s=0.3)
+    comm.barrier()
+    if r != 0:
+        h = comm.all_gather(out, torch.full((4,), float(r)), group=g)
+    h.wait(timeout_s=30)
+    assert torch.equal(out, torch.arange(n, dtype=torch.float32).repeat_interleave(4)), out
+    # ranks that launch different collectives: a ValueError on every rank, at once
+    numel = 8 if r == 0 else 16
+    with pytest.raises(ValueError, match="launched different collectives"):
+        comm.all_gather(torch.empty(numel * n), torch.ones(numel), group=g).wait(timeout_s=30)
     comm.set_algorithm("all", None)
 
 
@@ -276,8 +332,9 @@ def _counter_checks(r: int, n: int) -> None:
     comm.set_algorithm("all", None)
     log.reduce_scatter_calls -= 3
     log.reduce_scatter_bytes -= 3 * n * s * 4
-    assert log.reduce_scatter_calls == 3 and log.all_gather_calls == 3, log.as_dict()
-    assert log.reduce_scatter_bytes == 3 * 20 * n and log.all_gather_bytes == 3 * 20 * n
+    a = len(ALGOS)
+    assert log.reduce_scatter_calls == a and log.all_gather_calls == a, log.as_dict()
+    assert log.reduce_scatter_bytes == a * 20 * n and log.all_gather_bytes == a * 20 * n
 
 
 def checks(rank: int, world: int) -> dict:
@@ -287,6 +344,7 @@ def checks(rank: int, world: int) -> dict:
     out.update(_reduce_checks(rank, world))
     if world > 1:
         _out_of_order_checks(rank, world)
+        _shm_checks(rank, world)
     _counter_checks(rank, world)
     return out
 

@@ -33,6 +33,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from . import shm
 from .base import (
     Handle,
     _all_gather,
@@ -55,7 +56,7 @@ from .p2p import (
     free_scratch,
 )
 
-ALGORITHMS = ("native", "pairwise", "ring")
+ALGORITHMS = ("native", "pairwise", "ring", "shm")
 ENV_ALGO = "ZERO_KERNELS_COMM_ALGO"
 _OPS = ("reduce_scatter", "all_gather")
 _logger = logging.getLogger("zero_kernels")
@@ -72,9 +73,12 @@ def _reduce_scatter_with(algo: str, output, input, group, avg: bool, log) -> Han
 
         return launch_native(launch, (output, input), divide, log)
     _check_p2p("reduce_scatter", output, input, group)
-    tag = _next_tag(group)
     if output.numel() == 0:
         return Handle(None, (output, input), 1.0, log)
+    if algo == "shm":
+        work = shm.launch("reduce_scatter", output.view(-1), input.view(-1), group)
+        return Handle(work, (output, input), float(n) if avg else 1.0, log)
+    tag = _next_tag(group)
     launch = _rs_pairwise if algo == "pairwise" else _rs_ring
     work = launch(output.view(-1), input.view(-1), group, tag)
     return Handle(work, (output, input), float(n) if avg else 1.0, log)  # sum, then divide once
@@ -88,9 +92,12 @@ def _all_gather_with(algo: str, output, input, group, log) -> Handle:
 
         return launch_native(launch, (output, input), 1.0, log)
     _check_p2p("all_gather", output, input, group)
-    tag = _next_tag(group)
     if input.numel() == 0:
         return Handle(None, (output, input), 1.0, log)
+    if algo == "shm":
+        work = shm.launch("all_gather", output.view(-1), input.view(-1), group)
+        return Handle(work, (output, input), 1.0, log)
+    tag = _next_tag(group)
     launch = _ag_pairwise if algo == "pairwise" else _ag_ring
     return Handle(launch(output.view(-1), input.view(-1), group, tag), (output, input), 1.0, log)
 
@@ -221,6 +228,8 @@ def _probe(op: str, group, c: int) -> dict:
         b.zero_()
     _scratch.give(warm)
     cands = ["native", "pairwise"] + (["ring"] if n > 2 else [])  # a ring of 2 is pairwise
+    if shm.capable(group) is None:  # collective, once per group: every rank answers the same
+        cands.append("shm")
 
     def once(algo: str) -> None:
         if op == "reduce_scatter":
@@ -255,6 +264,7 @@ def _reset_choices() -> None:
     for d in (_choices, _tags, _avg_ok, _twins):
         d.clear()
     free_scratch()
+    shm.close_all()
     _logged.clear()
     for k in [k for k in _overrides if k[0] is not None]:
         del _overrides[k]

@@ -1,0 +1,73 @@
+#include "shm_sync.h"
+
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <climits>
+#include <ctime>
+
+namespace zk {
+namespace {
+
+long futex(const int32_t* word, int op, int32_t val, const timespec* ts) {
+  // Not FUTEX_PRIVATE_FLAG: the word is shared between processes.
+  return syscall(SYS_futex, const_cast<int32_t*>(word), op, val, ts, nullptr, 0);
+}
+
+bool reached(int32_t now, int32_t target) {
+  return static_cast<int32_t>(static_cast<uint32_t>(now) - static_cast<uint32_t>(target)) >= 0;
+}
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+}  // namespace
+
+void shm_post(int32_t* word, int32_t value) {
+  __atomic_store_n(word, value, __ATOMIC_RELEASE);
+  futex(word, FUTEX_WAKE, INT_MAX, nullptr);
+}
+
+void shm_wake(int32_t* word) { futex(word, FUTEX_WAKE, INT_MAX, nullptr); }
+
+int32_t shm_fetch_add(int32_t* word, int32_t delta) {
+  return __atomic_fetch_add(word, delta, __ATOMIC_ACQ_REL);
+}
+
+int32_t shm_load(const int32_t* word) { return __atomic_load_n(word, __ATOMIC_ACQUIRE); }
+
+ShmWait shm_wait_ge(const int32_t* word, int32_t target, const int32_t* poison, double timeout_s) {
+  using clock = std::chrono::steady_clock;
+  const auto start = clock::now();
+  for (int i = 0; i < 64; ++i) {  // short: the cores are shared with the peer ranks' compute
+    if (reached(shm_load(word), target)) return kShmReached;
+    cpu_relax();
+  }
+  for (;;) {
+    const int32_t now = shm_load(word);
+    if (reached(now, target)) return kShmReached;
+    if (poison != nullptr && shm_load(poison) != 0) return kShmPoisoned;
+    double slice = 0.05;  // seconds: how late a poison without a wake is seen
+    if (timeout_s >= 0) {
+      const double left =
+          timeout_s - std::chrono::duration<double>(clock::now() - start).count();
+      if (left <= 0) return kShmTimedOut;
+      if (left < slice) slice = left;
+    }
+    timespec ts;
+    ts.tv_sec = static_cast<time_t>(slice);
+    ts.tv_nsec = static_cast<long>((slice - static_cast<double>(ts.tv_sec)) * 1e9);
+    // Sleeps only while the word still holds ``now``: a post in between returns at once.
+    futex(word, FUTEX_WAIT, now, &ts);
+  }
+}
+
+}  // namespace zk

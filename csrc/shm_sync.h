@@ -1,0 +1,34 @@
+// Cross-process synchronisation on 32-bit words in shared memory (Linux futexes), for the
+// shared-memory collectives of zero_kernels.comm.shm. Torch-free.
+//
+// A word holds a sequence number that only grows (modulo 2^32): a writer publishes with
+// zk_shm_post (a release store, then a wake), a reader waits until the word has reached a target
+// with zk_shm_wait_ge (an acquire load, then a futex wait), so what the writer stored before the
+// post is visible to the reader after the wait. Comparisons are wrap-safe (signed difference).
+#pragma once
+
+#include <cstdint>
+
+namespace zk {
+
+// Result of zk_shm_wait_ge.
+enum ShmWait : int { kShmReached = 0, kShmTimedOut = 1, kShmPoisoned = 2 };
+
+// Store ``value`` into ``word`` with release order and wake every process waiting on it.
+void shm_post(int32_t* word, int32_t value);
+
+// Wait until ``*word - target >= 0`` (signed 32-bit difference) or ``*poison != 0`` or
+// ``timeout_s`` seconds have passed (negative: no bound). Spins briefly, then sleeps on the
+// futex in slices so a poison set without a wake is still seen.
+ShmWait shm_wait_ge(const int32_t* word, int32_t target, const int32_t* poison, double timeout_s);
+
+// Wake every process waiting on ``word`` (its value unchanged).
+void shm_wake(int32_t* word);
+
+// Atomically add ``delta`` to ``word``; the value before.
+int32_t shm_fetch_add(int32_t* word, int32_t delta);
+
+// An acquire load of ``word``.
+int32_t shm_load(const int32_t* word);
+
+}  // namespace zk

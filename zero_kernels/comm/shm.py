@@ -1,0 +1,387 @@
+"""Reduce-scatter and all-gather through shared memory, for gloo ranks on one host (CPU tensors).
+
+[Note: shared-memory collectives]
+gloo moves every byte between ranks of one host through loopback TCP: a copy into the kernel, a
+copy out, and threads that compete with the compute for the cores. The ``shm`` algorithm lets the
+ranks of a group exchange through files in ``/dev/shm`` that all of them map instead.
+
+- A *channel* per process group (a twin group has one of its own): a small control file of 32-bit
+  words, and ``SLOTS`` data slots used in turn (collective t of the group in slot t mod SLOTS).
+  Each slot is a file sized for the largest collective it held; a larger one replaces it (a new
+  generation, the same decision on every rank because every rank launches the same collectives
+  in the same order). A file is unlinked as soon as every rank has mapped it (an atomic count in
+  the control file), so nothing is left in ``/dev/shm`` when the processes end, whatever way.
+- Launch: the rank copies its input into the slot (all-gather: its shard at its chunk;
+  reduce-scatter: its whole buffer in a region of its own) and *posts* the collective's number in
+  its word of the slot, with the size alongside. Wait: for every other rank, wait for its post
+  (a futex, the GIL released), then read (all-gather: the other chunks into ``output``;
+  reduce-scatter: this rank's chunk of every region, summed in the p2p order of
+  [Note: algorithms], so the three algorithms agree bit for bit at N = 2), then post that it has
+  *consumed* the slot.
+- A slot is reused (collective t + SLOTS) only after every rank consumed it. A rank that launches
+  t + SLOTS before waiting for t finishes t itself first (its posts were all made: every rank
+  launches t before t + SLOTS), so launching any number of collectives before waiting any is
+  safe, and every wait a launch makes depends only on what the other ranks do at or before the
+  same launch.
+- Every wait is bounded by the group's timeout (a `CollectiveTimeout`). A rank that finds another
+  rank posted a different collective (kind or size) under the same number poisons the channel,
+  so every rank waiting on it raises the same ValueError at once instead of reading another
+  collective's data.
+- Memory: each rank maps the slots it uses. An all-gather slot is the full buffer, a
+  reduce-scatter slot N full buffers (each rank touches its own region and its chunk of the
+  others'). The pages are shared: a rank's RSS counts those it touched.
+
+Measured (2 ranks, this 2-core machine, blocking, fastest of 6; bench/README.md "Shared-memory
+collectives" has the command): see there; the probe ([Note: choosing the algorithm]) picks it only
+where it is faster for the size class on the machine at hand.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import secrets
+import threading
+
+import torch
+import torch.distributed as dist
+
+from .base import CollectiveTimeout, rank, world_size
+
+SLOTS = 2
+SHM_DIR = "/dev/shm"
+_WORDS_PER_RANK = 16  # 64 bytes: a rank's words of a slot share no cache line with another's
+_POISON = 0  # word index: nonzero once a rank found the ranks launched different collectives
+_OPENED = 16  # word index + slot: how many times the slot's files were mapped, over all ranks
+_RANK_BASE = 64
+# per (slot, rank): 0 posted number, 1 consumed number, 2 kind, 3 numel low, 4 numel high
+_KINDS = {"all_gather": 1, "reduce_scatter": 2}
+_ALIGN = 1 << 21  # slot files are sized in 2 MiB steps
+
+
+def _lib():
+    from .. import _native
+
+    return _native.load()
+
+
+def available() -> str | None:
+    """None when this process can run shared-memory collectives, else why not."""
+    if _lib() is None or not hasattr(_lib(), "shm_wait_ge"):
+        return "the native extension zero_kernels._C is not built"
+    if not os.path.isdir(SHM_DIR):
+        return f"{SHM_DIR} does not exist"
+    return None
+
+
+class _Channel:
+    """The shared files of one process group and this rank's view of them."""
+
+    def __init__(self, group, base: str, ctrl: torch.Tensor, timeout_s: float):
+        self.group = group
+        self.n, self.r = world_size(group), rank(group)
+        self.base = base
+        self.ctrl = ctrl  # int32 words
+        self.addr0 = ctrl.data_ptr()
+        self.timeout_s = timeout_s
+        self.seq = 0
+        self.lock = threading.Lock()  # launches (the stage-3 monitor may launch from a thread)
+        self.data: list[torch.Tensor | None] = [None] * SLOTS
+        self.gen = [0] * SLOTS
+        self.occupant: list = [None] * SLOTS  # the last work launched in each slot
+        self.paths: set = set()  # mapped files this rank may still have to unlink
+
+    # -- words
+    def word(self, i: int) -> int:
+        return self.addr0 + 4 * i
+
+    def rank_word(self, k: int, q: int, j: int) -> int:
+        return self.word(_RANK_BASE + (k * self.n + q) * _WORDS_PER_RANK + j)
+
+    def wait_word(self, addr: int, target: int, timeout_s: float | None, what: str) -> None:
+        t = self.timeout_s if timeout_s is None else timeout_s
+        res = _lib().shm_wait_ge(addr, target, self.word(_POISON), t)
+        if res == 1:
+            raise CollectiveTimeout(
+                f"{what}: not every rank took part within {t:g} s (a rank stalled, died or ran "
+                "a different collective)"
+            )
+        if res == 2:
+            raise ValueError(
+                f"{what}: the ranks launched different collectives on this group (another rank "
+                "found it and stopped the shared-memory channel; its error says which)"
+            )
+
+    def poison(self) -> None:
+        lib = _lib()
+        lib.shm_post(self.word(_POISON), 1)
+        for k in range(SLOTS):  # wake every waiter: they see the poison
+            for q in range(self.n):
+                for j in (0, 1):
+                    lib.shm_wake(self.rank_word(k, q, j))
+
+    # -- slots
+    def slot(self, k: int, nbytes: int) -> torch.Tensor:
+        """Slot ``k``'s mapping, at least ``nbytes`` long (the same decision on every rank)."""
+        d = self.data[k]
+        if d is not None and d.numel() >= nbytes:
+            return d
+        size = -(-nbytes // _ALIGN) * _ALIGN
+        self.gen[k] += 1
+        path = f"{self.base}-s{k}-g{self.gen[k]}"
+        self.data[k] = None
+        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            self.paths.add(path)
+            os.ftruncate(fd, size)
+            os.posix_fallocate(fd, 0, size)  # no SIGBUS later: space is taken now or never
+        except OSError as e:
+            self.poison()
+            raise RuntimeError(
+                f"shared-memory collectives: cannot allocate {size} bytes in {SHM_DIR} ({e}); "
+                "free space there or set ZERO_KERNELS_COMM_ALGO=native"
+            ) from e
+        finally:
+            os.close(fd)
+        self.data[k] = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+        before = _lib().shm_fetch_add(self.word(_OPENED + k), 1)
+        if (before + 1) % self.n == 0:  # the last rank to map this generation
+            _unlink(path)
+        return self.data[k]
+
+    def close(self) -> None:
+        for p in list(self.paths):
+            _unlink(p)
+        self.paths.clear()
+        self.data = [None] * SLOTS
+        self.occupant = [None] * SLOTS
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _typed(buf: torch.Tensor, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    es = torch.empty((), dtype=dtype).element_size()
+    return buf[offset : offset + numel * es].view(dtype)
+
+
+class _ShmWork:
+    """One shared-memory collective: posted at launch, read (and marked consumed) by `wait`."""
+
+    takes_seconds = True  # wait(timeout_s) bounds itself (see base._wait)
+
+    def __init__(self, ch: _Channel, k: int, t: int, kind: str, out, x, numel: int):
+        self.ch, self.k, self.t, self.kind = ch, k, t, kind
+        self.out, self.x, self.numel = out, x, numel
+        self.done = False
+        self.lock = threading.Lock()
+
+    def is_completed(self) -> bool:
+        if self.done:
+            return True
+        lib, ch = _lib(), self.ch
+        return all(
+            ((lib.shm_load(ch.rank_word(self.k, q, 0)) - self.t) & 0xFFFFFFFF) < (1 << 31)
+            for q in range(ch.n)
+            if q != ch.r
+        )
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        with self.lock:
+            if not self.done:
+                self._finish(timeout_s)
+                self.done = True
+
+    def _finish(self, timeout_s: float | None) -> None:
+        ch, k, t, lib = self.ch, self.k, self.t, _lib()
+        n, r = ch.n, ch.r
+        what = f"shared-memory {self.kind} number {t} of this group"
+        for q in range(n):
+            if q == r:
+                continue
+            ch.wait_word(ch.rank_word(k, q, 0), t, timeout_s, what)
+            got = (
+                lib.shm_load(ch.rank_word(k, q, 0)) & 0xFFFFFFFF,
+                lib.shm_load(ch.rank_word(k, q, 2)),
+                _numel_at(ch, k, q),
+            )
+            mine = (t & 0xFFFFFFFF, _KINDS[self.kind], self.numel)
+            if got != mine:
+                ch.poison()
+                raise ValueError(
+                    f"{what}: rank {q} of the group launched another collective under this "
+                    f"number (kind {got[1]}, {got[2]} elements; this rank: {self.kind}, "
+                    f"{self.numel} elements): the ranks launched different collectives"
+                )
+        buf = ch.data[k]
+        if self.kind == "all_gather":
+            s = self.x.numel()
+            for q in range(n):
+                if q != r:
+                    self.out[q * s : (q + 1) * s].copy_(
+                        _typed(buf, q * s * self.x.element_size(), s, self.x.dtype)
+                    )
+        else:  # reduce_scatter: ((x[r+1] + x[r+2]) + ...) + x[r], as [Note: algorithms]
+            f, s, es = self.x.numel(), self.out.numel(), self.x.element_size()
+
+            def part(q: int) -> torch.Tensor:
+                return _typed(buf, (q * f + r * s) * es, s, self.x.dtype)
+
+            out = self.out
+            if n == 2:
+                torch.add(part((r + 1) % n), part(r), out=out)
+            else:
+                torch.add(part((r + 1) % n), part((r + 2) % n), out=out)
+                for j in range(3, n + 1):
+                    out.add_(part((r + j) % n))
+        lib.shm_post(ch.rank_word(k, r, 1), t)
+        self.out = self.x = None  # the Handle keeps the tensors alive until it is waited
+
+
+def _numel_at(ch: _Channel, k: int, q: int) -> int:
+    lib = _lib()
+    lo = lib.shm_load(ch.rank_word(k, q, 3)) & 0xFFFFFFFF
+    hi = lib.shm_load(ch.rank_word(k, q, 4)) & 0xFFFFFFFF
+    return lo | (hi << 32)
+
+
+def launch(kind: str, out: torch.Tensor, x: torch.Tensor, group) -> _ShmWork:
+    """Post this rank's part of ``kind`` (output ``out``, input ``x``, both contiguous)."""
+    ch = channel(group)
+    lib = _lib()
+    n, r = ch.n, ch.r
+    full = out if kind == "all_gather" else x
+    with ch.lock:
+        ch.seq += 1
+        t, k = ch.seq, ch.seq % SLOTS
+        prev = ch.occupant[k]
+        if prev is not None:  # reuse: every rank has consumed the slot's last collective
+            prev.wait(None)  # this rank's part, if not yet waited: its posts were all made
+            for q in range(n):
+                if q != r:
+                    ch.wait_word(
+                        ch.rank_word(k, q, 1),
+                        prev.t,
+                        None,
+                        f"shared-memory {kind} number {t} (reusing the slot of number {prev.t})",
+                    )
+        es = full.element_size()
+        if kind == "all_gather":
+            s = x.numel()
+            buf = ch.slot(k, n * s * es)
+            _typed(buf, r * s * es, s, x.dtype).copy_(x)
+            mine = out[r * s : (r + 1) * s]
+            if mine.data_ptr() != x.data_ptr():
+                mine.copy_(x)
+        else:
+            f = x.numel()
+            buf = ch.slot(k, n * f * es)
+            _typed(buf, r * f * es, f, x.dtype).copy_(x)
+        numel = full.numel()
+        lib.shm_post(ch.rank_word(k, r, 2), _KINDS[kind])
+        lib.shm_post(ch.rank_word(k, r, 3), numel & 0xFFFFFFFF)
+        lib.shm_post(ch.rank_word(k, r, 4), numel >> 32)
+        lib.shm_post(ch.rank_word(k, r, 0), t)  # last: the release that publishes the rest
+        work = _ShmWork(ch, k, t, kind, out, x, numel)
+        ch.occupant[k] = work
+    return work
+
+
+_channels: dict = {}  # group key -> _Channel
+_capable: dict = {}  # group key -> None (capable) or why not
+
+
+def _key(group) -> tuple:
+    pg = dist.group.WORLD if group is None else group
+    return (id(pg), world_size(group))
+
+
+def _timeout_s(group) -> float:
+    pg = dist.group.WORLD if group is None else group
+    try:
+        td = pg._get_backend(torch.device("cpu")).options._timeout
+        return td.total_seconds()
+    except (AttributeError, RuntimeError):
+        return 1800.0  # torch's default for gloo
+
+
+def capable(group) -> str | None:
+    """None when every rank of ``group`` can share files in /dev/shm with the others (tested by
+    opening one), else why not; the same answer on every rank. Collective on first call."""
+    key = _key(group)
+    if key not in _capable:
+        _capable[key] = _open(group)
+    return _capable[key]
+
+
+def channel(group) -> _Channel:
+    why = capable(group)
+    if why is not None:
+        raise ValueError(f"the shm collective algorithm cannot run on this group: {why}")
+    return _channels[_key(group)]
+
+
+def _open(group) -> str | None:
+    """Set up ``group``'s channel (collective): rank 0 creates the control file, every rank maps
+    it, and all agree whether that worked."""
+    n, r = world_size(group), rank(group)
+    why = available()
+    base = None
+    if r == 0 and why is None:
+        base = os.path.join(SHM_DIR, f"zero_kernels-{os.getpid()}-{secrets.token_hex(6)}")
+        try:
+            fd = os.open(base + "-ctrl", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                os.ftruncate(fd, _ctrl_bytes(n))
+                os.posix_fallocate(fd, 0, _ctrl_bytes(n))
+            finally:
+                os.close(fd)
+        except OSError as e:
+            why, base = f"cannot create a file in {SHM_DIR}: {e}", None
+    made = base
+    try:
+        box = [base]
+        gsrc = dist.get_global_rank(group, 0) if group is not None else 0
+        dist.broadcast_object_list(box, src=gsrc, group=group)
+        base = box[0]
+        ctrl = None
+        if base is not None and why is None:
+            try:
+                raw = torch.from_file(base + "-ctrl", shared=True, size=_ctrl_bytes(n))
+                ctrl = raw.view(torch.int32)
+            except (RuntimeError, OSError) as e:
+                why = f"cannot map {base}-ctrl: {e}"
+        elif why is None:
+            why = "rank 0 of the group could not set up the channel"
+        whys = [None] * n
+        dist.all_gather_object(whys, why, group=group)
+    finally:
+        if made is not None:
+            _unlink(made + "-ctrl")  # every rank has mapped it, given up or failed
+    bad = [(q, w) for q, w in enumerate(whys) if w is not None]
+    if bad:
+        return f"rank {bad[0][0]} of the group: {bad[0][1]}"
+    ch = _Channel(group, base, ctrl, _timeout_s(group))
+    _channels[_key(group)] = ch
+    return None
+
+
+def _ctrl_bytes(n: int) -> int:
+    return 4 * (_RANK_BASE + SLOTS * n * _WORDS_PER_RANK)
+
+
+def close_all() -> None:
+    """Unmap every channel and unlink what is left of its files (process groups are gone)."""
+    for ch in _channels.values():
+        ch.close()
+    _channels.clear()
+    _capable.clear()
+
+
+atexit.register(close_all)
+
+__all__ = ["SLOTS", "available", "capable", "close_all", "launch"]
