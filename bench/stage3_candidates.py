@@ -135,7 +135,12 @@ def build(name: str, model: nn.Module, args, lr: float):
         from zero_kernels import ZeroOptimizer
 
         stage = 3 if name.startswith("ours") else int(name[5])
-        for algo in ("native", "pairwise"):  # pin the collectives' algorithm (default: probe)
+        if name.endswith("_noshm"):  # the probe without the shm algorithm (as before it)
+            from zero_kernels.comm import shm
+
+            shm.capable = lambda group: "left out by the _noshm candidate"
+            name = name[: -len("_noshm")]
+        for algo in ("native", "pairwise", "shm"):  # pin the collectives' algorithm (default: probe)
             if name.endswith("_" + algo):
                 from zero_kernels import comm
 

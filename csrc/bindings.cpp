@@ -297,14 +297,22 @@ void set_cpu_isa(const std::string& name) {
 // The shared-memory collectives' synchronisation (zero_kernels.comm.shm): words are addressed by
 // integer (a shared tensor's data_ptr() plus an offset); values are taken modulo 2^32.
 int32_t* shm_word(int64_t addr) {
-  TORCH_CHECK_VALUE(addr != 0 && addr % 4 == 0, "shm word address must be non-null and 4-byte "
-                    "aligned, got ", addr);
+  TORCH_CHECK_VALUE(addr != 0 && addr % 4 == 0,
+                    "shm word address must be non-null and 4-byte "
+                    "aligned, got ",
+                    addr);
   return reinterpret_cast<int32_t*>(static_cast<uintptr_t>(addr));
 }
 
 int32_t as_word(int64_t v) { return static_cast<int32_t>(static_cast<uint32_t>(v)); }
 
 void shm_post(int64_t addr, int64_t value) { zk::shm_post(shm_word(addr), as_word(value)); }
+
+void shm_post_with(int64_t addr, std::vector<int64_t> meta, int64_t value) {
+  std::vector<int32_t> words(meta.size());
+  for (size_t i = 0; i < meta.size(); ++i) words[i] = as_word(meta[i]);
+  zk::shm_post_with(shm_word(addr), words.data(), static_cast<int>(words.size()), as_word(value));
+}
 
 int shm_wait_ge(int64_t addr, int64_t target, int64_t poison_addr, double timeout_s) {
   const int32_t* word = shm_word(addr);
@@ -348,11 +356,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cpu_isa", &cpu_isa, "Instruction set the CPU kernels use now");
   m.def("set_cpu_isa", &set_cpu_isa, "Force the CPU kernels' instruction set (tests)");
   m.def("has_cuda", &has_cuda, "Whether the CUDA kernels were compiled in");
-  m.def("shm_post", &shm_post, "Release-store a shared word and wake its waiters",
-        py::arg("addr"), py::arg("value"));
-  m.def("shm_wait_ge", &shm_wait_ge,
-        "Wait (GIL released) until a shared word reaches target: 0 reached, 1 timed out, 2 poisoned",
-        py::arg("addr"), py::arg("target"), py::arg("poison_addr"), py::arg("timeout_s"));
+  m.def("shm_post", &shm_post, "Release-store a shared word and wake its waiters", py::arg("addr"),
+        py::arg("value"));
+  m.def(
+      "shm_wait_ge", &shm_wait_ge,
+      "Wait (GIL released) until a shared word reaches target: 0 reached, 1 timed out, 2 poisoned",
+      py::arg("addr"), py::arg("target"), py::arg("poison_addr"), py::arg("timeout_s"));
+  m.def("shm_supported", &zk::shm_supported, "Whether shm synchronisation is built (Linux)");
+  m.def("shm_post_with", &shm_post_with,
+        "Store meta in the words after addr, then post value at addr (one release)",
+        py::arg("addr"), py::arg("meta"), py::arg("value"));
   m.def("shm_wake", &shm_wake, "Wake the waiters of a shared word", py::arg("addr"));
   m.def("shm_fetch_add", &shm_fetch_add, "Atomic add on a shared word; the value before",
         py::arg("addr"), py::arg("delta"));

@@ -1,21 +1,18 @@
 #include "shm_sync.h"
 
-#include <linux/futex.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#include <cerrno>
 #include <chrono>
 #include <climits>
 #include <ctime>
+#include <stdexcept>
+
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace zk {
 namespace {
-
-long futex(const int32_t* word, int op, int32_t val, const timespec* ts) {
-  // Not FUTEX_PRIVATE_FLAG: the word is shared between processes.
-  return syscall(SYS_futex, const_cast<int32_t*>(word), op, val, ts, nullptr, 0);
-}
 
 bool reached(int32_t now, int32_t target) {
   return static_cast<int32_t>(static_cast<uint32_t>(now) - static_cast<uint32_t>(target)) >= 0;
@@ -29,14 +26,40 @@ inline void cpu_relax() {
 #endif
 }
 
+#ifdef __linux__
+long futex(const int32_t* word, int op, int32_t val, const timespec* ts) {
+  // Not FUTEX_PRIVATE_FLAG: the word is shared between processes.
+  return syscall(SYS_futex, const_cast<int32_t*>(word), op, val, ts, nullptr, 0);
+}
+#else
+long futex(const int32_t*, int, int32_t, const void*) {
+  throw std::runtime_error("zero_kernels shm synchronisation needs Linux futexes");
+}
+constexpr int FUTEX_WAIT = 0;
+constexpr int FUTEX_WAKE = 1;
+#endif
+
 }  // namespace
 
-void shm_post(int32_t* word, int32_t value) {
-  __atomic_store_n(word, value, __ATOMIC_RELEASE);
-  futex(word, FUTEX_WAKE, INT_MAX, nullptr);
+bool shm_supported() {
+#ifdef __linux__
+  return true;
+#else
+  return false;
+#endif
 }
 
 void shm_wake(int32_t* word) { futex(word, FUTEX_WAKE, INT_MAX, nullptr); }
+
+void shm_post(int32_t* word, int32_t value) {
+  __atomic_store_n(word, value, __ATOMIC_RELEASE);
+  shm_wake(word);
+}
+
+void shm_post_with(int32_t* words, const int32_t* meta, int count_meta, int32_t value) {
+  for (int i = 0; i < count_meta; ++i) __atomic_store_n(words + 1 + i, meta[i], __ATOMIC_RELAXED);
+  shm_post(words, value);
+}
 
 int32_t shm_fetch_add(int32_t* word, int32_t delta) {
   return __atomic_fetch_add(word, delta, __ATOMIC_ACQ_REL);
@@ -57,8 +80,7 @@ ShmWait shm_wait_ge(const int32_t* word, int32_t target, const int32_t* poison, 
     if (poison != nullptr && shm_load(poison) != 0) return kShmPoisoned;
     double slice = 0.05;  // seconds: how late a poison without a wake is seen
     if (timeout_s >= 0) {
-      const double left =
-          timeout_s - std::chrono::duration<double>(clock::now() - start).count();
+      const double left = timeout_s - std::chrono::duration<double>(clock::now() - start).count();
       if (left <= 0) return kShmTimedOut;
       if (left < slice) slice = left;
     }

@@ -2,20 +2,28 @@
 // shared-memory collectives of zero_kernels.comm.shm. Torch-free.
 //
 // A word holds a sequence number that only grows (modulo 2^32): a writer publishes with
-// zk_shm_post (a release store, then a wake), a reader waits until the word has reached a target
-// with zk_shm_wait_ge (an acquire load, then a futex wait), so what the writer stored before the
+// shm_post (a release store, then a wake), a reader waits until the word has reached a target
+// with shm_wait_ge (an acquire load, then a futex wait), so what the writer stored before the
 // post is visible to the reader after the wait. Comparisons are wrap-safe (signed difference).
+// Elsewhere than Linux shm_supported() is false and the other functions must not be called.
 #pragma once
 
 #include <cstdint>
 
 namespace zk {
 
-// Result of zk_shm_wait_ge.
+// Result of shm_wait_ge.
 enum ShmWait : int { kShmReached = 0, kShmTimedOut = 1, kShmPoisoned = 2 };
+
+// Whether this build has the futex-based implementation (Linux).
+bool shm_supported();
 
 // Store ``value`` into ``word`` with release order and wake every process waiting on it.
 void shm_post(int32_t* word, int32_t value);
+
+// ``words[1..count-1]`` stored (relaxed), then ``words[0] = value`` posted as by shm_post: the
+// metadata of a posted item becomes visible with it.
+void shm_post_with(int32_t* words, const int32_t* meta, int count_meta, int32_t value);
 
 // Wait until ``*word - target >= 0`` (signed 32-bit difference) or ``*poison != 0`` or
 // ``timeout_s`` seconds have passed (negative: no bound). Spins briefly, then sleeps on the

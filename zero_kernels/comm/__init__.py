@@ -10,7 +10,8 @@ point-to-point algorithms, the sum is divided by the world size when the handle 
 `avg_supported` probes this once per process group.
 
 The package: `base` (handles, counters, timeouts, the CUDA comm stream: [Note: CUDA streams]),
-`p2p` (the point-to-point algorithms: [Note: algorithms]), `choose` (which algorithm, and the
+`p2p` (the point-to-point algorithms: [Note: algorithms]), `shm` (ranks of one host exchanging
+through shared files: [Note: shared-memory collectives]), `choose` (which algorithm, and the
 probe: [Note: choosing the algorithm]); the functions callers use are here.
 """
 

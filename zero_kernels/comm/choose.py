@@ -5,15 +5,17 @@ NCCL, any tensor off the CPU and any backend but gloo always use native; world s
 gloo the choice is made per (group, operation, size class of the full buffer): < 64 KiB, then
 powers of 4 from 64 KiB ([64K, 256K), [256K, 1M), [1M, 4M), [4M, 16M)), and >= 16 MiB.
 Precedence: `set_algorithm` (for the group, then for every group), then
-``ZERO_KERNELS_COMM_ALGO=native|pairwise|ring`` (``auto`` or unset: probe), then the probe.
+``ZERO_KERNELS_COMM_ALGO=native|pairwise|ring|shm`` (``auto`` or unset: probe), then the probe.
 
 The probe runs lazily, inside the first collective of a class, which every rank calls in the same
 order. On one fp32 buffer of the class's probe size (32 KiB, 128 KiB, 512 KiB, 2 MiB, 8 MiB, 32
-MiB) it runs native, pairwise and (N > 2; a ring of 2 is the pairwise exchange) ring 5 to 1 times
-each (fewer for larger sizes; buffers touched beforehand), interleaved, each run after a barrier.
+MiB) it runs native, pairwise, (N > 2; a ring of 2 is the pairwise exchange) ring and, where every
+rank of the group shares ``/dev/shm`` with the others ([Note: shared-memory collectives]), shm, 5 to
+1 times each (fewer for larger sizes; buffers touched beforehand), interleaved, each run after a
+barrier.
 It takes each rank's fastest run (warm-up and preemption only add time) and all-reduces them with
 MAX, so every rank sees the same numbers and picks the same algorithm (ranks that chose differently
-would hang). A p2p algorithm must be at least 10% faster than native to be chosen. Each choice is
+would hang). Any other algorithm must be at least 10% faster than native to be chosen. Each choice is
 logged once (logger ``zero_kernels``, INFO); `probe_results` returns what was measured. The top
 class is probed at 32 MiB because gloo's own collectives slow down per byte above ~32 MB (likely
 fresh, page-faulting temporaries: 32 MiB is glibc's largest mmap threshold): its all-gather ties
@@ -155,7 +157,7 @@ def _p2p_capable(group, device: torch.device) -> bool:
 
 
 def set_algorithm(op: str, algo: str | None, group=None) -> None:
-    """Use ``algo`` ("native", "pairwise", "ring"; None: back to env/probe) for ``op``.
+    """Use ``algo`` ("native", "pairwise", "ring", "shm"; None: back to env/probe) for ``op``.
 
     ``op`` is "reduce_scatter", "all_gather" or "all"; ``group=None`` sets it for every group (a
     group's own setting wins). Overrides ``ZERO_KERNELS_COMM_ALGO`` and the probe on gloo; NCCL

@@ -54,7 +54,8 @@ _WORDS_PER_RANK = 16  # 64 bytes: a rank's words of a slot share no cache line w
 _POISON = 0  # word index: nonzero once a rank found the ranks launched different collectives
 _OPENED = 16  # word index + slot: how many times the slot's files were mapped, over all ranks
 _RANK_BASE = 64
-# per (slot, rank): 0 posted number, 1 consumed number, 2 kind, 3 numel low, 4 numel high
+# per (slot, rank): 0 posted number, 1 kind, 2 numel low, 3 numel high, 4 consumed number
+_POSTED, _KIND, _CONSUMED = 0, 1, 4
 _KINDS = {"all_gather": 1, "reduce_scatter": 2}
 _ALIGN = 1 << 21  # slot files are sized in 2 MiB steps
 
@@ -67,8 +68,11 @@ def _lib():
 
 def available() -> str | None:
     """None when this process can run shared-memory collectives, else why not."""
-    if _lib() is None or not hasattr(_lib(), "shm_wait_ge"):
-        return "the native extension zero_kernels._C is not built"
+    lib = _lib()
+    if lib is None or not hasattr(lib, "shm_post_with"):
+        return "the native extension zero_kernels._C is not built (or predates shm)"
+    if not lib.shm_supported():
+        return "the native extension has no futex support here (Linux only)"
     if not os.path.isdir(SHM_DIR):
         return f"{SHM_DIR} does not exist"
     return None
@@ -117,7 +121,7 @@ class _Channel:
         lib.shm_post(self.word(_POISON), 1)
         for k in range(SLOTS):  # wake every waiter: they see the poison
             for q in range(self.n):
-                for j in (0, 1):
+                for j in (_POSTED, _CONSUMED):
                     lib.shm_wake(self.rank_word(k, q, j))
 
     # -- slots
@@ -185,7 +189,7 @@ class _ShmWork:
             return True
         lib, ch = _lib(), self.ch
         return all(
-            ((lib.shm_load(ch.rank_word(self.k, q, 0)) - self.t) & 0xFFFFFFFF) < (1 << 31)
+            ((lib.shm_load(ch.rank_word(self.k, q, _POSTED)) - self.t) & 0xFFFFFFFF) < (1 << 31)
             for q in range(ch.n)
             if q != ch.r
         )
@@ -203,10 +207,10 @@ class _ShmWork:
         for q in range(n):
             if q == r:
                 continue
-            ch.wait_word(ch.rank_word(k, q, 0), t, timeout_s, what)
+            ch.wait_word(ch.rank_word(k, q, _POSTED), t, timeout_s, what)
             got = (
-                lib.shm_load(ch.rank_word(k, q, 0)) & 0xFFFFFFFF,
-                lib.shm_load(ch.rank_word(k, q, 2)),
+                lib.shm_load(ch.rank_word(k, q, _POSTED)) & 0xFFFFFFFF,
+                lib.shm_load(ch.rank_word(k, q, _KIND)),
                 _numel_at(ch, k, q),
             )
             mine = (t & 0xFFFFFFFF, _KINDS[self.kind], self.numel)
@@ -238,14 +242,14 @@ class _ShmWork:
                 torch.add(part((r + 1) % n), part((r + 2) % n), out=out)
                 for j in range(3, n + 1):
                     out.add_(part((r + j) % n))
-        lib.shm_post(ch.rank_word(k, r, 1), t)
+        lib.shm_post(ch.rank_word(k, r, _CONSUMED), t)
         self.out = self.x = None  # the Handle keeps the tensors alive until it is waited
 
 
 def _numel_at(ch: _Channel, k: int, q: int) -> int:
     lib = _lib()
-    lo = lib.shm_load(ch.rank_word(k, q, 3)) & 0xFFFFFFFF
-    hi = lib.shm_load(ch.rank_word(k, q, 4)) & 0xFFFFFFFF
+    lo = lib.shm_load(ch.rank_word(k, q, _KIND + 1)) & 0xFFFFFFFF
+    hi = lib.shm_load(ch.rank_word(k, q, _KIND + 2)) & 0xFFFFFFFF
     return lo | (hi << 32)
 
 
@@ -264,7 +268,7 @@ def launch(kind: str, out: torch.Tensor, x: torch.Tensor, group) -> _ShmWork:
             for q in range(n):
                 if q != r:
                     ch.wait_word(
-                        ch.rank_word(k, q, 1),
+                        ch.rank_word(k, q, _CONSUMED),
                         prev.t,
                         None,
                         f"shared-memory {kind} number {t} (reusing the slot of number {prev.t})",
@@ -282,10 +286,8 @@ def launch(kind: str, out: torch.Tensor, x: torch.Tensor, group) -> _ShmWork:
             buf = ch.slot(k, n * f * es)
             _typed(buf, r * f * es, f, x.dtype).copy_(x)
         numel = full.numel()
-        lib.shm_post(ch.rank_word(k, r, 2), _KINDS[kind])
-        lib.shm_post(ch.rank_word(k, r, 3), numel & 0xFFFFFFFF)
-        lib.shm_post(ch.rank_word(k, r, 4), numel >> 32)
-        lib.shm_post(ch.rank_word(k, r, 0), t)  # last: the release that publishes the rest
+        meta = [_KINDS[kind], numel & 0xFFFFFFFF, numel >> 32]  # words 1-3
+        lib.shm_post_with(ch.rank_word(k, r, 0), meta, t)  # one release publishes the lot
         work = _ShmWork(ch, k, t, kind, out, x, numel)
         ch.occupant[k] = work
     return work
@@ -295,9 +297,12 @@ _channels: dict = {}  # group key -> _Channel
 _capable: dict = {}  # group key -> None (capable) or why not
 
 
+def _pg(group):
+    return dist.group.WORLD if group is None else group
+
+
 def _key(group) -> tuple:
-    pg = dist.group.WORLD if group is None else group
-    return (id(pg), world_size(group))
+    return (id(_pg(group)), world_size(group))
 
 
 def _timeout_s(group) -> float:
@@ -312,10 +317,20 @@ def _timeout_s(group) -> float:
 def capable(group) -> str | None:
     """None when every rank of ``group`` can share files in /dev/shm with the others (tested by
     opening one), else why not; the same answer on every rank. Collective on first call."""
-    key = _key(group)
-    if key not in _capable:
-        _capable[key] = _open(group)
-    return _capable[key]
+    key, pg = _key(group), _pg(group)
+    known = _capable.get(key)
+    if known is None or known[0] is not pg:  # new, or another group object with a reused id
+        stale = _channels.pop(key, None)
+        if stale is not None:
+            stale.close()
+        _capable[key] = known = (pg, _open(group))  # holds pg: its id is not reused meanwhile
+    return known[1]
+
+
+def mapped_bytes() -> int:
+    """Bytes of the shared slot files this process maps (every channel): memory the ranks of a
+    host share, each rank's RSS counting the pages it touched."""
+    return sum(d.numel() for ch in _channels.values() for d in ch.data if d is not None)
 
 
 def channel(group) -> _Channel:
@@ -384,4 +399,4 @@ def close_all() -> None:
 
 atexit.register(close_all)
 
-__all__ = ["SLOTS", "available", "capable", "close_all", "launch"]
+__all__ = ["SLOTS", "available", "capable", "close_all", "launch", "mapped_bytes"]
