@@ -140,7 +140,7 @@ def build(name: str, model: nn.Module, args, lr: float):
 
             shm.capable = lambda group: "left out by the _noshm candidate"
             name = name[: -len("_noshm")]
-        for algo in ("native", "pairwise", "shm"):  # pin the collectives' algorithm (default: probe)
+        for algo in ("native", "pairwise", "shm"):  # pin the collectives' algorithm (else probe)
             if name.endswith("_" + algo):
                 from zero_kernels import comm
 

@@ -175,7 +175,10 @@ def _shm_checks(r: int, n: int) -> None:
     from zero_kernels.comm import shm
 
     comm.set_algorithm("all", "shm")
-    for s in (513, 70001):  # the second replaces every slot's file by a larger one
+    piece = shm.PIECE_BYTES
+    # 70001 replaces every slot's file by a larger one; 4 KiB pieces make each collective many
+    # (a launch then waits for the other ranks' launch: more pieces in flight than slots)
+    for s, shm.PIECE_BYTES in ((513, piece), (70001, piece), (70001, 4096)):
         xs = _inputs(n, s, torch.float32, seed=11 + s)
         hs, outs = [], []
         for i in range(2 * shm.SLOTS + 1):
@@ -193,6 +196,7 @@ def _shm_checks(r: int, n: int) -> None:
             else:
                 want = _ref_sum(xs, r, s, _ring_order(r, n)) / (n if i == 2 else 1)
             _assert_equal(out, want, f"shm in flight #{i} shard={s} rank={r}/{n}")
+    shm.PIECE_BYTES = piece
     ch = shm._channels[shm._key(None)]
     comm.barrier()  # every rank has mapped every file: each was unlinked by the last to map it
     prefix = os.path.basename(ch.base)

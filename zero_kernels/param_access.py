@@ -198,6 +198,7 @@ class ParamAccess:
             mode,
             self._scratch_collective,
             split=self._rs_group is not self.group,
+            stop_shm=lambda: comm.shm.poison(self.group, self._rs_group),
         )
 
     def _scratch_collective(self, key: tuple[str, int, int]):

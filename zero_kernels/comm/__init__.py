@@ -86,11 +86,16 @@ def reduce_scatter(
     group=None,
     avg: bool = True,
     log: CommLog | None = None,
+    timeout_s: float | None = None,
+    what: str = "",
+    watch: Watch | None = None,
 ) -> Handle:
     """Start ``output = reduce(input)[my chunk]`` (averaged when ``avg``); returns its handle.
 
     ``output`` may be this rank's own chunk of ``input`` (in place). The algorithm is chosen per
     group and size ([Note: choosing the algorithm]); ``log`` counts one collective whichever it is.
+    ``timeout_s``, ``what`` and ``watch`` bound, name and watch what the launch itself may wait
+    for, as `Handle.wait` does (only the shm algorithm waits at launch: a slot still in use).
     """
     n = world_size(group)
     _check_numel("reduce_scatter", output, input, n)
@@ -101,16 +106,24 @@ def reduce_scatter(
             output.copy_(input)
         return Handle(None, (output, input), 1.0, log)
     algo = choose_algorithm("reduce_scatter", _nbytes(input), group=group, device=input.device)
-    return _reduce_scatter_with(algo, output, input, group, avg, log)
+    bound = (timeout_s, what, watch)
+    return _reduce_scatter_with(algo, output, input, group, avg, log, bound)
 
 
 def all_gather(
-    output: torch.Tensor, input: torch.Tensor, *, group=None, log: CommLog | None = None
+    output: torch.Tensor,
+    input: torch.Tensor,
+    *,
+    group=None,
+    log: CommLog | None = None,
+    timeout_s: float | None = None,
+    what: str = "",
+    watch: Watch | None = None,
 ) -> Handle:
     """Start ``output = cat(input of every rank)``; returns its handle.
 
-    ``input`` may be this rank's own chunk of ``output`` (in place). The algorithm is chosen as
-    for `reduce_scatter`.
+    ``input`` may be this rank's own chunk of ``output`` (in place). The algorithm is chosen, and
+    ``timeout_s``, ``what`` and ``watch`` apply, as for `reduce_scatter`.
     """
     n = world_size(group)
     _check_numel("all_gather", input, output, n)
@@ -121,7 +134,7 @@ def all_gather(
             output.copy_(input)
         return Handle(None, (output, input), 1.0, log)
     algo = choose_algorithm("all_gather", _nbytes(output), group=group, device=output.device)
-    return _all_gather_with(algo, output, input, group, log)
+    return _all_gather_with(algo, output, input, group, log, (timeout_s, what, watch))
 
 
 def _check_numel(op: str, shard: torch.Tensor, full: torch.Tensor, n: int) -> None:

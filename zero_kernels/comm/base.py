@@ -160,7 +160,9 @@ def _wait(work, timeout_s: float | None, what: str) -> None:
         else:  # not every backend's work honours wait(timeout) (gloo's reduce-scatter does
             # not): wait in a thread, bounded here
             _bounded(work.wait, timeout_s)
-    except CollectiveTimeout:
+    except CollectiveTimeout as e:  # the p2p and shm algorithms' own: say what it was
+        if what and not str(e).startswith(what):
+            raise CollectiveTimeout(f"{what}: {e}") from e
         raise
     except RuntimeError as e:
         raise CollectiveTimeout(

@@ -15,8 +15,8 @@ rank of the group shares ``/dev/shm`` with the others ([Note: shared-memory coll
 barrier.
 It takes each rank's fastest run (warm-up and preemption only add time) and all-reduces them with
 MAX, so every rank sees the same numbers and picks the same algorithm (ranks that chose differently
-would hang). Any other algorithm must be at least 10% faster than native to be chosen. Each choice is
-logged once (logger ``zero_kernels``, INFO); `probe_results` returns what was measured. The top
+would hang). Any other algorithm must be at least 10% faster than native to be chosen. Each choice
+is logged once (logger ``zero_kernels``, INFO); `probe_results` returns what was measured. The top
 class is probed at 32 MiB because gloo's own collectives slow down per byte above ~32 MB (likely
 fresh, page-faulting temporaries: 32 MiB is glibc's largest mmap threshold): its all-gather ties
 with pairwise at 4 MiB, is ~1.4x slower at 16 MiB and 2.6x slower at 76 MB, so a smaller probe
@@ -64,7 +64,7 @@ _OPS = ("reduce_scatter", "all_gather")
 _logger = logging.getLogger("zero_kernels")
 
 
-def _reduce_scatter_with(algo: str, output, input, group, avg: bool, log) -> Handle:
+def _reduce_scatter_with(algo: str, output, input, group, avg: bool, log, bound=()) -> Handle:
     n = world_size(group)
     if algo == "native":
         op = dist.ReduceOp.AVG if avg and avg_supported(group) else dist.ReduceOp.SUM
@@ -78,7 +78,7 @@ def _reduce_scatter_with(algo: str, output, input, group, avg: bool, log) -> Han
     if output.numel() == 0:
         return Handle(None, (output, input), 1.0, log)
     if algo == "shm":
-        work = shm.launch("reduce_scatter", output.view(-1), input.view(-1), group)
+        work = shm.launch("reduce_scatter", output.view(-1), input.view(-1), group, *bound)
         return Handle(work, (output, input), float(n) if avg else 1.0, log)
     tag = _next_tag(group)
     launch = _rs_pairwise if algo == "pairwise" else _rs_ring
@@ -86,7 +86,7 @@ def _reduce_scatter_with(algo: str, output, input, group, avg: bool, log) -> Han
     return Handle(work, (output, input), float(n) if avg else 1.0, log)  # sum, then divide once
 
 
-def _all_gather_with(algo: str, output, input, group, log) -> Handle:
+def _all_gather_with(algo: str, output, input, group, log, bound=()) -> Handle:
     if algo == "native":
 
         def launch():
@@ -97,7 +97,7 @@ def _all_gather_with(algo: str, output, input, group, log) -> Handle:
     if input.numel() == 0:
         return Handle(None, (output, input), 1.0, log)
     if algo == "shm":
-        work = shm.launch("all_gather", output.view(-1), input.view(-1), group)
+        work = shm.launch("all_gather", output.view(-1), input.view(-1), group, *bound)
         return Handle(work, (output, input), 1.0, log)
     tag = _next_tag(group)
     launch = _ag_pairwise if algo == "pairwise" else _ag_ring

@@ -44,11 +44,13 @@ import secrets
 import threading
 
 import torch
+import torch._dynamo
 import torch.distributed as dist
 
 from .base import CollectiveTimeout, rank, world_size
 
 SLOTS = 2
+PIECE_BYTES = 4 << 20  # the most of one rank's data one piece (one slot's use) carries
 SHM_DIR = "/dev/shm"
 _WORDS_PER_RANK = 16  # 64 bytes: a rank's words of a slot share no cache line with another's
 _POISON = 0  # word index: nonzero once a rank found the ranks launched different collectives
@@ -174,13 +176,17 @@ def _typed(buf: torch.Tensor, offset: int, numel: int, dtype: torch.dtype) -> to
 
 
 class _ShmWork:
-    """One shared-memory collective: posted at launch, read (and marked consumed) by `wait`."""
+    """One piece of a shared-memory collective: posted at launch, read (and marked consumed) by
+    `wait`. All-gather: ``x`` (p,) this rank's piece, ``out`` (N, p) rows of the output.
+    Reduce-scatter: ``x`` (N, p) this rank's input rows, ``out`` (p,) of the output."""
 
     takes_seconds = True  # wait(timeout_s) bounds itself (see base._wait)
 
-    def __init__(self, ch: _Channel, k: int, t: int, kind: str, out, x, numel: int):
+    def __init__(self, ch: _Channel, k: int, t: int, kind: str, out, x, p: int):
         self.ch, self.k, self.t, self.kind = ch, k, t, kind
-        self.out, self.x, self.numel = out, x, numel
+        self.out, self.x, self.p = out, x, p
+        self.dtype, self.es = x.dtype, x.element_size()
+        self.numel = ch.n * p  # of the piece's full buffer: what the ranks compare
         self.done = False
         self.lock = threading.Lock()
 
@@ -202,7 +208,7 @@ class _ShmWork:
 
     def _finish(self, timeout_s: float | None) -> None:
         ch, k, t, lib = self.ch, self.k, self.t, _lib()
-        n, r = ch.n, ch.r
+        n, r, p = ch.n, ch.r, self.p
         what = f"shared-memory {self.kind} number {t} of this group"
         for q in range(n):
             if q == r:
@@ -222,18 +228,14 @@ class _ShmWork:
                     f"{self.numel} elements): the ranks launched different collectives"
                 )
         buf = ch.data[k]
-        if self.kind == "all_gather":
-            s = self.x.numel()
+        if self.kind == "all_gather":  # rank q's piece at q * p
             for q in range(n):
                 if q != r:
-                    self.out[q * s : (q + 1) * s].copy_(
-                        _typed(buf, q * s * self.x.element_size(), s, self.x.dtype)
-                    )
-        else:  # reduce_scatter: ((x[r+1] + x[r+2]) + ...) + x[r], as [Note: algorithms]
-            f, s, es = self.x.numel(), self.out.numel(), self.x.element_size()
+                    self.out[q].copy_(_typed(buf, q * p * self.es, p, self.dtype))
+        else:  # rank q's rows at q * n * p; ((x[r+1] + x[r+2]) + ...) + x[r] ([Note: algorithms])
 
             def part(q: int) -> torch.Tensor:
-                return _typed(buf, (q * f + r * s) * es, s, self.x.dtype)
+                return _typed(buf, (q * n + r) * p * self.es, p, self.dtype)
 
             out = self.out
             if n == 2:
@@ -246,6 +248,22 @@ class _ShmWork:
         self.out = self.x = None  # the Handle keeps the tensors alive until it is waited
 
 
+class _Pieces:
+    """A collective larger than a piece: its pieces, launched one after the other."""
+
+    takes_seconds = True
+
+    def __init__(self, works: list):
+        self.works = works
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        for w in self.works:
+            w.wait(timeout_s)
+
+
 def _numel_at(ch: _Channel, k: int, q: int) -> int:
     lib = _lib()
     lo = lib.shm_load(ch.rank_word(k, q, _KIND + 1)) & 0xFFFFFFFF
@@ -253,43 +271,88 @@ def _numel_at(ch: _Channel, k: int, q: int) -> int:
     return lo | (hi << 32)
 
 
-def launch(kind: str, out: torch.Tensor, x: torch.Tensor, group) -> _ShmWork:
-    """Post this rank's part of ``kind`` (output ``out``, input ``x``, both contiguous)."""
+def launch(
+    kind: str,
+    out: torch.Tensor,
+    x: torch.Tensor,
+    group,
+    timeout_s: float | None = None,
+    what: str = "",
+    watch=None,
+):
+    """Post this rank's part of ``kind`` (output ``out``, input ``x``, both 1-D contiguous), in
+    pieces of at most `PIECE_BYTES` of this rank's data each; the work to wait for.
+
+    A launch waits where a slot is still in use (more pieces in flight than `SLOTS`): those waits
+    are bounded by ``timeout_s`` (default the group's timeout), named by ``what`` and marked on
+    ``watch`` like a handle's ([Note: watched waits]); the watch is left outside the channel's
+    lock, so that its monitor can launch on the channel meanwhile."""
     ch = channel(group)
+    if watch is not None:
+        watch.enter()
+    try:
+        work = _launch(ch, kind, out, x, timeout_s, what)
+    except BaseException as e:
+        if watch is not None:
+            watch.leave(e)
+        raise
+    if watch is not None:
+        watch.leave()
+    return work
+
+
+def _launch(ch: _Channel, kind: str, out, x, timeout_s: float | None, what: str):
+    n = ch.n
+    es = x.element_size()
+    if kind == "all_gather":
+        s = x.numel()
+        rows = out.view(n, s)
+        step = max(1, PIECE_BYTES // es)
+        pieces = [(rows[:, a : a + step], x[a : a + step]) for a in range(0, s, step)]
+    else:
+        s = out.numel()
+        rows = x.view(n, s)
+        step = max(1, PIECE_BYTES // (n * es))
+        pieces = [(out[a : a + step], rows[:, a : a + step]) for a in range(0, s, step)]
+    with ch.lock:  # a collective's pieces are consecutive numbers, whichever thread launches
+        works = [_launch_piece(ch, kind, o, i, timeout_s, what) for o, i in pieces]
+    return works[0] if len(works) == 1 else _Pieces(works)
+
+
+def _launch_piece(
+    ch: _Channel, kind: str, out: torch.Tensor, x: torch.Tensor, timeout_s, what: str
+) -> _ShmWork:
     lib = _lib()
     n, r = ch.n, ch.r
-    full = out if kind == "all_gather" else x
-    with ch.lock:
-        ch.seq += 1
-        t, k = ch.seq, ch.seq % SLOTS
-        prev = ch.occupant[k]
-        if prev is not None:  # reuse: every rank has consumed the slot's last collective
-            prev.wait(None)  # this rank's part, if not yet waited: its posts were all made
-            for q in range(n):
-                if q != r:
-                    ch.wait_word(
-                        ch.rank_word(k, q, _CONSUMED),
-                        prev.t,
-                        None,
-                        f"shared-memory {kind} number {t} (reusing the slot of number {prev.t})",
-                    )
-        es = full.element_size()
-        if kind == "all_gather":
-            s = x.numel()
-            buf = ch.slot(k, n * s * es)
-            _typed(buf, r * s * es, s, x.dtype).copy_(x)
-            mine = out[r * s : (r + 1) * s]
-            if mine.data_ptr() != x.data_ptr():
-                mine.copy_(x)
-        else:
-            f = x.numel()
-            buf = ch.slot(k, n * f * es)
-            _typed(buf, r * f * es, f, x.dtype).copy_(x)
-        numel = full.numel()
-        meta = [_KINDS[kind], numel & 0xFFFFFFFF, numel >> 32]  # words 1-3
-        lib.shm_post_with(ch.rank_word(k, r, 0), meta, t)  # one release publishes the lot
-        work = _ShmWork(ch, k, t, kind, out, x, numel)
-        ch.occupant[k] = work
+    ch.seq += 1
+    t, k = ch.seq, ch.seq % SLOTS
+    prev = ch.occupant[k]
+    if prev is not None:  # reuse: every rank has consumed the slot's last piece
+        prev.wait(timeout_s)  # this rank's part, if not yet waited: its posts were all made
+        for q in range(n):
+            if q != r:
+                ch.wait_word(
+                    ch.rank_word(k, q, _CONSUMED),
+                    prev.t,
+                    timeout_s,
+                    f"{what + ': ' if what else ''}launch of shared-memory {kind} number {t} "
+                    f"(its slot still holds number {prev.t})",
+                )
+    es = x.element_size()
+    if kind == "all_gather":
+        p = x.numel()
+        buf = ch.slot(k, n * p * es)
+        _typed(buf, r * p * es, p, x.dtype).copy_(x)
+        if out[r].data_ptr() != x.data_ptr():  # not in place
+            out[r].copy_(x)
+    else:
+        p = out.numel()
+        buf = ch.slot(k, n * n * p * es)
+        _typed(buf, r * n * p * es, n * p, x.dtype).view(n, p).copy_(x)
+    meta = [_KINDS[kind], (n * p) & 0xFFFFFFFF, (n * p) >> 32]  # words 1-3
+    lib.shm_post_with(ch.rank_word(k, r, _POSTED), meta, t)  # one release publishes the lot
+    work = _ShmWork(ch, k, t, kind, out, x, p)
+    ch.occupant[k] = work
     return work
 
 
@@ -389,6 +452,16 @@ def _ctrl_bytes(n: int) -> int:
     return 4 * (_RANK_BASE + SLOTS * n * _WORDS_PER_RANK)
 
 
+def poison(*groups) -> None:
+    """Stop the shared-memory channels of ``groups`` (those set up): every wait on them, on every
+    rank, raises at once. Stage 3's order check does it once it knows the ranks' collectives
+    differ, so that no rank stays blocked in one (`zero_kernels.partition.order`)."""
+    for g in groups:
+        ch = _channels.get(_key(g))
+        if ch is not None and _capable.get(_key(g), (None,))[0] is _pg(g):
+            ch.poison()
+
+
 def close_all() -> None:
     """Unmap every channel and unlink what is left of its files (process groups are gone)."""
     for ch in _channels.values():
@@ -399,4 +472,11 @@ def close_all() -> None:
 
 atexit.register(close_all)
 
-__all__ = ["SLOTS", "available", "capable", "close_all", "launch", "mapped_bytes"]
+# Compiled autograd traces the gradient hooks that launch collectives: these run as they are
+# (dynamo cannot trace object collectives, file mappings or futex waits).
+_open = torch._dynamo.disable(_open)
+launch = torch._dynamo.disable(launch)
+_ShmWork.wait = torch._dynamo.disable(_ShmWork.wait)
+_Pieces.wait = torch._dynamo.disable(_Pieces.wait)
+
+__all__ = ["SLOTS", "available", "capable", "close_all", "launch", "mapped_bytes", "poison"]

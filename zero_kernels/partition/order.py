@@ -65,11 +65,13 @@ class SequenceCheck(comm.Watch):
         mode: str,
         fill=None,
         split: bool = False,
+        stop_shm=None,
     ):
         assert mode in ("pass", "every"), mode
         assert not (split and mode == "every"), "every launch is compared in one sequence"
         self.side, self.names, self.timeout, self.mode = side, names, timeout, mode
         self.fill = fill  # (kind, i, b) -> a handle: that collective on scratch buffers
+        self.stop_shm = stop_shm  # () -> None: every shared-memory wait of the groups raises
         self.codes = {key: k for k, key in enumerate(sorted(names))}
         self.keys = {k: key for key, k in self.codes.items()}
         # the sequences compared apart: one, or (split) the reduce-scatters on a group of
@@ -306,13 +308,18 @@ class SequenceCheck(comm.Watch):
                     lists[r] = json.loads(self.store.get(key))
             if len(lists) < n:
                 time.sleep(0.02)
+        if self.stop_shm is not None:  # shm waits (a launch's too) end at once, on every rank
+            self.stop_shm()
         if self.fill is not None:
             for s in range(self.streams):
                 longest = max((x[s] for x in lists.values()), key=len)
                 for code in longest[len(mine[s]) :]:
                     key = self.keys[code]
                     if key[0] != "order":  # a unit forward: nothing launched
-                        self.filled.append(self.fill(key))
+                        try:
+                            self.filled.append(self.fill(key))
+                        except (ValueError, RuntimeError):  # an shm launch on a stopped channel
+                            pass
         if self.ending is None:  # the end-of-pass all-reduce of the ranks that ended the pass
             t = torch.zeros(2 * self.streams, dtype=torch.int64)  # as `end_pass`'s
             work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.side, async_op=True)

@@ -350,7 +350,17 @@ class Reducer:
                 self._finalize(self.inflight.pop(0))
         if self.check is not None:  # stage 3: every rank launches this one (SequenceCheck)
             self.check("reduce_scatter", *bk.key)
-        bk.handle = comm.reduce_scatter(out, inp, group=self.group, avg=True, log=self.log)
+        bk.handle = comm.reduce_scatter(
+            out,
+            inp,
+            group=self.group,
+            avg=True,
+            log=self.log,
+            timeout_s=self.timeout,
+            what=f"{self.describe()}, backward: reduce-scatter of bucket {bk.key[1]} of buffer "
+            f"{bk.key[0]}",
+            watch=self.check.watch if self.check is not None else None,
+        )
         bk.tmp = tmp
         bk.move(BucketState.REDUCING)
         bk.launched = True

@@ -280,10 +280,12 @@ class ShardRunner:
                     st[name] = view
                 st["step"] = torch.as_tensor(st["step"], dtype=torch.float32).clone()
 
-    def gather(self, i: int, b: int, log, group) -> comm.Handle:
+    def gather(self, i: int, b: int, log, group, **bound) -> comm.Handle:
         """Start the all-gather of bucket ``b`` of buffer ``i`` from every rank's param shard
-        (stage 3: the bucket must be allocated)."""
-        return comm.all_gather(self.store.full(i, b), self.store.shard(i, b), group=group, log=log)
+        (stage 3: the bucket must be allocated); ``bound``: `comm.all_gather`'s launch bounds."""
+        return comm.all_gather(
+            self.store.full(i, b), self.store.shard(i, b), group=group, log=log, **bound
+        )
 
     def _adam_hyper(self, g: dict, step: int, grad_scale: float) -> AdamHyper:
         """This step's scalars for torch Adam/AdamW's param group ``g``."""

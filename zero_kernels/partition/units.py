@@ -204,11 +204,16 @@ class UnitScheduler:
         """Start the unit's all-gathers (SHARDED -> GATHERING); nothing if already under way."""
         if u.state is not UnitState.SHARDED:
             return
+        watch = self.check.watch if self.check is not None else None
+        what = f"{self.describe()}: all-gather of unit {u.name}"
         for i, b in u.buckets:
             if self.check is not None:
                 self.check("all_gather", i, b)
             self.store.alloc(i, b)
-            u.handles.append(self.runner.gather(i, b, self.log, self.group))
+            h = self.runner.gather(
+                i, b, self.log, self.group, timeout_s=self.timeout, what=what, watch=watch
+            )
+            u.handles.append(h)
         u.state = UnitState.GATHERING
 
     def wait(self, u: Unit) -> None:
