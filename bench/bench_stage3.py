@@ -20,8 +20,10 @@ hyper-parameters):
     ours_reshard            ZeroOptimizer(model, AdamW, stage=3, reshard_after_forward=True,
     ours_noreshard          prefetch=1) / reshard_after_forward=False, prefetch=1 /
     ours_prefetch0          reshard_after_forward=True, prefetch=0 (what prefetch overlaps)
-    ours_*_native / _pairwise   (optional, --cands) the same with zero_kernels.comm's algorithm
-                            pinned instead of probed
+    ours_*_native / _pairwise / _shm   (optional, --cands) the same with zero_kernels.comm's
+                            algorithm pinned instead of probed
+    ours_*_noshm            (optional) the same with the probe choosing among native, pairwise
+                            and ring only (as before the shm algorithm)
     ours_*_check_first / _check_every   (optional) the same with check_order="first" / "every"
                             (default "pass")
     ours_*_onegroup         (optional) the same with the reduce-scatters on the main group (no

@@ -69,6 +69,13 @@ def _malloc_stats() -> dict:
     return {k: int(getattr(m, k)) for k in ("arena", "uordblks", "fordblks", "hblkhd")}
 
 
+def _shm_mapped() -> int:
+    """Bytes of zero_kernels.comm's shared-memory slots this rank maps (0: shm not used)."""
+    from zero_kernels.comm import shm
+
+    return shm.mapped_bytes()
+
+
 def _scratch() -> dict:
     """zero_kernels.comm's cached p2p receive buffers (in use / cached bytes)."""
     from zero_kernels import comm
@@ -191,6 +198,7 @@ def rss_worker(spec: dict, rank: int, world: int, port: int, res_q) -> None:
             "baseline_malloc": base_malloc,
             "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
             "peak_above_base": pk.peak - baseline,
+            "shm_mapped_bytes": _shm_mapped(),
             "phases": pk.phases,
             "losses": losses,
             "train_s": time.perf_counter() - t0,
@@ -422,6 +430,7 @@ def memory_rows(args, log) -> tuple[list[dict], list[dict], dict]:
             prefetch=1,
             bucket_mb=args.bucket_mb,
             largest_param=ranks[0]["largest_param"],
+            comm_scratch="shm" if ranks[0].get("shm_mapped_bytes") else "pairwise",
         )
         if stage == 3 and "noreshard" in spec["cand"]:
             est_live = None  # the window then spans forward to backward: not the estimator's
@@ -448,6 +457,7 @@ def memory_rows(args, log) -> tuple[list[dict], list[dict], dict]:
             "formula_comm_buffers_bpp": round(est.comm_buffer_bytes / psi, 2),
             "peak_vs_formula": round(peak / formula, 3),
             "formula_scratch_bpp": round(est.scratch_bytes / psi, 2),
+            "shm_mapped_MB": round(max(rk.get("shm_mapped_bytes", 0) for rk in ranks) / MB, 1),
             "formula_with_scratch_bpp": round(with_scratch / psi, 2),
             "peak_vs_formula_with_scratch": round(peak / with_scratch, 3),
             "peak_phase": worst,

@@ -9,6 +9,7 @@ import pytest
 
 from zero_kernels import estimate as est
 from zero_kernels.cli.main import main
+from zero_kernels.comm import shm as comm_shm
 
 
 def test_paper_figures():
@@ -282,6 +283,15 @@ def test_scratch_bytes():
     assert s[2].scratch_bytes == 2 / 4 * s[2].comm_buffer_bytes + grad  # N-2 shards per buffer
     assert s[3].scratch_bytes == 2 / 4 * (2 * layer * 4) + grad
     assert est.estimate_stage(3, psi, 2, largest_layer=layer, **kw).scratch_bytes == grad
+    # ranks on one host: the shm slots instead of receive buffers, bounded whatever the model
+    shm = [
+        est.estimate_stage(st, psi, 4, comm_scratch="shm", largest_layer=layer, **kw)
+        for st in range(4)
+    ]
+    assert [x.scratch_bytes - grad for x in shm] == [0, 16 * 2**20, 16 * 2**20, 32 * 2**20]
+    assert est.SHM_SLOT_BYTES == comm_shm.SLOTS * comm_shm.PIECE_BYTES
+    with pytest.raises(ValueError, match="comm_scratch"):
+        est.estimate_stage(2, psi, 4, comm_scratch="tcp")
     assert (
         est.estimate_stage(2, psi, 4, precision="fp32").scratch_bytes == s[2].scratch_bytes - grad
     )

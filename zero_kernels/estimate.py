@@ -36,12 +36,15 @@ unit); stage 1 reduce-scatters in place in its full gradient buffer and DDP's gr
 views of its buckets (``gradient_as_bucket_view``): none.
 
 Scratch (``scratch_bytes``, also outside the totals) is the rest of what a step needs at its
-peak: the receive buffers of ZeroOptimizer's pairwise reduce-scatter (the algorithm its probe
-picks on gloo; `zero_kernels.comm` keeps them cached between steps): per bucket in flight one
-shard per peer, less the one that lands in the output (stage 1 reduces in place: (N-1)/N of
-each in-flight bucket; stages 2/3 into a separate shard: (N-2)/N of each bucket buffer); and the
-gradient autograd produces whole for one param (the largest, ``largest_param``) before the hook
-copies it into its bucket: every data-parallel implementation has that one, DDP included.
+peak: the collectives' own buffers, and the gradient autograd produces whole for one param (the
+largest, ``largest_param``) before the hook copies it into its bucket: every data-parallel
+implementation has that one, DDP included. The collectives' buffers depend on the algorithm
+(``comm_scratch``): the receive buffers of the pairwise reduce-scatter (gloo ranks on several
+hosts; `zero_kernels.comm` keeps them cached between steps): per bucket in flight one shard per
+peer, less the one that lands in the output (stage 1 reduces in place: (N-1)/N of each in-flight
+bucket; stages 2/3 into a separate shard: (N-2)/N of each bucket buffer); or, for ranks on one
+host (the probe's pick there), the shared-memory slots: a bounded size per process group
+whatever the model ([Note: shared-memory collectives] in zero_kernels/comm/shm.py).
 """
 
 from __future__ import annotations
@@ -75,6 +78,8 @@ STAGES = (0, 1, 2, 3)
 GB = 1e9
 DEFAULT_BUCKET_MB = 25.0  # ZeroOptimizer's bucket_size_mb (MiB of fp32 gradient per bucket)
 GRAD_REDUCE_BYTES = 4  # ZeroOptimizer reduces gradients in fp32
+# comm.shm: SLOTS slots of at most N pieces of PIECE_BYTES each, per process group and rank
+SHM_SLOT_BYTES = 2 * (2 << 20)
 
 
 @dataclass(frozen=True)
@@ -405,13 +410,17 @@ def estimate_stage(
     root_params: int = 0,
     reshard_after_forward: bool = True,
     largest_param: int | None = None,
+    comm_scratch: str = "pairwise",
 ) -> StageEstimate:
     """Per-rank model-state bytes, comm buffers and per-step communication of one stage (see
     the Note above); ``bucket_mb`` / ``max_inflight_buckets`` / ``reshard_after_forward`` as
     ZeroOptimizer's (stage 3 without resharding: every unit stays gathered from its forward to
     its backward, so the live window is the whole model, and params are gathered once: 2Ψ).
     ``largest_param``: elements of the largest param, whose gradient autograd allocates whole
-    (counted in ``scratch_bytes``)."""
+    (counted in ``scratch_bytes``). ``comm_scratch``: the collectives' scratch in
+    ``scratch_bytes``, "pairwise" (receive buffers) or "shm" (the shared-memory slots, what the
+    probe picks for ranks on one host: at most `SHM_SLOT_BYTES` x N per process group, one group
+    at stages 1-2, two at stage 3 where the reduce-scatters have a group of their own)."""
     if stage not in STAGES:
         raise ValueError(f"--stage must be one of {STAGES}; got {stage!r}")
     if world_size < 1:
@@ -463,7 +472,11 @@ def estimate_stage(
     # not land in the output: N-1 in place (stage 1, in max_inflight buckets of its full
     # gradient buffer), N-2 into a separate shard (stages 2/3, per in-flight bucket buffer)), and
     # autograd's whole gradient of the largest param before the hook buckets it
-    if stage == 1:
+    if comm_scratch not in ("pairwise", "shm"):
+        raise ValueError(f"comm_scratch must be 'pairwise' or 'shm'; got {comm_scratch!r}")
+    if comm_scratch == "shm":
+        recv = 0.0 if stage == 0 or n == 1 else (2 if stage == 3 else 1) * SHM_SLOT_BYTES * n
+    elif stage == 1:
         recv = (n - 1) / n * min(max_inflight_buckets * bucket_mb * 2**20, GRAD_REDUCE_BYTES * psi)
     elif stage in (2, 3):
         recv = max(n - 2, 0) / n * buffers

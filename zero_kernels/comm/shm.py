@@ -50,7 +50,7 @@ import torch.distributed as dist
 from .base import CollectiveTimeout, rank, world_size
 
 SLOTS = 2
-PIECE_BYTES = 4 << 20  # the most of one rank's data one piece (one slot's use) carries
+PIECE_BYTES = 2 << 20  # the most of one rank's data one piece (one slot's use) carries
 SHM_DIR = "/dev/shm"
 _WORDS_PER_RANK = 16  # 64 bytes: a rank's words of a slot share no cache line with another's
 _POISON = 0  # word index: nonzero once a rank found the ranks launched different collectives
