@@ -26,6 +26,8 @@ Candidates (--cands; default all but ours_stage3 and deepspeed_stage{1,2}):
                              True / False, torch AdamW(fused=True) on the DTensor params
     ours_stage1, ours_stage2 zero_kernels.ZeroOptimizer(model, AdamW, stage=1/2)
     ours_stage2_bf16         the same, stage 2, reduce_dtype=torch.bfloat16
+    ours_stage*_noshm        (optional) the same with the collectives' probe choosing among
+                             native, pairwise and ring only (as before the shm algorithm)
     ours_stage{1,2}_agoverlap  (optional) overlap_param_gather=True: the step's all-gathers are
                              waited for by the next forward instead of at the end of step();
                              time it with --steps-per-turn 2 (see harness.run_timing)
@@ -225,6 +227,10 @@ def _build(name: str, model: nn.Module, args, lr: float):
         from zero_kernels import ZeroOptimizer
 
         extra = {}
+        if name.endswith("_noshm"):  # the probe without the shm algorithm (as before it)
+            from zero_kernels.comm import shm
+
+            shm.capable = lambda group: "left out by the _noshm candidate"
         if "_bf16" in name:
             extra["reduce_dtype"] = torch.bfloat16
         if "_agoverlap" in name:  # all-gathers waited for at each bucket's next forward use

@@ -3,10 +3,11 @@ recommend the fastest one that fits a memory limit.
 
 [Note: what tune does]
 1. The probe (one job of ``--nproc`` ranks on gloo): reduce-scatter and all-gather time per
-   algorithm `zero_kernels.comm` offers (native, pairwise, and ring above 2 ranks: a ring of 2
-   is the pairwise exchange) and per message size (64 KiB, 1, 8, 64 MiB, capped by the model's
-   fp32 gradient bytes, which are measured too), all-reduce for DDP; then forward + backward of
-   one rank's batch on every rank at once, its activations, and the optimizer step.
+   algorithm `zero_kernels.comm` offers (native, pairwise, ring above 2 ranks: a ring of 2
+   is the pairwise exchange, and shm where the extension is built: the ranks share this host)
+   and per message size (64 KiB, 1, 8, 64 MiB, capped by the model's fp32 gradient bytes,
+   which are measured too), all-reduce for DDP; then forward + backward of one rank's batch on
+   every rank at once, its activations, and the optimizer step.
 2. The plan (`zero_kernels.cli.tune_plan`): stage x bucket size x prefetch x reduce dtype x
    overlap_param_gather, plus DDP + AdamW(fused=True) for reference; each with a predicted step
    time and memory per rank. A configuration predicted over ``--mem-limit`` is not run (listed
@@ -529,6 +530,10 @@ def run_tune(cfg: TuneConfig) -> int:
         cfg = replace(cfg, buckets=default_buckets(facts.n_params))
     configs = grid(cfg.stages, cfg.buckets, cfg.prefetch, cfg.reduce_dtypes, cfg.overlap, cfg.ddp)
     algorithms = ("native", "pairwise") + (("ring",) if cfg.nproc > 2 else ())
+    from ..comm import shm
+
+    if shm.available() is None:  # the ranks share this host
+        algorithms += ("shm",)
     launcher = _Launcher(cfg.nproc, cfg.trial_timeout_s)
     bar = _Progress(len(configs) * cfg.repeats + 1, cfg.progress)
     try:

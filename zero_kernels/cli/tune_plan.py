@@ -42,7 +42,9 @@ least promising ones.
   compute probe. Not counted, so the measured peak is higher (a lower bound is what pruning needs: a
   configuration is never skipped that could have fit): the allocator's slack, gloo's buffers,
   the buffers of `zero_kernels.comm`'s algorithm probe (up to 32 MiB plus shards, in the first
-  step), the point-to-point algorithms' receive buffers, autograd's whole gradient of a
+  step), the point-to-point algorithms' receive buffers and the shared-memory slots (at most
+  2 x N x 2 MiB per process group, `zero_kernels.estimate.SHM_SLOT_BYTES`), autograd's whole
+  gradient of a
   parameter before it is copied into its bucket, and stage 1/2's copy of the params into the
   flat buffer at construction.
 

@@ -23,6 +23,9 @@ here, ~200 MB before the optimizer's imports were preloaded), so the peak is tak
 the file-backed and shared pages resident at the end (RssFile + RssShmem, which only grow
 during a trial), minus RssAnon at the baseline. That is exact when those pages are all in
 before the peak (the warm-up steps run every code path first), and never more than the truth.
+The shared-memory slots of `zero_kernels.comm.shm` are comm buffers, so they count: as much of
+RssShmem as the slot files this rank maps (at most what it touched, plus a slot's untouched
+tail).
 The mark is reset at the baseline by writing "5" to /proc/self/clear_refs (Linux >= 4.0),
 checked by reading it back; where that fails the mark since the process started is used (it
 started a moment before, forked from an idle server) and ``hwm_reset`` says so.
@@ -75,8 +78,12 @@ class PeakRSS:
         self.base = _status_kib("RssAnon") * 1024
 
     def peak(self) -> int:
-        files = _status_kib("RssFile") + _status_kib("RssShmem")
-        return max(0, (_status_kib("VmHWM") - files) * 1024 - self.base)
+        from zero_kernels.comm import shm
+
+        shmem = _status_kib("RssShmem") * 1024
+        slots = min(shm.mapped_bytes(), shmem)  # comm's shared-memory slots: comm buffers
+        files = _status_kib("RssFile") * 1024 + shmem - slots
+        return max(0, _status_kib("VmHWM") * 1024 - files - self.base)
 
 
 def _median(xs: list[float]) -> float:
