@@ -1,5 +1,6 @@
 """Collectives on gloo (issue 10): all_reduce against reduce-scatter and all-gather by each of
-comm's algorithms (native = the backend's own, pairwise and ring over batch_isend_irecv).
+comm's algorithms (native = the backend's own, pairwise and ring over batch_isend_irecv, shm
+through files in /dev/shm that every rank maps).
 
 Spawned gloo ranks (torch.multiprocessing, 1 torch thread each), fp32 buffers of each size (the
 full buffer: all_reduce's tensor, the reduce-scatter input, the all-gather output). Candidates
@@ -32,7 +33,7 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 from harness import machine, markdown_table, write_results  # noqa: E402
 
 MB = 1e6
-ALGOS = ("native", "pairwise", "ring")
+ALGOS = ("native", "pairwise", "ring", "shm")
 CANDS = ["all_reduce"] + [f"{op}_{a}" for op in ("reduce_scatter", "all_gather") for a in ALGOS]
 
 
@@ -158,6 +159,9 @@ def main() -> None:
         row["pairwise_rs+ag_vs_all_reduce"] = round(
             (row["reduce_scatter_pairwise_ms"] + row["all_gather_pairwise_ms"]) / ar, 2
         )
+        row["shm_rs+ag_vs_all_reduce"] = round(
+            (row["reduce_scatter_shm_ms"] + row["all_gather_shm_ms"]) / ar, 2
+        )
         rows.append(row)
 
     wall = time.perf_counter() - t0
@@ -181,6 +185,7 @@ def main() -> None:
     keys = ["size_MB", "all_reduce_ms"]
     keys += [f"{op}_{a}_ms" for op in ("reduce_scatter", "all_gather") for a in ALGOS]
     keys += ["rs_auto", "ag_auto", "native_rs+ag_vs_all_reduce", "pairwise_rs+ag_vs_all_reduce"]
+    keys += ["shm_rs+ag_vs_all_reduce"]
     print(markdown_table(rows, keys))
     print(
         f"\nprobe of every size class, both ops: {payload['probe_s']:.3f} s; wall {wall:.0f} s; "

@@ -96,6 +96,7 @@ class _Channel:
         self.gen = [0] * SLOTS
         self.occupant: list = [None] * SLOTS  # the last work launched in each slot
         self.paths: set = set()  # mapped files this rank may still have to unlink
+        self.pid = os.getpid()  # a forked child (a DataLoader worker) leaves the files alone
 
     # -- words
     def word(self, i: int) -> int:
@@ -156,8 +157,9 @@ class _Channel:
         return self.data[k]
 
     def close(self) -> None:
-        for p in list(self.paths):
-            _unlink(p)
+        if os.getpid() == self.pid:
+            for p in list(self.paths):
+                _unlink(p)
         self.paths.clear()
         self.data = [None] * SLOTS
         self.occupant = [None] * SLOTS
@@ -409,6 +411,14 @@ def _open(group) -> str | None:
     n, r = world_size(group), rank(group)
     why = available()
     base = None
+    if why is None:  # room for the slots at their largest, with a margin for other users
+        st = os.statvfs(SHM_DIR)
+        free, slots = st.f_bavail * st.f_frsize, SLOTS * n * PIECE_BYTES
+        if free < 4 * slots:
+            why = (
+                f"{SHM_DIR} has {free >> 20} MiB free; the slots take up to {slots >> 20} MiB "
+                "and 4 times that is asked for"
+            )
     if r == 0 and why is None:
         base = os.path.join(SHM_DIR, f"zero_kernels-{os.getpid()}-{secrets.token_hex(6)}")
         try:
