@@ -76,6 +76,16 @@ def _shm_mapped() -> int:
     return shm.mapped_bytes()
 
 
+def _scratch_kind(ranks: list) -> str:
+    """Which collectives' scratch a trial used (`estimate_stage`'s ``comm_scratch``): the shm
+    slots, pairwise receive buffers, or both (the probe chose per size class)."""
+    shm = any(rk.get("shm_mapped_bytes") for rk in ranks)
+    pairwise = any(
+        (ph.get("comm_scratch") or {}).get("cached", 0) for rk in ranks for ph in rk["phases"]
+    )
+    return "pairwise+shm" if shm and pairwise else "shm" if shm else "pairwise"
+
+
 def _scratch() -> dict:
     """zero_kernels.comm's cached p2p receive buffers (in use / cached bytes)."""
     from zero_kernels import comm
@@ -430,7 +440,7 @@ def memory_rows(args, log) -> tuple[list[dict], list[dict], dict]:
             prefetch=1,
             bucket_mb=args.bucket_mb,
             largest_param=ranks[0]["largest_param"],
-            comm_scratch="shm" if ranks[0].get("shm_mapped_bytes") else "pairwise",
+            comm_scratch=_scratch_kind(ranks),
         )
         if stage == 3 and "noreshard" in spec["cand"]:
             est_live = None  # the window then spans forward to backward: not the estimator's
@@ -458,6 +468,7 @@ def memory_rows(args, log) -> tuple[list[dict], list[dict], dict]:
             "peak_vs_formula": round(peak / formula, 3),
             "formula_scratch_bpp": round(est.scratch_bytes / psi, 2),
             "shm_mapped_MB": round(max(rk.get("shm_mapped_bytes", 0) for rk in ranks) / MB, 1),
+            "comm_scratch": _scratch_kind(ranks),
             "formula_with_scratch_bpp": round(with_scratch / psi, 2),
             "peak_vs_formula_with_scratch": round(peak / with_scratch, 3),
             "peak_phase": worst,

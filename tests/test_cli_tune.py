@@ -116,13 +116,16 @@ def test_report_of_a_real_run(tiny_run):
     assert rec["label"] == best["config"]["label"]
     assert rec["step_time_s"] == best["measured"]["step_time_s"]
     assert rec["zero_optimizer_kwargs"]["stage"] == best["config"]["stage"]
-    # bandwidth: reduce-scatter and all-gather per algorithm (no ring at 2 ranks), all-reduce
+    # bandwidth: reduce-scatter and all-gather per algorithm (no ring at 2 ranks; shm where the
+    # ranks share the host, as here), all-reduce
     seen = {(r["op"], r["algorithm"]) for r in res["bandwidth"]}
     assert seen == {
         ("reduce_scatter", "native"),
         ("reduce_scatter", "pairwise"),
+        ("reduce_scatter", "shm"),
         ("all_gather", "native"),
         ("all_gather", "pairwise"),
+        ("all_gather", "shm"),
         ("all_reduce", "native"),
     }
     assert all(r["seconds"] > 0 and r["bytes"] > 0 for r in res["bandwidth"])

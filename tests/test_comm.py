@@ -218,7 +218,18 @@ def _shm_checks(r: int, n: int) -> None:
     numel = 8 if r == 0 else 16
     with pytest.raises(ValueError, match="launched different collectives"):
         comm.all_gather(torch.empty(numel * n), torch.ones(numel), group=g).wait(timeout_s=30)
+    # no room in /dev/shm for the slots (here: pieces too large for it): not offered, and the
+    # same answer on every rank; forcing it is a clear error, the probe leaves it out
+    g2 = torch.distributed.new_group(backend="gloo")
+    shm.PIECE_BYTES = 1 << 50
+    why = shm.capable(g2)
+    shm.PIECE_BYTES = piece
+    assert why is not None and "MiB free" in why, why
+    with pytest.raises(ValueError, match="cannot run on this group: .*MiB free"):
+        comm.all_gather(torch.empty(4 * n), torch.ones(4), group=g2)
     comm.set_algorithm("all", None)
+    assert comm.choose_algorithm("all_gather", 1 << 10, group=g2) != "shm"
+    assert all("shm" not in v["times_ms"] for v in comm.probe_results(g2).values())
 
 
 class _Records(logging.Handler):

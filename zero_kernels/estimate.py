@@ -418,9 +418,10 @@ def estimate_stage(
     its backward, so the live window is the whole model, and params are gathered once: 2Ψ).
     ``largest_param``: elements of the largest param, whose gradient autograd allocates whole
     (counted in ``scratch_bytes``). ``comm_scratch``: the collectives' scratch in
-    ``scratch_bytes``, "pairwise" (receive buffers) or "shm" (the shared-memory slots, what the
+    ``scratch_bytes``, "pairwise" (receive buffers), "shm" (the shared-memory slots, what the
     probe picks for ranks on one host: at most `SHM_SLOT_BYTES` x N per process group, one group
-    at stages 1-2, two at stage 3 where the reduce-scatters have a group of their own)."""
+    at stages 1-2, two at stage 3 where the reduce-scatters have a group of their own) or
+    "pairwise+shm" (both: the probe chose per size class, some each way)."""
     if stage not in STAGES:
         raise ValueError(f"--stage must be one of {STAGES}; got {stage!r}")
     if world_size < 1:
@@ -468,20 +469,21 @@ def estimate_stage(
     elif stage == 3 and largest_layer:  # a bucket is a layer (or the root unit)
         biggest = sorted([root_params] + [largest_layer] * max_inflight_buckets, reverse=True)
         buffers = min(sum(biggest[:max_inflight_buckets]), psi) * GRAD_REDUCE_BYTES
-    # scratch: the pairwise reduce-scatters' receive buffers (one shard per peer whose chunk does
-    # not land in the output: N-1 in place (stage 1, in max_inflight buckets of its full
-    # gradient buffer), N-2 into a separate shard (stages 2/3, per in-flight bucket buffer)), and
-    # autograd's whole gradient of the largest param before the hook buckets it
-    if comm_scratch not in ("pairwise", "shm"):
-        raise ValueError(f"comm_scratch must be 'pairwise' or 'shm'; got {comm_scratch!r}")
-    if comm_scratch == "shm":
-        recv = 0.0 if stage == 0 or n == 1 else (2 if stage == 3 else 1) * SHM_SLOT_BYTES * n
-    elif stage == 1:
-        recv = (n - 1) / n * min(max_inflight_buckets * bucket_mb * 2**20, GRAD_REDUCE_BYTES * psi)
-    elif stage in (2, 3):
-        recv = max(n - 2, 0) / n * buffers
-    else:
-        recv = 0.0
+    # scratch: the shm slots (per process group), the pairwise reduce-scatters' receive buffers
+    # (one shard per peer whose chunk does not land in the output: N-1 in place (stage 1, in
+    # max_inflight buckets of its full gradient buffer), N-2 into a separate shard (stages 2/3,
+    # per in-flight bucket buffer)), and autograd's whole gradient of the largest param before
+    # the hook buckets it
+    kinds = ("pairwise", "shm", "pairwise+shm")
+    if comm_scratch not in kinds:
+        raise ValueError(f"comm_scratch must be one of {kinds}; got {comm_scratch!r}")
+    recv = 0.0
+    if "shm" in comm_scratch and stage != 0 and n > 1:
+        recv += (2 if stage == 3 else 1) * SHM_SLOT_BYTES * n
+    if "pairwise" in comm_scratch and stage == 1:
+        recv += (n - 1) / n * min(max_inflight_buckets * bucket_mb * 2**20, GRAD_REDUCE_BYTES * psi)
+    elif "pairwise" in comm_scratch and stage in (2, 3):
+        recv += max(n - 2, 0) / n * buffers
     scratch = recv + (largest_param or 0) * prec.param_bytes
     fits = None if gpu_mem is None else total + buffers + scratch <= gpu_mem
     return StageEstimate(

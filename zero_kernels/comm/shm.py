@@ -6,34 +6,42 @@ copy out, and threads that compete with the compute for the cores. The ``shm`` a
 ranks of a group exchange through files in ``/dev/shm`` that all of them map instead.
 
 - A *channel* per process group (a twin group has one of its own): a small control file of 32-bit
-  words, and ``SLOTS`` data slots used in turn (collective t of the group in slot t mod SLOTS).
-  Each slot is a file sized for the largest collective it held; a larger one replaces it (a new
-  generation, the same decision on every rank because every rank launches the same collectives
-  in the same order). A file is unlinked as soon as every rank has mapped it (an atomic count in
-  the control file), so nothing is left in ``/dev/shm`` when the processes end, whatever way.
-- Launch: the rank copies its input into the slot (all-gather: its shard at its chunk;
-  reduce-scatter: its whole buffer in a region of its own) and *posts* the collective's number in
-  its word of the slot, with the size alongside. Wait: for every other rank, wait for its post
-  (a futex, the GIL released), then read (all-gather: the other chunks into ``output``;
-  reduce-scatter: this rank's chunk of every region, summed in the p2p order of
-  [Note: algorithms], so the three algorithms agree bit for bit at N = 2), then post that it has
+  words, and ``SLOTS`` data slots used in turn (piece t of the group's sequence in slot
+  t mod SLOTS). Each slot is a file sized for the largest piece it held; a larger one replaces
+  it (a new generation, the same decision on every rank because every rank launches the same
+  collectives in the same order). A file is unlinked as soon as every rank has mapped it (an
+  atomic count in the control file) and at exit, so it does not outlive the processes however
+  they end, unless a rank is killed between creating and mapping it.
+- Pieces: a collective goes through the slots in pieces of at most `PIECE_BYTES` of one rank's
+  data (all-gather: a stretch of the shard; reduce-scatter: the same stretch of every chunk), so
+  a slot never holds more than N pieces and what a rank maps stays bounded (2 x N x 2 MiB per
+  group) whatever the bucket or unit size.
+- Launch: for each piece the rank copies its part into the slot (all-gather: its piece at its
+  row; reduce-scatter: its rows in a region of its own) and *posts* the piece's number in its
+  word of the slot, with the kind and size alongside (one release). Wait: for every other rank,
+  wait for its post (a futex, the GIL released), then read (all-gather: the other rows into
+  ``output``; reduce-scatter: this rank's row of every region, summed in the p2p order of
+  [Note: algorithms], so the algorithms agree bit for bit at N = 2), then post that it has
   *consumed* the slot.
-- A slot is reused (collective t + SLOTS) only after every rank consumed it. A rank that launches
+- A slot is reused (piece t + SLOTS) only after every rank consumed it. A rank that launches
   t + SLOTS before waiting for t finishes t itself first (its posts were all made: every rank
   launches t before t + SLOTS), so launching any number of collectives before waiting any is
   safe, and every wait a launch makes depends only on what the other ranks do at or before the
-  same launch.
-- Every wait is bounded by the group's timeout (a `CollectiveTimeout`). A rank that finds another
-  rank posted a different collective (kind or size) under the same number poisons the channel,
-  so every rank waiting on it raises the same ValueError at once instead of reading another
-  collective's data.
-- Memory: each rank maps the slots it uses. An all-gather slot is the full buffer, a
-  reduce-scatter slot N full buffers (each rank touches its own region and its chunk of the
-  others'). The pages are shared: a rank's RSS counts those it touched.
+  same launch. A collective of more pieces than slots is therefore a rendezvous at its launch;
+  those waits are bounded, named and watched like a handle's ([Note: watched waits]).
+- Every wait is bounded by the caller's timeout, else the group's (a `CollectiveTimeout`). A
+  rank that finds another rank posted a different collective (kind or size) under the same
+  number poisons the channel, so every rank waiting on it raises a ValueError at once instead of
+  reading another collective's data; stage 3's order check poisons its groups' channels once it
+  has found the ranks' collectives differ (`poison`).
+- Memory: each rank maps the slots; an all-gather slot holds N pieces, a reduce-scatter slot N
+  regions of N pieces' rows (each rank touches its region and its row of the others'). The pages
+  are shared: a rank's RSS counts those it touched (`mapped_bytes` bounds them).
 
-Measured (2 ranks, this 2-core machine, blocking, fastest of 6; bench/README.md "Shared-memory
-collectives" has the command): see there; the probe ([Note: choosing the algorithm]) picks it only
-where it is faster for the size class on the machine at hand.
+Measured (bench/README.md, "Shared-memory collectives"): at 2 ranks and 4-76 MB, 0.55-0.76x the
+pairwise exchange's time (0.48-0.66x at 4 ranks); a stage-3 step 0.84-0.87x (communication-heavy)
+and 0.92-0.96x (compute-heavy) of the same code without it. The probe ([Note: choosing the
+algorithm]) picks it per size class where it is faster on the machine at hand.
 """
 
 from __future__ import annotations
