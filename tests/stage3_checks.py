@@ -405,13 +405,13 @@ def _check_fewer_modules(rank: int, world: int) -> dict:
         ("later, prefetch", 2, [0, 1, 3], {}, ["another rank ran the forward of unit 'blocks."]),
     ]
     out = {}
-    piece = shm.PIECE_BYTES
+    piece = shm.SLOT_BYTES
     # again on the shm algorithm in 256-byte pieces: a launch then waits for the other ranks'
     # (more pieces than slots), and a rank that skipped a block never makes that launch
     for (name, at, blocks, kw, expected), algo in itertools.product(cases, (None, "shm")):
         g = dist.new_group(backend="gloo")
         comm.set_algorithm("all", algo, group=g)
-        shm.PIECE_BYTES = 256 if algo == "shm" else piece
+        shm.SLOT_BYTES = 256 * world if algo == "shm" else piece
         name = f"{name}, {algo or 'probe'}"
         torch.manual_seed(0)
         m = Net3()
@@ -419,7 +419,7 @@ def _check_fewer_modules(rank: int, world: int) -> dict:
         zo._scheduler.check.probe_s = 0.5
         t0 = time.monotonic()
         raised = _train_until_error(zo, m, rank, world, at + 1, at, blocks)
-        shm.PIECE_BYTES = piece
+        shm.SLOT_BYTES = piece
         assert raised is not None, f"{name}: a rank that skips a block passed"
         assert raised[0] == at, (name, raised)
         assert "blocks.2" in raised[1] or "blocks.3" in raised[1], (name, raised)

@@ -288,10 +288,10 @@ def test_scratch_bytes():
         est.estimate_stage(st, psi, 4, comm_scratch="shm", largest_layer=layer, **kw)
         for st in range(4)
     ]
-    assert [x.scratch_bytes - grad for x in shm] == [0, 16 * 2**20, 16 * 2**20, 32 * 2**20]
-    assert est.SHM_SLOT_BYTES == comm_shm.SLOTS * comm_shm.PIECE_BYTES
+    assert [x.scratch_bytes - grad for x in shm] == [0, 8 * 2**20, 8 * 2**20, 16 * 2**20]
+    assert est.SHM_SLOT_BYTES == comm_shm.SLOTS * comm_shm.SLOT_BYTES
     both = est.estimate_stage(2, psi, 4, comm_scratch="pairwise+shm", **kw).scratch_bytes
-    assert both == s[2].scratch_bytes + 16 * 2**20
+    assert both == s[2].scratch_bytes + 8 * 2**20
     with pytest.raises(ValueError, match="comm_scratch"):
         est.estimate_stage(2, psi, 4, comm_scratch="tcp")
     assert (

@@ -175,10 +175,10 @@ def _shm_checks(r: int, n: int) -> None:
     from zero_kernels.comm import shm
 
     comm.set_algorithm("all", "shm")
-    piece = shm.PIECE_BYTES
+    piece = shm.SLOT_BYTES
     # 70001 replaces every slot's file by a larger one; 4 KiB pieces make each collective many
     # (a launch then waits for the other ranks' launch: more pieces in flight than slots)
-    for s, shm.PIECE_BYTES in ((513, piece), (70001, piece), (70001, 4096)):
+    for s, shm.SLOT_BYTES in ((513, piece), (70001, piece), (70001, 4096 * n)):
         xs = _inputs(n, s, torch.float32, seed=11 + s)
         hs, outs = [], []
         for i in range(2 * shm.SLOTS + 1):
@@ -196,7 +196,7 @@ def _shm_checks(r: int, n: int) -> None:
             else:
                 want = _ref_sum(xs, r, s, _ring_order(r, n)) / (n if i == 2 else 1)
             _assert_equal(out, want, f"shm in flight #{i} shard={s} rank={r}/{n}")
-    shm.PIECE_BYTES = piece
+    shm.SLOT_BYTES = piece
     ch = shm._channels[shm._key(None)]
     comm.barrier()  # every rank has mapped every file: each was unlinked by the last to map it
     prefix = os.path.basename(ch.base)
@@ -221,9 +221,9 @@ def _shm_checks(r: int, n: int) -> None:
     # no room in /dev/shm for the slots (here: pieces too large for it): not offered, and the
     # same answer on every rank; forcing it is a clear error, the probe leaves it out
     g2 = torch.distributed.new_group(backend="gloo")
-    shm.PIECE_BYTES = 1 << 50
+    shm.SLOT_BYTES = 1 << 50
     why = shm.capable(g2)
-    shm.PIECE_BYTES = piece
+    shm.SLOT_BYTES = piece
     assert why is not None and "MiB free" in why, why
     with pytest.raises(ValueError, match="cannot run on this group: .*MiB free"):
         comm.all_gather(torch.empty(4 * n), torch.ones(4), group=g2)

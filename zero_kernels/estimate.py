@@ -78,8 +78,8 @@ STAGES = (0, 1, 2, 3)
 GB = 1e9
 DEFAULT_BUCKET_MB = 25.0  # ZeroOptimizer's bucket_size_mb (MiB of fp32 gradient per bucket)
 GRAD_REDUCE_BYTES = 4  # ZeroOptimizer reduces gradients in fp32
-# comm.shm: SLOTS slots of at most N pieces of PIECE_BYTES each, per process group and rank
-SHM_SLOT_BYTES = 2 * (2 << 20)
+# comm.shm: SLOTS slots of at most SLOT_BYTES each, per process group and rank
+SHM_SLOT_BYTES = 2 * (4 << 20)
 
 
 @dataclass(frozen=True)
@@ -419,7 +419,7 @@ def estimate_stage(
     ``largest_param``: elements of the largest param, whose gradient autograd allocates whole
     (counted in ``scratch_bytes``). ``comm_scratch``: the collectives' scratch in
     ``scratch_bytes``, "pairwise" (receive buffers), "shm" (the shared-memory slots, what the
-    probe picks for ranks on one host: at most `SHM_SLOT_BYTES` x N per process group, one group
+    probe picks for ranks on one host: at most `SHM_SLOT_BYTES` per process group, one group
     at stages 1-2, two at stage 3 where the reduce-scatters have a group of their own) or
     "pairwise+shm" (both: the probe chose per size class, some each way)."""
     if stage not in STAGES:
@@ -479,7 +479,7 @@ def estimate_stage(
         raise ValueError(f"comm_scratch must be one of {kinds}; got {comm_scratch!r}")
     recv = 0.0
     if "shm" in comm_scratch and stage != 0 and n > 1:
-        recv += (2 if stage == 3 else 1) * SHM_SLOT_BYTES * n
+        recv += (2 if stage == 3 else 1) * SHM_SLOT_BYTES
     if "pairwise" in comm_scratch and stage == 1:
         recv += (n - 1) / n * min(max_inflight_buckets * bucket_mb * 2**20, GRAD_REDUCE_BYTES * psi)
     elif "pairwise" in comm_scratch and stage in (2, 3):

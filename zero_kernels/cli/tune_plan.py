@@ -43,7 +43,7 @@ least promising ones.
   configuration is never skipped that could have fit): the allocator's slack, gloo's buffers,
   the buffers of `zero_kernels.comm`'s algorithm probe (up to 32 MiB plus shards, in the first
   step), the point-to-point algorithms' receive buffers and the shared-memory slots (at most
-  2 x N x 2 MiB per process group, `zero_kernels.estimate.SHM_SLOT_BYTES`), autograd's whole
+  2 x 4 MiB per process group, `zero_kernels.estimate.SHM_SLOT_BYTES`), autograd's whole
   gradient of a
   parameter before it is copied into its bucket, and stage 1/2's copy of the params into the
   flat buffer at construction.

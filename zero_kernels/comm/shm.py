@@ -12,10 +12,10 @@ ranks of a group exchange through files in ``/dev/shm`` that all of them map ins
   collectives in the same order). A file is unlinked as soon as every rank has mapped it (an
   atomic count in the control file) and at exit, so it does not outlive the processes however
   they end, unless a rank is killed between creating and mapping it.
-- Pieces: a collective goes through the slots in pieces of at most `PIECE_BYTES` of one rank's
-  data (all-gather: a stretch of the shard; reduce-scatter: the same stretch of every chunk), so
-  a slot never holds more than N pieces and what a rank maps stays bounded (2 x N x 2 MiB per
-  group) whatever the bucket or unit size.
+- Pieces: a collective goes through the slots in pieces of at most `SLOT_BYTES` / N of one
+  rank's data (all-gather: a stretch of the shard; reduce-scatter: the same stretch of every
+  chunk), so a slot holds at most `SLOT_BYTES` (4 MiB) and what a rank maps stays bounded (2 x
+  4 MiB per group) whatever the number of ranks and the bucket or unit size.
 - Launch: for each piece the rank copies its part into the slot (all-gather: its piece at its
   row; reduce-scatter: its rows in a region of its own) and *posts* the piece's number in its
   word of the slot, with the kind and size alongside (one release). Wait: for every other rank,
@@ -58,7 +58,7 @@ import torch.distributed as dist
 from .base import CollectiveTimeout, rank, world_size
 
 SLOTS = 2
-PIECE_BYTES = 2 << 20  # the most of one rank's data one piece (one slot's use) carries
+SLOT_BYTES = 4 << 20  # the most one slot holds: N pieces of SLOT_BYTES / N of each rank's data
 SHM_DIR = "/dev/shm"
 _WORDS_PER_RANK = 16  # 64 bytes: a rank's words of a slot share no cache line with another's
 _POISON = 0  # word index: nonzero once a rank found the ranks launched different collectives
@@ -291,7 +291,7 @@ def launch(
     watch=None,
 ):
     """Post this rank's part of ``kind`` (output ``out``, input ``x``, both 1-D contiguous), in
-    pieces of at most `PIECE_BYTES` of this rank's data each; the work to wait for.
+    pieces of at most `SLOT_BYTES` / N of this rank's data each; the work to wait for.
 
     A launch waits where a slot is still in use (more pieces in flight than `SLOTS`): those waits
     are bounded by ``timeout_s`` (default the group's timeout), named by ``what`` and marked on
@@ -317,12 +317,12 @@ def _launch(ch: _Channel, kind: str, out, x, timeout_s: float | None, what: str)
     if kind == "all_gather":
         s = x.numel()
         rows = out.view(n, s)
-        step = max(1, PIECE_BYTES // es)
+        step = max(1, SLOT_BYTES // n // es)
         pieces = [(rows[:, a : a + step], x[a : a + step]) for a in range(0, s, step)]
     else:
         s = out.numel()
         rows = x.view(n, s)
-        step = max(1, PIECE_BYTES // (n * es))
+        step = max(1, SLOT_BYTES // n // (n * es))
         pieces = [(out[a : a + step], rows[:, a : a + step]) for a in range(0, s, step)]
     with ch.lock:  # a collective's pieces are consecutive numbers, whichever thread launches
         works = [_launch_piece(ch, kind, o, i, timeout_s, what) for o, i in pieces]
@@ -421,7 +421,7 @@ def _open(group) -> str | None:
     base = None
     if why is None:  # room for the slots at their largest, with a margin for other users
         st = os.statvfs(SHM_DIR)
-        free, slots = st.f_bavail * st.f_frsize, SLOTS * n * PIECE_BYTES
+        free, slots = st.f_bavail * st.f_frsize, SLOTS * SLOT_BYTES
         if free < 4 * slots:
             why = (
                 f"{SHM_DIR} has {free >> 20} MiB free; the slots take up to {slots >> 20} MiB "
