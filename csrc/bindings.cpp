@@ -314,11 +314,13 @@ void shm_post_with(int64_t addr, std::vector<int64_t> meta, int64_t value) {
   zk::shm_post_with(shm_word(addr), words.data(), static_cast<int>(words.size()), as_word(value));
 }
 
-int shm_wait_ge(int64_t addr, int64_t target, int64_t poison_addr, double timeout_s) {
+int shm_wait_ge(int64_t addr, int64_t target, int64_t poison_addr, double timeout_s, int64_t fd,
+                int64_t peer_byte) {
   const int32_t* word = shm_word(addr);
   const int32_t* poison = poison_addr == 0 ? nullptr : shm_word(poison_addr);
   py::gil_scoped_release nogil;
-  return static_cast<int>(zk::shm_wait_ge(word, as_word(target), poison, timeout_s));
+  return static_cast<int>(
+      zk::shm_wait_ge(word, as_word(target), poison, timeout_s, static_cast<int>(fd), peer_byte));
 }
 
 void shm_wake(int64_t addr) { zk::shm_wake(shm_word(addr)); }
@@ -358,10 +360,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_cuda", &has_cuda, "Whether the CUDA kernels were compiled in");
   m.def("shm_post", &shm_post, "Release-store a shared word and wake its waiters", py::arg("addr"),
         py::arg("value"));
-  m.def(
-      "shm_wait_ge", &shm_wait_ge,
-      "Wait (GIL released) until a shared word reaches target: 0 reached, 1 timed out, 2 poisoned",
-      py::arg("addr"), py::arg("target"), py::arg("poison_addr"), py::arg("timeout_s"));
+  m.def("shm_wait_ge", &shm_wait_ge,
+        "Wait (GIL released) until a shared word reaches target: 0 reached, 1 timed out, 2 "
+        "poisoned, 3 the writer (holding its lock on byte peer_byte of fd) is gone",
+        py::arg("addr"), py::arg("target"), py::arg("poison_addr"), py::arg("timeout_s"),
+        py::arg("fd") = -1, py::arg("peer_byte") = -1);
+  m.def("shm_hold", &zk::shm_hold, "Lock byte `byte` of fd's file for this process's life",
+        py::arg("fd"), py::arg("byte"));
+  m.def("shm_held", &zk::shm_held, "Whether another process holds a lock on that byte",
+        py::arg("fd"), py::arg("byte"));
   m.def("shm_supported", &zk::shm_supported, "Whether shm synchronisation is built (Linux)");
   m.def("shm_post_with", &shm_post_with,
         "Store meta in the words after addr, then post value at addr (one release)",

@@ -6,6 +6,7 @@
 #include <stdexcept>
 
 #ifdef __linux__
+#include <fcntl.h>
 #include <linux/futex.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -67,17 +68,47 @@ int32_t shm_fetch_add(int32_t* word, int32_t delta) {
 
 int32_t shm_load(const int32_t* word) { return __atomic_load_n(word, __ATOMIC_ACQUIRE); }
 
-ShmWait shm_wait_ge(const int32_t* word, int32_t target, const int32_t* poison, double timeout_s) {
+#ifdef __linux__
+bool shm_hold(int fd, int64_t byte) {
+  struct flock fl = {};
+  fl.l_type = F_WRLCK;
+  fl.l_whence = SEEK_SET;
+  fl.l_start = static_cast<off_t>(byte);
+  fl.l_len = 1;
+  return fcntl(fd, F_SETLK, &fl) == 0;
+}
+
+bool shm_held(int fd, int64_t byte) {
+  struct flock fl = {};
+  fl.l_type = F_WRLCK;
+  fl.l_whence = SEEK_SET;
+  fl.l_start = static_cast<off_t>(byte);
+  fl.l_len = 1;
+  if (fcntl(fd, F_GETLK, &fl) != 0) return true;  // cannot tell: assume alive (the timeout bounds)
+  return fl.l_type != F_UNLCK;
+}
+#else
+bool shm_hold(int, int64_t) { return false; }
+bool shm_held(int, int64_t) { return true; }
+#endif
+
+ShmWait shm_wait_ge(const int32_t* word, int32_t target, const int32_t* poison, double timeout_s,
+                    int fd, int64_t peer_byte) {
   using clock = std::chrono::steady_clock;
   const auto start = clock::now();
   for (int i = 0; i < 64; ++i) {  // short: the cores are shared with the peer ranks' compute
     if (reached(shm_load(word), target)) return kShmReached;
     cpu_relax();
   }
+  long slices = 0;  // futex slices slept
   for (;;) {
     const int32_t now = shm_load(word);
     if (reached(now, target)) return kShmReached;
     if (poison != nullptr && shm_load(poison) != 0) return kShmPoisoned;
+    if (fd >= 0 && slices > 0 && !shm_held(fd, peer_byte)) {  // not on the first pass: cheap path
+      return reached(shm_load(word), target) ? kShmReached : kShmPeerGone;
+    }
+    ++slices;
     double slice = 0.05;  // seconds: how late a poison without a wake is seen
     if (timeout_s >= 0) {
       const double left = timeout_s - std::chrono::duration<double>(clock::now() - start).count();

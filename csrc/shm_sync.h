@@ -13,7 +13,7 @@
 namespace zk {
 
 // Result of shm_wait_ge.
-enum ShmWait : int { kShmReached = 0, kShmTimedOut = 1, kShmPoisoned = 2 };
+enum ShmWait : int { kShmReached = 0, kShmTimedOut = 1, kShmPoisoned = 2, kShmPeerGone = 3 };
 
 // Whether this build has the futex-based implementation (Linux).
 bool shm_supported();
@@ -27,8 +27,18 @@ void shm_post_with(int32_t* words, const int32_t* meta, int count_meta, int32_t 
 
 // Wait until ``*word - target >= 0`` (signed 32-bit difference) or ``*poison != 0`` or
 // ``timeout_s`` seconds have passed (negative: no bound). Spins briefly, then sleeps on the
-// futex in slices so a poison set without a wake is still seen.
-ShmWait shm_wait_ge(const int32_t* word, int32_t target, const int32_t* poison, double timeout_s);
+// futex in slices so a poison set without a wake is still seen. With ``fd >= 0``, after each
+// slice also checks that the writer still holds its lock on byte ``peer_byte`` of ``fd``'s file
+// (shm_hold): a writer that died released it (kShmPeerGone).
+ShmWait shm_wait_ge(const int32_t* word, int32_t target, const int32_t* poison, double timeout_s,
+                    int fd = -1, int64_t peer_byte = -1);
+
+// Take a POSIX record lock on byte ``byte`` of ``fd``'s file for this process's life (the kernel
+// drops it when the process ends, however it ends, or closes any descriptor of that file).
+bool shm_hold(int fd, int64_t byte);
+
+// Whether another process holds a lock on byte ``byte`` of ``fd``'s file.
+bool shm_held(int fd, int64_t byte);
 
 // Wake every process waiting on ``word`` (its value unchanged).
 void shm_wake(int32_t* word);

@@ -11,6 +11,7 @@ the env override and `set_algorithm`, and the counters. One spawned group per wo
 
 import logging
 import os
+import time
 
 import pytest
 import torch
@@ -218,6 +219,22 @@ def _shm_checks(r: int, n: int) -> None:
     numel = 8 if r == 0 else 16
     with pytest.raises(ValueError, match="launched different collectives"):
         comm.all_gather(torch.empty(numel * n), torch.ones(numel), group=g).wait(timeout_s=30)
+    # a rank whose process ends while another waits for it: the waiter raises within a few
+    # slices (its lock on the control file goes with the process; closing the channel drops it
+    # the same way), not at the group's timeout
+    g3 = torch.distributed.new_group(backend="gloo")
+    assert shm.capable(g3) is None
+    comm.barrier()
+    if r == n - 1:
+        shm._channels[shm._key(g3)].close()
+    comm.barrier()
+    if r != n - 1:
+        t0 = time.monotonic()
+        h = comm.all_gather(torch.empty(4 * n), torch.ones(4), group=g3)
+        with pytest.raises(comm.CollectiveTimeout, match=f"rank {n - 1} of the group ended"):
+            h.wait(timeout_s=60, what="all-gather for the test")
+        assert time.monotonic() - t0 < 5, time.monotonic() - t0
+    comm.barrier()
     # no room in /dev/shm for the slots (here: pieces too large for it): not offered, and the
     # same answer on every rank; forcing it is a clear error, the probe leaves it out
     g2 = torch.distributed.new_group(backend="gloo")

@@ -1,7 +1,8 @@
 // C++ unit test of the shared-memory synchronisation (csrc/shm_sync.h) across two processes:
 // a forked child posts 2000 items (data, then metadata and the number) that the parent waits for
 // and checks; then a bounded wait that times out, a poisoned wait, a wake without a change, the
-// atomic add, and the wrap-safe comparison. Exits non-zero on failure.
+// atomic add, the wrap-safe comparison, and a writer that dies (its lock released, the wait on it
+// ended). Exits non-zero on failure.
 #include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -9,6 +10,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <new>
 
 #include "shm_sync.h"
@@ -93,6 +95,31 @@ int main() {
   zk::shm_post(&w, INT32_MIN);
   expect(zk::shm_wait_ge(&w, INT32_MAX, nullptr, 0.0) == zk::kShmReached,
          "a number that wrapped past 2^31 counts as reached");
+  // a writer that dies: its lock goes with it, and a wait on it ends (not at the timeout)
+  char path[] = "/tmp/zk_shm_sync_XXXXXX";
+  const int fd = mkstemp(path);
+  expect(fd >= 0, "a lock file");
+  unlink(path);
+  s->acked = 0;
+  const int32_t before = s->posted[0];
+  pid_t writer = fork();
+  if (writer == 0) {
+    if (!zk::shm_hold(fd, 1)) _exit(4);
+    zk::shm_post(&s->acked, 1);
+    usleep(300000);
+    _exit(0);  // without posting what the parent waits for
+  }
+  expect(zk::shm_wait_ge(&s->acked, 1, nullptr, 10.0) == zk::kShmReached, "the writer locked");
+  expect(zk::shm_held(fd, 1), "the writer's lock is seen from another process");
+  expect(!zk::shm_held(fd, 2), "a byte nobody locked is free");
+  t0 = std::chrono::steady_clock::now();
+  expect(zk::shm_wait_ge(&s->posted[0], before + 1, &s->poison, 30.0, fd, 1) == zk::kShmPeerGone,
+         "a wait on a writer that exited ends with kShmPeerGone");
+  took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  expect(took < 5.0, "a dead writer is seen within a few slices, not at the timeout");
+  waitpid(writer, &status, 0);
+  expect(!zk::shm_held(fd, 1), "the lock is gone with its process");
+  close(fd);
   std::printf("shm sync: %d failures\n", failures);
   munmap(mem, sizeof(Shared));
   return failures == 0 ? 0 : 1;

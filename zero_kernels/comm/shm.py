@@ -91,8 +91,9 @@ def available() -> str | None:
 class _Channel:
     """The shared files of one process group and this rank's view of them."""
 
-    def __init__(self, group, base: str, ctrl: torch.Tensor, timeout_s: float):
+    def __init__(self, group, base: str, ctrl: torch.Tensor, fd: int, timeout_s: float):
         self.group = group
+        self.fd = fd  # the control file, this rank's lock on byte r held through it
         self.n, self.r = world_size(group), rank(group)
         self.base = base
         self.ctrl = ctrl  # int32 words
@@ -113,13 +114,20 @@ class _Channel:
     def rank_word(self, k: int, q: int, j: int) -> int:
         return self.word(_RANK_BASE + (k * self.n + q) * _WORDS_PER_RANK + j)
 
-    def wait_word(self, addr: int, target: int, timeout_s: float | None, what: str) -> None:
+    def wait_word(
+        self, addr: int, target: int, timeout_s: float | None, what: str, peer: int
+    ) -> None:
         t = self.timeout_s if timeout_s is None else timeout_s
-        res = _lib().shm_wait_ge(addr, target, self.word(_POISON), t)
+        res = _lib().shm_wait_ge(addr, target, self.word(_POISON), t, self.fd, peer)
         if res == 1:
             raise CollectiveTimeout(
                 f"{what}: not every rank took part within {t:g} s (a rank stalled, died or ran "
                 "a different collective)"
+            )
+        if res == 3:
+            raise RuntimeError(
+                f"{what}: rank {peer} of the group ended (its process is gone) while this rank "
+                "waited for it"
             )
         if res == 2:
             raise ValueError(
@@ -168,6 +176,9 @@ class _Channel:
         if os.getpid() == self.pid:
             for p in list(self.paths):
                 _unlink(p)
+            if self.fd >= 0:
+                os.close(self.fd)  # releases this rank's lock: the others see it gone
+                self.fd = -1
         self.paths.clear()
         self.data = [None] * SLOTS
         self.occupant = [None] * SLOTS
@@ -223,7 +234,7 @@ class _ShmWork:
         for q in range(n):
             if q == r:
                 continue
-            ch.wait_word(ch.rank_word(k, q, _POSTED), t, timeout_s, what)
+            ch.wait_word(ch.rank_word(k, q, _POSTED), t, timeout_s, what, q)
             got = (
                 lib.shm_load(ch.rank_word(k, q, _POSTED)) & 0xFFFFFFFF,
                 lib.shm_load(ch.rank_word(k, q, _KIND)),
@@ -347,6 +358,7 @@ def _launch_piece(
                     timeout_s,
                     f"{what + ': ' if what else ''}launch of shared-memory {kind} number {t} "
                     f"(its slot still holds number {prev.t})",
+                    q,
                 )
     es = x.element_size()
     if kind == "all_gather":
@@ -444,11 +456,17 @@ def _open(group) -> str | None:
         gsrc = dist.get_global_rank(group, 0) if group is not None else 0
         dist.broadcast_object_list(box, src=gsrc, group=group)
         base = box[0]
-        ctrl = None
+        ctrl, fd = None, -1
         if base is not None and why is None:
             try:
                 raw = torch.from_file(base + "-ctrl", shared=True, size=_ctrl_bytes(n))
                 ctrl = raw.view(torch.int32)
+                # after the mapping (which opened and closed the file: closing any descriptor
+                # of a file drops the process's locks on it), a descriptor kept open and a lock
+                # on byte r through it: the others tell from it whether this process lives
+                fd = os.open(base + "-ctrl", os.O_RDWR)
+                if not _lib().shm_hold(fd, r):
+                    why = f"cannot lock byte {r} of {base}-ctrl"
             except (RuntimeError, OSError) as e:
                 why = f"cannot map {base}-ctrl: {e}"
         elif why is None:
@@ -460,8 +478,10 @@ def _open(group) -> str | None:
             _unlink(made + "-ctrl")  # every rank has mapped it, given up or failed
     bad = [(q, w) for q, w in enumerate(whys) if w is not None]
     if bad:
+        if fd >= 0:
+            os.close(fd)
         return f"rank {bad[0][0]} of the group: {bad[0][1]}"
-    ch = _Channel(group, base, ctrl, _timeout_s(group))
+    ch = _Channel(group, base, ctrl, fd, _timeout_s(group))
     _channels[_key(group)] = ch
     return None
 
