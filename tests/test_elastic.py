@@ -40,7 +40,12 @@ The settings, and why:
   workers raise at once ("Connection reset/closed by peer") in the next collective; torchrun stops
   A's other worker and restarts the group. (Had gloo hung, ``ZeroOptimizer(timeout=...)`` bounds
   every collective of backward and step; the demo's process group timeout is 300 s.)
-- ``ZERO_KERNELS_COMM_ALGO=pairwise`` (every run here): at world size 3 gloo's own collectives sum
+- ``ZERO_KERNELS_COMM_ALGO=shm``, the second run of the test: the workers exchange through shared
+  memory, where a killed peer closes no socket; A's workers see B's worker gone through the lock
+  each rank holds on the channel's control file (within a few 50 ms slices), and no file is
+  left in /dev/shm. The shm sums are in the pairwise order, so the bitwise checks hold as they
+  are.
+- ``ZERO_KERNELS_COMM_ALGO=pairwise`` (the first run): at world size 3 gloo's own collectives sum
   in an order of their own and the algorithm is otherwise chosen by timing, so two runs at world
   size 3 could differ by rounding; pinned, the killed run's first steps equal the reference's bits.
 - ``LOGLEVEL=INFO``: torchrun logs its rendezvous results and its restarts.
@@ -101,8 +106,11 @@ def _demo_args(out, ckpt, *more) -> list[str]:
     return args + list(more)
 
 
+_ALGO = "pairwise"  # the run's collective algorithm (the test's parameter)
+
+
 def _env(marker: str, **more) -> dict:
-    env = dict(os.environ, ZERO_KERNELS_COMM_ALGO="pairwise", OMP_NUM_THREADS="1", **more)
+    env = dict(os.environ, ZERO_KERNELS_COMM_ALGO=_ALGO, OMP_NUM_THREADS="1", **more)
     env["ZK_ELASTIC_TEST"] = marker
     return env
 
@@ -174,7 +182,10 @@ def _step_of(name: str) -> int:
     return int(name.rsplit("-", 1)[1])
 
 
-def test_elastic_restart_after_losing_an_agent(tmp_path):
+@pytest.mark.parametrize("algo", ["pairwise", "shm"])
+def test_elastic_restart_after_losing_an_agent(tmp_path, algo, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "_ALGO", algo)
+    shm_before = _shm_files()
     t0 = time.monotonic()
     timings = {}
     ckpt = tmp_path / "ck"
@@ -272,3 +283,12 @@ def test_elastic_restart_after_losing_an_agent(tmp_path):
     assert loss[-1] < loss[start - 1] < loss[0]
     timings["total_s"] = time.monotonic() - t0
     print("elastic restart:", {k: round(v, 1) for k, v in timings.items()}, "resumed at", start)
+    # shm: the killed worker's channel files were unlinked once mapped; nothing is left
+    assert _shm_files() <= shm_before, sorted(_shm_files() - shm_before)
+
+
+def _shm_files() -> set:
+    """zero_kernels' shared-memory files in /dev/shm (see zero_kernels.comm.shm)."""
+    if not os.path.isdir("/dev/shm"):
+        return set()
+    return {f for f in os.listdir("/dev/shm") if f.startswith("zero_kernels-")}
