@@ -69,21 +69,24 @@ int32_t shm_fetch_add(int32_t* word, int32_t delta) {
 int32_t shm_load(const int32_t* word) { return __atomic_load_n(word, __ATOMIC_ACQUIRE); }
 
 #ifdef __linux__
-bool shm_hold(int fd, int64_t byte) {
+namespace {
+struct flock byte_lock(int64_t byte) {  // a write lock on one byte of the file
   struct flock fl = {};
   fl.l_type = F_WRLCK;
   fl.l_whence = SEEK_SET;
   fl.l_start = static_cast<off_t>(byte);
   fl.l_len = 1;
+  return fl;
+}
+}  // namespace
+
+bool shm_hold(int fd, int64_t byte) {
+  struct flock fl = byte_lock(byte);
   return fcntl(fd, F_SETLK, &fl) == 0;
 }
 
 bool shm_held(int fd, int64_t byte) {
-  struct flock fl = {};
-  fl.l_type = F_WRLCK;
-  fl.l_whence = SEEK_SET;
-  fl.l_start = static_cast<off_t>(byte);
-  fl.l_len = 1;
+  struct flock fl = byte_lock(byte);
   if (fcntl(fd, F_GETLK, &fl) != 0) return true;  // cannot tell: assume alive (the timeout bounds)
   return fl.l_type != F_UNLCK;
 }
