@@ -192,8 +192,7 @@ def _unlink(path: str) -> None:
 
 
 def _typed(buf: torch.Tensor, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    es = torch.empty((), dtype=dtype).element_size()
-    return buf[offset : offset + numel * es].view(dtype)
+    return buf[offset : offset + numel * dtype.itemsize].view(dtype)
 
 
 class _ShmWork:
