@@ -74,6 +74,47 @@ def test_stage3_params_between_uses_read_as_nan():
     assert torch.equal(m[0].weight, torch.full((4, 4), 2.0))  # whole plain tensors again
 
 
+def test_stage3_meta_params_built_in_their_buckets(monkeypatch):
+    """A meta model's unit params are initialised straight into the unit's gathered bucket (no
+    whole copy of them allocated apart, which fragmented glibc's heap), and the fused Adam state
+    is one tensor per buffer and name, each bucket's a view of it (per-bucket tensors, made at
+    the first step among its transients, pinned holes in the heap)."""
+    import zero_kernels.param_access as pa
+
+    seen = []  # per unit: (params given memory by `storage`, params of the unit allocated apart)
+
+    def spy(named, device, seed=0, init_fn=None, storage=None):
+        named = list(named)
+        metas = [p for _, mod in named for p in mod.parameters(recurse=False) if p.is_meta]
+        real(named, device, seed, init_fn, storage)
+        if storage is not None:
+            inside = [p for p in metas if p.data_ptr() == storage.get(id(p), p).data_ptr()]
+            seen.append((len(inside), len(metas) - len(inside)))
+
+    real = pa.materialize_modules_
+    monkeypatch.setattr(pa, "materialize_modules_", spy)
+    with torch.device("meta"):
+        m = nn.Sequential(*(nn.Linear(16, 16) for _ in range(3)))
+    zo = ZeroOptimizer(m, torch.optim.AdamW, stage=3, units=[nn.Linear], lr=0.1)
+    assert [x for x in seen if x != (0, 0)] == [(2, 0)] * 3, seen  # the root has none
+    ref = nn.Sequential(*(nn.Linear(16, 16) for _ in range(3)))
+    from zero_kernels.materialize import init_module_
+
+    init_module_(ref, 0)
+    with zo.gathered_params():
+        assert all(torch.equal(a, b) for a, b in zip(m.parameters(), ref.parameters()))
+    m(torch.randn(4, 16)).sum().backward()
+    zo.step()
+    r = zo._runner
+    assert r.fused[0] and len(r.flat_state) == len(zo.layout.buffers[0].buckets) == 3
+    for name in ("exp_avg", "exp_avg_sq"):
+        ptrs = {st[name].untyped_storage().data_ptr() for st in r.flat_state.values()}
+        assert len(ptrs) == 1, name
+        shard = zo.layout.buffers[0].shard_numel(zo.world_size)
+        assert next(iter(r.flat_state.values()))[name].untyped_storage().nbytes() == 4 * shard
+    zo.close()
+
+
 def _persist(rank, world):
     """persist_below: small params (biases, norms) stay whole on every rank between steps and
     train exactly as the rest (DDP parity)."""

@@ -53,10 +53,17 @@ def init_module_(model: nn.Module, seed: int = 0, init_fn=None) -> nn.Module:
 
 
 def materialize_modules_(
-    named: Iterable[tuple[str, nn.Module]], device, seed: int = 0, init_fn=None
+    named: Iterable[tuple[str, nn.Module]],
+    device,
+    seed: int = 0,
+    init_fn=None,
+    storage: dict[int, torch.Tensor] | None = None,
 ) -> None:
     """Give the meta params of these modules (their own, not their children's) real storage on
-    ``device`` and initialise them (same Parameter objects: ``param.data`` is replaced)."""
+    ``device`` and initialise them (same Parameter objects: ``param.data`` is replaced).
+    ``storage``: ``{id(param): tensor}``, memory of the param's shape and dtype to materialise
+    it into (stage 3: its view of the unit's gathered bucket); the others get new tensors."""
+    storage = storage or {}
     named = list(named)
     fresh: set[int] = set()  # params materialised here: their modules (all of them) init
     fresh_buffers: set[int] = set()  # modules whose meta buffers were materialised
@@ -64,7 +71,11 @@ def materialize_modules_(
         for p in m.parameters(recurse=False):
             if p.is_meta:  # the same Python object, now with real storage (set_data cannot
                 # change a meta tensor's device)
-                real = torch.empty(p.shape, dtype=p.dtype, device=device)
+                real = storage.get(id(p))
+                if real is None:
+                    real = torch.empty(p.shape, dtype=p.dtype, device=device)
+                else:
+                    assert real.shape == p.shape and real.dtype == p.dtype, (real.shape, p.shape)
                 torch.utils.swap_tensors(p, nn.Parameter(real, requires_grad=p.requires_grad))
                 fresh.add(id(p))
         for b_name, b in list(m.named_buffers(recurse=False)):

@@ -45,7 +45,12 @@ class ParamAccess:
         persistent = len(self._unit_modules) + 1  # small params kept whole (persist_below)
         for u in range(persistent + 1):
             if members is not None and u < persistent:
-                materialize_modules_(members[u], self.device, self._seed, self._init_fn)
+                into: dict[int, torch.Tensor] = {}  # the unit's params: straight into its buckets
+                for i, b in by_unit.get(u, []):
+                    into.update(store.prepare(i, b, self._params))
+                materialize_modules_(
+                    members[u], self.device, self._seed, self._init_fn, storage=into
+                )
             for i, b in by_unit.get(u, []):
                 store.adopt(i, b, self._params)
                 if not self._meta:

@@ -99,6 +99,8 @@ class ShardRunner:
         ]
         self.backend = backend
         self.flat_state: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # fused: per bucket
+        # fused: per (buffer, state name), the whole shard's state; `flat_state` holds views
+        self._state_whole: dict[tuple[int, str], torch.Tensor] = {}
 
     def _slice(self, i: int, b: int) -> slice:
         """Bucket ``b``'s shard inside the rank's shard of buffer ``i``."""
@@ -226,13 +228,28 @@ class ShardRunner:
         """The bucket's flat Adam state (created at its first step, zeros, as torch does)."""
         key = (i, b)
         if key not in self.flat_state:
-            n = self.layout.buffers[i].buckets[b].shard_numel
-            dev = self.store.device
             names = _ADAM_KEYS if g.get("amsgrad", False) else _ADAM_KEYS[:2]
-            self.flat_state[key] = {
-                k: torch.zeros(n, dtype=torch.float32, device=dev) for k in names
-            }
+            self.flat_state[key] = {k: self._state_view(i, b, k) for k in names}
         return self.flat_state[key]
+
+    def _state_view(self, i: int, b: int, name: str) -> torch.Tensor:
+        """Bucket ``b``'s range of buffer ``i``'s contiguous Adam state ``name``, the whole
+        buffer's tensor allocated (zeros) at the first use of any of its buckets.
+
+        One tensor per buffer and name, not one per bucket: the state lives as long as the
+        optimizer, and per-bucket tensors of a few MB, allocated at the first step while the
+        heap is full of the step's transients, land in glibc's heap among them (its mmap
+        threshold has risen by then) and pin the holes between them for the run: at 1 GiB per
+        rank that cost stage 3 about 3 of 70 layers (bench/README.md, "Capacity"). A tensor
+        the size of the rank's shard is above any threshold glibc sets, so it is a mapping of
+        its own, and its zero pages are touched only when stepped."""
+        key = (i, name)
+        whole = self._state_whole.get(key)
+        if whole is None:
+            n = self.layout.buffers[i].shard_numel(self.layout.world_size)
+            whole = torch.zeros(n, dtype=torch.float32, device=self.store.device)
+            self._state_whole[key] = whole
+        return whole[self._slice(i, b)]
 
     def _piece_state(self, i: int, k: int, flat: dict, g: dict) -> dict:
         """Torch Adam's state for piece ``k`` of buffer ``i``: views of the bucket's flat state."""
@@ -270,8 +287,7 @@ class ShardRunner:
                     continue
                 flat = self._flat_state(i, pc.bucket, g)
                 if "max_exp_avg_sq" in st and "max_exp_avg_sq" not in flat:
-                    n = self.layout.buffers[i].buckets[pc.bucket].shard_numel
-                    flat["max_exp_avg_sq"] = torch.zeros(n, device=p.device)
+                    flat["max_exp_avg_sq"] = self._state_view(i, pc.bucket, "max_exp_avg_sq")
                 lo = pc.start - self.layout.buffers[i].buckets[pc.bucket].shard_start(self.rank)
                 for name, t in flat.items():
                     view = t[lo : lo + pc.numel].view(p.shape)
