@@ -239,8 +239,9 @@ class ShardRunner:
         One tensor per buffer and name, not one per bucket: the state lives as long as the
         optimizer, and per-bucket tensors of a few MB, allocated at the first step while the
         heap is full of the step's transients, land in glibc's heap among them (its mmap
-        threshold has risen by then) and pin the holes between them for the run: at 1 GiB per
-        rank that cost stage 3 about 3 of 70 layers (bench/README.md, "Capacity"). A tensor
+        threshold has risen by then) and pin the holes between them for the run (68-block GPT,
+        4 ranks: an 813 MiB arena with 289 MiB free; bench/README.md, "Construction into the
+        gathered bucket, one Adam state tensor per buffer"). A tensor
         the size of the rank's shard is above any threshold glibc sets, so it is a mapping of
         its own, and its zero pages are touched only when stepped."""
         key = (i, name)
