@@ -338,15 +338,18 @@ class ParamStore:
         units did not fit into: 345 MiB per rank on a 68-block GPT). `adopt` follows."""
         self.alloc(i, b)
         self.raw[i][b].zero_()
+        return {id(params[s.index]): view for s, _, view in self._slot_views(i, b)}
+
+    def _slot_views(self, i: int, b: int):
+        """``(slot, offset in the bucket, its view of the gathered tensor)`` per slot of bucket
+        ``b`` of buffer ``i``."""
         buf = self.layout.buffers[i]
         bk = buf.buckets[b]
         full = self.gathered[i][b]
-        views = {}
         for pos in bk.slots:
             s = buf.slots[pos]
             lo = s.start - bk.start
-            views[id(params[s.index])] = full[lo : lo + s.numel].view(s.shape)
-        return views
+            yield s, lo, full[lo : lo + s.numel].view(s.shape)
 
     def adopt(self, i: int, b: int, params: dict[int, torch.Tensor]) -> None:
         """Sharded: allocate bucket ``b`` of buffer ``i`` (unless `prepare` did), copy its params'
@@ -354,15 +357,10 @@ class ParamStore:
         construction; `take_shard` and `free` follow)."""
         if (i, b) not in self.live:
             self.prepare(i, b, params)
-        buf = self.layout.buffers[i]
-        bk = buf.buckets[b]
         full = self.gathered[i][b]
         members = []
-        for pos in bk.slots:
-            s = buf.slots[pos]
+        for s, lo, view in self._slot_views(i, b):
             p = params[s.index]
-            lo = s.start - bk.start
-            view = full[lo : lo + s.numel].view(s.shape)
             if not p.is_meta and p.data_ptr() != view.data_ptr():
                 self.raw[i][b][lo : lo + s.numel].copy_(p.detach().reshape(-1))
             nan = torch.full((1,) * len(s.shape) or (), float("nan"), dtype=full.dtype)
