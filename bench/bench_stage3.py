@@ -28,6 +28,9 @@ hyper-parameters):
                             (default "pass")
     ours_*_onegroup         (optional) the same with the reduce-scatters on the main group (no
                             twin group: stage 3 before [Note: backward gathers])
+    <any but deepspeed>_compile   (optional) the same with the model (DDP: the DDP module) run
+                            through torch.compile (inductor); its ratios are to the _compile
+                            variants of ddp / fsdp2_*
 
 Every candidate runs in its own spawned process group (own 2 processes, own TCP store). All groups
 are started first and stay alive; the parent runs one step of one group at a time (the others
@@ -121,13 +124,15 @@ def summarize_timing(raw: dict, cands: list[str]) -> list[dict]:
     for name in cands:
         med = statistics.median(per_round(name))
         fin, su = raw["finals"][name], raw["setup"][name]
+        sfx = "_compile" if name.endswith("_compile") else ""
         row = {
             "candidate": name,
             "median_step_s": round(med, 4),
             "min_step_s": round(min(per_round(name)), 4),
-            "vs_ddp_paired": paired(name, "ddp"),
-            "vs_fsdp2_reshard_paired": paired(name, "fsdp2_reshard"),
-            "vs_fsdp2_noreshard_paired": paired(name, "fsdp2_noreshard"),
+            # a _compile candidate against the peers' _compile variants
+            "vs_ddp_paired": paired(name, "ddp" + sfx),
+            "vs_fsdp2_reshard_paired": paired(name, "fsdp2_reshard" + sfx),
+            "vs_fsdp2_noreshard_paired": paired(name, "fsdp2_noreshard" + sfx),
             "vs_best_fsdp2_paired": paired(name, best_fsdp) if best_fsdp else "",
             "fwd_s": round(statistics.median(per_round(name, "fwd_s")), 4),
             "bwd_s": round(statistics.median(per_round(name, "bwd_s")), 4),

@@ -73,6 +73,12 @@ def build(name: str, model: nn.Module, args, lr: float):
     """-> (step(x, y) -> loss, optimizer-or-engine). Candidates as in the module docstring."""
     kw = dict(lr=lr, **ADAMW)
     name = strip_mmap_threshold(name)  # e.g. ddp_mmap4096: glibc's threshold at 4096 KiB
+    # e.g. ours_reshard_compile: the same candidate, its model (DDP: the DDP module) run through
+    # torch.compile (inductor); compiled at the first (warm-up) step
+    compiled = name.endswith("_compile")
+    if compiled:
+        name = name[: -len("_compile")]
+    C = torch.compile if compiled else (lambda m: m)  # noqa: E731
     if name == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -82,7 +88,8 @@ def build(name: str, model: nn.Module, args, lr: float):
         # None (not zeros): backward makes them views of DDP's buckets again, and the
         # buckets rebuilt in the 2nd step do not coexist with the 1st step's (+4 B/param)
         zero = lambda: opt.zero_grad(set_to_none=True)  # noqa: E731
-        return marked_step(lambda x, y: fwd_loss(ddp, x, y), opt.step, zero), opt
+        fwd = C(ddp)
+        return marked_step(lambda x, y: fwd_loss(fwd, x, y), opt.step, zero), opt
     if name.startswith("fsdp2"):
         from torch.distributed.fsdp import fully_shard
 
@@ -101,8 +108,11 @@ def build(name: str, model: nn.Module, args, lr: float):
         opt = torch.optim.AdamW(model.parameters(), fused=True, **kw)
 
         zero = lambda: opt.zero_grad(set_to_none=True)  # noqa: E731
-        return marked_step(lambda x, y: fwd_loss(model, x, y), opt.step, zero), opt
+        fwd = C(model)
+        return marked_step(lambda x, y: fwd_loss(fwd, x, y), opt.step, zero), opt
     if name.startswith("deepspeed"):
+        if compiled:
+            raise ValueError("deepspeed_zero3 has no _compile variant here")
         import deepspeed
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -168,7 +178,8 @@ def build(name: str, model: nn.Module, args, lr: float):
             model, torch.optim.AdamW, stage=stage, bucket_size_mb=args.bucket_mb, **extra, **kw
         )
 
-        return marked_step(lambda x, y: fwd_loss(model, x, y), opt.step, opt.zero_grad), opt
+        fwd = C(model)
+        return marked_step(lambda x, y: fwd_loss(fwd, x, y), opt.step, opt.zero_grad), opt
     raise ValueError(f"unknown candidate {name!r}")
 
 

@@ -74,3 +74,80 @@ def check_compiled_autograd(rank: int, world: int) -> dict:
     except RuntimeError as e:
         out["stage 3"] = "refused" if "stage 1 or 2" in str(e) else "autograd error"
     return out
+
+
+def check_compiled_forward_hooks(rank: int, world: int) -> dict:
+    """torch.compile (compiled autograd off) with the forward hooks of stage 3 and of
+    ``overlap_param_gather``: the whole model or each unit compiled, resharding on and off,
+    activation checkpointing; DDP's result, and the hooks stay out of the graphs ([Note:
+    torch.compile] in zero_kernels/partition/units.py): each compiled frame is traced once,
+    whatever the step, and breaks only at the hooks."""
+    import torch
+    import torch._dynamo
+    from stage3_checks import Net3, _batch, _close, _loss
+    from torch._dynamo.utils import counters
+
+    out = {}
+    s3 = {"stage": 3}
+    cases = {  # name: (optimizer kwargs, what is compiled, checkpointing, backend, tolerance)
+        "stage 3 model": (s3, "model", None, "aot_eager", 1e-6),
+        "stage 3 model no reshard": (
+            {**s3, "reshard_after_forward": False},
+            "model",
+            None,
+            "aot_eager",
+            1e-6,
+        ),
+        "stage 3 units": (s3, "units", None, "aot_eager", 1e-6),
+        "stage 3 units checkpoint": (s3, "units", "plain", "aot_eager", 1e-6),
+        "stage 3 model inductor": (s3, "model", None, "inductor", 1e-5),
+        "stage 1 model": ({"stage": 1}, "model", None, "aot_eager", 1e-6),
+        "stage 2 overlap_param_gather": (
+            {"stage": 2, "overlap_param_gather": True, "bucket_size_mb": 0.001},
+            "model",
+            None,
+            "aot_eager",
+            1e-6,
+        ),
+    }
+    for name, (zkw, what, ck, backend, tol) in cases.items():
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        base = Net3()
+        base.ckpt = ck
+        m1, m2 = copy.deepcopy(base), copy.deepcopy(base)
+        kw = {"lr": 1e-2, "weight_decay": 0.1}
+        zo = ZeroOptimizer(m1, torch.optim.AdamW, **zkw, **kw)
+        ddp = DDP(m2, find_unused_parameters=True)
+        ref = torch.optim.AdamW(m2.parameters(), **kw)
+        if what == "model":
+            run = torch.compile(m1, backend=backend)
+        else:
+            for b in m1.blocks:
+                b.compile(backend=backend)
+            run = m1
+        graphs = []
+        for step in range(4):
+            x, y = _batch(rank, step)
+            _loss(run(x), y).backward()
+            zo.step()
+            zo.zero_grad()
+            _loss(ddp(x), y).backward()
+            ref.step()
+            ref.zero_grad()
+            graphs.append(counters["stats"]["unique_graphs"])
+        if zkw["stage"] == 3:
+            _close(zo, m1, m2, tol, name)
+        else:
+            zo.wait_params()
+            for (n, a), b in zip(m1.named_parameters(), m2.parameters()):
+                assert _rel(a, b) <= tol, f"{name}: {n} {_rel(a, b):.3g}"
+        assert graphs[0] >= 1, f"{name}: nothing was compiled ({dict(counters['stats'])})"
+        assert graphs[-1] == graphs[0], f"{name}: recompiled after the first step: {graphs}"
+        assert not counters["recompiles"], f"{name}: {dict(counters['recompiles'])}"
+        for reason in counters["graph_break"]:
+            assert "torch.compiler.disable" in reason, f"{name}: graph break: {reason}"
+        zo.close()
+        out[name] = "ok"
+    return out

@@ -289,7 +289,8 @@ def _wait_hook(me, keys):
         if o is not None and o._pending_gathers:
             o._wait_gathers(keys)
 
-    return hook
+    # plain Python under torch.compile, as stage 3's unit hooks ([Note: torch.compile])
+    return torch.compiler.disable(hook, recursive=True)
 
 
 def _call(me, name: str):

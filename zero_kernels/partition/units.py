@@ -59,6 +59,18 @@ group, and a skipping rank is found by the comparison instead. The result is eve
 gradient averaged with zeros where a rank's loss did not use a param: what stages 1 and 2 give.
 A rank whose backward runs units in a different order (not only fewer) is not covered: the
 comparison finds it, or gloo aborts where the sizes differ first.
+
+[Note: torch.compile]
+The forward hooks (a unit's pre/post, the root's) are `torch.compiler.disable`d: where dynamo
+traces a compiled model (``torch.compile(model)``, or ``unit.compile()`` per unit) it calls them
+as plain Python and breaks the graph there, so each unit's forward between its hooks is one
+graph, traced once. Traced instead, they took a graph break at every collective, wait and
+``.item()`` and a recompilation per step (the timeout messages name the step): 19-20 graphs for
+a 4-block model and the recompile limit hit by the second step. A model whose forward loops over
+its units runs that loop eagerly (dynamo does not resume a graph broken inside a loop); the units
+are the compiled part, as with FSDP2's per-block ``fully_shard`` + compile. Compiled autograd
+(which traces the backward hooks too) is refused, see `_NO_COMPILED_AUTOGRAD`. Tested against
+DDP: tests/compiled_checks.py, ``check_compiled_stage3``.
 """
 
 from __future__ import annotations
@@ -418,13 +430,18 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def _opaque(hook):
+    """The hook, run as Python where torch.compile traces the model (see [Note: torch.compile])."""
+    return torch.compiler.disable(hook, recursive=True)
+
+
 def _pre(me, k):
     def hook(module, args):
         s = me()
         if s is not None:
             s.pre_forward(k)
 
-    return hook
+    return _opaque(hook)
 
 
 def _post(me, k):
@@ -433,7 +450,7 @@ def _post(me, k):
         if s is not None:
             s.post_forward(k, output)
 
-    return hook
+    return _opaque(hook)
 
 
 def _root_pre(me):
@@ -442,7 +459,7 @@ def _root_pre(me):
         if s is not None:
             s.root_pre(args, kwargs)
 
-    return hook
+    return _opaque(hook)
 
 
 def _root_post(me):
@@ -451,7 +468,7 @@ def _root_post(me):
         if s is not None:
             s.root_post()
 
-    return hook
+    return _opaque(hook)
 
 
 def _pre_bwd(me, k):
