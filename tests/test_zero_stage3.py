@@ -74,6 +74,44 @@ def test_stage3_params_between_uses_read_as_nan():
     assert torch.equal(m[0].weight, torch.full((4, 4), 2.0))  # whole plain tensors again
 
 
+def test_stage3_root_module_outside_forward_raises():
+    """A module whose params are in the root unit, called outside the model's forward, raises
+    (its params would read as NaN); units gather themselves; gathered_params() allows it."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 4)
+            self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+            self.head = nn.Linear(4, 3)
+
+        def forward(self, x):
+            h = self.emb(x)
+            for b in self.blocks:
+                h = b(h)
+            return self.head(h)
+
+    torch.manual_seed(0)
+    m = Net()
+    ref = Net()
+    ref.load_state_dict(m.state_dict())
+    zo = ZeroOptimizer(m, torch.optim.SGD, stage=3, lr=0.1)
+    x = torch.tensor([[1, 2, 3]])
+    with pytest.raises(RuntimeError, match="module 'emb' was called outside the model's forward"):
+        m.emb(x)
+    h = ref.emb(x)
+    torch.testing.assert_close(m.blocks[1](h), ref.blocks[1](h))  # a unit gathers itself
+    with pytest.raises(RuntimeError, match="module 'head' was called outside"):
+        m.head(h)
+    with zo.gathered_params(m.head):
+        torch.testing.assert_close(m.head(h), ref.head(h))
+    torch.testing.assert_close(m(x), ref(x))
+    with torch.no_grad():
+        torch.testing.assert_close(m(x), ref(x))
+    zo.close()
+    m.head(h)  # plain params again
+
+
 def test_stage3_meta_params_built_in_their_buckets(monkeypatch):
     """A meta model's unit params are initialised straight into the unit's gathered bucket (no
     whole copy of them allocated apart, which fragmented glibc's heap), and the fused Adam state

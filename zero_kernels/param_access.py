@@ -173,6 +173,15 @@ class ParamAccess:
                 units[u].buckets.append((i, b.index))
         if persistent.buckets:  # gathered at construction, kept whole
             persistent.state = UnitState.GATHERED
+        in_root = set()  # the root unit's sharded params (frozen ones stay whole)
+        for i, b in units[0].buckets:
+            buf = self.layout.buffers[i]
+            in_root.update(id(self._params[buf.slots[k].index]) for k in buf.buckets[b].slots)
+        root_members = [
+            (name, m)
+            for name, m in self._module.named_modules()
+            if m is not self._module and any(id(p) in in_root for p in m.parameters(False))
+        ]
         return UnitScheduler(
             self._module,
             units[1:-1],
@@ -184,6 +193,7 @@ class ParamAccess:
             reshard_after_forward=self.reshard_after_forward,
             prefetch=self.prefetch,
             persistent=persistent if persistent.buckets else None,
+            root_members=root_members,
         )
 
     def _sequence_check(self, mode: str) -> SequenceCheck:

@@ -180,6 +180,7 @@ class UnitScheduler:
         reshard_after_forward: bool,
         prefetch: int,
         persistent: Unit | None = None,
+        root_members: list[tuple[str, nn.Module]] = (),
     ):
         self.units, self.root, self.store, self.runner = units, root, store, runner
         self.persistent = persistent
@@ -208,6 +209,8 @@ class UnitScheduler:
             self.handles.append(u.module.register_forward_hook(_post(me, u.index)))
         self.handles.append(model.register_forward_pre_hook(_root_pre(me), with_kwargs=True))
         self.handles.append(model.register_forward_hook(_root_post(me)))
+        for name, m in root_members:  # called outside the model's forward: an error, not NaN
+            self.handles.append(m.register_forward_pre_hook(_root_member(me, name)))
         self.by_index = {u.index: u for u in self.all_units}
         self.bucket_unit = {b: u for u in self.all_units for b in u.buckets}
 
@@ -332,6 +335,20 @@ class UnitScheduler:
         if self.order is not None:
             for j in self.order[: self.prefetch]:
                 self.gather(self.by_index[j])
+
+    def root_member(self, name: str) -> None:
+        """A module whose own params are in the root unit is called: they are whole only from
+        the model's pre-forward to the end of its backward, or in ``gathered_params()``."""
+        r = self.root
+        if r.state is UnitState.GATHERING:
+            self.wait(r)
+        elif r.state is not UnitState.GATHERED:
+            raise RuntimeError(
+                f"stage 3: module {name!r} was called outside the model's forward; its params "
+                "are in the root unit, which is sharded between forwards (its params read as "
+                "NaN there). Call it inside the model's forward, inside "
+                "ZeroOptimizer.gathered_params(), or make it a unit of its own (units=)"
+            )
 
     def root_post(self) -> None:
         if _in_backward():
@@ -458,6 +475,15 @@ def _root_pre(me):
         s = me()
         if s is not None:
             s.root_pre(args, kwargs)
+
+    return _opaque(hook)
+
+
+def _root_member(me, name):
+    def hook(module, args):
+        s = me()
+        if s is not None:
+            s.root_member(name)
 
     return _opaque(hook)
 
