@@ -257,3 +257,17 @@ def test_first_difference():
     lists = {0: (False, [1, 2]), 1: (False, [1, 2, 7]), 2: (True, [1, 2])}
     assert _first_difference(lists) == (2, 1, 2)
     assert _first_difference({0: (True, []), 1: (False, [4])}) == (0, 0, 1)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_unfrozen_after_construction_raises_naming_it(stage):
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    m[0].requires_grad_(False)
+    zo = ZeroOptimizer(m, torch.optim.SGD, stage=stage, lr=0.1)
+    m(torch.ones(1, 4)).sum().backward()
+    zo.step()
+    m[0].requires_grad_(True)
+    m(torch.ones(1, 4)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"param '0.weight' \(4, 4\) was frozen"):
+        zo.step()
+    zo.close()

@@ -555,6 +555,10 @@ class ZeroOptimizer(
                 if s.index == index:
                     return s.name or f"#{index} {s.shape}"
         p = self._params[index]
+        if self._module is not None:  # a frozen param has no slot: its name in the module
+            for n, q in self._module.named_parameters(remove_duplicate=False):
+                if q is p:
+                    return f"{n!r} {tuple(p.shape)}"
         return f"#{index} {tuple(p.shape)}"
 
     # ------------------------------------------------------------------ training loop API
