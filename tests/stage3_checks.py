@@ -97,6 +97,7 @@ def _run(
     clip=None,
     accumulate=1,
     eval_between=False,
+    autocast=False,
 ):
     torch.manual_seed(0)
     base = Net3()
@@ -131,10 +132,15 @@ def _run(
         for mb in range(accumulate):
             x, y = _batch(rank, step * accumulate + mb)
             last = mb == accumulate - 1
+            cast = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else _Null()
             with zo.no_sync() if not last else _Null():
-                _loss(m1(x), y).div(accumulate).backward()
+                with cast:
+                    l1 = _loss(m1(x), y)
+                l1.div(accumulate).backward()
             with ddp.no_sync() if not last else _Null():
-                _loss(ddp(x), y).div(accumulate).backward()
+                with cast:
+                    l2 = _loss(ddp(x), y)
+                l2.div(accumulate).backward()
         if clip is not None:
             n1 = zo.clip_grad_norm_(clip)
             n2 = torch.nn.utils.clip_grad_norm_(m2.parameters(), clip)
@@ -177,6 +183,7 @@ def check_cases(rank: int, world: int) -> dict:
         "groups + scheduler": {"groups": True, "sched": True},
         "sgd": {"cls": O.SGD, "kw": {"lr": 0.1, "momentum": 0.9}},
         "adafactor": {"cls": O.Adafactor, "kw": {"lr": 1e-2}},
+        "autocast bf16": {"autocast": True},  # warns once (see [Note: autocast])
     }
     for name, c in cases.items():
         c = dict(c)

@@ -271,3 +271,36 @@ def test_unfrozen_after_construction_raises_naming_it(stage):
     with pytest.raises(RuntimeError, match=r"param '0.weight' \(4, 4\) was frozen"):
         zo.step()
     zo.close()
+
+
+def test_stage3_autocast_warns_once_and_bf16_params_do_not():
+    """fp32 params under autocast: right values, and one warning that autocast's copies stay
+    alive to the backward ([Note: autocast]); bf16 params: no warning."""
+    import warnings
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    ref = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    ref.load_state_dict(m.state_dict())
+    zo = ZeroOptimizer(m, torch.optim.SGD, stage=3, units=[nn.Linear], lr=0.1)
+    x = torch.randn(4, 8)
+    with pytest.warns(UserWarning, match=r"under torch.autocast\('cpu'\) with fp32 params"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = m(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.testing.assert_close(out, ref(x))
+    out.float().sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per optimizer
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            m(x)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            m(x)
+    zo.close()
+    b = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)).to(torch.bfloat16)
+    zo = ZeroOptimizer(b, torch.optim.SGD, stage=3, units=[nn.Linear], lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            b(x.bfloat16()).float().sum().backward()
+    zo.close()
