@@ -80,10 +80,11 @@ the gathered fp32 params after the forward does not free those copies, so at the
 forward every rank holds a low-precision copy of the whole model: 2 bytes per parameter, as much
 as the whole sharded Adam state at 8 ranks. Measured (bench/stage3_autocast.py: 2 ranks, 33.5M
 params in 16 units): peak RSS at the end of the forward 761.5 MB fp32, 829.0 MB under bf16
-autocast (+67 MB, the bf16 copies), 806.1 MB with bf16 params. The results are right (tested against DDP under the same autocast), so this is a
-warning, once per optimizer, naming the remedy: bf16 params with fp32 master shards, whose
-gathered bucket is the bf16 weight that autograd saves (freed and gathered again like any
-other). FSDP2 has the same behaviour under autocast; its answer is the same, a bf16 param dtype.
+autocast (+67 MB, the bf16 copies), 806.1 MB with bf16 params. The results are right (tested
+against DDP under the same autocast), so this is a warning, once per optimizer, naming the
+remedy: bf16 params with fp32 master shards, whose gathered bucket is the bf16 weight that
+autograd saves (freed and gathered again like any other). FSDP2 has the same behaviour under
+autocast; its answer is the same, a bf16 param dtype.
 """
 
 from __future__ import annotations
