@@ -18,6 +18,7 @@ import sys
 
 import torch
 import torch.multiprocessing as mp
+import torch.utils.checkpoint
 from torch import nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -28,6 +29,8 @@ from harness import free_port, init_gloo, markdown_table, run_info, write_result
 
 MB = 1e6
 VARIANTS = ("fp32", "autocast", "autocast_nocache", "bf16_params_autocast")
+# --variants also takes: *_ckpt (every unit under non-reentrant activation checkpointing) and
+# autocast_ckpt_clear (the same, autocast's cache cleared after each unit's forward)
 
 
 def _hwm() -> int:
@@ -41,15 +44,19 @@ def _reset_hwm() -> None:
 
 
 class MLP(nn.Module):
-    def __init__(self, d: int, n: int):
+    def __init__(self, d: int, n: int, ckpt: bool = False):
         super().__init__()
+        self.ckpt = ckpt
         self.blocks = nn.ModuleList(
             nn.Sequential(nn.Linear(d, d), nn.Tanh(), nn.Linear(d, d)) for _ in range(n)
         )
 
     def forward(self, x):
         for b in self.blocks:
-            x = b(x)
+            if self.ckpt:
+                x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=False)
+            else:
+                x = b(x)
         return x
 
 
@@ -61,7 +68,10 @@ def worker(rank, port, variant, args, q):
     init_gloo(rank, 2, port)
     warnings.filterwarnings("ignore")
     torch.manual_seed(0)
-    m = MLP(args.d, args.units)
+    m = MLP(args.d, args.units, ckpt="_ckpt" in variant)
+    if variant.endswith("_clear"):
+        for b in m.blocks:
+            b.register_forward_hook(lambda *a: torch.clear_autocast_cache())
     if variant.startswith("bf16"):
         m = m.to(torch.bfloat16)
     zo = ZeroOptimizer(m, torch.optim.AdamW, stage=3, lr=1e-4)
@@ -70,11 +80,11 @@ def worker(rank, port, variant, args, q):
     for step in range(args.steps):
         _reset_hwm()
         start = _hwm()
-        if variant == "fp32":
+        if variant.startswith("fp32"):
             out = m(x)
         else:
             with torch.autocast(
-                "cpu", dtype=torch.bfloat16, cache_enabled=variant != "autocast_nocache"
+                "cpu", dtype=torch.bfloat16, cache_enabled="nocache" not in variant
             ):
                 out = m(x.to(next(m.parameters()).dtype))
         fwd = _hwm()
@@ -97,10 +107,11 @@ def main():
     ap.add_argument("--d", type=int, default=1024)
     ap.add_argument("--units", type=int, default=16)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
     table = []
-    for v in VARIANTS:
+    for v in args.variants.split(","):
         q = ctx.Queue()
         port = free_port()
         procs = [ctx.Process(target=worker, args=(r, port, v, args, q)) for r in range(2)]
