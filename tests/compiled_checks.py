@@ -84,7 +84,7 @@ def check_compiled_forward_hooks(rank: int, world: int) -> dict:
     whatever the step, and breaks only at the hooks."""
     import torch
     import torch._dynamo
-    from stage3_checks import Net3, _batch, _close, _loss
+    from stage3_checks import Net3, _batch, _close, _loss, _Null
     from torch._dynamo.utils import counters
 
     out = {}
@@ -101,6 +101,7 @@ def check_compiled_forward_hooks(rank: int, world: int) -> dict:
         "stage 3 units": (s3, "units", None, "aot_eager", 1e-6),
         "stage 3 units checkpoint": (s3, "units", "plain", "aot_eager", 1e-6),
         "stage 3 model inductor": (s3, "model", None, "inductor", 1e-5),
+        "stage 3 units autocast": (s3, "units", None, "aot_eager", 1e-6),
         "stage 1 model": ({"stage": 1}, "model", None, "aot_eager", 1e-6),
         "stage 2 overlap_param_gather": (
             {"stage": 2, "overlap_param_gather": True, "bucket_size_mb": 0.001},
@@ -128,12 +129,17 @@ def check_compiled_forward_hooks(rank: int, world: int) -> dict:
                 b.compile(backend=backend)
             run = m1
         graphs = []
+        cast = torch.autocast("cpu", dtype=torch.bfloat16) if "autocast" in name else _Null()
         for step in range(4):
             x, y = _batch(rank, step)
-            _loss(run(x), y).backward()
+            with cast:
+                loss = _loss(run(x), y)
+            loss.backward()
             zo.step()
             zo.zero_grad()
-            _loss(ddp(x), y).backward()
+            with cast:
+                loss = _loss(ddp(x), y)
+            loss.backward()
             ref.step()
             ref.zero_grad()
             graphs.append(counters["stats"]["unique_graphs"])

@@ -1,6 +1,9 @@
 """Stage 3 (issue 7): parity with DDP in the hard cases, memory and collectives per unit, meta
 construction, ranks that disagree (spawned gloo ranks), and bad input (in-process)."""
 
+import contextlib
+import warnings
+
 import pytest
 import stage3_checks
 import torch
@@ -273,34 +276,64 @@ def test_unfrozen_after_construction_raises_naming_it(stage):
     zo.close()
 
 
-def test_stage3_autocast_warns_once_and_bf16_params_do_not():
-    """fp32 params under autocast: right values, and one warning that autocast's copies stay
-    alive to the backward ([Note: autocast]); bf16 params: no warning."""
-    import warnings
-
-    torch.manual_seed(0)
-    m = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
-    ref = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
-    ref.load_state_dict(m.state_dict())
-    zo = ZeroOptimizer(m, torch.optim.SGD, stage=3, units=[nn.Linear], lr=0.1)
-    x = torch.randn(4, 8)
-    with pytest.warns(UserWarning, match=r"under torch.autocast\('cpu'\) with fp32 params"):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = m(x)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        torch.testing.assert_close(out, ref(x))
-    out.float().sum().backward()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # once per optimizer
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            m(x)
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-            m(x)
-    zo.close()
-    b = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)).to(torch.bfloat16)
-    zo = ZeroOptimizer(b, torch.optim.SGD, stage=3, units=[nn.Linear], lr=0.1)
+@contextlib.contextmanager
+def _no_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            b(x.bfloat16()).float().sum().backward()
+        yield
+
+
+def test_stage3_autocast_casts_made_again_in_backward(monkeypatch):
+    """fp32 params under autocast: the casts autograd saves are recipes, made again in the
+    backward ([Note: autocast]); values as without ZeRO; the hooks are off after the forward,
+    also after a unit's forward that raised."""
+    from zero_kernels.partition import units
+
+    made = []
+    unpack = units._Recast.unpack
+    monkeypatch.setattr(
+        units._Recast, "unpack", staticmethod(lambda x: made.append(type(x)) or unpack(x))
+    )
+    top = torch._C._autograd._top_saved_tensors_default_hooks
+
+    class Boom(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.boom = False
+
+        def forward(self, x):
+            if self.boom:
+                raise KeyError("boom")
+            return torch.tanh(self.lin(x))
+
+    torch.manual_seed(0)
+    m = nn.Sequential(Boom(), Boom(), nn.Linear(8, 8))
+    ref = nn.Sequential(Boom(), Boom(), nn.Linear(8, 8))
+    ref.load_state_dict(m.state_dict())
+    zo = ZeroOptimizer(m, torch.optim.SGD, stage=3, units=[Boom], lr=0.1)
+    x = torch.randn(4, 8, requires_grad=True)  # so that the first unit's weight is saved too
+    nocache = dict(device_type="cpu", dtype=torch.bfloat16, cache_enabled=False)
+    for step in range(3):
+        if step == 1:  # a unit's forward raises: its hooks must not outlive the error
+            m[1].boom = True
+            with pytest.raises(KeyError), torch.autocast(**nocache):
+                m(x)
+            m[1].boom = False
+        made.clear()
+        cache = step == 2  # autocast's cache on: a warning, once, that it keeps the copies
+        warn = pytest.warns(UserWarning, match="cache_enabled=False") if cache else _no_warning()
+        with warn, torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=cache):
+            out = m(x)
+            assert top(False) is None  # the hooks are off after the forward
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=cache):
+            r = ref(x)
+        torch.testing.assert_close(out, r)
+        out.float().pow(2).sum().backward()
+        r.float().pow(2).sum().backward()
+        assert made.count(units._Cast) == 2, made  # each unit's weight, made again once
+        for p, q in zip(m.parameters(), ref.parameters()):
+            torch.testing.assert_close(zo.full_grad(p), q.grad)
+        zo.zero_grad()
+        ref.zero_grad()
     zo.close()

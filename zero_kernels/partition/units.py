@@ -74,17 +74,35 @@ DDP: tests/compiled_checks.py, ``check_compiled_forward_hooks``.
 
 [Note: autocast]
 Under ``torch.autocast`` a unit's fp32 weights are cast for each matmul, and autograd saves the
-cast copy for the backward (the matmul's input gradient needs it); autocast's cache holds it too
-until the context exits (``cache_enabled=False`` changes nothing: the saved copy stays). Freeing
-the gathered fp32 params after the forward does not free those copies, so at the end of the
-forward every rank holds a low-precision copy of the whole model: 2 bytes per parameter, as much
-as the whole sharded Adam state at 8 ranks. Measured (bench/stage3_autocast.py: 2 ranks, 33.5M
-params in 16 units): peak RSS at the end of the forward 761.5 MB fp32, 829.0 MB under bf16
-autocast (+67 MB, the bf16 copies), 806.1 MB with bf16 params. The results are right (tested
-against DDP under the same autocast), so this is a warning, once per optimizer, naming the
-remedy: bf16 params with fp32 master shards, whose gathered bucket is the bf16 weight that
-autograd saves (freed and gathered again like any other). FSDP2 has the same behaviour under
-autocast; its answer is the same, a bf16 param dtype.
+cast copy for the backward (the matmul's input gradient needs it). Freeing the gathered fp32
+params after the forward does not free those copies: at the end of the forward every rank would
+hold a low-precision copy of the whole model, 2 bytes per parameter, as much as the whole sharded
+Adam state at 8 ranks (FSDP2 does under autocast; its answer is a bf16 param dtype). So from a
+unit's pre-forward to its post-forward, under autocast with grad on, stage 3 pushes saved-tensor
+hooks (`_Recast`): a saved tensor that is a cast of one of the unit's fp32 params (or a view of
+one: linear saves ``weight.t()``; found by its ``ToCopyBackward0`` node over the param's
+``AccumulateGrad``) is saved as a recipe (`_Cast`: the param, the dtype, the view's size, stride
+and offset) and made again when the backward unpacks it. That is when the unit runs its
+backward, so it is gathered, as it must be for the fp32 params autograd saves without autocast;
+the same values round to the same bits. Not pushed where other saved-tensor hooks are on top
+(non-reentrant checkpointing, ``save_on_cpu``): those decide what is saved. A forward that raised
+leaves its hooks pushed; the next forward (or the model's post-forward, or ``close``) pops them.
+
+Autocast's cache (on by default) also holds every cast until the autocast region exits, so the
+copies still peak at the forward's end unless ``cache_enabled=False`` is passed; stage 3 warns
+once. Clearing the cache after each unit's forward would free them too, but a weight cast again
+after a clear (a module called twice) gets two cast nodes whose bf16 gradients are summed in
+fp32 instead of one node summing them in bf16: 1.5e-3 away from DDP's gradient under the same
+autocast. So the cache is the user's: with it off, DDP is off too, and the results agree.
+torch without ``_top_saved_tensors_default_hooks`` keeps the copies, with a warning once.
+
+Measured (bench/stage3_autocast.py, ``MALLOC_MMAP_THRESHOLD_=65536`` against glibc's heap noise;
+2 ranks, 33.5M params in 16 units; peak RSS of the third step): fp32 726.4 MB; bf16 autocast
+787.7 MB with its cache (+61), 739.5 MB with ``cache_enabled=False`` (+13: one unit's copies and
+the bf16 activations); bf16 params 762.5 MB. Before the recipes, autocast was +67 MB either way.
+Tested against DDP under the same autocast, cache on and off (tests/stage3_checks.py: resharding
+on and off, a reused module, checkpointing; compiled units), and in-process
+(tests/test_zero_stage3.py: recipes made again, values, the warning, a raising unit).
 """
 
 from __future__ import annotations
@@ -217,7 +235,10 @@ class UnitScheduler:
         self.timeout: float | None = None  # bound on each wait (the optimizer's ``timeout``)
         self.describe = lambda: ""  # where we are, for a timeout's message
         self.check = None  # SequenceCheck: every launch compared across ranks first
-        self._autocast_seen = False  # [Note: autocast]: warned (or found fp32-free) once
+        # [Note: autocast]: saved-tensor hooks pushed in a unit's forward, (unit, hooks)
+        self._recasts: list[tuple[int, _Recast]] = []
+        self._fp32_ids: dict[int, set[int]] = {}
+        self._autocast_warned = False
         self.handles = []
         me = weakref.ref(self)
         for u in units:
@@ -294,23 +315,66 @@ class UnitScheduler:
                 "same modules in the same order at stage 3"
             )
 
-    def _warn_autocast(self, u: Unit) -> None:
-        """Once: a unit of fp32 params runs forward under autocast (see [Note: autocast])."""
-        dev = self.store.device.type
-        if not _autocast_enabled(dev):
+    def push_recast(self, k: int) -> None:
+        """After unit ``k``'s pre-forward: under autocast, autograd saves the casts of its fp32
+        params as recipes, made again in its backward (see [Note: autocast])."""
+        if not torch.is_grad_enabled() or _in_backward():
             return
-        self._autocast_seen = True
-        if any(p.dtype == torch.float32 and p.requires_grad for p in u.module.parameters()):
-            warnings.warn(
-                f"ZeroOptimizer stage 3 under torch.autocast({dev!r}) with fp32 params: autograd "
-                "keeps autocast's low-precision copy of each unit's weights from the unit's "
-                "forward to its backward, so about 2 bytes per parameter of the whole model "
-                "are held at the end of the forward on every rank, whatever the resharding. "
-                "For stage 3's memory make the params bf16 instead (model.to(torch.bfloat16); "
-                "the optimizer keeps fp32 master shards), which gathers them in bf16 and keeps "
-                "no copy",
-                stacklevel=2,
+        if not _autocast_enabled(self.store.device.type):
+            return
+        ids = self._fp32_ids.get(k)
+        if ids is None:
+            ids = self._fp32_ids[k] = {
+                id(p) for p in self.by_index[k].module.parameters() if p.dtype == torch.float32
+            }
+        if not ids:
+            return
+        top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+        if top is None:  # an older torch: the copies stay (warned once)
+            self._warn_autocast()
+            return
+        if top(False) is not None:  # another's hooks (checkpointing) decide what is saved
+            return
+        if torch.is_autocast_cache_enabled():
+            self._warn_autocast(cache=True)
+        rec = _Recast(ids)
+        torch._C._autograd._push_saved_tensors_default_hooks(rec.pack, rec.unpack)
+        self._recasts.append((k, rec))
+
+    def pop_recast(self, k: int | None = None) -> None:
+        """Before unit ``k``'s post-forward (None: every one left, after an exception): the
+        hooks off. Autocast's cache is left alone (see [Note: autocast])."""
+        while self._recasts and (k is None or self._recasts[-1][0] == k):
+            _, rec = self._recasts.pop()
+            top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+            if top is not None and top[0] == rec.pack:
+                torch._C._autograd._pop_saved_tensors_default_hooks()
+            if k is not None:
+                return
+
+    def _warn_autocast(self, cache: bool = False) -> None:
+        if self._autocast_warned:
+            return
+        self._autocast_warned = True
+        if cache:
+            msg = (
+                "ZeroOptimizer stage 3 under torch.autocast with fp32 params and autocast's "
+                "cache on: the cache keeps the low-precision copy of every unit's weights until "
+                "the autocast region ends (about 2 bytes per parameter of the whole model on "
+                "every rank at the end of the forward). Pass cache_enabled=False to "
+                "torch.autocast: stage 3 then holds one unit's copies and makes them again in "
+                "the backward (same values)"
             )
+        else:
+            msg = (
+                f"ZeroOptimizer stage 3 under torch.autocast with fp32 params on torch "
+                f"{torch.__version__}: autograd keeps autocast's low-precision copy of each "
+                "unit's weights from the unit's forward to its backward (about 2 bytes per "
+                "parameter of the whole model on every rank at the end of the forward); a "
+                "newer torch has what stage 3 needs to make them again in the backward. Or "
+                "make the params bf16 (model.to(torch.bfloat16); fp32 master shards are kept)"
+            )
+        warnings.warn(msg, stacklevel=2)
 
     def pre_forward(self, k: int) -> None:
         if _compiled_autograd():
@@ -319,8 +383,6 @@ class UnitScheduler:
         if _in_backward():  # activation checkpointing: recomputation inside backward
             self.wait(u)
             return
-        if not self._autocast_seen and torch.is_grad_enabled():
-            self._warn_autocast(u)
         if self.order is None:
             if comm.world_size(self.group) > 1:
                 self._check_same(u)
@@ -367,6 +429,7 @@ class UnitScheduler:
             self.on_forward_start(args, kwargs or {})
         self.pos = 0
         self.bwd_units, self.bwd_next = [], 0  # the last forward's backward is the next one
+        self.pop_recast()  # left by a forward that raised
         self.wait(self.root)
         if self.order is not None:
             for j in self.order[: self.prefetch]:
@@ -389,6 +452,7 @@ class UnitScheduler:
     def root_post(self) -> None:
         if _in_backward():
             return
+        self.pop_recast()  # a unit's forward that returned without its post-forward hook
         if self.order is None:  # the first forward: recorded, and checked on every rank
             self.order = list(self.recording)
         self.recording = []
@@ -449,6 +513,7 @@ class UnitScheduler:
         self.free_all()
 
     def remove(self) -> None:
+        self.pop_recast()
         if self.check is not None:
             self.check.close()
         for h in self.handles:
@@ -502,6 +567,7 @@ def _pre(me, k):
         s = me()
         if s is not None:
             s.pre_forward(k)
+            s.push_recast(k)
 
     return _opaque(hook)
 
@@ -510,9 +576,42 @@ def _post(me, k):
     def hook(module, args, output):
         s = me()
         if s is not None:
+            s.pop_recast(k)
             s.post_forward(k, output)
 
     return _opaque(hook)
+
+
+class _Cast:
+    """A saved tensor autocast made from a unit's param: the recipe to make it again."""
+
+    __slots__ = ("param", "dtype", "size", "stride", "offset")
+
+    def __init__(self, param, dtype, size, stride, offset):
+        self.param, self.dtype = param, dtype
+        self.size, self.stride, self.offset = size, stride, offset
+
+
+class _Recast:
+    """Saved-tensor hooks of one unit's forward under autocast ([Note: autocast])."""
+
+    def __init__(self, ids: set[int]):
+        self.ids = ids  # the unit's fp32 params
+
+    def pack(self, t: torch.Tensor):
+        base = t._base if t._is_view() else t
+        fn = base.grad_fn
+        if fn is not None and fn.name() == "ToCopyBackward0":
+            p = getattr(fn.next_functions[0][0], "variable", None)
+            if p is not None and id(p) in self.ids and base.dtype != p.dtype:
+                return _Cast(p, base.dtype, t.size(), t.stride(), t.storage_offset())
+        return t
+
+    @staticmethod
+    def unpack(x):
+        if type(x) is _Cast:  # the unit is gathered: its backward is running
+            return x.param.to(x.dtype).as_strided(x.size, x.stride, x.offset)
+        return x
 
 
 def _root_pre(me):
