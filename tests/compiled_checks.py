@@ -103,6 +103,7 @@ def check_compiled_forward_hooks(rank: int, world: int) -> dict:
         "stage 3 model inductor": (s3, "model", None, "inductor", 1e-5),
         "stage 3 units autocast": (s3, "units", None, "aot_eager", 1e-6),
         "stage 1 model": ({"stage": 1}, "model", None, "aot_eager", 1e-6),
+        "stage 1 model autocast": ({"stage": 1}, "model", None, "aot_eager", 1e-6),
         "stage 2 overlap_param_gather": (
             {"stage": 2, "overlap_param_gather": True, "bucket_size_mb": 0.001},
             "model",

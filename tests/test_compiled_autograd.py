@@ -18,4 +18,4 @@ def test_compiled_autograd():
 @pytest.mark.distributed
 def test_compiled_forward_hooks():
     rep = run_workers(compiled_checks.check_compiled_forward_hooks, 2, timeout=500)[0]
-    assert set(rep.values()) == {"ok"} and len(rep) == 8, rep
+    assert set(rep.values()) == {"ok"} and len(rep) == 9, rep
