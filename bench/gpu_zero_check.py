@@ -1,6 +1,9 @@
 """ZeroOptimizer stages 1-3 on one device through the whole training loop, for a machine with a
 GPU (`bench/gpu_check.sh` runs it with --device cuda on NCCL; --device cpu on gloo is the smoke
-run used on machines without one).
+run used on machines without one). Stage 3 also runs under bf16 autocast (its cache off) and
+through torch.compile (inductor), each against torch doing the same. Under autocast the bound
+is 1e-2, key biases left out: a last-bit difference between the two AdamW kernels can flip a
+weight's rounding to bf16 in the next forward, a 4e-3 step (CPU smoke run: 6e-3 after 6 steps).
 
 For each stage: a small GPT trained for a few steps with clipping, against a copy trained by
 plain torch AdamW(fused=True) + torch.nn.utils.clip_grad_norm_ (world size 1: the same math;
@@ -19,6 +22,7 @@ events, [Note: CUDA streams]) printed. Writes gpu_zero_check.json to --out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -45,7 +49,10 @@ def _batch(step: int, cfg, device) -> torch.Tensor:
     return torch.randint(0, cfg.vocab_size, (4, 65), generator=g).to(device)
 
 
-def run_stage(stage: int, device: torch.device, steps: int) -> dict:
+def run_stage(stage: int, device: torch.device, steps: int, variant: str = "") -> dict:
+    """``variant``: "" (fp32), "autocast" (both models under bf16 autocast, its cache off: stage
+    3 makes the saved weight casts again in the backward) or "compile" (both models through
+    torch.compile, inductor)."""
     cfg = GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)
     torch.manual_seed(0)
     base = GPT(cfg).to(device)
@@ -54,12 +61,16 @@ def run_stage(stage: int, device: torch.device, steps: int) -> dict:
     zo = ZeroOptimizer(m1, torch.optim.AdamW, stage=stage, **kw)
     zo._sync_free = True  # the default off the CPU; on the CPU smoke run, the same code path
     ref = torch.optim.AdamW(m2.parameters(), fused=True, **kw)
+    f1, f2 = (torch.compile(m1), torch.compile(m2)) if variant == "compile" else (m1, m2)
+    cast = dict(device_type=device.type, dtype=torch.bfloat16, cache_enabled=False)
     times, syncs = [], "not checked (cpu)"
     for step in range(steps):
         x = _batch(step, cfg, device)
-        for m, opt, is_zero in ((m1, zo, True), (m2, ref, False)):
+        for m, opt, is_zero in ((f1, zo, True), (f2, ref, False)):
             opt.zero_grad()
-            m(x[:, :-1].contiguous(), x[:, 1:].contiguous()).backward()
+            with torch.autocast(**cast) if variant == "autocast" else contextlib.nullcontext():
+                loss = m(x[:, :-1].contiguous(), x[:, 1:].contiguous())
+            loss.backward()
             if not is_zero:
                 torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
                 opt.step()
@@ -84,18 +95,22 @@ def run_stage(stage: int, device: torch.device, steps: int) -> dict:
                 zo.step()
                 if timed:
                     times.append(time.perf_counter() - t0)
-    if stage == 3:
-        with zo.gathered_params(m1):
-            err = max(_rel(a, b) for a, b in zip(m1.parameters(), m2.parameters()))
-    else:
-        err = max(_rel(a, b) for a, b in zip(m1.parameters(), m2.parameters()))
+    with zo.gathered_params(m1) if stage == 3 else contextlib.nullcontext():
+        errs = {
+            n: _rel(a, b) for (n, a), b in zip(m1.named_parameters(), m2.parameters(), strict=True)
+        }
+    err = max(errs.values())
+    # under bf16 autocast the key bias's noise-only gradient (see the module doc) is bf16 noise
+    tol_err = max(v for n, v in errs.items() if variant != "autocast" or "attn.bias" not in n)
     stats = zo.comm_stats
     zo.close()
     times.sort()
     return {
         "stage": stage,
+        "variant": variant or "fp32",
         "max_rel_err_vs_torch": err,
-        "ok": err <= 1e-3,  # see the module doc
+        "max_rel_err_checked": tol_err,
+        "ok": tol_err <= (1e-2 if variant == "autocast" else 1e-3),  # see the module doc
         "host_syncs": syncs,
         "clip_plus_step_median_s": times[len(times) // 2] if times else None,
         "comm_stats": stats,
@@ -120,11 +135,16 @@ def main() -> int:
     dist.init_process_group(backend, rank=0, world_size=1)
     rows = []
     try:
-        for stage in (1, 2, 3):
+        for stage, variant in ((1, ""), (2, ""), (3, ""), (3, "autocast"), (3, "compile")):
             try:
-                r = run_stage(stage, device, args.steps)
+                r = run_stage(stage, device, args.steps, variant)
             except Exception as e:  # report every stage, then fail
-                r = {"stage": stage, "ok": False, "error": f"{type(e).__name__}: {e}"}
+                r = {
+                    "stage": stage,
+                    "variant": variant or "fp32",
+                    "ok": False,
+                    "error": f"{type(e).__name__}: {e}",
+                }
             print(json.dumps(r, default=str), flush=True)
             rows.append(r)
     finally:
