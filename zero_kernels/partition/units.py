@@ -333,10 +333,10 @@ class UnitScheduler:
         if top is None:  # an older torch: the copies stay (warned once)
             self._warn_autocast()
             return
+        if torch.is_autocast_cache_enabled():  # it keeps them, whoever saves what
+            self._warn_autocast(cache=True)
         if top(False) is not None:  # another's hooks (checkpointing) decide what is saved
             return
-        if torch.is_autocast_cache_enabled():
-            self._warn_autocast(cache=True)
         rec = _Recast(ids)
         torch._C._autograd._push_saved_tensors_default_hooks(rec.pack, rec.unpack)
         self._recasts.append((k, rec))
