@@ -173,10 +173,8 @@ class ParamAccess:
                 units[u].buckets.append((i, b.index))
         if persistent.buckets:  # gathered at construction, kept whole
             persistent.state = UnitState.GATHERED
-        in_root = set()  # the root unit's sharded params (frozen ones stay whole)
-        for i, b in units[0].buckets:
-            buf = self.layout.buffers[i]
-            in_root.update(id(self._params[buf.slots[k].index]) for k in buf.buckets[b].slots)
+        # the root unit's sharded params (frozen ones stay whole)
+        in_root = {id(p) for i, p in self._trainable.items() if self._slot_unit(i) == 0}
         root_members = [
             (name, m)
             for name, m in self._module.named_modules()

@@ -452,7 +452,7 @@ class UnitScheduler:
     def root_post(self) -> None:
         if _in_backward():
             return
-        self.pop_recast()  # a unit's forward that returned without its post-forward hook
+        self.pop_recast()  # a unit whose forward raised, caught inside the model's forward
         if self.order is None:  # the first forward: recorded, and checked on every rank
             self.order = list(self.recording)
         self.recording = []
