@@ -31,6 +31,7 @@ cpu_sources = [
     "csrc/adam_cpu_avx512.cpp",
     "csrc/flat_copy.cpp",
     "csrc/shm_sync.cpp",
+    "csrc/block_cache.cpp",
 ]
 cxx_flags = ["-O3", "-std=c++17", "-fopenmp", "-Wall", "-Wno-unknown-pragmas"]
 

@@ -192,6 +192,7 @@ def _build(name: str, model: nn.Module, args, lr: float):
     kw = dict(lr=lr, weight_decay=0.01, betas=(0.9, 0.999), eps=1e-8)
     bucket_elems = int(args.bucket_mb * 2**20) // 4
     name = harness.strip_mmap_threshold(name)  # e.g. ddp_mmap4096: glibc's threshold 4 MiB
+    name = harness.strip_host_cache(name)  # e.g. stage3_nocache: glibc for every block
     if name in ("ddp_fused", "ddp", "zero_redundancy"):
         from torch.distributed.optim import ZeroRedundancyOptimizer
         from torch.nn.parallel import DistributedDataParallel as DDP

@@ -507,6 +507,16 @@ def git_status(path: str, *what: str) -> list[str]:
         return []
 
 
+def strip_host_cache(name: str) -> str:
+    """A candidate named ``<name>_nocache`` (e.g. ``ours_reshard_nocache``): ZeroOptimizer does
+    not install the host block cache in this process (``ZERO_KERNELS_HOST_CACHE=0``, see
+    zero_kernels.hostmem); returns ``<name>``; other names are returned as they are."""
+    if not name.endswith("_nocache"):
+        return name
+    os.environ["ZERO_KERNELS_HOST_CACHE"] = "0"
+    return name[: -len("_nocache")]
+
+
 def strip_mmap_threshold(name: str) -> str:
     """A candidate named ``<name>_mmap<KiB>`` (e.g. ``ddp_mmap4096``): fix glibc's mmap threshold
     at that many KiB in this process (``mallopt(M_MMAP_THRESHOLD)``, as ``MALLOC_MMAP_THRESHOLD_``

@@ -93,6 +93,13 @@ def _scratch() -> dict:
     return dict(comm.scratch_bytes())
 
 
+def _host_cache() -> dict:
+    """zero_kernels.hostmem's live and cached bytes, hits and misses (the host block cache)."""
+    from zero_kernels import hostmem
+
+    return hostmem.stats()
+
+
 class _Peak:
     """Peak RSS since ``start()`` with per-phase peaks (the high-water mark is reset at every
     phase start) and a watchdog that reports and stops the trial once it passes ``limit``."""
@@ -128,6 +135,7 @@ class _Peak:
                     "rss_above_base": status_bytes("VmRSS") - self.baseline,
                     "malloc": _malloc_stats(),
                     "comm_scratch": _scratch(),
+                    "host_cache": _host_cache(),
                 }
             )
             _reset_hwm()
@@ -207,6 +215,7 @@ def rss_worker(spec: dict, rank: int, world: int, port: int, res_q) -> None:
             "baseline_rss": baseline,
             "baseline_malloc": base_malloc,
             "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
+            "host_cache_env": os.environ.get("ZERO_KERNELS_HOST_CACHE"),
             "peak_above_base": pk.peak - baseline,
             "shm_mapped_bytes": _shm_mapped(),
             "phases": pk.phases,

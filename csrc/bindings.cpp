@@ -1,6 +1,7 @@
 // The one file that includes torch: checks tensors (device, dtype, contiguity, sizes, naming the
 // argument), splits CPU work over torch's intra-op threads, and calls the torch-free kernels.
 #include <ATen/Parallel.h>
+#include <c10/core/CPUAllocator.h>
 #include <torch/extension.h>
 
 #include <atomic>
@@ -9,6 +10,7 @@
 #include <vector>
 
 #include "adam_cpu.h"
+#include "block_cache.h"
 #include "flat_copy.h"
 #include "shm_sync.h"
 #include "zk_types.h"
@@ -331,6 +333,75 @@ int64_t shm_fetch_add(int64_t addr, int64_t delta) {
 
 int64_t shm_load(int64_t addr) { return zk::shm_load(shm_word(addr)); }
 
+// ---- host block cache ([Note: host block cache] in zero_kernels/hostmem.py)
+// torch's CPU allocator while installed: requests the cache wants (at least its min_bytes, and
+// while enabled) get a cached block, every other request goes to the allocator it replaced.
+// Installed once per process and never removed (storages keep a pointer to the allocator that
+// made them); `host_cache_enable(false)` passes every new request through.
+c10::Allocator* g_prev_cpu = nullptr;
+std::atomic<bool> g_cache_on{false};
+
+void host_block_delete(void* p) {
+  if (!zk::block_cache_free(p)) g_prev_cpu->raw_deallocate(p);
+}
+
+class HostBlockAllocator final : public c10::Allocator {
+ public:
+  c10::DataPtr allocate(size_t n) override {
+    if (g_cache_on.load(std::memory_order_relaxed) && zk::block_cache_wants(n)) {
+      void* p = zk::block_cache_alloc(n);
+      if (p != nullptr) return {p, p, &host_block_delete, c10::Device(c10::DeviceType::CPU)};
+    }
+    return g_prev_cpu->allocate(n);
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &host_block_delete; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+};
+
+HostBlockAllocator g_host_alloc;
+
+// Installs the allocator (once) and configures the cache; true when torch's CPU allocator is
+// now this one (another library's allocator of higher priority keeps its place: false).
+bool host_cache_install(int64_t min_bytes, int64_t cap_bytes) {
+  TORCH_CHECK(min_bytes > 0, "min_bytes must be > 0, got ", min_bytes);
+  TORCH_CHECK(cap_bytes >= 0, "cap_bytes must be >= 0, got ", cap_bytes);
+  if (!zk::block_cache_supported()) return false;
+  zk::block_cache_configure(static_cast<size_t>(min_bytes), static_cast<size_t>(cap_bytes));
+  c10::Allocator* cur = c10::GetCPUAllocator();
+  if (cur != &g_host_alloc) {
+    if (g_prev_cpu == nullptr) g_prev_cpu = cur;
+    c10::SetCPUAllocator(&g_host_alloc, /*priority=*/0);
+  }
+  g_cache_on.store(c10::GetCPUAllocator() == &g_host_alloc);
+  return g_cache_on.load();
+}
+
+void host_cache_enable(bool on) {
+  g_cache_on.store(on && g_prev_cpu != nullptr && c10::GetCPUAllocator() == &g_host_alloc);
+}
+
+py::dict host_cache_stats() {
+  zk::BlockCacheStats s = zk::block_cache_stats();
+  py::dict d;
+  d["enabled"] = g_cache_on.load();
+  d["live_bytes"] = s.live_bytes;
+  d["cached_bytes"] = s.cached_bytes;
+  d["peak_live_bytes"] = s.peak_live_bytes;
+  d["peak_cached_bytes"] = s.peak_cached_bytes;
+  d["hits"] = s.hits;
+  d["misses"] = s.misses;
+  d["unmapped"] = s.unmapped;
+  d["min_bytes"] = s.min_bytes;
+  d["cap_bytes"] = s.cap_bytes;
+  return d;
+}
+
+bool host_cache_owns(const at::Tensor& t) {
+  return t.device().is_cpu() && zk::block_cache_owns(t.storage().data_ptr().get());
+}
+
 bool has_cuda() {
 #ifdef ZK_WITH_CUDA
   return true;
@@ -377,4 +448,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("shm_fetch_add", &shm_fetch_add, "Atomic add on a shared word; the value before",
         py::arg("addr"), py::arg("delta"));
   m.def("shm_load", &shm_load, "Acquire-load a shared word", py::arg("addr"));
+  m.def("host_cache_install", &host_cache_install,
+        "Make the host block cache torch's CPU allocator for requests of at least min_bytes",
+        py::arg("min_bytes"), py::arg("cap_bytes"));
+  m.def("host_cache_enable", &host_cache_enable, "New CPU requests through the cache, or not",
+        py::arg("on"));
+  m.def("host_cache_stats", &host_cache_stats, "The host block cache's bytes and counters");
+  m.def("host_cache_trim", &zk::block_cache_trim, "Unmap every cached block; the bytes");
+  m.def("host_cache_reset_stats", &zk::block_cache_reset_stats, "Peaks to now, counters to 0");
+  m.def("host_cache_owns", &host_cache_owns, "Whether a tensor's storage is a cached block",
+        py::arg("tensor"));
 }

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import warnings
 import weakref
 import zlib
 
@@ -31,7 +32,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms.join import Joinable
 
-from . import comm, syncfree, validate
+from . import comm, hostmem, syncfree, validate
 from .buffers import GradStore, release_free_heap
 from .grad_access import GradAccess
 from .layout import Layout, ParamSpec, build_layout
@@ -110,6 +111,11 @@ class ZeroOptimizer(
             before each launch (blocking), so
             nothing is sent (1.06-1.30x step time measured). "first": the first forward only;
             a later change goes unseen.
+        host_cache: with params on the CPU, make the host block cache torch's CPU allocator
+            for blocks of 1 MiB and more (process-wide; see [Note: host block cache] in
+            `zero_kernels.hostmem`): freed gradient-sized blocks are reused by size instead of
+            piling up in glibc's heap. None (default): on unless ``ZERO_KERNELS_HOST_CACHE=0``;
+            False: never installed by this optimizer (one installed before stays).
         **defaults: passed to ``optimizer_class``.
 
     Gradients: after backward, ``param.grad`` is a `ShardedGrad` (this rank's piece of the
@@ -167,6 +173,7 @@ class ZeroOptimizer(
         overlap_param_gather: bool = False,
         init_fn=None,
         seed: int = 0,
+        host_cache: bool | None = None,
         **defaults,
     ):
         self._closed = True  # until construction succeeds (close() then does nothing)
@@ -317,6 +324,17 @@ class ZeroOptimizer(
             sum(len(b.buckets) for b in self.layout.buffers),
             self.world_size,
         )
+        # large CPU blocks by size from here on, construction's included ([Note: host block cache])
+        self.host_cache = (
+            hostmem.from_env(host_cache) and self.device.type == "cpu" and hostmem.install()
+        )
+        if host_cache is True and self.device.type == "cpu" and not self.host_cache:
+            warnings.warn(
+                "host_cache=True: the host block cache is not in use ("
+                + (hostmem.available() or "another CPU allocator of higher priority is in place")
+                + "); glibc serves every CPU block",
+                stacklevel=2,
+            )
         # ---- from here on the params are changed: undo everything if anything fails
         try:
             self._build(
@@ -327,10 +345,24 @@ class ZeroOptimizer(
             self.close()
             raise
 
+    def _comm_sizes(self) -> list[tuple[str, int]]:
+        """``(op, bytes)`` of every bucket's reduce-scatter and all-gather."""
+        out = []
+        for buf in self.layout.buffers:
+            pdt = getattr(torch, buf.dtype.split(".")[-1])
+            rdt = self.reduce_dtype or (torch.float64 if pdt == torch.float64 else torch.float32)
+            for b in buf.buckets:
+                n = b.shard_numel * self.layout.world_size
+                out += [("reduce_scatter", n * rdt.itemsize), ("all_gather", n * pdt.itemsize)]
+        return out
+
     def _build(
         self, user_groups, defaults, fused_adam, kernel_backend, max_inflight_buckets, loss_scale
     ) -> None:
         group = self.group
+        # the collectives' algorithm probes, before this optimizer allocates anything
+        # (`comm.probe_ahead`: their buffers then do not add to the first step's peak)
+        comm.probe_ahead(self._comm_sizes(), group=group, device=self.device)
         # params become views of the store; rank 0's values win (as DDP does), except for a
         # model built on the meta device, initialised identically on every rank
         self._store = self._materialize_and_store()

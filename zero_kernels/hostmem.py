@@ -1,0 +1,125 @@
+"""Large CPU blocks from a cache of mappings instead of glibc's heap (the host block cache).
+
+[Note: host block cache]
+On the CPU torch takes its memory from glibc's malloc. glibc serves a block above its mmap
+threshold with a mapping of its own, but it raises that threshold to the size of every such
+block freed (up to 32 MiB), so from the first freed gradient on, gradient-sized blocks come
+from its heap. A freed block there is soon split by small requests, the next block of the same
+size no longer fits in it, and the heap grows by another: autograd's gradient of a 2896 x 2896
+weight, copied out and dropped by a post-accumulate hook (what every ZeRO stage and DDP do),
+left 2-3 such blocks free and resident after a backward (plain torch, measured with
+``mallinfo2``). That is most of why peak RSS was 1.12-1.38x the formula with glibc's defaults.
+Fixing glibc's threshold (``MALLOC_MMAP_THRESHOLD_``) maps every large block anew and faults
+its pages in every time: 1.17-1.25x step time on an MLP with 9 MB gradients.
+
+So, where a `ZeroOptimizer` keeps its params on the CPU, it installs this cache as torch's CPU
+allocator (`install`), unless ``host_cache=False`` or ``ZERO_KERNELS_HOST_CACHE=0``:
+
+- A request of at least ``min_bytes`` (default 1 MiB) gets a block of its own: an anonymous
+  mapping, page-rounded, 2 MiB-aligned and advised as huge pages from 2 MiB. Smaller requests go
+  to the allocator it replaced (glibc), whose threshold then never rises above ``min_bytes``.
+- A freed block is kept for the next request of the same rounded size (no new page faults: a
+  layer's gradient reuses the last layer's block), up to ``cap_bytes`` cached (default 64 MiB);
+  beyond that the oldest cached blocks are unmapped, so their pages leave RSS at once.
+- Process-wide, as any allocator is: every CPU tensor of ``min_bytes`` or more made after
+  `install` (the user's too) comes from it. Tensors made before keep their allocator. It is never
+  removed (storages remember their allocator); `disable` sends new requests to glibc again.
+  `stats` counts live and cached bytes, hits and misses; `trim` unmaps what is cached.
+- Not reported to torch's profiler's memory view (glibc's blocks are).
+
+Torch-free core: csrc/block_cache.cpp (C++ unit test csrc/tests/test_block_cache.cpp); the
+torch allocator: csrc/bindings.cpp. Measured: bench/README.md, "The host block cache".
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import _native
+
+__all__ = ["install", "installed", "disable", "stats", "reset_stats", "trim", "owns", "available"]
+
+DEFAULT_MIN_BYTES = 1 << 20
+DEFAULT_CAP_BYTES = 1 << 62  # no bound: the cache never adds to a peak (see the Note)
+ENV = "ZERO_KERNELS_HOST_CACHE"
+
+
+def available() -> str | None:
+    """None when the cache can be installed here, else why not."""
+    lib = _native.load()
+    if lib is None or not hasattr(lib, "host_cache_install"):
+        return "the native extension zero_kernels._C is not built (or predates the host cache)"
+    return None
+
+
+def _size(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be an int >= 0 (bytes), got {name}={value!r}")
+    return value
+
+
+def install(min_bytes: int | None = None, cap_bytes: int | None = None) -> bool:
+    """Make the host block cache torch's CPU allocator for requests of at least ``min_bytes``,
+    keeping at most ``cap_bytes`` of freed blocks; again: new limits. Returns whether it is now
+    in use (False: the extension is missing, or another library's CPU allocator of higher
+    priority is in place)."""
+    min_bytes = _size("min_bytes", DEFAULT_MIN_BYTES if min_bytes is None else min_bytes)
+    cap_bytes = _size("cap_bytes", DEFAULT_CAP_BYTES if cap_bytes is None else cap_bytes)
+    if min_bytes == 0:
+        raise ValueError("min_bytes must be > 0, got min_bytes=0")
+    if available() is not None:
+        return False
+    return bool(_native.load().host_cache_install(min_bytes, cap_bytes))
+
+
+def from_env(setting) -> bool:
+    """`ZeroOptimizer`'s ``host_cache`` (None, True, False) and ``ZERO_KERNELS_HOST_CACHE``:
+    whether to install. The environment's "0" wins over None only."""
+    if setting is not None and not isinstance(setting, bool):
+        raise TypeError(f"host_cache must be None, True or False, got host_cache={setting!r}")
+    env = os.environ.get(ENV, "").strip().lower()
+    if env not in ("", "0", "1", "off", "on"):
+        raise ValueError(f"{ENV} must be 0/off or 1/on, got {ENV}={env!r}")
+    if setting is None:
+        return env not in ("0", "off")
+    return setting
+
+
+def installed() -> bool:
+    """Whether new CPU requests of ``min_bytes`` or more go to the cache."""
+    return available() is None and bool(_native.load().host_cache_stats()["enabled"])
+
+
+def disable() -> None:
+    """New CPU requests go to glibc again (blocks already out come back to the cache)."""
+    if available() is None:
+        _native.load().host_cache_enable(False)
+
+
+def stats() -> dict:
+    """live_bytes, cached_bytes, their peaks, hits, misses, unmapped, min_bytes, cap_bytes,
+    enabled (all 0 / False when the extension is missing)."""
+    if available() is not None:
+        keys = ("live_bytes", "cached_bytes", "peak_live_bytes", "peak_cached_bytes", "hits")
+        out = dict.fromkeys(keys + ("misses", "unmapped", "min_bytes", "cap_bytes"), 0)
+        out["enabled"] = False
+        return out
+    return dict(_native.load().host_cache_stats())
+
+
+def reset_stats() -> None:
+    """Peaks to the current values, counters to zero."""
+    if available() is None:
+        _native.load().host_cache_reset_stats()
+
+
+def trim() -> int:
+    """Unmap every cached block (blocks in use are untouched); the bytes given back."""
+    return int(_native.load().host_cache_trim()) if available() is None else 0
+
+
+def owns(t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage is a block of the cache."""
+    return available() is None and bool(_native.load().host_cache_owns(t))
