@@ -510,11 +510,19 @@ def git_status(path: str, *what: str) -> list[str]:
 def strip_host_cache(name: str) -> str:
     """A candidate named ``<name>_nocache`` (e.g. ``ours_reshard_nocache``): ZeroOptimizer does
     not install the host block cache in this process (``ZERO_KERNELS_HOST_CACHE=0``, see
-    zero_kernels.hostmem); returns ``<name>``; other names are returned as they are."""
-    if not name.endswith("_nocache"):
-        return name
-    os.environ["ZERO_KERNELS_HOST_CACHE"] = "0"
-    return name[: -len("_nocache")]
+    zero_kernels.hostmem); ``<name>_hostcache`` (e.g. ``ddp_hostcache``): the cache is installed
+    here before the candidate is built, as a script of any kind can. Returns ``<name>``; other
+    names are returned as they are."""
+    if name.endswith("_nocache"):
+        os.environ["ZERO_KERNELS_HOST_CACHE"] = "0"
+        return name[: -len("_nocache")]
+    if name.endswith("_hostcache"):
+        from zero_kernels import hostmem
+
+        if not hostmem.install():
+            raise RuntimeError(f"{name}: the host block cache is unavailable here")
+        return name[: -len("_hostcache")]
+    return name
 
 
 def strip_mmap_threshold(name: str) -> str:

@@ -424,6 +424,7 @@ def memory_rows(args, log) -> tuple[list[dict], list[dict], dict]:
         ("mlp", "stage3 (normal build)", dict(mlp, cand="ours_reshard")),
         ("gpt", "stage3", dict(gpt, cand="ours_reshard", meta=True)),
         ("gpt", "stage3 no reshard", dict(gpt, cand="ours_noreshard", meta=True)),
+        ("mlp", "ddp + host cache", dict(mlp, cand="ddp_hostcache")),
     ]
     if args.mem_runs:
         keep = set(args.mem_runs.split(","))
@@ -436,7 +437,8 @@ def memory_rows(args, log) -> tuple[list[dict], list[dict], dict]:
         raw[f"{model_name} {label}"] = r
         ranks = r["ranks"]
         psi = ranks[0]["psi"]
-        stage = {"ddp": 0, "stage1": 1, "stage2": 2}.get(spec["cand"], 3)
+        base_cand = spec["cand"].removesuffix("_hostcache").removesuffix("_nocache")
+        stage = {"ddp": 0, "stage1": 1, "stage2": 2}.get(base_cand, 3)
         largest, root = ranks[0]["largest_unit"], ranks[0]["root_unit"]
         est = estimate_stage(
             stage,

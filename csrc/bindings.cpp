@@ -341,8 +341,20 @@ int64_t shm_load(int64_t addr) { return zk::shm_load(shm_word(addr)); }
 c10::Allocator* g_prev_cpu = nullptr;
 std::atomic<bool> g_cache_on{false};
 
+// torch's profiler sees the cache's blocks as it sees the default allocator's (profile_memory)
+void report_to_profiler(void* p, int64_t bytes) {
+  zk::BlockCacheStats st = zk::block_cache_stats();
+  c10::reportMemoryUsageToProfiler(p, bytes, st.live_bytes, st.live_bytes + st.cached_bytes,
+                                   c10::Device(c10::DeviceType::CPU));
+}
+
 void host_block_delete(void* p) {
-  if (!zk::block_cache_free(p)) g_prev_cpu->raw_deallocate(p);
+  size_t len = c10::memoryProfilingEnabled() ? zk::block_cache_size(p) : 0;
+  if (!zk::block_cache_free(p)) {
+    g_prev_cpu->raw_deallocate(p);
+  } else if (len != 0) {
+    report_to_profiler(p, -static_cast<int64_t>(len));
+  }
 }
 
 class HostBlockAllocator final : public c10::Allocator {
@@ -350,7 +362,12 @@ class HostBlockAllocator final : public c10::Allocator {
   c10::DataPtr allocate(size_t n) override {
     if (g_cache_on.load(std::memory_order_relaxed) && zk::block_cache_wants(n)) {
       void* p = zk::block_cache_alloc(n);
-      if (p != nullptr) return {p, p, &host_block_delete, c10::Device(c10::DeviceType::CPU)};
+      if (p != nullptr) {
+        if (c10::memoryProfilingEnabled()) {
+          report_to_profiler(p, static_cast<int64_t>(zk::block_cache_size(p)));
+        }
+        return {p, p, &host_block_delete, c10::Device(c10::DeviceType::CPU)};
+      }
     }
     return g_prev_cpu->allocate(n);
   }
@@ -360,7 +377,8 @@ class HostBlockAllocator final : public c10::Allocator {
   }
 };
 
-HostBlockAllocator g_host_alloc;
+// never destroyed: torch may allocate and free through it during the process's exit
+HostBlockAllocator* const g_host_alloc = new HostBlockAllocator();
 
 // Installs the allocator (once) and configures the cache; true when torch's CPU allocator is
 // now this one (another library's allocator of higher priority keeps its place: false).
@@ -370,16 +388,16 @@ bool host_cache_install(int64_t min_bytes, int64_t cap_bytes) {
   if (!zk::block_cache_supported()) return false;
   zk::block_cache_configure(static_cast<size_t>(min_bytes), static_cast<size_t>(cap_bytes));
   c10::Allocator* cur = c10::GetCPUAllocator();
-  if (cur != &g_host_alloc) {
+  if (cur != g_host_alloc) {
     if (g_prev_cpu == nullptr) g_prev_cpu = cur;
-    c10::SetCPUAllocator(&g_host_alloc, /*priority=*/0);
+    c10::SetCPUAllocator(g_host_alloc, /*priority=*/0);
   }
-  g_cache_on.store(c10::GetCPUAllocator() == &g_host_alloc);
+  g_cache_on.store(c10::GetCPUAllocator() == g_host_alloc);
   return g_cache_on.load();
 }
 
 void host_cache_enable(bool on) {
-  g_cache_on.store(on && g_prev_cpu != nullptr && c10::GetCPUAllocator() == &g_host_alloc);
+  g_cache_on.store(on && g_prev_cpu != nullptr && c10::GetCPUAllocator() == g_host_alloc);
 }
 
 py::dict host_cache_stats() {

@@ -205,6 +205,13 @@ bool block_cache_owns(const void* p) {
   return s.live.count(const_cast<void*>(p)) != 0;
 }
 
+size_t block_cache_size(const void* p) {
+  State& s = state();
+  Lock g(s);
+  auto f = s.live.find(const_cast<void*>(p));
+  return f == s.live.end() ? 0 : f->second;
+}
+
 uint64_t block_cache_trim() {
   State& s = state();
   std::vector<Block> out;
@@ -240,6 +247,7 @@ bool block_cache_wants(size_t) { return false; }
 void* block_cache_alloc(size_t) { return nullptr; }
 bool block_cache_free(void*) { return false; }
 bool block_cache_owns(const void*) { return false; }
+size_t block_cache_size(const void*) { return 0; }
 uint64_t block_cache_trim() { return 0; }
 BlockCacheStats block_cache_stats() { return BlockCacheStats{}; }
 void block_cache_reset_stats() {}

@@ -55,6 +55,9 @@ bool block_cache_free(void* p);
 // Whether ``p`` is a live block of the cache.
 bool block_cache_owns(const void* p);
 
+// The length of live block ``p`` (page-rounded), 0 if ``p`` is not one.
+size_t block_cache_size(const void* p);
+
 // Unmaps every cached block (live blocks are untouched); the bytes unmapped.
 uint64_t block_cache_trim();
 

@@ -67,6 +67,19 @@ def test_the_cache_never_adds_to_a_peak():
     assert hostmem.stats()["cached_bytes"] == 0
 
 
+def test_profiler_sees_the_blocks():
+    from torch.profiler import ProfilerActivity, profile
+
+    hostmem.install()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        t = _big(3)
+        owned = hostmem.owns(t)
+        del t
+    assert owned
+    mem = [e.cpu_memory_usage for e in prof.events() if e.name == "aten::empty"]
+    assert any(m >= 3 * MiB for m in mem), mem
+
+
 def test_disable_and_install_again():
     hostmem.install()
     hostmem.disable()

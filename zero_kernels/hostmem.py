@@ -25,7 +25,7 @@ allocator (`install`), unless ``host_cache=False`` or ``ZERO_KERNELS_HOST_CACHE=
   `install` (the user's too) comes from it. Tensors made before keep their allocator. It is never
   removed (storages remember their allocator); `disable` sends new requests to glibc again.
   `stats` counts live and cached bytes, hits and misses; `trim` unmaps what is cached.
-- Not reported to torch's profiler's memory view (glibc's blocks are).
+- Reported to torch's profiler (``profile_memory=True``) as glibc's blocks are.
 
 Torch-free core: csrc/block_cache.cpp (C++ unit test csrc/tests/test_block_cache.cpp); the
 torch allocator: csrc/bindings.cpp. Measured: bench/README.md, "The host block cache".
