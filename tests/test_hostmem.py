@@ -130,8 +130,13 @@ def test_zero_optimizer_switch(monkeypatch):
         model = torch.nn.Linear(8, 8)
         return ZeroOptimizer(model, torch.optim.AdamW, stage=2, lr=1e-3, **kw)
 
-    hostmem.disable()
+    hostmem.install()
+    hostmem.disable()  # the user's choice: a later default optimizer leaves it off
+    with build() as opt:
+        assert opt.host_cache is False and not hostmem.installed()
     monkeypatch.setenv(hostmem.ENV, "0")
+    hostmem.install()
+    hostmem.disable()
     with build() as opt:
         assert opt.host_cache is False and not hostmem.installed()
     with build(host_cache=True) as opt:  # asked for: the environment's 0 does not win
@@ -140,8 +145,15 @@ def test_zero_optimizer_switch(monkeypatch):
     monkeypatch.delenv(hostmem.ENV)
     with build(host_cache=False) as opt:
         assert opt.host_cache is False and not hostmem.installed()
-    with build() as opt:  # the default on the CPU
+    monkeypatch.setattr(hostmem, "_user_disabled", False)  # as in a fresh process
+    with build() as opt:  # the default installs it
         assert opt.host_cache is True and hostmem.installed()
+    assert hostmem.install(min_bytes=8 * MiB)
+    with build() as opt:  # and keeps limits set by the user's own install()
+        assert opt.host_cache is True and hostmem.stats()["min_bytes"] == 8 * MiB
+    hostmem.install()
+    with build(host_cache=False) as opt:  # in use already: it stays, and says so
+        assert opt.host_cache is True
     with pytest.raises(TypeError, match="host_cache=1"):
         build(host_cache=1)
 

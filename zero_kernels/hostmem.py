@@ -53,11 +53,22 @@ import torch
 
 from . import _native
 
-__all__ = ["install", "installed", "disable", "stats", "reset_stats", "trim", "owns", "available"]
+__all__ = [
+    "install",
+    "ensure",
+    "installed",
+    "disable",
+    "stats",
+    "reset_stats",
+    "trim",
+    "owns",
+    "available",
+]
 
 DEFAULT_MIN_BYTES = 1 << 20
 DEFAULT_CAP_BYTES = 1 << 62  # no bound: the cache never adds to a peak (see the Note)
 ENV = "ZERO_KERNELS_HOST_CACHE"
+_user_disabled = False  # disable() was called (and install() not since)
 
 
 def available() -> str | None:
@@ -85,6 +96,8 @@ def install(min_bytes: int | None = None, cap_bytes: int | None = None) -> bool:
         raise ValueError("min_bytes must be > 0, got min_bytes=0")
     if available() is not None:
         return False
+    global _user_disabled
+    _user_disabled = False
     return bool(_native.load().host_cache_install(min_bytes, cap_bytes))
 
 
@@ -101,13 +114,28 @@ def from_env(setting) -> bool:
     return setting
 
 
+def ensure(setting) -> bool:
+    """`ZeroOptimizer`'s ``host_cache``: True installs the cache unless it is in use (limits set
+    by an earlier `install` stay); None does too unless ``ZERO_KERNELS_HOST_CACHE=0`` or `disable`
+    was called; False leaves things as they are. Returns whether the cache is in use now."""
+    want = from_env(setting)
+    if setting is None and _user_disabled:
+        want = False
+    if want and not installed():
+        install()
+    return installed()
+
+
 def installed() -> bool:
     """Whether new CPU requests of ``min_bytes`` or more go to the cache."""
     return available() is None and bool(_native.load().host_cache_stats()["enabled"])
 
 
 def disable() -> None:
-    """New CPU requests go to glibc again (blocks already out come back to the cache)."""
+    """New CPU requests go to glibc again (blocks already out come back to the cache), and a
+    `ZeroOptimizer` made later with the default ``host_cache=None`` does not install it again."""
+    global _user_disabled
+    _user_disabled = True
     if available() is None:
         _native.load().host_cache_enable(False)
 

@@ -114,8 +114,10 @@ class ZeroOptimizer(
         host_cache: with params on the CPU, make the host block cache torch's CPU allocator
             for blocks of 1 MiB and more (process-wide; see [Note: host block cache] in
             `zero_kernels.hostmem`): freed gradient-sized blocks are reused by size instead of
-            piling up in glibc's heap. None (default): on unless ``ZERO_KERNELS_HOST_CACHE=0``;
-            False: never installed by this optimizer (one installed before stays).
+            piling up in glibc's heap. None (default): on unless ``ZERO_KERNELS_HOST_CACHE=0`` or
+            ``zero_kernels.hostmem.disable()`` was called; False: not installed by this
+            optimizer (one installed before stays). Limits set by ``hostmem.install()`` are
+            kept. ``opt.host_cache``: whether the cache is in use.
         **defaults: passed to ``optimizer_class``.
 
     Gradients: after backward, ``param.grad`` is a `ShardedGrad` (this rank's piece of the
@@ -325,9 +327,7 @@ class ZeroOptimizer(
             self.world_size,
         )
         # large CPU blocks by size from here on, construction's included ([Note: host block cache])
-        self.host_cache = (
-            hostmem.from_env(host_cache) and self.device.type == "cpu" and hostmem.install()
-        )
+        self.host_cache = self.device.type == "cpu" and hostmem.ensure(host_cache)
         if host_cache is True and self.device.type == "cpu" and not self.host_cache:
             warnings.warn(
                 "host_cache=True: the host block cache is not in use ("
