@@ -136,6 +136,7 @@ bool block_cache_wants(size_t n) {
 void* block_cache_alloc(size_t n) {
   State& s = state();
   size_t len = round_len(s, n);
+  std::vector<Block> out;
   {
     Lock g(s);
     auto f = s.by_len.find(len);
@@ -152,12 +153,8 @@ void* block_cache_alloc(size_t n) {
       ++s.st.hits;
       return p;
     }
-  }
-  // a miss: first unmap as many cached bytes (oldest first) as the new block takes, so that
-  // what the cache holds never adds to a peak (live + cached stays at most the peak of live)
-  std::vector<Block> out;
-  {
-    Lock g(s);
+    // a miss: first unmap as many cached bytes (oldest first) as the new block takes, so that
+    // what the cache holds never adds to a peak (live + cached stays at most the peak of live)
     evict_to(s, s.st.cached_bytes > len ? s.st.cached_bytes - len : 0, out);
   }
   unmap_all(s, out);

@@ -94,6 +94,19 @@ def shard_view(
     return flat[lo : lo + b.shard_numel], slice(off, off + b.shard_numel)
 
 
+def grad_dtypes(
+    layout: Layout, dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None
+) -> tuple[list[torch.dtype], list[torch.dtype]]:
+    """Per flat buffer: the dtype its gradient shard keeps (``dtype`` if given, else fp32;
+    float64 kept as is) and the dtype it is accumulated and reduced in (``reduce_dtype`` if
+    given, else the same)."""
+    keep = [
+        dtype or (torch.float64 if b.dtype == "torch.float64" else torch.float32)
+        for b in layout.buffers
+    ]
+    return keep, [reduce_dtype or dt for dt in keep]
+
+
 class GradStore:
     """Where gradients live between the autograd hooks and the optimizer step.
 
@@ -117,10 +130,7 @@ class GradStore:
         self.layout, self.stage, self.device = layout, stage, device
         self.rank, self.max_inflight = rank, max_inflight
         # the reduce dtype of each buffer: ``dtype`` if given, else fp32 (float64 kept as is)
-        self.dtypes = [
-            dtype or (torch.float64 if b.dtype == "torch.float64" else torch.float32)
-            for b in layout.buffers
-        ]
+        self.dtypes, self.reduce_dtypes = grad_dtypes(layout, dtype, reduce_dtype)
         self.dtype = self.dtypes[0] if self.dtypes else torch.float32
         # stage 2/3: the dtype gradients are accumulated in and reduced in (bucket buffers); the
         # reduced result is added into the shards, which keep ``dtypes``
@@ -129,7 +139,6 @@ class GradStore:
                 f"reduce_dtype={reduce_dtype} at stage 1: stage 1 reduces in place in its full "
                 "gradient buffer, which is also the optimizer's gradient; use stage 2 or 3"
             )
-        self.reduce_dtypes = [reduce_dtype or dt for dt in self.dtypes]
         n = layout.world_size
         if stage == 1:  # full-size local accumulation buffers; the shards are views into them
             self.full = [

@@ -79,9 +79,9 @@ def available() -> str | None:
     return None
 
 
-def _size(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be an int >= 0 (bytes), got {name}={value!r}")
+def _size(name: str, value, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low} (bytes), got {name}={value!r}")
     return value
 
 
@@ -90,10 +90,8 @@ def install(min_bytes: int | None = None, cap_bytes: int | None = None) -> bool:
     keeping at most ``cap_bytes`` of freed blocks; again: new limits. Returns whether it is now
     in use (False: the extension is missing, or another library's CPU allocator of higher
     priority is in place)."""
-    min_bytes = _size("min_bytes", DEFAULT_MIN_BYTES if min_bytes is None else min_bytes)
-    cap_bytes = _size("cap_bytes", DEFAULT_CAP_BYTES if cap_bytes is None else cap_bytes)
-    if min_bytes == 0:
-        raise ValueError("min_bytes must be > 0, got min_bytes=0")
+    min_bytes = _size("min_bytes", DEFAULT_MIN_BYTES if min_bytes is None else min_bytes, 1)
+    cap_bytes = _size("cap_bytes", DEFAULT_CAP_BYTES if cap_bytes is None else cap_bytes, 0)
     if available() is not None:
         return False
     global _user_disabled

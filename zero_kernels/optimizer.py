@@ -33,7 +33,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Joinable
 
 from . import comm, hostmem, syncfree, validate
-from .buffers import GradStore, release_free_heap
+from .buffers import GradStore, dtype_of, grad_dtypes, release_free_heap
 from .grad_access import GradAccess
 from .layout import Layout, ParamSpec, build_layout
 from .param_access import ParamAccess, _call, _call_args, _storage_id
@@ -348,9 +348,9 @@ class ZeroOptimizer(
     def _comm_sizes(self) -> list[tuple[str, int]]:
         """``(op, bytes)`` of every bucket's reduce-scatter and all-gather."""
         out = []
-        for buf in self.layout.buffers:
-            pdt = getattr(torch, buf.dtype.split(".")[-1])
-            rdt = self.reduce_dtype or (torch.float64 if pdt == torch.float64 else torch.float32)
+        _, rdts = grad_dtypes(self.layout, reduce_dtype=self.reduce_dtype)
+        for buf, rdt in zip(self.layout.buffers, rdts):
+            pdt = dtype_of(buf.dtype)
             for b in buf.buckets:
                 n = b.shard_numel * self.layout.world_size
                 out += [("reduce_scatter", n * rdt.itemsize), ("all_gather", n * pdt.itemsize)]
