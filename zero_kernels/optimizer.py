@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms.join import Joinable
 
-from . import comm, hostmem, syncfree, validate
+from . import comm, hostmem, syncfree, validate, wrappers
 from .buffers import GradStore, dtype_of, grad_dtypes, release_free_heap
 from .grad_access import GradAccess
 from .layout import Layout, ParamSpec, build_layout
@@ -56,6 +56,8 @@ __all__ = ["ZeroOptimizer"]
 log = logging.getLogger("zero_kernels")
 
 _UNFUSABLE = ("differentiable", "capturable")
+
+wrappers.install()  # a DDP built over a live ZeroOptimizer's params raises ([Note: wrappers])
 
 
 class ZeroOptimizer(
@@ -214,6 +216,7 @@ class ZeroOptimizer(
                 names.setdefault(id(p), n)
         all_params = {id(p): p for g in user_groups for p in g["params"]}
         validate.check_params(all_params, names, module)
+        wrappers.check_not_wrapped(all_params.values(), names, module)
         for p in all_params.values():
             owner = _owner_of(p)
             if owner is not None:
@@ -394,6 +397,11 @@ class ZeroOptimizer(
             self.layout, self._params, self._grads, self.rank, self._rs_group, self.comm_log
         )
         self._hook_handles = self._reducer.handles_to_remove()
+        if self._module is not None:  # a DDP built before zero_kernels was imported
+            ids = frozenset(id(p) for p in self._params.values())
+            self._hook_handles.append(
+                self._module.register_forward_pre_hook(lambda m, a: wrappers.check_forward(ids))
+            )
         self._reducer.overlap = bool(self.overlap_comm)
         me = weakref.ref(self)
         self._reducer.on_backward_start = _call(me, "_on_backward_start")
@@ -552,10 +560,20 @@ class ZeroOptimizer(
         if self._module is not None:
             now = [id(p) for p in self._module.parameters()]
             if now != self._module_params:
+                fsdp = any(
+                    type(p).__name__ in ("DTensor", "FlatParameter")
+                    for p in self._module.parameters()
+                )
                 raise RuntimeError(
                     "the module's parameters were replaced after ZeroOptimizer was built (e.g. "
                     "load_state_dict(assign=True) or a new nn.Parameter): the optimizer holds "
                     "the old ones; load values in place or build the ZeroOptimizer again"
+                    + (
+                        ". They are FSDP's now (fully_shard or FullyShardedDataParallel): "
+                        "ZeroOptimizer shards the model itself, do not also wrap it in FSDP"
+                        if fsdp
+                        else ""
+                    )
                 )
         for i in self.layout.frozen:
             p = self._params[i]

@@ -1,0 +1,13 @@
+"""DDP over a ZeroOptimizer's params raises on every rank ([Note: wrappers])."""
+
+import pytest
+import wrapper_checks
+from dist_utils import run_workers
+
+
+@pytest.mark.distributed
+def test_ddp_over_zero_params_raises_on_every_rank():
+    reps = run_workers(wrapper_checks.check_orders, 2, timeout=300)
+    assert len(reps) == 2
+    for rep in reps:  # every rank raised in every case
+        assert len(rep) == 18 and set(rep.values()) == {"raised"}, rep
