@@ -23,9 +23,9 @@ class _Net(nn.Module):
         return self.head(x)
 
 
-def _raises(fn, what: str) -> str:
+def _raises(what: str, fn, *args, **kwargs) -> str:
     try:
-        fn()
+        fn(*args, **kwargs)
     except RuntimeError as e:
         msg = str(e)
         assert "held by a ZeroOptimizer" in msg and "Do not wrap" in msg, msg
@@ -42,7 +42,7 @@ def check_orders(rank: int, world: int) -> dict:
             # the optimizer first, then DDP: DDP's constructor raises before any collective
             m = _Net()
             zo = ZeroOptimizer(m, torch.optim.AdamW, stage=stage, lr=1e-2, timeout=30)
-            msg = _raises(lambda: DDP(m, find_unused_parameters=fup), tag)
+            msg = _raises(tag, DDP, m, find_unused_parameters=fup)
             assert "'blocks.0.weight'" in msg, msg
             # the optimizer still trains (nothing was left half-built)
             m(x).pow(2).mean().backward()
@@ -54,22 +54,16 @@ def check_orders(rank: int, world: int) -> dict:
             m = _Net()
             ddp = DDP(m, find_unused_parameters=fup)
             for arg in (m, ddp):
-                _raises(
-                    lambda arg=arg: ZeroOptimizer(arg, torch.optim.AdamW, stage=stage, lr=1e-2),
-                    tag,
-                )
+                _raises(tag, ZeroOptimizer, arg, torch.optim.AdamW, stage=stage, lr=1e-2)
             if stage != 3:  # stage 3 needs the model
-                _raises(
-                    lambda: ZeroOptimizer(m.parameters(), torch.optim.AdamW, stage=stage, lr=1e-2),
-                    tag,
-                )
+                _raises(tag, ZeroOptimizer, m.parameters(), torch.optim.AdamW, stage=stage, lr=1e-2)
             out[f"{tag}: DDP then optimizer"] = "raised"
             # a DDP the guard did not see being built (zero_kernels imported after it): the
             # model's forward under it raises
             for p in m.parameters():
                 del p._zero_kernels_ddp
             zo = ZeroOptimizer(m, torch.optim.AdamW, stage=stage, lr=1e-2, timeout=30)
-            msg = _raises(lambda: ddp(x), tag)
+            msg = _raises(tag, ddp, x)
             assert "DistributedDataParallel.forward" in msg, msg
             out[f"{tag}: unmarked DDP, forward"] = "raised"
             zo.close()
