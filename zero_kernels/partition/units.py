@@ -117,6 +117,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from .. import comm
+from .external import ReadGuard, container_members, is_container, returns_own_params, under_dynamo
 
 __all__ = ["UnitState", "Unit", "UnitScheduler", "find_units"]
 
@@ -239,13 +240,36 @@ class UnitScheduler:
         self._recasts: list[tuple[int, _Recast]] = []
         self._fp32_ids: dict[int, set[int]] = {}
         self._autocast_warned = False
+        # [Note: external params]: each param's unit, each unit's params, the units kept
+        # gathered past their forward in this pass, the container units entered in this forward
+        self._param_unit = {
+            id(p): u
+            for u in self.all_units
+            for key in u.buckets
+            for p, _, _ in store.members.get(key, ())
+        }
+        self._own_ids = {
+            u.index: {id(p) for key in u.buckets for p, _, _ in store.members.get(key, ())}
+            for u in self.all_units
+        }
+        self._kept: set[int] = set()
+        self._entered: set[int] = set()
+        self._containers = [u for u in units if is_container(u.module)]
+        self._guard = ReadGuard(self._guard_read)
+        self._all_modules = list(model.modules())  # any compiled: no guard (it stops dynamo)
         self.handles = []
         me = weakref.ref(self)
         for u in units:
+            if is_container(u.module):  # entered by its members (see [Note: external params])
+                for c in container_members(u.module):
+                    self.handles.append(c.register_forward_pre_hook(_member_pre(me, u.index)))
+                    self.handles.append(c.register_forward_hook(_member_post(me, u.index)))
+                continue
             self.handles.append(u.module.register_forward_pre_hook(_pre(me, u.index)))
             self.handles.append(u.module.register_forward_hook(_post(me, u.index)))
         self.handles.append(model.register_forward_pre_hook(_root_pre(me), with_kwargs=True))
         self.handles.append(model.register_forward_hook(_root_post(me)))
+        self.handles.append(model.register_forward_hook(_root_finally(me), always_call=True))
         for name, m in root_members:  # called outside the model's forward: an error, not NaN
             self.handles.append(m.register_forward_pre_hook(_root_member(me, name)))
         self.by_index = {u.index: u for u in self.all_units}
@@ -402,24 +426,45 @@ class UnitScheduler:
         for j in self.order[self.pos : self.pos + self.prefetch]:
             self.gather(self.by_index[j])
 
-    def post_forward(self, k: int, output) -> None:
+    def post_forward(self, k: int, output, free: bool = True) -> None:
+        """After unit ``k``'s forward (``free``: False for a container's member, whose unit is
+        resharded at the model's post-forward; see [Note: external params])."""
         u = self.by_index[k]
         if _in_backward():
             return
+        flat = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+        if returns_own_params(flat, self._own_ids[k]):  # kept gathered for the caller
+            self._kept.add(k)
+        free = free and k not in self._kept
         if torch.is_grad_enabled():
-            ts = [
-                t
-                for t in tree_flatten(output)[0]
-                if isinstance(t, torch.Tensor) and t.requires_grad
-            ]
+            ts = [t for t in flat if t.requires_grad]
             if ts:
                 me = weakref.ref(self)
                 torch.autograd.graph.register_multi_grad_hook(ts, _pre_bwd(me, k), mode="any")
                 self.bwd_units.append(k)
-            if self.reshard_after_forward:
+            if self.reshard_after_forward and free:
                 self.free(u)
-        else:
+        elif free:
             self.free(u)
+
+    def member_pre(self, k: int) -> None:
+        """A member of container unit ``k`` is called: the first in a forward enters the unit."""
+        if k in self._entered and not _in_backward():
+            self.wait(self.by_index[k])
+        else:
+            if not _in_backward():
+                self._entered.add(k)
+            self.pre_forward(k)
+
+    def _guard_read(self, t: torch.Tensor) -> None:
+        """`ReadGuard`: ``t`` is passed to a torch function in the model's forward; a param (or
+        a view of one) whose unit is not gathered is gathered now and kept."""
+        u = self._param_unit.get(id(t))
+        if u is None and t._is_view():
+            u = self._param_unit.get(id(t._base))
+        if u is not None and u.state is not UnitState.GATHERED:
+            self.wait(u)
+            self._kept.add(u.index)
 
     def root_pre(self, args: tuple = (), kwargs: dict | None = None) -> None:
         if _in_backward():
@@ -429,11 +474,15 @@ class UnitScheduler:
             self.on_forward_start(args, kwargs or {})
         self.pos = 0
         self.bwd_units, self.bwd_next = [], 0  # the last forward's backward is the next one
+        self._entered.clear()
         self.pop_recast()  # left by a forward that raised
+        self._guard.pop()
         self.wait(self.root)
         if self.order is not None:
             for j in self.order[: self.prefetch]:
                 self.gather(self.by_index[j])
+        if not (under_dynamo() or any(_compiled(m) for m in self._all_modules)):
+            self._guard.push()  # params read outside their unit ([Note: external params])
 
     def root_member(self, name: str) -> None:
         """A module whose own params are in the root unit is called: they are whole only from
@@ -449,15 +498,33 @@ class UnitScheduler:
                 "ZeroOptimizer.gathered_params(), or make it a unit of its own (units=)"
             )
 
-    def root_post(self) -> None:
+    def root_post(self, output=None) -> None:
         if _in_backward():
             return
+        self._guard.pop()
         self.pop_recast()  # a unit whose forward raised, caught inside the model's forward
         if self.order is None:  # the first forward: recorded, and checked on every rank
             self.order = list(self.recording)
         self.recording = []
         if not torch.is_grad_enabled():
+            self._kept.clear()
             self.free_all()
+        else:
+            if self.reshard_after_forward:  # container units: after all their members ran
+                for u in self._containers:
+                    if u.index in self._entered and u.index not in self._kept:
+                        self.free(u)
+            # a backward that starts here after an earlier backward ended (a loss head
+            # called alone with a backward per call) finds the root unit gathered again
+            ts = [
+                t
+                for t in tree_flatten(output)[0]
+                if isinstance(t, torch.Tensor) and t.requires_grad
+            ]
+            if ts:
+                me = weakref.ref(self)
+                torch.autograd.graph.register_multi_grad_hook(ts, _root_bwd(me), mode="any")
+        self._entered.clear()
         if self.check is not None:  # before the output is returned
             self.check.end_pass("forward")
 
@@ -510,10 +577,12 @@ class UnitScheduler:
     def end_backward(self) -> None:
         self._done = set()
         self.bwd_units, self.bwd_next = [], 0
+        self._kept.clear()
         self.free_all()
 
     def remove(self) -> None:
         self.pop_recast()
+        self._guard.pop()
         if self.check is not None:
             self.check.close()
         for h in self.handles:
@@ -541,6 +610,11 @@ def _compiled_autograd() -> bool:
             or getattr(ca, "in_compiled_autograd_region", False)
         )
     )
+
+
+def _compiled(m: nn.Module) -> bool:
+    """``m.compile()`` was called (its calls run through dynamo)."""
+    return getattr(m, "_compiled_call_impl", None) is not None
 
 
 def _autocast_enabled(device_type: str) -> bool:
@@ -636,7 +710,47 @@ def _root_post(me):
     def hook(module, args, output):
         s = me()
         if s is not None:
-            s.root_post()
+            s.root_post(output)
+
+    return _opaque(hook)
+
+
+def _root_finally(me):
+    """Also after a forward that raised: the read guard off the mode stack."""
+
+    def hook(module, args, output):
+        s = me()
+        if s is not None:
+            s._guard.pop()
+
+    return _opaque(hook)
+
+
+def _root_bwd(me):
+    def hook(grad):
+        s = me()
+        if s is not None:
+            s.wait(s.root)
+
+    return hook
+
+
+def _member_pre(me, k):
+    def hook(module, args):
+        s = me()
+        if s is not None:
+            s.member_pre(k)
+            s.push_recast(k)
+
+    return _opaque(hook)
+
+
+def _member_post(me, k):
+    def hook(module, args, output):
+        s = me()
+        if s is not None:
+            s.pop_recast(k)
+            s.post_forward(k, output, free=False)
 
     return _opaque(hook)
 
