@@ -9,7 +9,7 @@ import torch
 
 from . import comm
 from .layout import Layout
-from .partition import consolidate, local_payload, shard_state
+from .partition import MASTER_KEY, consolidate, local_payload, shard_state
 
 __all__ = ["ShardStateAccess"]
 
@@ -29,6 +29,8 @@ class ShardStateAccess:
                 "layout": self.layout.to_dict(),
                 "loss_scale": self.loss_scale,
                 "growth_tracker": self._growth_tracker,
+                # the fp32 masters of bf16/fp16 params (None per fp32/fp64 buffer)
+                "masters": [None if m is None else m.clone() for m in self._runner.masters],
             },
             "inner": self._runner.inner.state_dict(),
             "param_groups": [
@@ -66,6 +68,13 @@ class ShardStateAccess:
             self._runner.adopt_state()
             self.loss_scale = float(meta.get("loss_scale", self.loss_scale))
             self._growth_tracker = int(meta.get("growth_tracker", 0))
+            saved = meta.get("masters")
+            if saved is not None:
+                with torch.no_grad():
+                    for m, v in zip(self._runner.masters, saved):
+                        if m is not None and v is not None:
+                            m.copy_(v)
+                self._refresh_params()
         else:
             for g, mine in zip(groups, self._group_indices):
                 if len(g["params"]) != len(mine):
@@ -90,8 +99,15 @@ class ShardStateAccess:
             for ig in inner_groups:
                 ig["params"] = list(range(k, k + len(ig["params"])))
                 k += len(ig["params"])
+            masters = {j: s.pop(MASTER_KEY) for j, s in st.items() if MASTER_KEY in s}
             inner.load_state_dict({"state": st, "param_groups": inner_groups})
             self._runner.adopt_state()
+            if masters:  # saved by consolidated_state_dict for bf16/fp16 params
+                with torch.no_grad():
+                    for j, (i, _, _, p, _) in enumerate(self._runner.all_pieces()):
+                        if j in masters and self._runner.masters[i] is not None:
+                            p.copy_(masters[j].to(p.dtype))
+                self._refresh_params()
         for g, saved in zip(self.param_groups, groups):
             for k, v in saved.items():
                 if k != "params":
@@ -105,7 +121,7 @@ class ShardStateAccess:
             raise ValueError(f"to must be a rank in [0, {self.world_size}), got to={to!r}")
         self._check_open("consolidated_state_dict")
         comm.check_arrival(self._side, "ZeroOptimizer.consolidated_state_dict()", self.timeout)
-        payload = local_payload(self.layout, self._runner)
+        payload = local_payload(self.layout, self._runner, masters=True)
         got = comm.gather_object(payload, to, group=self.group)
         if self.rank != to:
             return None
@@ -200,7 +216,8 @@ class ShardStateAccess:
             comm.check_arrival(self._side, "ZeroOptimizer.full_grad()", self.timeout)
             return None
         parts = [(v * self._grad_factor, off) for v, off in self._views.pieces_of(i)]
-        dt = self._grads.dtypes[0] if self._grads.dtypes else torch.float32
+        buf = next(k for k, b in enumerate(self.layout.buffers) for s in b.slots if s.index == i)
+        dt = self._grads.dtypes[buf]
         return self._gather_full(i, parts, dt, "ZeroOptimizer.full_grad()")
 
     @torch.no_grad()

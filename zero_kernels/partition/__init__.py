@@ -3,7 +3,7 @@
 from .modes import ELEMENTWISE, PARTITIONS, choose_mode
 from .reducer import Reducer
 from .runner import FUSED_ADAM_CLASSES, ShardRunner
-from .state import consolidate, local_payload, shard_state
+from .state import MASTER_KEY, consolidate, local_payload, shard_state
 
 __all__ = [
     "ELEMENTWISE",

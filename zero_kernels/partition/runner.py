@@ -72,7 +72,7 @@ class ShardRunner:
                 self.masters.append(None)
                 continue
             self.masters.append(torch.empty(buf.shard_numel(n), dtype=torch.float32, device=dev))
-        self.load_masters()
+        self.load_masters(keep=False)
         self.pieces: tuple[tuple[Piece, ...], ...] = pieces(layout, rank)
         # per buffer: the inner params (one per piece) and their gradient views
         self.inner_params: list[list[torch.Tensor]] = []
@@ -108,12 +108,20 @@ class ShardRunner:
         off = bk.start // self.layout.world_size
         return slice(off, off + bk.shard_numel)
 
-    def load_masters(self) -> None:
-        """fp32 masters from the params' shards (construction, or params set from outside)."""
+    def load_masters(self, keep: bool = True) -> None:
+        """fp32 masters from the params' shards (construction, or params set from outside).
+        ``keep``: a master that rounds to its param's value now is kept, so that loading a
+        model's own low-precision values (``model.load_state_dict`` after or before
+        ``opt.load_state_dict`` restored the masters, an edit of other elements) does not round
+        the masters of the values it did not change."""
         for i, buf in enumerate(self.layout.buffers):
             if self.masters[i] is not None:
                 for b in buf.buckets:
-                    self.masters[i][self._slice(i, b.index)].copy_(self.store.shard(i, b.index))
+                    m, s = self.masters[i][self._slice(i, b.index)], self.store.shard(i, b.index)
+                    if keep:
+                        m.copy_(torch.where(m.to(s.dtype) == s, m, s.to(m.dtype)))
+                    else:
+                        m.copy_(s)
 
     def master_view(self, i: int, b: int) -> torch.Tensor:
         """The values the optimizer steps for this rank's shard of bucket ``b`` of buffer ``i``:

@@ -1,0 +1,95 @@
+"""The ordinary resume of bf16 params (the model's state_dict and the optimizer's, as HF Trainer
+and Lightning save them) continues from the fp32 masters, not from the params rounded to bf16:
+bit for bit the uninterrupted run, at stages 1-3, in either load order, from the rank's shard
+or the consolidated dict (issue 21). Run on spawned gloo ranks by tests/test_resume_masters.py."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zero_kernels import ZeroOptimizer
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        for b in self.blocks:
+            h = h + torch.tanh(b(h))
+        return self.out(h)
+
+
+def _batch(rank, step):
+    g = torch.Generator().manual_seed(10 * step + rank)
+    return torch.randn(5, 8, generator=g).bfloat16(), torch.randn(5, 4, generator=g).bfloat16()
+
+
+def _train(m, zo, rank, steps):
+    for s in steps:
+        x, y = _batch(rank, s)
+        zo.zero_grad()
+        (m(x).float() - y.float()).pow(2).mean().backward()
+        zo.step()
+
+
+def _params(zo, m):
+    with zo.gathered_params():
+        return [p.detach().clone() for p in m.parameters()]
+
+
+def check_bf16_resume(rank: int, world: int) -> dict:
+    out = {}
+    kw = dict(lr=3e-3, weight_decay=0.1)
+    for stage in (1, 2, 3):
+        torch.manual_seed(0)
+        base = Net().bfloat16()
+        m = copy.deepcopy(base)
+        zo = ZeroOptimizer(m, torch.optim.AdamW, stage=stage, **kw)
+        _train(m, zo, rank, range(3))
+        saved_m = {k: v.clone() for k, v in m.state_dict().items()}
+        saved_o = copy.deepcopy(zo.state_dict())
+        cons = [zo.consolidated_state_dict(to=0)]
+        dist.broadcast_object_list(cons, src=0)
+        assert all(st["fp32_master"].dtype == torch.float32 for st in cons[0]["state"].values()), (
+            "the consolidated dict holds the fp32 masters"
+        )
+        _train(m, zo, rank, range(3, 6))
+        want = _params(zo, m)
+        zo.close()
+        for how in ("model, then shard", "shard, then model", "model, then consolidated"):
+            m2 = copy.deepcopy(base)
+            zo2 = ZeroOptimizer(m2, torch.optim.AdamW, stage=stage, **kw)
+            if how == "shard, then model":
+                zo2.load_state_dict(saved_o)
+                m2.load_state_dict(saved_m)
+            else:
+                m2.load_state_dict(saved_m)
+                zo2.load_state_dict(saved_o if "shard" in how else cons[0])
+            _train(m2, zo2, rank, range(3, 6))
+            got = _params(zo2, m2)
+            for (n, _), a, b in zip(m2.named_parameters(), got, want):
+                assert torch.equal(a, b), (
+                    f"stage {stage}, {how}: {n} differs from the uninterrupted run by "
+                    f"{float((a.float() - b.float()).norm() / b.float().norm()):.3g}"
+                )
+            zo2.close()
+            out[f"stage {stage}: {how}"] = "ok"
+    # a plain torch optimizer loads the consolidated dict (the master entry unused)
+    torch.manual_seed(0)
+    plain = Net().bfloat16()
+    to = torch.optim.AdamW(plain.parameters(), **kw)
+    to.load_state_dict(cons[0])
+    x, y = _batch(rank, 0)
+    (plain(x).float() - y.float()).pow(2).mean().backward()
+    to.step()
+    out["plain torch loads it"] = "ok"
+    return out
