@@ -79,7 +79,7 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["zero_kernels", "zero_kernels.*"]),
     package_data={"zero_kernels": ["data/*.txt", "data/*.md"]},
-    python_requires=">=3.9",
+    python_requires=">=3.10",
     # torch is not listed: a requirement would let pip replace the installed build with another
     # (a multi-GB CUDA wheel on a CPU machine); setup.py checks for it at build time instead.
     # matplotlib draws the report.png that `zero-kernels demo` (the quickstart's first line) saves;

@@ -374,6 +374,7 @@ class ZeroOptimizer(
         self._side = comm.side_group(group, timeout_s=self.timeout)
         self.comm_log = comm.CommLog()
         self._steps = 0
+        self._steps_at_reset = 0  # comm_stats["steps"] counts from the last reset_comm_stats()
         # [Note: no host sync] in zero_kernels/syncfree.py: off the CPU, step() reads nothing
         self._sync_free = self.device.type != "cpu"
         self._nonfinite_host = 0
@@ -725,13 +726,15 @@ class ZeroOptimizer(
     def comm_stats(self) -> dict:
         return {
             **self.comm_log.as_dict(),
-            "steps": self._steps,
+            "steps": self._steps - self._steps_at_reset,
             "nonfinite_steps": self.nonfinite_steps,
         }
 
     def reset_comm_stats(self) -> None:
+        """Counters of `comm_stats` from zero; the step counter itself (which names checkpoint
+        folders and is restored on resume) goes on."""
         self.comm_log.reset()
-        self._steps = 0
+        self._steps_at_reset = self._steps
         self.nonfinite_steps = 0
 
     def __repr__(self) -> str:

@@ -26,28 +26,15 @@ __all__ = [
     "check_stage3",
 ]
 
-_OPTIONS = (
-    "stage",
-    "process_group",
-    "bucket_size_mb",
-    "overlap_comm",
-    "partition",
-    "fused_adam",
-    "loss_scale",
-    "kernel_backend",
-    "max_inflight_buckets",
-    "nonfinite",
-    "timeout",
-    "module",
-    "units",
-    "reshard_after_forward",
-    "prefetch",
-    "persist_below",
-    "check_order",
-    "reduce_dtype",
-    "init_fn",
-    "seed",
-)
+
+def options() -> tuple[str, ...]:
+    """ZeroOptimizer's own keyword options, read from its signature (never a copy of it)."""
+    from .optimizer import ZeroOptimizer
+
+    ps = inspect.signature(ZeroOptimizer.__init__).parameters.values()
+    return tuple(p.name for p in ps if p.kind is inspect.Parameter.KEYWORD_ONLY)
+
+
 NONFINITE = ("step", "skip", "raise")
 
 
@@ -128,7 +115,7 @@ def check_kwargs(optimizer_class, defaults: dict) -> None:
     if bad:
         raise TypeError(
             f"ZeroOptimizer got unexpected keyword argument(s) {bad}: not an option of "
-            f"ZeroOptimizer ({', '.join(_OPTIONS)}) nor an argument of "
+            f"ZeroOptimizer ({', '.join(options())}) nor an argument of "
             f"{optimizer_class.__name__} ({', '.join(sorted(names))})"
         )
 

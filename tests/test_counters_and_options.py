@@ -1,0 +1,46 @@
+"""reset_comm_stats() leaves the step counter alone; the list of options in the unknown-keyword
+error is ZeroOptimizer's own signature (issue 21). In-process, world size 1."""
+
+import inspect
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import zero_kernels
+from zero_kernels import ZeroOptimizer
+
+
+def _train(m, zo, steps):
+    for s in range(steps):
+        zo.zero_grad()
+        m(torch.full((2, 4), float(s))).pow(2).mean().backward()
+        zo.step()
+
+
+def test_reset_comm_stats_keeps_the_step_counter(tmp_path):
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    zo = ZeroOptimizer(m, torch.optim.AdamW, stage=2, lr=1e-2)
+    _train(m, zo, 3)
+    assert zo.comm_stats["steps"] == 3
+    zo.reset_comm_stats()
+    assert zo.comm_stats["steps"] == 0 and zo.comm_stats["reduce_scatter_calls"] == 0
+    zero_kernels.save_checkpoint(str(tmp_path), m, zo)
+    assert os.path.isdir(tmp_path / "step-00000003"), sorted(os.listdir(tmp_path))
+    _train(m, zo, 1)
+    assert zo.comm_stats["steps"] == 1
+    zero_kernels.save_checkpoint(str(tmp_path), m, zo)
+    assert os.path.isdir(tmp_path / "step-00000004"), sorted(os.listdir(tmp_path))
+    zo.close()
+
+
+def test_unknown_keyword_lists_every_option():
+    m = nn.Linear(4, 2)
+    sig = inspect.signature(ZeroOptimizer.__init__).parameters.values()
+    own = [p.name for p in sig if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    assert "overlap_param_gather" in own and "host_cache" in own
+    with pytest.raises(TypeError, match="unexpected keyword") as e:
+        ZeroOptimizer(m, torch.optim.SGD, stage=1, lr=0.1, bucket_size=3)
+    for name in own:
+        assert name in str(e.value), name
