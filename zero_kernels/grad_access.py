@@ -103,10 +103,19 @@ class GradAccess:
         self._scale_store(self._grad_factor)
         self._grad_factor = 1.0
 
-    def _reset_grads(self) -> None:
+    def _reset_grads(self, keep: bool = False) -> None:
+        """Zero the gradient store. ``keep`` (``zero_grad(set_to_none=False)``): the params
+        with a gradient (the same on every rank) keep it, zero, and stay in the next step;
+        else none has one (``p.grad = None``)."""
+        if keep:
+            self._sync_user_changes()  # a p.grad the user cleared or replaced since
+        kept = set(self._views.active) if keep else set()
         self._reducer.zero_grad()
         self._views.active.clear()
         self._views.detach_all(self._trainable)
+        if kept:
+            self._views.active.update(kept)
+            self._views.install(self._trainable)
         self._grad_factor = 1.0 / self.loss_scale
         self._overflow = None
 

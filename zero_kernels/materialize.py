@@ -2,13 +2,19 @@
 on the world size.
 
 [Note: deterministic init]
-Every module with parameters of its own is initialised by its ``reset_parameters()`` (or the
-user's ``init_fn(module)``) under a seed of its own, ``seed`` mixed with the CRC32 of its
-qualified name, in a forked RNG. So a parameter's initial value depends only on ``seed``, the
-module's name and its init code: not on the rank, the world size, the stage, the order in which
-units are materialised or what was initialised before. `init_module_` applies the same rule to a
-model built normally, which is how to get the same values without the meta device (tests compare
-the two).
+Every module with parameters or buffers of its own (`_owns_state`, the one predicate of both
+paths) is initialised by its ``reset_parameters()`` (or the user's ``init_fn(module)``) under a
+seed of its own, ``seed`` mixed with the CRC32 of its qualified name, in a forked RNG. So a
+parameter's or buffer's initial value depends only on ``seed``, the module's name and its init
+code: not on the rank, the world size, the stage, the order in which units are materialised or
+what was initialised before. `init_module_` applies the same rule to a model built normally,
+which is how to get the same values without the meta device (tests compare the two, params and
+buffers). A module with buffers and no params (a random table drawn in ``reset_parameters()``)
+counts: `init_module_` once skipped it and kept its constructor's draws, which the meta build
+does not reproduce. Only what cannot be made differs: on the meta device a module without
+``reset_parameters()`` (and no ``init_fn``) raises, while `init_module_` keeps the buffers of
+such a module with no params (rotary frequencies computed in ``__init__``) and raises for one
+with params.
 """
 
 from __future__ import annotations
@@ -26,10 +32,19 @@ def _seed_for(seed: int, name: str) -> int:
     return (int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
 
 
-def _init_one(name: str, m: nn.Module, seed: int, init_fn, force: bool = False) -> None:
-    own = list(m.parameters(recurse=False))
-    if not own and not force:
-        return
+def _owns_state(m: nn.Module) -> bool:
+    """Whether [Note: deterministic init] initialises ``m``: it has params or buffers of its
+    own."""
+    return any(True for _ in m.parameters(recurse=False)) or any(
+        True for _ in m.buffers(recurse=False)
+    )
+
+
+def _init_one(name: str, m: nn.Module, seed: int, init_fn, meta: bool) -> None:
+    """Initialise ``m`` by the rule (``meta``: its state was just materialised from meta)."""
+    if init_fn is None and not hasattr(m, "reset_parameters"):
+        if not meta and not any(True for _ in m.parameters(recurse=False)):
+            return  # buffers only, built normally: the constructor's (see the Note)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(_seed_for(seed, name))
         with torch.no_grad():
@@ -38,9 +53,10 @@ def _init_one(name: str, m: nn.Module, seed: int, init_fn, force: bool = False) 
             elif hasattr(m, "reset_parameters"):
                 m.reset_parameters()
             else:
+                where = " on the meta device" if meta else ""
                 raise ValueError(
                     f"module {name or type(m).__name__} ({type(m).__name__}) has parameters or "
-                    "buffers of its own on the meta device but no reset_parameters(): pass "
+                    f"buffers of its own{where} but no reset_parameters(): pass "
                     "init_fn=f(module) to initialise it"
                 )
 
@@ -48,7 +64,8 @@ def _init_one(name: str, m: nn.Module, seed: int, init_fn, force: bool = False) 
 def init_module_(model: nn.Module, seed: int = 0, init_fn=None) -> nn.Module:
     """(Re)initialise every module of ``model`` by the rule of [Note: deterministic init]."""
     for name, m in model.named_modules():
-        _init_one(name, m, seed, init_fn)
+        if _owns_state(m):
+            _init_one(name, m, seed, init_fn, meta=False)
     return model
 
 
@@ -67,6 +84,8 @@ def materialize_modules_(
     named = list(named)
     fresh: set[int] = set()  # params materialised here: their modules (all of them) init
     fresh_buffers: set[int] = set()  # modules whose meta buffers were materialised
+    # a module initialised here owns state (`_owns_state`) that was on meta: in a meta build,
+    # every module `init_module_` initialises
     for _, m in named:
         for p in m.parameters(recurse=False):
             if p.is_meta:  # the same Python object, now with real storage (set_data cannot
@@ -84,4 +103,4 @@ def materialize_modules_(
                 fresh_buffers.add(id(m))
     for name, m in named:  # registration order, as `init_module_` (a tied param: the last)
         if any(id(p) in fresh for p in m.parameters(recurse=False)) or id(m) in fresh_buffers:
-            _init_one(name, m, seed, init_fn, force=id(m) in fresh_buffers)
+            _init_one(name, m, seed, init_fn, meta=True)

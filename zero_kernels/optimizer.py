@@ -629,8 +629,13 @@ class ZeroOptimizer(
         return loss * self.loss_scale if self.loss_scale != 1.0 else loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients, torch's rule: ``set_to_none=True`` leaves every param out of the
+        next step until a backward gives it a gradient; ``False`` keeps the gradients of the
+        params that have one, at zero, so the next step still updates them (momentum, weight
+        decay) where a backward gives them none, as ``model.zero_grad(set_to_none=False)`` and
+        DDP with torch's optimizer do."""
         self._check_open("zero_grad")
-        self._reset_grads()
+        self._reset_grads(keep=not set_to_none)
 
     @torch.no_grad()
     def step(self, closure=None):

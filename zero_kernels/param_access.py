@@ -70,8 +70,10 @@ class ParamAccess:
         ``module_or_params``: a module or params (default: all). At stage 3 their units are
         gathered (those gathered here are freed on exit); at stages 1/2 params are whole anyway.
         ``modifier_rank``: the rank whose edits inside the block are kept: its values are sent
-        to every rank and written into the shards (and fp32 masters). None: edits are dropped
-        at stage 3 (and must be the same on every rank at stages 1/2)."""
+        to every rank and written into the shards (and fp32 masters), for every unit of the
+        params asked for, whatever its state at entry (the params kept whole by
+        ``persist_below``, a unit an outer ``gathered_params`` or a forward holds). None: edits
+        are dropped at stage 3 (and must be the same on every rank at stages 1/2)."""
         self._check_open("gathered_params")
         self.wait_params()
         if modifier_rank is not None and not 0 <= modifier_rank < self.world_size:
@@ -90,19 +92,20 @@ class ParamAccess:
             ids = {id(p) for p in ps}
             wanted = {i for i, p in self._trainable.items() if id(p) in ids}
         sched = self._scheduler
-        mine = []
+        covered, mine = [], []  # the units of ``wanted``; those this call gathers (and frees)
         if sched is not None:
             for u in sched.all_units:
                 if any(self._slot_unit(i) == u.index for i in wanted):
+                    covered.append(u)
                     if u.state.value == "sharded":
                         mine.append(u)
                     sched.wait(u)
         try:
             yield
         finally:
-            if modifier_rank is not None:
+            if modifier_rank is not None:  # the edits of every unit covered, not only of mine
                 self._take_edits(
-                    modifier_rank, [b for u in mine for b in u.buckets] if sched else None
+                    modifier_rank, [b for u in covered for b in u.buckets] if sched else None
                 )
             if sched is not None:
                 for u in mine:

@@ -12,12 +12,26 @@ hands their memory to another tensor while the collective may still read or writ
 exposed communication (how long the compute stream stalled at each wait) is timed with events
 recorded around the wait and added up when `CommLog.as_dict` is read, which is the only place
 that synchronises.
+
+[Note: group keys]
+State kept per process group (the AVG check, the probe's results and `set_algorithm`'s choices,
+a twin's link to its parent, the point-to-point tag counters) is keyed by `group_key`: a token
+drawn once per group object, never drawn again in this process, and the group's size. Not by
+``id(group)``: once a group is destroyed and its object freed, CPython gives the address to the
+next object, possibly the next group, on one rank and not on another, and a new group would find
+the old one's entries on that rank only: a probe run there and skipped elsewhere, collectives
+that meet others (seen: a construction hung; gloo aborts on the sizes). The tokens live in a
+`weakref.WeakKeyDictionary` (an entry goes with its group object); where a group type takes no
+weak reference, the entry holds the group, so its id cannot be reused while it is there (as the
+shm channel holds its group). The entries of a destroyed group stay (a few small values).
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -225,12 +239,38 @@ def rank(group=None) -> int:
     return dist.get_rank(group) if is_initialized() else 0
 
 
-_avg_ok: dict = {}
+_tokens: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> its token
+_held: dict = {}  # id(group) -> (group, token), for groups that take no weak reference
+_token_count = itertools.count(1)
+_token_lock = threading.Lock()
+
+
+def group_key(group=None) -> tuple:
+    """The key of ``group``'s state in comm's caches (``None``: the default group): its token
+    and size; a group made after another was destroyed never gets the other's key, whatever
+    its id (see [Note: group keys])."""
+    pg = dist.group.WORLD if group is None and is_initialized() else group
+    if pg is None:  # no process group
+        return (0, 1)
+    with _token_lock:
+        try:
+            tok = _tokens.get(pg)
+            if tok is None:
+                tok = _tokens[pg] = next(_token_count)
+        except TypeError:  # no weak references to this group type: held, compared by identity
+            held = _held.get(id(pg))
+            if held is None or held[0] is not pg:
+                held = _held[id(pg)] = (pg, next(_token_count))
+            tok = held[1]
+    return (tok, world_size(group))
+
+
+_avg_ok: dict = {}  # group key -> whether ReduceOp.AVG works
 
 
 def avg_supported(group=None) -> bool:
     """Whether reduce-scatter with ``ReduceOp.AVG`` works on ``group`` (probed once, collective)."""
-    key = id(group)
+    key = group_key(group)
     if key not in _avg_ok:
         n = world_size(group)
         ok = True

@@ -108,6 +108,7 @@ _CLASS_BOUNDS = (64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)  # class k: [b
 _PROBE_BYTES = (32 << 10, 128 << 10, 512 << 10, 2 << 20, 8 << 20, 32 << 20)  # one per class
 _PROBE_REPEATS = (5, 4, 4, 3, 3, 1)  # runs per class, more where cheap (the first warms up)
 _P2P_MARGIN = 0.9  # a p2p algorithm must take at most this fraction of native's time
+# keyed by `base.group_key` (a token per group object, never its id: [Note: group keys])
 _overrides: dict = {}  # (group key or None for every group, op) -> algorithm
 _choices: dict = {}  # (group key, op, size class) -> the probe's result
 _twins: dict = {}  # twin group key -> its parent's (`zero_kernels.comm.twin_group`)

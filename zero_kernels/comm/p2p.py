@@ -43,7 +43,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from .base import CollectiveTimeout, _nbytes, rank, world_size
+from .base import CollectiveTimeout, _nbytes, group_key, rank, world_size
 
 
 def _check_p2p(op: str, output: torch.Tensor, input: torch.Tensor, group) -> None:
@@ -66,8 +66,7 @@ _tags: dict = {}  # group key -> next tag offset
 
 
 def _group_key(group) -> tuple:
-    pg = dist.group.WORLD if group is None else group
-    return (id(pg), world_size(group))
+    return group_key(group)  # a token per group object, never its id ([Note: group keys])
 
 
 def _next_tag(group) -> int:

@@ -386,6 +386,8 @@ def _pg(group):
 
 
 def _key(group) -> tuple:
+    # by id, the group object held in `_capable` and compared by identity there: a reused id
+    # is found stale and its channel closed (the other caches: [Note: group keys] in base.py)
     return (id(_pg(group)), world_size(group))
 
 

@@ -35,7 +35,10 @@ no new gradient it is not stepped, as torch skips it); ``p.grad = tensor`` repla
 by that tensor (each rank keeps its piece: give every rank the same tensor, as DDP's grads are).
 A parameter that got no gradient on any rank since ``zero_grad`` keeps ``grad = None`` (DDP's rule:
 one all-reduce of a byte per parameter at the end of each synchronising backward decides it);
-used on some ranks only, it gets the average with zeros from the others.
+used on some ranks only, it gets the average with zeros from the others. ``zero_grad(set_to_none=
+False)`` (the optimizer's or the model's) zeroes the gradients of the parameters that have one and
+keeps them: such a parameter stays in the next step with a zero gradient where no backward gives
+it one (Adam's momentum and weight decay still move it), as with torch's optimizer and DDP.
 
 ``step()`` does not consume gradients: they stay until ``zero_grad`` (torch's rule), and a second
 backward without ``zero_grad`` adds to them.
@@ -335,7 +338,8 @@ class GradViews:
     """The `ShardedGrad` objects of one optimizer and the bookkeeping behind them.
 
     ``active``: parameters (indices) that have a reduced gradient since the last ``zero_grad``
-    (decided on every rank alike); ``factor``: the store times ``factor`` is the true gradient.
+    (decided on every rank alike; ``zero_grad(set_to_none=False)`` keeps them, zeroed);
+    ``factor``: the store times ``factor`` is the true gradient.
     """
 
     def __init__(self, opt):
