@@ -202,7 +202,13 @@ class ShardStateAccess:
         for ip, off in self._piece_list(i, None):
             ip.copy_(flat[off : off + ip.numel()].view(ip.shape))
         self._runner.write_params()
-        if param.untyped_storage().nbytes():  # whole here (stages 1/2, or gathered now)
+        live = self._store.live
+        if not self._store.sharded or any(  # whole here: stages 1/2, or gathered now
+            (k, s.bucket) in live
+            for k, b in enumerate(self.layout.buffers)
+            for s in b.slots
+            if s.index == i
+        ):
             param.copy_(value)
 
     @torch.no_grad()
