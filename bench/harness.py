@@ -525,6 +525,18 @@ def strip_host_cache(name: str) -> str:
     return name
 
 
+def strip_read_guard(name: str) -> str:
+    """A candidate named ``<name>_noguard`` (e.g. ``ours_reshard_noguard``): stage 3's read guard
+    ([Note: external params] in zero_kernels/partition/external.py) is left off in this process,
+    as it is where dynamo runs the forward, to measure what it costs. Returns ``<name>``."""
+    if not name.endswith("_noguard"):
+        return name
+    from zero_kernels.partition import units
+
+    units.under_dynamo = lambda: True
+    return name[: -len("_noguard")]
+
+
 def strip_mmap_threshold(name: str) -> str:
     """A candidate named ``<name>_mmap<KiB>`` (e.g. ``ddp_mmap4096``): fix glibc's mmap threshold
     at that many KiB in this process (``mallopt(M_MMAP_THRESHOLD)``, as ``MALLOC_MMAP_THRESHOLD_``

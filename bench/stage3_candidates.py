@@ -15,7 +15,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, ".."))
 
-from harness import marked_step, strip_host_cache, strip_mmap_threshold  # noqa: E402
+from harness import (  # noqa: E402
+    marked_step,
+    strip_host_cache,
+    strip_mmap_threshold,
+    strip_read_guard,
+)
 
 MiB = 2**20
 ADAMW = dict(weight_decay=0.01, betas=(0.9, 0.999), eps=1e-8)
@@ -74,6 +79,7 @@ def build(name: str, model: nn.Module, args, lr: float):
     kw = dict(lr=lr, **ADAMW)
     name = strip_mmap_threshold(name)  # e.g. ddp_mmap4096: glibc's threshold at 4096 KiB
     name = strip_host_cache(name)  # e.g. ours_reshard_nocache: glibc for every block
+    name = strip_read_guard(name)  # e.g. ours_reshard_noguard: no read guard in the forward
     # e.g. ours_reshard_compile: the same candidate, its model (DDP: the DDP module) run through
     # torch.compile (inductor); compiled at the first (warm-up) step
     compiled = name.endswith("_compile")
