@@ -194,7 +194,13 @@ def full_state(m: Net, o) -> dict | None:
         sd = o.state_dict()
         ps = [p for g in o.param_groups for p in g["params"]]
         by_index = {i: names[id(p)] for i, p in enumerate(ps)}
-    state = {by_index[int(i)]: st for i, st in sd["state"].items()}
+    # the fp32 masters a ZeroOptimizer's consolidated dict carries for bf16/fp16 params
+    # ("fp32_master", see zero_kernels/partition/state.py) are the params' values, which the
+    # checks compare apart (a plain torch optimizer has none)
+    state = {
+        by_index[int(i)]: {k: v for k, v in st.items() if k != "fp32_master"}
+        for i, st in sd["state"].items()
+    }
     groups = [
         {k: v for k, v in g.items() if k not in ("params", "param_names")}
         for g in sd["param_groups"]
