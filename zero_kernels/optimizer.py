@@ -345,7 +345,10 @@ class ZeroOptimizer(
             )
         except BaseException:
             self._closed = False
-            self.close()
+            try:  # collective where every rank failed alike, bounded where one did alone
+                self.close()
+            except RuntimeError:
+                pass  # the construction's own error is the one to see
             raise
 
     def _comm_sizes(self) -> list[tuple[str, int]]:
@@ -490,18 +493,36 @@ class ZeroOptimizer(
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
         """Remove every hook and give the params back as plain tensors with their current
-        values (no longer views of the flat buffers); the optimizer cannot be used after."""
+        values (no longer views of the flat buffers); the optimizer cannot be used after.
+
+        Stage 3 gathers every unit once to hand the params back whole, so there it is
+        collective: every rank calls it within ``timeout`` seconds (default 300), else the
+        ranks that did raise a RuntimeError saying so, the optimizer closed all the same and
+        its params left as NaN placeholders. Leaving ``with ZeroOptimizer(...)`` through an
+        exception closes without any collective (the other ranks may never come): the params
+        of stage 3 stay placeholders there, those of stages 1/2 keep their values."""
+        self._close(collective=True)
+
+    def _close(self, collective: bool) -> None:
         if getattr(self, "_closed", True):
             return
-        if getattr(self, "_pending_gathers", None):
-            self.wait_params()
-        self._closed = True
-        if hasattr(self, "_reducer"):
-            self._reducer.flush_pending_waits()
-        _remove_hooks(self._hook_handles, getattr(self, "_params", {}))
         sched = getattr(self, "_scheduler", None)
-        if sched is not None:  # stage 3: gather every unit once to hand back whole params
+        err = None
+        if collective:
+            try:
+                if getattr(self, "_pending_gathers", None):
+                    self.wait_params()
+                if hasattr(self, "_reducer"):
+                    self._reducer.flush_pending_waits()
+                if sched is not None:
+                    comm.check_arrival(self._side, "ZeroOptimizer.close() at stage 3", self.timeout)
+            except RuntimeError as e:
+                err, collective = e, False
+        self._closed = True
+        _remove_hooks(self._hook_handles, getattr(self, "_params", {}))
+        if sched is not None:
             sched.remove()
+        if sched is not None and collective:  # every unit gathered once: whole params back
             for u in sched.all_units:
                 sched.wait(u)
                 whole = [
@@ -523,12 +544,14 @@ class ZeroOptimizer(
             if sched is None and not p.is_meta and p.data.data_ptr() != 0:
                 with torch.no_grad():
                     p.data = p.data.clone()
+        if err is not None:
+            raise err
 
     def __enter__(self) -> ZeroOptimizer:
         return self
 
-    def __exit__(self, *exc) -> bool:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> bool:
+        self._close(collective=exc_type is None)
         return False
 
     def _check_open(self, what: str) -> None:
