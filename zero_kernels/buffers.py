@@ -116,7 +116,7 @@ class GradStore:
     def __init__(
         self,
         layout: Layout,
-        stage: int,
+        shard,
         device: torch.device,
         dtype: torch.dtype | None = None,
         *,
@@ -124,23 +124,27 @@ class GradStore:
         max_inflight: int = 2,
         reduce_dtype: torch.dtype | None = None,
     ):
-        if stage not in (1, 2, 3):
-            raise ValueError(f"stage must be 1, 2 or 3, got stage={stage!r}")
-        stage = min(stage, 2)  # stage 3 keeps gradients as stage 2 does
-        self.layout, self.stage, self.device = layout, stage, device
+        """``shard``: the `zero_kernels.policy.ShardPolicy` (or its stage number): whole
+        gradients (a full-size buffer, stage 1) or reduced shards (stages 2 and 3)."""
+        from .policy import ShardPolicy
+
+        if not isinstance(shard, ShardPolicy):
+            shard = ShardPolicy.of_stage(shard)
+        self.whole = shard.grads  # a full-size local buffer per flat buffer (stage 1)
+        self.layout, self.device = layout, device
         self.rank, self.max_inflight = rank, max_inflight
         # the reduce dtype of each buffer: ``dtype`` if given, else fp32 (float64 kept as is)
         self.dtypes, self.reduce_dtypes = grad_dtypes(layout, dtype, reduce_dtype)
         self.dtype = self.dtypes[0] if self.dtypes else torch.float32
         # stage 2/3: the dtype gradients are accumulated in and reduced in (bucket buffers); the
         # reduced result is added into the shards, which keep ``dtypes``
-        if reduce_dtype is not None and stage == 1:
+        if reduce_dtype is not None and self.whole:
             raise NotImplementedError(
                 f"reduce_dtype={reduce_dtype} at stage 1: stage 1 reduces in place in its full "
                 "gradient buffer, which is also the optimizer's gradient; use stage 2 or 3"
             )
         n = layout.world_size
-        if stage == 1:  # full-size local accumulation buffers; the shards are views into them
+        if self.whole:  # full-size local accumulation buffers; the shards are views into them
             self.full = [
                 torch.zeros(b.numel, dtype=dt, device=device)
                 for b, dt in zip(layout.buffers, self.dtypes)

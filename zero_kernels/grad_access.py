@@ -37,7 +37,8 @@ class GradAccess:
         """First grad of a backward pass: take user changes, make the store accumulate in
         loss-scaled units, and take the views off the params so autograd writes fresh grads.
         Inside a ``Join`` context, a synchronising pass first tells it this rank still trains."""
-        if self.stage != 3 and (self._reducer.sync or self.stage == 2):  # stage 3: forward
+        shard = self.policy.shard  # stage 3 tells Join in its forward (`_forward_start`)
+        if shard.params and (self._reducer.sync or not shard.grads):
             self._join_active = comm.join_notify(self)
             if not self._reducer.sync:  # stage 2 reduces (and a joined rank steps) each time
                 self._check_not_joined("gradient accumulation (no_sync)")
@@ -151,7 +152,7 @@ class GradAccess:
 
     def _shadow_iteration(self) -> None:
         self._reset_grads()
-        if self.stage == 3:
+        if not self.policy.shard.params:
             self._shadow_stage3()
         else:
             self._reducer.finish()  # every bucket reduced with zeros; the gradient mask

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import logging
 import warnings
 import weakref
@@ -36,6 +37,7 @@ from . import comm, hostmem, syncfree, validate, wrappers
 from .buffers import GradStore, dtype_of, grad_dtypes, release_free_heap
 from .grad_access import GradAccess
 from .layout import Layout, ParamSpec, build_layout
+from .loss_scale import LossScaler
 from .param_access import ParamAccess, _call, _call_args, _storage_id
 from .partition import (
     FUSED_ADAM_CLASSES,
@@ -48,6 +50,7 @@ from .partition.units import (
     find_units,
     unit_assignment,
 )
+from .policy import ZeroPolicy
 from .state_access import ShardStateAccess
 from .syncfree import GradChecks
 
@@ -157,6 +160,7 @@ class ZeroOptimizer(
         optimizer_class,
         *,
         stage: int = 2,
+        policy: ZeroPolicy | None = None,
         process_group=None,
         bucket_size_mb: float = 25.0,
         overlap_comm: bool = True,
@@ -186,28 +190,42 @@ class ZeroOptimizer(
         self._join_active: int | None = None  # ranks still training, inside a Join context
         self._join_input = None  # stage 3 under Join: the last forward's inputs (shadowing)
         self._shadowing = False  # stage 3: a joined rank's shadow forward and backward runs
-        validate.check_args(
-            stage, bucket_size_mb, max_inflight_buckets, kernel_backend, nonfinite, timeout
+        # ---- every choice resolved once, checked before anything else ([Note: policies])
+        policy = _resolve_policy(
+            stage,
+            policy,
+            bucket_size_mb=bucket_size_mb,
+            overlap_comm=overlap_comm,
+            max_inflight_buckets=max_inflight_buckets,
+            timeout=timeout,
+            reshard_after_forward=reshard_after_forward,
+            prefetch=prefetch,
+            persist_below=persist_below,
+            check_order=check_order,
+            reduce_dtype=reduce_dtype,
+            overlap_param_gather=overlap_param_gather,
+            loss_scale=loss_scale,
         )
+        self.policy = policy
+        shard, gather, cp = policy.shard, policy.gather, policy.comm
+        validate.check_args(kernel_backend, nonfinite)
         validate.check_launch()
         if isinstance(params, nn.Module):
             if module is not None and module is not params:
                 raise ValueError("module= differs from the module passed as params")
             module = params
-        validate.check_stage3(stage, module, units, reshard_after_forward, prefetch, persist_below)
-        validate.check_order_arg(stage, check_order)
-        if stage == 3 and check_order is None:
-            check_order = "pass"
-        self.check_order = check_order
+        validate.check_stage3(shard, module, units)
+        self.check_order = gather.check_order
         self.mode, why = choose_mode(optimizer_class, partition)
         validate.check_kwargs(optimizer_class, defaults)
-        self.stage, self.group, self.overlap_comm = stage, process_group, overlap_comm
+        self.stage = policy.stage  # for reports and checkpoints: the parts read the policy
+        self.group, self.overlap_comm = process_group, cp.overlap_comm
         self.optimizer_class = optimizer_class
         self.nonfinite = nonfinite
-        self.timeout = float(timeout or 300.0)
+        self.timeout = float(cp.timeout or 300.0)
         # collectives of backward and step are bounded only when the user asks (the process
-        # group's own timeout otherwise): see [Note: timeouts]
-        self._op_timeout = float(timeout) if timeout is not None else None
+        # group's own timeout otherwise): see [Note: timeouts] in zero_kernels.comm
+        self._op_timeout = float(cp.timeout) if cp.timeout is not None else None
         self.world_size = comm.world_size(process_group)
         self.rank = comm.rank(process_group)
         user_groups, names = _param_groups(params)
@@ -246,9 +264,9 @@ class ZeroOptimizer(
         # stage 3: which unit each param belongs to (see [Note: units])
         self._unit_modules: list[tuple[str, nn.Module]] = []
         self._unit_of: dict[int, int] = {}
-        if stage == 3:
+        if not shard.params:
             self._unit_modules = find_units(module, units)
-            self._unit_of = unit_assignment(self._unit_modules, self._params, persist_below)
+            self._unit_of = unit_assignment(self._unit_modules, self._params, gather.persist_below)
             specs = [dataclasses.replace(s, unit=self._unit_of[s.index]) for s in specs]
         if not any(s.requires_grad for s in specs):
             raise ValueError("ZeroOptimizer: no parameter has requires_grad=True")
@@ -258,52 +276,30 @@ class ZeroOptimizer(
         self._meta = any(p.is_meta for p in self._params.values())
         self.device = devices.pop() if devices else comm.default_device(process_group)
         self._init_fn, self._seed = init_fn, seed
-        if reduce_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(
-                "reduce_dtype must be None, torch.float32, torch.bfloat16 or torch.float16, "
-                f"got reduce_dtype={reduce_dtype!r}"
-            )
-        if reduce_dtype == torch.float32:
-            reduce_dtype = None  # the default: fp32 (float64 params: float64)
-        if reduce_dtype is not None and stage == 1:
-            raise NotImplementedError(
-                f"reduce_dtype={reduce_dtype} at stage 1: stage 1 reduces in place in its full "
-                "gradient buffer, which is also the optimizer's gradient; use stage 2 or 3"
-            )
-        self.reduce_dtype = reduce_dtype
-        if overlap_param_gather and (module is None or stage == 3):
+        self.reduce_dtype = policy.precision.reduce_dtype
+        if gather.overlap_param_gather and module is None:
             raise ValueError(
                 "overlap_param_gather=True needs the model (its forward hooks wait for each "
-                f"bucket) and stage 1 or 2 (stage 3 gathers at use anyway); got stage={stage}, "
-                f"module={type(module).__name__}"
+                f"bucket); got module={type(module).__name__}"
             )
-        self.overlap_param_gather = bool(overlap_param_gather)
+        self.overlap_param_gather = gather.overlap_param_gather
         self._pending_gathers: dict = {}  # (buffer, bucket) -> all-gather handle in flight
-        self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
+        self.reshard_after_forward, self.prefetch = gather.reshard_after_forward, gather.prefetch
         self.layout: Layout = build_layout(
             specs,
             self.world_size,
-            bucket_numel=max(1, int(bucket_size_mb * 2**20) // 4),
+            bucket_numel=max(1, int(cp.bucket_size_mb * 2**20) // 4),
             mode=self.mode,
-            by_unit=stage == 3,
+            by_unit=not shard.params,
         )
         validate.check_agree(
             {
-                "stage": stage,
-                "bucket_size_mb": float(bucket_size_mb),
+                "stage": policy.stage,
+                **policy.describe(),  # every field of every policy, by its name
                 "partition mode": self.mode,
                 "optimizer_class": f"{optimizer_class.__module__}.{optimizer_class.__qualname__}",
-                "overlap_comm": bool(overlap_comm),
-                "max_inflight_buckets": max_inflight_buckets,
-                "loss_scale": loss_scale,
                 "nonfinite": nonfinite,
                 "units": [n for n, _ in self._unit_modules],
-                "reshard_after_forward": reshard_after_forward,
-                "prefetch": prefetch,
-                "check_order": check_order,
-                "persist_below": persist_below,
-                "reduce_dtype": str(reduce_dtype),
-                "overlap_param_gather": bool(overlap_param_gather),
                 "hyper-parameters": repr(sorted(defaults.items())),
                 "param groups": repr(
                     [sorted((k, v) for k, v in g.items() if k != "params") for g in user_groups]
@@ -340,9 +336,7 @@ class ZeroOptimizer(
             )
         # ---- from here on the params are changed: undo everything if anything fails
         try:
-            self._build(
-                user_groups, defaults, fused_adam, kernel_backend, max_inflight_buckets, loss_scale
-            )
+            self._build(user_groups, defaults, fused_adam, kernel_backend)
         except BaseException:
             self._closed = False
             try:  # collective where every rank failed alike, bounded where one did alone
@@ -362,9 +356,7 @@ class ZeroOptimizer(
                 out += [("reduce_scatter", n * rdt.itemsize), ("all_gather", n * pdt.itemsize)]
         return out
 
-    def _build(
-        self, user_groups, defaults, fused_adam, kernel_backend, max_inflight_buckets, loss_scale
-    ) -> None:
+    def _build(self, user_groups, defaults, fused_adam, kernel_backend) -> None:
         group = self.group
         # the collectives' algorithm probes, before this optimizer allocates anything
         # (`comm.probe_ahead`: their buffers then do not add to the first step's peak)
@@ -385,17 +377,17 @@ class ZeroOptimizer(
         self._deferred = syncfree.Deferred()  # per-step non-finite flags, read when ready
         self._grads = GradStore(
             self.layout,
-            self.stage,
+            self.policy.shard,
             self.device,
             rank=self.rank,
-            max_inflight=max_inflight_buckets,
+            max_inflight=self.policy.comm.max_inflight_buckets,
             reduce_dtype=self.reduce_dtype,
         )
         # stage 3 on gloo: the reduce-scatters form a sequence of their own, apart from the
         # all-gathers (see [Note: backward gathers] in zero_kernels/partition/units.py);
         # check_order="every" compares every launch in one sequence, so it keeps one group
         self._rs_group = group
-        if self.stage == 3 and self.check_order != "every":
+        if not self.policy.shard.params and self.check_order != "every":
             self._rs_group = comm.twin_group(group)
         self._reducer = Reducer(
             self.layout, self._params, self._grads, self.rank, self._rs_group, self.comm_log
@@ -432,7 +424,7 @@ class ZeroOptimizer(
         )
         self._scheduler = None
         self._ids_trainable = {id(p) for p in self._trainable.values()}
-        if self.stage == 3:
+        if not self.policy.shard.params:
             self._scheduler = self._make_scheduler()
             self._scheduler.timeout = self._op_timeout
             self._scheduler.describe = _call_args(me, "_where")
@@ -463,21 +455,7 @@ class ZeroOptimizer(
         self._building = False
         # loss scaling
         has_fp16 = any(p.dtype == torch.float16 and p.requires_grad for p in self._params.values())
-        if loss_scale == "auto":
-            loss_scale = "dynamic" if has_fp16 else None
-        self._dynamic = loss_scale == "dynamic"
-        if (
-            loss_scale is not None
-            and not self._dynamic
-            and not (isinstance(loss_scale, (int, float)) and loss_scale > 0)
-        ):
-            raise ValueError(
-                "loss_scale must be None, 'auto', 'dynamic' or a positive number, "
-                f"got loss_scale={loss_scale!r}"
-            )
-        self.loss_scale = 2.0**16 if self._dynamic else float(loss_scale or 1.0)
-        self._growth_tracker = 0
-        self.growth_interval = 2000
+        self.scaler = LossScaler(self.policy.precision.loss_scale, has_fp16)
         self._grad_factor = 1.0 / self.loss_scale  # the store times this = the true gradient
         self._overflow: bool | None = None
         self._local_nonfinite = False  # this rank's grads had inf/NaN (nonfinite="step")
@@ -672,15 +650,13 @@ class ZeroOptimizer(
         self._finish_reduction()
         if self._overflow:
             self.skipped_steps += 1
-            if self.loss_scale == 1.0 and not self._dynamic and self.nonfinite == "raise":
+            if not self.scaler.active and self.nonfinite == "raise":
                 self._overflow = None
                 raise FloatingPointError(
                     f"ZeroOptimizer.step {self._steps}: non-finite gradients on at least one "
                     "rank (nonfinite='raise'); nothing was updated"
                 )
-            if self._dynamic:
-                self.loss_scale = max(self.loss_scale / 2.0, 1.0)
-                self._growth_tracker = 0
+            self.scaler.overflow()
             self._nonfinite_host += 1
             log.info(
                 "ZeroOptimizer: non-finite gradients, step skipped on every rank; "
@@ -710,11 +686,7 @@ class ZeroOptimizer(
             else:
                 for (_, b), h in handles:
                     h.wait(self._op_timeout, f"{self._where()}, step: all-gather of bucket {b}")
-            if self._dynamic:
-                self._growth_tracker += 1
-                if self._growth_tracker >= self.growth_interval:
-                    self.loss_scale *= 2.0
-                    self._growth_tracker = 0
+            self.scaler.finite_step()
         self._steps += 1
         self._overflow = None
         self._local_nonfinite = False
@@ -746,8 +718,8 @@ class ZeroOptimizer(
             comm_buffer_peak_bytes=g.comm_peak_nbytes(),
             grad_peak_bytes=grad + g.comm_peak_nbytes(),
             total_bytes=model + comm_now,
-            gathered_param_bytes=self._store.gathered_nbytes() if self.stage == 3 else 0,
-            gathered_param_peak_bytes=self._store.peak_gathered if self.stage == 3 else 0,
+            gathered_param_bytes=self._store.gathered_nbytes() if self._store.sharded else 0,
+            gathered_param_peak_bytes=self._store.peak_gathered if self._store.sharded else 0,
         )
 
     @property
@@ -764,6 +736,20 @@ class ZeroOptimizer(
         self.comm_log.reset()
         self._steps_at_reset = self._steps
         self.nonfinite_steps = 0
+
+    # the loss scale, as before the scaler was its own object (checkpoints, scripts, tests)
+    loss_scale = property(
+        lambda self: self.scaler.scale, lambda self, v: setattr(self.scaler, "scale", float(v))
+    )
+    growth_interval = property(
+        lambda self: self.scaler.growth_interval,
+        lambda self, v: setattr(self.scaler, "growth_interval", int(v)),
+    )
+    _growth_tracker = property(
+        lambda self: self.scaler.growth_tracker,
+        lambda self, v: setattr(self.scaler, "growth_tracker", int(v)),
+    )
+    _dynamic = property(lambda self: self.scaler.dynamic)
 
     def __repr__(self) -> str:
         return (
@@ -826,3 +812,23 @@ def _param_groups(params) -> tuple[list[dict], dict[int, str]]:
             uniq.append(p)
         g["params"] = uniq
     return groups, names
+
+
+def _resolve_policy(stage, policy, **options) -> ZeroPolicy:
+    """The run's `ZeroPolicy`: ``policy`` itself, or the one ``stage`` and the keyword options
+    make (see [Note: policies]). Given a policy, an option also given with a value other than
+    its default is a ValueError naming it: one source for each choice."""
+    if policy is None:
+        return ZeroPolicy.resolve(stage, **options)
+    if not isinstance(policy, ZeroPolicy):
+        raise TypeError(
+            f"policy must be a zero_kernels.policy.ZeroPolicy, got {type(policy).__name__}"
+        )
+    sig = inspect.signature(ZeroOptimizer.__init__).parameters
+    both = [k for k, v in {"stage": stage, **options}.items() if v != sig[k].default]
+    if both:
+        raise ValueError(
+            f"policy= and {', '.join(f'{k}=' for k in both)} given together: set "
+            f"{'them' if len(both) > 1 else 'it'} in the policy (each choice in one place)"
+        )
+    return policy

@@ -26,7 +26,7 @@ class ParamAccess:
     def _materialize_and_store(self) -> ParamStore:
         """The param store; meta params materialised (stage 3: unit by unit, keeping only this
         rank's shard, so construction holds the shards plus one unit)."""
-        sharded = self.stage == 3
+        sharded = not self.policy.shard.params
         group, module = self.group, self._module
         if self._meta and not sharded:  # stages 1/2 hold whole params anyway
             materialize_modules_(module.named_modules(), self.device, self._seed, self._init_fn)

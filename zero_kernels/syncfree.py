@@ -120,7 +120,7 @@ class GradChecks:
         self._sync_user_changes()
         if self._overflow is not None:
             return
-        scaled = self.loss_scale != 1.0 or self._dynamic
+        scaled = self.scaler.active
         if scaled or self.nonfinite != "step":
             bad = torch.zeros(1, device=self.device)
             for g in self._grads.shard_tensors():

@@ -9,7 +9,6 @@ differs and on which rank, instead of meeting in mismatched collectives.
 from __future__ import annotations
 
 import inspect
-import math
 import os
 
 import torch
@@ -38,67 +37,28 @@ def options() -> tuple[str, ...]:
 NONFINITE = ("step", "skip", "raise")
 
 
-def check_args(stage, bucket_size_mb, max_inflight_buckets, kernel_backend, nonfinite, timeout):
+def check_args(kernel_backend, nonfinite) -> None:
+    """What no policy holds (the kernel backend, the non-finite rule); the policies check their
+    own fields (`zero_kernels.policy`)."""
     from .ops import BACKENDS
 
-    if isinstance(stage, bool) or stage not in (1, 2, 3):
-        raise ValueError(f"stage must be the int 1, 2 or 3, got stage={stage!r}")
-    if (
-        isinstance(bucket_size_mb, bool)
-        or not isinstance(bucket_size_mb, (int, float))
-        or not math.isfinite(bucket_size_mb)
-        or bucket_size_mb <= 0
-    ):
-        raise ValueError(
-            f"bucket_size_mb must be a finite number > 0, got bucket_size_mb={bucket_size_mb!r}"
-        )
-    if (
-        isinstance(max_inflight_buckets, bool)
-        or not isinstance(max_inflight_buckets, int)
-        or max_inflight_buckets < 1
-    ):
-        raise ValueError(
-            "max_inflight_buckets must be an int >= 1, got "
-            f"max_inflight_buckets={max_inflight_buckets!r}"
-        )
     if kernel_backend not in BACKENDS:
         raise ValueError(
             f"kernel_backend must be one of {BACKENDS}, got kernel_backend={kernel_backend!r}"
         )
     if nonfinite not in NONFINITE:
         raise ValueError(f"nonfinite must be one of {NONFINITE}, got nonfinite={nonfinite!r}")
-    if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
-        raise ValueError(f"timeout must be None or seconds > 0, got timeout={timeout!r}")
 
 
-def check_stage3(stage, module, units, reshard_after_forward, prefetch, persist_below=0) -> None:
-    if stage == 3 and not isinstance(module, nn.Module):
+def check_stage3(shard, module, units) -> None:
+    """Stage 3's own arguments: the model (units are found in it) and ``units=``."""
+    if not shard.params and not isinstance(module, nn.Module):
         raise ValueError(
             "stage=3 needs the model: pass it as the first argument, or the param groups first "
             f"and module=model (got module={type(module).__name__})"
         )
-    if stage != 3 and units is not None:
-        raise ValueError(f"units= is a stage-3 option, got stage={stage!r}")
-    if not isinstance(reshard_after_forward, bool):
-        raise TypeError(
-            "reshard_after_forward must be a bool, got "
-            f"reshard_after_forward={reshard_after_forward!r}"
-        )
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-        raise ValueError(f"prefetch must be an int >= 0, got prefetch={prefetch!r}")
-    if isinstance(persist_below, bool) or not isinstance(persist_below, int) or persist_below < 0:
-        raise ValueError(f"persist_below must be an int >= 0, got persist_below={persist_below!r}")
-    if stage != 3 and persist_below:
-        raise ValueError(f"persist_below= is a stage-3 option, got stage={stage!r}")
-
-
-def check_order_arg(stage, check_order) -> None:
-    if check_order not in (None, "first", "pass", "every"):
-        raise ValueError(
-            f"check_order must be 'pass', 'every' or 'first', got check_order={check_order!r}"
-        )
-    if stage != 3 and check_order is not None:
-        raise ValueError(f"check_order= is a stage-3 option, got stage={stage!r}")
+    if shard.params and units is not None:
+        raise ValueError(f"units= is a stage-3 option, got stage={shard.stage!r}")
 
 
 def check_kwargs(optimizer_class, defaults: dict) -> None:

@@ -6,6 +6,7 @@ from .runner import FUSED_ADAM_CLASSES, ShardRunner
 from .state import MASTER_KEY, consolidate, local_payload, shard_state
 
 __all__ = [
+    "MASTER_KEY",
     "ELEMENTWISE",
     "FUSED_ADAM_CLASSES",
     "PARTITIONS",

@@ -129,7 +129,9 @@ class Reducer:
         log: comm.CommLog,
     ):
         self.layout, self.grads, self.rank, self.group, self.log = layout, grads, rank, group, log
-        self.stage = grads.stage
+        # whole gradients (stage 1): a full-size buffer reduced in place; else (stages 2 and 3)
+        # bucket buffers reduced into the shards and given back (see [Note: overlap])
+        self.whole = grads.whole
         self.sync = True  # False inside no_sync()
         self.overlap = True  # False: launch every bucket at the end of backward instead
         self.max_inflight = grads.max_inflight  # stage 2: bucket buffers held at once
@@ -224,7 +226,7 @@ class Reducer:
                     "takes dense gradients only (e.g. nn.Embedding(sparse=False))"
                 )
             self.got.add(slot.index)
-            syncing = self.sync or self.stage == 2
+            syncing = self.sync or not self.whole
             if syncing and not self.callback_queued:
                 self.callback_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self.finish)
@@ -278,14 +280,14 @@ class Reducer:
         """The bucket's local grad storage, ready to accumulate into (FILLING)."""
         if bk.state is BucketState.REDUCING:
             self.wait_all()
-        if self.stage == 1:
+        if self.whole:
             if bk.state is BucketState.REDUCED:
                 self._rebase(bk)
         elif bk.key not in self.grads.live:
             # bound the buffers: wait for the oldest reduce-scatters until one is free
             while self.inflight and not self.grads.fits(*bk.key):
                 self._finalize(self.inflight.pop(0))
-        if self.stage != 1 and bk.key not in self.grads.live:
+        if not self.whole and bk.key not in self.grads.live:
             bk.written.clear()  # a fresh buffer: each slot's first grad is copied in (and what
             # gets none is zeroed before the reduction, `_zero_unwritten`)
         if bk.state is not BucketState.FILLING:
@@ -313,7 +315,7 @@ class Reducer:
         buf = self.layout.buffers[i]
         lay = buf.buckets[b]
         t = self.grads.bucket(i, b)
-        if self.stage != 1:
+        if not self.whole:
             for lo, hi in self._gaps(i, b):
                 t[lo:hi].zero_()
         if len(bk.written) < len(lay.slots):
@@ -331,13 +333,13 @@ class Reducer:
         return g
 
     def _launch(self, bk: GradBucket) -> None:
-        if self.stage == 1 and bk.state is BucketState.REDUCED:
+        if self.whole and bk.state is BucketState.REDUCED:
             self._rebase(bk)  # reduced before, nothing added since: reduce it again as is
-        inp = self.grads.bucket(*bk.key) if self.stage == 1 else self._accumulator(bk)
+        inp = self.grads.bucket(*bk.key) if self.whole else self._accumulator(bk)
         tmp = None
         shard = self.grads.shard(*bk.key)
         self._zero_unwritten(bk)
-        if self.stage == 1:
+        if self.whole:
             out = shard  # in place: the rank's slice of ``inp``
         elif not bk.fresh or inp.dtype != shard.dtype:  # added (or cast) into the shard after
             tmp = out = torch.empty(shard.shape, dtype=inp.dtype, device=shard.device)
@@ -345,7 +347,7 @@ class Reducer:
             out = shard
         bk.overwrite = bk.fresh
         bk.fresh = False
-        if self.stage == 1:  # bound the comm scratch (p2p receive buffers): see [Note: overlap]
+        if self.whole:  # bound the comm scratch (p2p receive buffers): see [Note: overlap]
             while len(self.inflight) >= self.max_inflight:
                 self._finalize(self.inflight.pop(0))
         if self.check is not None:  # stage 3: every rank launches this one (SequenceCheck)
@@ -365,7 +367,7 @@ class Reducer:
         bk.move(BucketState.REDUCING)
         bk.launched = True
         self.inflight.append(bk)
-        if self.stage == 2:  # release the buffers of finished reduce-scatters early
+        if not self.whole:  # release the buffers of finished reduce-scatters early
             while self.inflight and self.inflight[0].handle.is_completed():
                 self._finalize(self.inflight.pop(0))
 
@@ -384,7 +386,7 @@ class Reducer:
                 shard.add_(bk.tmp)
         bk.handle, bk.tmp = None, None
         bk.move(BucketState.REDUCED)
-        if self.stage == 2:
+        if not self.whole:
             self.grads.release(*bk.key)
 
     def wait_all(self) -> None:
@@ -407,7 +409,7 @@ class Reducer:
         """Before the step: reduce whatever was accumulated but not reduced (e.g. after no_sync)."""
         if self.dirty or self.inflight:
             self.finish()
-        if self.stage == 1:  # buckets not reduced since zero_grad: zero grads
+        if self.whole:  # buckets not reduced since zero_grad: zero grads
             for bk in self.buckets.values():
                 if bk.state is not BucketState.REDUCED:
                     self._zero_unwritten(bk)

@@ -1,0 +1,277 @@
+"""Named, frozen policies: what `ZeroOptimizer`'s parts read instead of an integer stage.
+
+[Note: policies]
+The user's options map once, at construction, to these objects; the parts below the facade
+(the gradient store and reducer, the param store, the unit scheduler) read a policy field, never
+``stage`` or a keyword. A new option is a field of one policy and the one place that acts on it.
+
+    ShardPolicy      what stays whole on every rank between uses: the ZeRO stage
+                     (stage 1: params and grads, 2: params, 3: nothing)
+    GatherPolicy     stage 3: when params are gathered and freed (resharding, prefetch, params
+                     kept whole, the module-order check); stages 1/2: the step's all-gathers
+                     left in flight for the next forward
+    PrecisionPolicy  the gradient reduction's dtype and the loss scale; the params keep their own
+                     dtype, with fp32 masters where they are lower (see [Note: modes])
+    CommPolicy       bucket size, overlap, buffers in flight, the collectives' timeout, and the
+                     group the state is sharded over (room for hierarchy: "world" only today)
+    OffloadPolicy    room for offload tiers (none today: a set field is NotImplementedError)
+    ZeroPolicy       the five together
+
+``stage=1|2|3`` stays the shorthand: ``ZeroPolicy.resolve(stage=2, ...)`` builds the same as
+``ZeroPolicy(shard=ShardPolicy.of_stage(2), ...)``, and ``ZeroOptimizer(..., policy=...)`` takes
+the object itself. As FSDP2's ``MixedPrecisionPolicy``/``OffloadPolicy`` do, each policy checks its
+own fields, naming the argument and the value; unlike them, one object holds every choice, so a
+run's configuration is one value to print, compare across ranks and save.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = [
+    "CommPolicy",
+    "GatherPolicy",
+    "OffloadPolicy",
+    "PrecisionPolicy",
+    "ShardPolicy",
+    "ZeroPolicy",
+]
+
+
+@dataclass(frozen=True)
+class ShardPolicy:
+    """What stays whole on every rank between uses.
+
+    params: params stay whole between steps (stages 1 and 2); False: each unit's params are
+        gathered for its forward and backward and freed after (stage 3).
+    grads: a full-size local gradient buffer, reduced in place (stage 1); False: only this
+        rank's reduced shard is kept, bucket buffers live while they are filled (stages 2, 3).
+    """
+
+    params: bool = True
+    grads: bool = False
+
+    def __post_init__(self):
+        for name in ("params", "grads"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"ShardPolicy.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.grads and not self.params:
+            raise ValueError(
+                "ShardPolicy(params=False, grads=True): whole gradients of sharded params are "
+                "not a ZeRO stage (stage 3 shards both)"
+            )
+
+    @classmethod
+    def of_stage(cls, stage: int) -> ShardPolicy:
+        if isinstance(stage, bool) or stage not in (1, 2, 3):
+            raise ValueError(f"stage must be the int 1, 2 or 3, got stage={stage!r}")
+        return cls(params=stage != 3, grads=stage == 1)
+
+    @property
+    def stage(self) -> int:
+        """The ZeRO stage this is (for reports, checkpoints and the estimator)."""
+        return 1 if self.grads else 2 if self.params else 3
+
+
+@dataclass(frozen=True)
+class GatherPolicy:
+    """When params are gathered and freed.
+
+    reshard_after_forward: stage 3: free a unit after its forward (gather it again for its
+        backward); False keeps it to the end of the backward.
+    prefetch: stage 3: units whose all-gathers start ahead of their use.
+    persist_below: stage 3: params of fewer elements are kept whole on every rank.
+    check_order: stage 3: "pass", "every" or "first" (see ZeroOptimizer); None: "pass".
+    overlap_param_gather: stages 1/2: the step's all-gathers stay in flight, each module's
+        forward waits for its own buckets.
+    """
+
+    reshard_after_forward: bool = True
+    prefetch: int = 1
+    persist_below: int = 0
+    check_order: str | None = None
+    overlap_param_gather: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.reshard_after_forward, bool):
+            raise TypeError(
+                "reshard_after_forward must be a bool, got "
+                f"reshard_after_forward={self.reshard_after_forward!r}"
+            )
+        p = self.prefetch
+        if isinstance(p, bool) or not isinstance(p, int) or p < 0:
+            raise ValueError(f"prefetch must be an int >= 0, got prefetch={p!r}")
+        pb = self.persist_below
+        if isinstance(pb, bool) or not isinstance(pb, int) or pb < 0:
+            raise ValueError(f"persist_below must be an int >= 0, got persist_below={pb!r}")
+        if self.check_order not in (None, "first", "pass", "every"):
+            raise ValueError(
+                "check_order must be 'pass', 'every' or 'first', got "
+                f"check_order={self.check_order!r}"
+            )
+
+
+_REDUCE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """reduce_dtype: stages 2/3: the dtype gradients are accumulated and reduce-scattered in
+    (None: fp32; float64 params: float64). loss_scale: None, a positive number (static),
+    "dynamic", or "auto" (dynamic with fp16 params, else none)."""
+
+    reduce_dtype: torch.dtype | None = None
+    loss_scale: float | str | None = "auto"
+
+    def __post_init__(self):
+        if self.reduce_dtype not in _REDUCE_DTYPES:
+            raise ValueError(
+                "reduce_dtype must be None, torch.float32, torch.bfloat16 or torch.float16, "
+                f"got reduce_dtype={self.reduce_dtype!r}"
+            )
+        if self.reduce_dtype == torch.float32:  # the default: fp32 (float64 params: float64)
+            object.__setattr__(self, "reduce_dtype", None)
+        ls = self.loss_scale
+        if not (
+            ls is None
+            or ls in ("auto", "dynamic")
+            or (isinstance(ls, (int, float)) and not isinstance(ls, bool) and ls > 0)
+        ):
+            raise ValueError(
+                "loss_scale must be None, 'auto', 'dynamic' or a positive number, "
+                f"got loss_scale={ls!r}"
+            )
+
+
+@dataclass(frozen=True)
+class CommPolicy:
+    """bucket_size_mb: a gradient bucket's target size (MiB at 4 bytes per element);
+    overlap_comm: reduce buckets during backward; max_inflight_buckets: bucket buffers (stage
+    2/3) or reduce-scatters (stage 1) held at once; timeout: seconds bounding every collective of
+    backward and step (None: the process group's own); shard_group: the ranks the state is
+    sharded over ("world": the whole process group)."""
+
+    bucket_size_mb: float = 25.0
+    overlap_comm: bool = True
+    max_inflight_buckets: int = 2
+    timeout: float | None = None
+    shard_group: str = "world"
+
+    def __post_init__(self):
+        b = self.bucket_size_mb
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b < math.inf:
+            raise ValueError(
+                f"bucket_size_mb must be a finite number > 0, got bucket_size_mb={b!r}"
+            )
+        m = self.max_inflight_buckets
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ValueError(
+                f"max_inflight_buckets must be an int >= 1, got max_inflight_buckets={m!r}"
+            )
+        t = self.timeout
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0):
+            raise ValueError(f"timeout must be None or seconds > 0, got timeout={t!r}")
+        if self.shard_group != "world":
+            raise NotImplementedError(
+                f"shard_group={self.shard_group!r}: sharding inside a subgroup (hierarchical "
+                "sharding) is not built yet; the state is sharded over the whole process group"
+            )
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """optimizer: where fp32 masters and optimizer state live ("cpu" | "nvme"); params: stage 3
+    params between uses; directory: the NVMe tier's folder. Room for the offload tiers: none is
+    built yet, so a set field raises."""
+
+    optimizer: str | None = None
+    params: str | None = None
+    directory: str | None = None
+
+    def __post_init__(self):
+        for name in ("optimizer", "params"):
+            v = getattr(self, name)
+            if v is not None:
+                raise NotImplementedError(
+                    f"OffloadPolicy({name}={v!r}): offload tiers are not built yet"
+                )
+
+
+@dataclass(frozen=True)
+class ZeroPolicy:
+    """Every choice of a ZeroOptimizer (see [Note: policies])."""
+
+    shard: ShardPolicy = field(default_factory=ShardPolicy)
+    gather: GatherPolicy = field(default_factory=GatherPolicy)
+    precision: PrecisionPolicy = field(default_factory=PrecisionPolicy)
+    comm: CommPolicy = field(default_factory=CommPolicy)
+    offload: OffloadPolicy = field(default_factory=OffloadPolicy)
+
+    def __post_init__(self):
+        for name, cls in (
+            ("shard", ShardPolicy),
+            ("gather", GatherPolicy),
+            ("precision", PrecisionPolicy),
+            ("comm", CommPolicy),
+            ("offload", OffloadPolicy),
+        ):
+            v = getattr(self, name)
+            if not isinstance(v, cls):
+                raise TypeError(f"ZeroPolicy.{name} must be a {cls.__name__}, got {v!r}")
+        g, s = self.gather, self.shard
+        whole = s.params
+        if whole:
+            for name, default in (("persist_below", 0), ("check_order", None)):
+                if getattr(g, name) != default:
+                    raise ValueError(
+                        f"{name}= is a stage-3 option, got stage={s.stage}, "
+                        f"{name}={getattr(g, name)!r}"
+                    )
+        elif g.overlap_param_gather:
+            raise ValueError(
+                "overlap_param_gather=True is a stage 1/2 option (stage 3 gathers at use "
+                "anyway); got stage=3"
+            )
+        if s.grads and self.precision.reduce_dtype is not None:
+            raise NotImplementedError(
+                f"reduce_dtype={self.precision.reduce_dtype} at stage 1: stage 1 reduces in "
+                "place in its full gradient buffer, which is also the optimizer's gradient; use "
+                "stage 2 or 3"
+            )
+        if not whole and g.check_order is None:
+            object.__setattr__(self, "gather", dataclasses.replace(g, check_order="pass"))
+
+    @property
+    def stage(self) -> int:
+        return self.shard.stage
+
+    @classmethod
+    def resolve(cls, stage: int | ShardPolicy = 2, **options) -> ZeroPolicy:
+        """The policy of ZeroOptimizer's keyword options (``stage`` and those named in the
+        policies' fields; an unknown name is a TypeError naming it)."""
+        shard = stage if isinstance(stage, ShardPolicy) else ShardPolicy.of_stage(stage)
+        parts = {}
+        for name, sub in (
+            ("gather", GatherPolicy),
+            ("precision", PrecisionPolicy),
+            ("comm", CommPolicy),
+            ("offload", OffloadPolicy),
+        ):
+            names = {f.name for f in dataclasses.fields(sub)}
+            parts[name] = sub(**{k: options.pop(k) for k in list(options) if k in names})
+        if options:
+            raise TypeError(f"ZeroPolicy.resolve: unknown option(s) {sorted(options)}")
+        return cls(shard=shard, **parts)
+
+    def describe(self) -> dict:
+        """Every field, for comparing ranks and for reports (plain values)."""
+        out = {}
+        for name in ("shard", "gather", "precision", "comm", "offload"):
+            for f in dataclasses.fields(getattr(self, name)):
+                v = getattr(getattr(self, name), f.name)
+                out[f"{name}.{f.name}"] = str(v) if isinstance(v, torch.dtype) else v
+        return out
