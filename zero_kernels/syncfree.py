@@ -17,7 +17,9 @@ every host read made inside ``step()``):
   and the clipping coefficient ``min(1, max_norm / (norm + 1e-6))`` multiplies the gradient shards
   in place, as ``torch.nn.utils.clip_grad_norm_`` does, instead of being folded into the kernel's
   host-side grad scale. ``error_if_nonfinite=True`` needs the value on the host and reads it
-  (torch does the same).
+  (torch does the same). ``torch.nn.utils.clip_grad_norm_`` on the `ShardedGrad`s is sync-free
+  in this mode too: their norms are device tensors and ``mul_`` by the coefficient tensor reads
+  nothing (see [Note: gradients] in `zero_kernels.partition.grads`).
 - Which params got a gradient (the one-byte-per-param mask at the end of backward) is host
   knowledge: it is all-reduced on the optimizer's gloo side group on the CPU, never on the GPU.
 

@@ -25,6 +25,12 @@ all-reduce), in-place scaling by a number or 0-dim tensor (``mul_``, ``div_`` an
 piece), ``detach``, and GradScaler's ``_amp_foreach_non_finite_check_and_unscale_`` (found_inf
 all-reduced, so every rank skips alike). So ``torch.nn.utils.clip_grad_norm_``,
 ``model.zero_grad()`` (either ``set_to_none``) and ``torch.amp.GradScaler`` give DDP's result.
+Where the optimizer's step is sync-free (off the CPU: [Note: no host sync] in
+`zero_kernels.syncfree`), norms read nothing back to the host: each tensor's partial result is a
+float64 device tensor, all-reduced on the device, and the norms come back as device tensors;
+``mul_``/``div_`` by a one-element tensor multiply the pieces by that tensor. So torch's
+``clip_grad_norm_`` (foreach or not) is as sync-free there as ``opt.clip_grad_norm_``. On the
+CPU the partial results are host numbers (the same values; a read costs nothing there).
 Any other operation raises `ShardedGradError`, naming ``opt.full_grad(p)`` (the whole gradient,
 collective) and ``opt.clip_grad_norm_``. Values are true gradients: loss scaling removed and
 ``opt.clip_grad_norm_`` applied (lazily kept as one factor; see `GradViews.normalize`).
@@ -130,14 +136,65 @@ def _scalar(x) -> float:
     return float(x)
 
 
+def _sync_free(t: ShardedGrad) -> bool:
+    """Whether ``t``'s optimizer keeps its bookkeeping on the device ([Note: no host sync] in
+    `zero_kernels.syncfree`): norms stay device tensors, scaling by a tensor reads nothing."""
+    return bool(t._owner().opt()._sync_free)
+
+
+def _factor(t: ShardedGrad, x):
+    """What the pieces of ``t`` are multiplied by: a number, or in sync-free mode a one-element
+    tensor as it is, 0-dim (no host read; a CPU one multiplies device tensors as a number)."""
+    if isinstance(x, torch.Tensor) and _sync_free(t):
+        if x.numel() != 1 or isinstance(x, ShardedGrad):
+            raise ShardedGradError(_advice("scaling by a tensor of more than one element"))
+        c = x.detach().reshape(())
+        return c if c.device.type == "cpu" else c.to(t.device)
+    return _scalar(x)
+
+
+def _inverse(c):
+    return torch.reciprocal(c) if isinstance(c, torch.Tensor) else 1.0 / c
+
+
+def _local_part(vals: list[torch.Tensor], o: float, device) -> torch.Tensor:
+    """This rank's part of one tensor's norm of order ``o`` as a float64 0-dim tensor on
+    ``device`` (the sync-free form of `_norm_parts`' host loop, the same quantities)."""
+    if not vals:
+        empty = 0.0 if not (math.isinf(o) and o < 0) else -math.inf
+        return torch.full((), empty, dtype=torch.float64, device=device)
+    if math.isinf(o) and o > 0:
+        return torch.stack([v.abs().max() for v in vals]).max()
+    if math.isinf(o):
+        return -torch.stack([v.abs().min() for v in vals]).min()
+    if o == 0:
+        return torch.stack([(v != 0).sum().double() for v in vals]).sum()
+    return torch.stack([v.abs().pow(o).sum() for v in vals]).sum()
+
+
 def _norm_parts(ts: list[ShardedGrad], ord) -> list[torch.Tensor]:
-    """Global norms of ``ts``: local partial results, one all-reduce for the whole list."""
+    """Global norms of ``ts``: local partial results, one all-reduce for the whole list. In
+    sync-free mode the partial results, the all-reduce and the norms stay on the device."""
     owner = ts[0]._owner()
     owner.opt()._check_not_joined("a norm of a sharded .grad (clip_grad_norm_)")
     owner.normalize()
     o = float(ord)
     if math.isnan(o):
         raise ValueError(f"norm order must not be nan, got ord={ord!r}")
+    op = "max" if math.isinf(o) else "sum"
+    if owner.opt()._sync_free:
+        part = torch.stack(
+            [
+                _local_part([v.double() for v, _ in _pieces(_sg(t)) if v.numel()], o, owner.device)
+                for t in ts
+            ]
+        )
+        comm.all_reduce(part, op, group=owner.group, log=owner.log)
+        if math.isinf(o) and o < 0:
+            part = -part
+        elif not math.isinf(o) and o != 0:
+            part = part ** (1.0 / o)
+        return [part[k].to(dtype=t.dtype, device=t.device) for k, t in enumerate(ts)]
     part = torch.zeros(len(ts), dtype=torch.float64)
     for k, t in enumerate(ts):
         vals = [v.double() for v, _ in _pieces(_sg(t)) if v.numel()]
@@ -149,7 +206,6 @@ def _norm_parts(ts: list[ShardedGrad], ord) -> list[torch.Tensor]:
             part[k] = sum(float((v != 0).sum()) for v in vals)
         else:
             part[k] = sum(float(v.abs().pow(o).sum()) for v in vals)
-    op = "max" if math.isinf(o) else "sum"
     part = part.to(owner.device)
     comm.all_reduce(part, op, group=owner.group, log=owner.log)
     part = part.cpu()
@@ -191,31 +247,33 @@ def _scale(t, c):
 
 
 def _mul_(t, other):
-    return _scale(t, _scalar(other))
+    return _scale(t, _factor(_sg(t), other))
 
 
 def _div_(t, other, *, rounding_mode=None):
     if rounding_mode is not None:
         raise ShardedGradError(_advice(f"div_ with rounding_mode={rounding_mode!r}"))
-    return _scale(t, 1.0 / _scalar(other))
+    return _scale(t, _inverse(_factor(_sg(t), other)))
 
 
 def _foreach_mul_(ts, other):
+    ts = [_sg(t) for t in ts]
     if isinstance(other, (list, tuple)):
         for t, c in zip(ts, other):
-            _scale(t, _scalar(c))
-    else:
-        c = _scalar(other)
+            _scale(t, _factor(t, c))
+    elif ts:
+        c = _factor(ts[0], other)
         for t in ts:
             _scale(t, c)
 
 
 def _foreach_div_(ts, other):
+    ts = [_sg(t) for t in ts]
     if isinstance(other, (list, tuple)):
         for t, c in zip(ts, other):
-            _scale(t, 1.0 / _scalar(c))
-    else:
-        c = 1.0 / _scalar(other)
+            _scale(t, _inverse(_factor(t, c)))
+    elif ts:
+        c = _inverse(_factor(ts[0], other))
         for t in ts:
             _scale(t, c)
 
