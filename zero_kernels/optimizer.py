@@ -639,8 +639,17 @@ class ZeroOptimizer(
         self._reset_grads(keep=not set_to_none)
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, **kwargs):
+        """One optimizer step on this rank's shard, then the all-gather of the new params.
+
+        ``closure`` is run first (with grad enabled) and its loss returned, as torch does.
+        ``kwargs`` go to the inner optimizer's ``step`` (as torch's ZeroRedundancyOptimizer
+        forwards them); a keyword it does not take, or any keyword where the fused Adam
+        kernel steps, is a TypeError naming it, raised before anything runs. Keys the inner
+        step adds to its param groups (or sets anew) appear in ``opt.param_groups`` after it.
+        """
         self._check_open("step")
+        self._runner.check_step_kwargs(kwargs)
         self.wait_params()
         loss = None
         if closure is not None:
@@ -671,12 +680,13 @@ class ZeroOptimizer(
             for step, bad in self._deferred.ready():  # flags of earlier steps, now known
                 if bad and not self._said_nonfinite:
                     self._log_nonfinite(step)
-            self._runner.sync_hyper(self.param_groups)
+            hyper = self._runner.sync_hyper(self.param_groups)
             if not self._runner.scales_in_kernel:
                 self._apply_grad_factor()
             handles = self._runner.step(
-                self._views.active, self._grad_factor, self.comm_log, self.group
+                self._views.active, self._grad_factor, self.comm_log, self.group, kwargs
             )
+            self._runner.take_group_keys(self.param_groups, hyper)
             if self._scheduler is not None:  # stage 3: params kept whole are gathered now
                 handles += [
                     ((-1, k), h) for k, h in enumerate(self._scheduler.refresh_persistent())

@@ -32,6 +32,8 @@ is all-gathered from the rank's slice of the flat param buffer, in the params' d
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from .. import comm
@@ -143,13 +145,60 @@ class ShardRunner:
                 yield i, k, pc, self.inner_params[i][k], self.grad_views[i][k]
 
     # ---------------------------------------------------------------- step
-    def sync_hyper(self, user_groups: list[dict]) -> None:
-        """Copy hyper-parameters (lr schedules, ...) from the user's groups into the inner ones."""
+    def sync_hyper(self, user_groups: list[dict]) -> list[dict]:
+        """Copy hyper-parameters (lr schedules, ...) from the user's groups into the inner ones;
+        returns what the inner groups hold then (for `take_group_keys` after the step)."""
         for i, buf in enumerate(self.layout.buffers):
             g = self.inner.param_groups[i]
             for k, v in user_groups[buf.group].items():
                 if k != "params":
                     g[k] = v
+        return [{k: v for k, v in g.items() if k != "params"} for g in self.inner.param_groups]
+
+    def take_group_keys(self, user_groups: list[dict], before: list[dict]) -> None:
+        """The other direction, after a step: keys the inner optimizer's step added to its
+        param groups, or set to another value, go into the user's groups (as torch's
+        ZeroRedundancyOptimizer copies its inner groups back), so ``opt.param_groups`` shows
+        what the unsharded optimizer's groups would. Several inner groups of one user group
+        (one per flat buffer): the last one's value."""
+        for i, buf in enumerate(self.layout.buffers):
+            was = before[i]
+            for k, v in self.inner.param_groups[i].items():
+                if k != "params" and (k not in was or was[k] is not v):
+                    user_groups[buf.group][k] = v
+
+    def check_step_kwargs(self, kwargs: dict) -> None:
+        """A TypeError naming each keyword of ``opt.step(**kwargs)`` the step cannot take:
+        any keyword where the fused Adam kernel steps (it takes none), else one the inner
+        optimizer's ``step`` does not accept (checked before anything is stepped)."""
+        if not kwargs:
+            return
+        name = self.optimizer_class.__name__
+        if any(self.fused):
+            raise TypeError(
+                f"ZeroOptimizer.step: {name} runs as the fused Adam kernel here, whose step takes "
+                f"no keyword arguments; got {', '.join(map(repr, kwargs))} (kwargs={kwargs!r}); "
+                "fused_adam=False runs torch's own step"
+            )
+        try:
+            params = inspect.signature(self.inner.step).parameters
+        except (TypeError, ValueError):
+            return  # no signature to read: the inner step itself decides
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            return
+        takes = {
+            n
+            for n, p in params.items()
+            if n != "closure"
+            and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        }
+        bad = [k for k in kwargs if k not in takes]
+        if bad:
+            raise TypeError(
+                f"ZeroOptimizer.step: {name}.step() takes no keyword argument "
+                f"{', '.join(map(repr, bad))} (kwargs={kwargs!r}; it takes "
+                f"{', '.join(sorted(takes)) or 'only closure'}); nothing was stepped"
+            )
 
     @property
     def scales_in_kernel(self) -> bool:
@@ -157,18 +206,26 @@ class ShardRunner:
         return all(self.fused)
 
     def step(
-        self, active: set[int], grad_scale: float, log: comm.CommLog, group
+        self,
+        active: set[int],
+        grad_scale: float,
+        log: comm.CommLog,
+        group,
+        step_kwargs: dict | None = None,
     ) -> list[tuple[tuple[int, int], comm.Handle]]:
         """One optimizer step on the shard for the params in ``active`` (indices; the others are
         left out, as torch does for ``grad=None``); returns ``((buffer, bucket), handle)`` of the
         all-gathers of the new params (stages 1/2). ``grad_scale`` multiplies the reduced
         gradients (1/loss scale, clipping) inside the fused kernel; it must be 1 unless
-        `scales_in_kernel`."""
+        `scales_in_kernel`. ``step_kwargs`` go to the inner optimizer's ``step`` (see
+        `check_step_kwargs`)."""
         for i, _k, pc, p, g in self.all_pieces():
             p.grad = g if pc.index in active and not self.fused[i] else None
         if not all(self.fused):
             assert grad_scale == 1.0, "unfused steps take gradients already scaled"
-            self.inner.step()
+            self.inner.step(**(step_kwargs or {}))
+        else:
+            assert not step_kwargs, "the fused kernel takes no step keywords"
         handles: list[tuple[tuple[int, int], comm.Handle]] = []
         for i, buf in enumerate(self.layout.buffers):
             m = self.masters[i]
