@@ -5,7 +5,9 @@
   safetensors file per rank plus JSON metadata; see [Note: checkpoint format] in `.format`.
 - `inspect_checkpoint`, `verify_checkpoint`, `export_model`: what ``zero-kernels checkpoint``
   runs (no process group needed).
-- `CheckpointError`: a checkpoint that cannot be loaded, naming the file and the problem.
+- `CheckpointError`: a checkpoint that cannot be loaded, naming the file and the problem;
+  `CheckpointsBelow` where the path holds none of its own but checkpoints one level down (the
+  demo's ``DIR/stage<s>``), naming them.
 
 [Note: why not torch.distributed.checkpoint]
 DCP is the ecosystem's resharding engine; this package does not build on it, and meets it at the
@@ -41,13 +43,14 @@ Not built: importing a DCP checkpoint (with optimizer state) and exporting optim
 """
 
 from .export import export_model, inspect_checkpoint, verify_checkpoint
-from .format import FORMAT_VERSION, CheckpointError
+from .format import FORMAT_VERSION, CheckpointError, CheckpointsBelow
 from .load import load_checkpoint
 from .save import save_checkpoint
 
 __all__ = [
     "FORMAT_VERSION",
     "CheckpointError",
+    "CheckpointsBelow",
     "export_model",
     "inspect_checkpoint",
     "load_checkpoint",

@@ -68,7 +68,9 @@ __all__ = [
     "META",
     "MODEL_FILE",
     "CheckpointError",
+    "CheckpointsBelow",
     "checkpoint_name",
+    "checkpoints_below",
     "decode",
     "encode",
     "rank_file",
@@ -99,6 +101,23 @@ class CheckpointError(RuntimeError):
 
     def __reduce__(self):  # travels between ranks as (file, problem)
         return (type(self), (self.file, self.problem))
+
+
+class CheckpointsBelow(CheckpointError):
+    """A directory with no checkpoint of its own but checkpoints one level down (``found``:
+    their paths), e.g. ``zero-kernels demo --checkpoint-dir DIR``'s DIR (one per run, DIR/stage0
+    and DIR/stage2): which one is meant is the caller's to say."""
+
+    def __init__(self, file: str | os.PathLike, found: list[str]):
+        self.found = list(found)
+        super().__init__(
+            file,
+            f"no checkpoint of its own; {len(self.found)} checkpoint(s) one level down: "
+            f"{', '.join(self.found)}: name one of them",
+        )
+
+    def __reduce__(self):
+        return (type(self), (self.file, self.found))
 
 
 def checkpoint_name(step: int, taken: set[str]) -> str:
@@ -233,7 +252,9 @@ def read_latest(root: str) -> str:
 def resolve(path: str | os.PathLike) -> str:
     """The checkpoint directory ``path`` names: itself if it is one (has ``meta.json`` or a
     checkpoint's name), else the one ``path/latest`` points to; without a ``latest`` (a first
-    save killed between its rename and the pointer), the newest complete checkpoint there."""
+    save killed between its rename and the pointer), the newest complete checkpoint there.
+    A directory with none of these but checkpoints one level down raises `CheckpointsBelow`
+    naming them."""
     path = os.fspath(path)
     base = os.path.basename(os.path.normpath(path))
     if os.path.isfile(os.path.join(path, META)) or is_checkpoint_name(base):
@@ -252,11 +273,35 @@ def resolve(path: str | os.PathLike) -> str:
                     continue
         if found:
             return os.path.join(path, max(found)[1])
+        below = checkpoints_below(path)
+        if below:
+            raise CheckpointsBelow(path, below)
     name = read_latest(path)
     full = os.path.join(path, name)
     if not os.path.isdir(full):
         raise CheckpointError(full, f"missing: {LATEST} names it but it does not exist")
     return full
+
+
+def checkpoints_below(path: str | os.PathLike) -> list[str]:
+    """The sub-directories of ``path`` (one level down, sorted by name) that hold a checkpoint
+    of their own: a ``latest``, a ``meta.json``, or a complete checkpoint directory. Names only
+    (nothing is verified here); saves in progress and checkpoint directories of ``path``
+    itself are not counted."""
+    path = os.fspath(path)
+    out = []
+    for n in sorted(os.listdir(path)):
+        full = os.path.join(path, n)
+        if n.startswith(".") or is_checkpoint_name(n) or not os.path.isdir(full):
+            continue
+        if os.path.isfile(os.path.join(full, LATEST)) or os.path.isfile(os.path.join(full, META)):
+            out.append(full)
+        elif any(
+            is_checkpoint_name(m) and os.path.isfile(os.path.join(full, m, META))
+            for m in os.listdir(full)
+        ):
+            out.append(full)
+    return out
 
 
 # ---------------------------------------------------------------------------- JSON values

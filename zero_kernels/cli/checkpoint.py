@@ -2,11 +2,18 @@
 
 Exit codes: 0 fine, 1 a checkpoint that fails (verify: every problem printed, one per line; the
 others: the `CheckpointError` on one line), 2 bad arguments.
+
+PATH with no checkpoint of its own but checkpoints one level down (``zero-kernels demo
+--checkpoint-dir DIR`` writes one per run: DIR/stage0, DIR/stage2): ``inspect`` names them and
+shows each (``--json``: ``{"path": PATH, "checkpoints": [one inspect dict each]}``); ``verify``
+and ``export`` act on one checkpoint, so they name them and exit 2, printing the command for
+the first.
 """
 
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 
 __all__ = ["add_parser", "run"]
@@ -52,7 +59,14 @@ def _size(n: int) -> str:
 
 def run(args) -> int:
     from ..checkpoint import CheckpointError, export_model, inspect_checkpoint, verify_checkpoint
+    from ..checkpoint.format import CheckpointsBelow, resolve
 
+    try:
+        resolve(args.path)
+    except CheckpointsBelow as e:
+        return _several(args, e)
+    except CheckpointError:
+        pass  # each action reports it below, in its own way
     try:
         if args.action == "verify":
             problems = verify_checkpoint(args.path)
@@ -77,6 +91,42 @@ def run(args) -> int:
     except CheckpointError as e:
         print(f"zero-kernels checkpoint: error: {e}", file=sys.stderr)
         return 1
+
+
+def _several(args, below) -> int:
+    """PATH holds checkpoints one level down only (see the module's docstring)."""
+    from ..checkpoint import CheckpointError, inspect_checkpoint
+
+    found = below.found
+    if args.action != "inspect":
+        cmd = f"zero-kernels checkpoint {args.action} {shlex.quote(found[0])}"
+        if args.action == "export":
+            cmd += f" --to {shlex.quote(args.to)}"
+        print(
+            f"zero-kernels checkpoint: error: {args.path}: no checkpoint of its own; "
+            f"checkpoints one level down: {', '.join(found)}. {args.action} takes one of them, "
+            f"e.g. {cmd}",
+            file=sys.stderr,
+        )
+        return 2
+    infos, failed = [], 0
+    for d in found:
+        try:
+            infos.append(inspect_checkpoint(d))
+        except CheckpointError as e:
+            failed += 1
+            print(f"zero-kernels checkpoint: error: {e}", file=sys.stderr)
+    if args.json:
+        print(json.dumps({"path": args.path, "checkpoints": infos}, indent=1, default=str))
+        return 1 if failed else 0
+    print(
+        f"{args.path}: no checkpoint of its own; {len(found)} checkpoint(s) one level down: "
+        + ", ".join(found)
+    )
+    for info in infos:
+        print()
+        _print_info(info)
+    return 1 if failed else 0
 
 
 def _print_info(info: dict) -> None:

@@ -20,7 +20,10 @@ checkpoint loads at any world size and stage). Batches are a pure function of (s
 so a resumed run at the same world size continues the uninterrupted one exactly; at another
 world size the global batch changes with it. Rank 0 prints ``zero-kernels demo: resumed
 DIR/stage<s> at step S (world size W)``; tests/test_elastic.py runs this under torchrun's elastic
-restart.
+restart. Each run's checkpoints are a checkpoint root of their own (DIR/stage0, DIR/stage2),
+so at the end rank 0 prints the command that inspects each one it wrote (``zero-kernels
+checkpoint inspect DIR/stage<s>``); ``zero-kernels checkpoint inspect DIR`` names and shows them
+all (see `zero_kernels.cli.checkpoint`).
 
 [Note: exposed communication of DDP]
 DDP's buckets are all-reduced through a comm hook that counts their bytes and the time the last
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shlex
 import socket
 import statistics
 import sys
@@ -369,7 +373,7 @@ def run_rank(cfg: DemoConfig, rank: int, world: int, local_rank: int) -> dict | 
     # On an error there is no barrier and no teardown: the peers may be blocked in a collective;
     # the supervisor (or torchrun) stops them once this rank has exited non-zero.
     data = load_corpus()
-    stages = [0, cfg.stage] if cfg.stage != 0 and cfg.baseline else [cfg.stage]
+    stages = _stages(cfg)
     runs = {}
     for s in stages:
         desc = "stage 0 (DDP)" if s == 0 else f"stage {s} (ZeRO)"
@@ -383,6 +387,24 @@ def run_rank(cfg: DemoConfig, rank: int, world: int, local_rank: int) -> dict | 
     comm.barrier()
     comm.shutdown()
     return report
+
+
+def _stages(cfg: DemoConfig) -> list[int]:
+    """The runs of the demo, in order: the DDP baseline (stage 0) first where there is one."""
+    return [0, cfg.stage] if cfg.stage != 0 and cfg.baseline else [cfg.stage]
+
+
+def _finish(cfg: DemoConfig, report: dict) -> None:
+    """Rank 0 at the end: the report, then the inspect command of each run's checkpoints."""
+    from .report import write_report
+
+    write_report(cfg, report)
+    if not cfg.checkpoint_dir:
+        return
+    for s in _stages(cfg):
+        d = os.path.join(cfg.checkpoint_dir, f"stage{s}")
+        if os.path.exists(os.path.join(d, "latest")):
+            print(f"  checkpoints of stage {s}: zero-kernels checkpoint inspect {shlex.quote(d)}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -413,9 +435,7 @@ def _spawned(local_rank: int, cfg: DemoConfig, nproc: int, port: int, errors) ->
     try:
         report = run_rank(cfg, rank, world, local_rank)
         if report is not None:
-            from .report import write_report
-
-            write_report(cfg, report)
+            _finish(cfg, report)
     except BaseException as e:  # noqa: BLE001 (sent to the supervisor, then exit non-zero)
         errors.put((rank, _one_line(e), traceback.format_exc()))
         errors.close()
@@ -434,9 +454,7 @@ def run_demo(cfg: DemoConfig) -> int:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         report = run_rank(cfg, rank, world, int(os.environ["LOCAL_RANK"]))
         if report is not None:
-            from .report import write_report
-
-            write_report(cfg, report)
+            _finish(cfg, report)
         return 0
 
     import torch.multiprocessing as mp
