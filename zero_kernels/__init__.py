@@ -10,9 +10,9 @@
 
 from __future__ import annotations
 
+from ._version import __version__
 from .fused_adam import FusedAdam, FusedAdamW
 
-__version__ = "0.1.0"
 __all__ = [
     "CheckpointError",
     "FusedAdam",

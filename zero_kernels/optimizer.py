@@ -1,4 +1,4 @@
-"""`ZeroOptimizer`: ZeRO stage 1 / 2 over any torch optimizer. What users touch.
+"""`ZeroOptimizer`: ZeRO stages 1, 2 and 3 over any torch optimizer. What users touch.
 
     opt = ZeroOptimizer(model, torch.optim.AdamW, stage=2, lr=1e-3)   # was: AdamW(model..., lr=)
     for x, y in data:
@@ -7,16 +7,18 @@
         opt.clip_grad_norm_(1.0)               # optional; global norm over all shards
         opt.step()                             # shard step, then all-gather of the new params
 
-Layers below: `layout` (where params live), `buffers` (flat tensors), `partition` (hooks,
-reduce, sharded step, state conversion), `comm` (every collective). See [Note: overlap] in
-`zero_kernels.partition.reducer` for the timeline and [Note: layout] for the bucket/shard ranges.
-The model is not wrapped: do not also wrap it in DDP. Parameters become views into flat buffers
-(``param.data`` is replaced, the Parameter objects stay the same); ``param.grad`` is always None
-after backward: the reduced gradient lives in this rank's shard.
+The options resolve once into a `zero_kernels.policy.ZeroPolicy` ([Note: policies]), which the
+parts below read. Layers below: `layout` (where params live), `buffers` (flat tensors),
+`partition` (hooks, reduce, sharded step, state conversion, stage 3's units), `comm` (every
+collective). See [Note: overlap] in `zero_kernels.partition.reducer` for the timeline and
+[Note: layout] for the bucket/shard ranges. The model is not wrapped, and a DDP over its params
+is an error ([Note: wrappers]). Parameters become views into flat buffers (``param.data`` is
+replaced, the Parameter objects stay the same); after backward ``param.grad`` is a
+`ShardedGrad`, this rank's piece of the averaged gradient ([Note: gradients]).
 
-A trainable parameter that gets no gradient in a backward pass counts as a zero gradient (as in
-DeepSpeed): the bucket still fires, ranks never hang, and optimizers with momentum or weight
-decay still update it.
+A trainable parameter that gets no gradient on any rank in a backward pass is left out of the
+step, as torch does (its bucket still fires with zeros for it, so ranks never hang); one that
+got a gradient on some rank only steps with the average, zeros counted for the others.
 """
 
 from __future__ import annotations
@@ -66,13 +68,16 @@ wrappers.install()  # a DDP built over a live ZeroOptimizer's params raises ([No
 class ZeroOptimizer(
     ParamAccess, GradAccess, ShardStateAccess, GradChecks, torch.optim.Optimizer, Joinable
 ):
-    """Shards ``optimizer_class``'s state (stage 1) and the gradients too (stage 2).
+    """Shards ``optimizer_class``'s state (stage 1), the gradients too (stage 2) and the params
+    too (stage 3).
 
     Args:
         params: an ``nn.Module`` (names then appear in errors and layouts), or what torch
             optimizers take: an iterable of tensors or of param-group dicts.
         optimizer_class: a ``torch.optim.Optimizer`` subclass (not LBFGS).
-        stage: 1 or 2.
+        stage: 1, 2 or 3 (the shorthand of a `zero_kernels.policy.ShardPolicy`).
+        policy: a `zero_kernels.policy.ZeroPolicy` holding every choice below that a policy
+            has (instead of those keywords, which may then not be given: [Note: policies]).
         process_group: the data-parallel group (default: the world).
         bucket_size_mb: target size of a gradient bucket in MiB (at 4 bytes per element).
         overlap_comm: reduce buckets during backward (True) or all at the end (False).

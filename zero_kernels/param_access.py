@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from . import comm
@@ -97,7 +96,7 @@ class ParamAccess:
             for u in sched.all_units:
                 if any(self._slot_unit(i) == u.index for i in wanted):
                     covered.append(u)
-                    if u.state.value == "sharded":
+                    if u.sharded:
                         mine.append(u)
                     sched.wait(u)
         try:
@@ -129,7 +128,7 @@ class ParamAccess:
         sched = self._scheduler
         names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
         for u in sched.all_units:
-            was = u.state.value == "sharded"
+            was = u.sharded
             sched.wait(u)
             for i, b in u.buckets:
                 for p, _, _ in self._store.members.get((i, b), ()):
@@ -175,7 +174,8 @@ class ParamAccess:
                 u = self._slot_unit(buf.slots[b.slots[0]].index) if b.slots else 0
                 units[u].buckets.append((i, b.index))
         if persistent.buckets:  # gathered at construction, kept whole
-            persistent.state = UnitState.GATHERED
+            persistent.move(UnitState.GATHERING)  # all-gathered by _materialize_and_store
+            persistent.move(UnitState.GATHERED)
         # the root unit's sharded params (frozen ones stay whole)
         in_root = {id(p) for i, p in self._trainable.items() if self._slot_unit(i) == 0}
         root_members = [
@@ -225,7 +225,7 @@ class ParamAccess:
         n, dev = self.world_size, self.device
         if kind == "check":  # `UnitScheduler._check_same`'s all-reduce
             t = torch.zeros(2, dtype=torch.int64, device=dev)
-            return dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True), t
+            return comm.all_reduce_start(t, "max", group=self.group)
         numel = self.layout.buffers[i].buckets[b].numel(n)
         if kind == "all_gather":
             dt = dtype_of(self.layout.buffers[i].dtype)

@@ -30,7 +30,7 @@ import uuid
 
 import torch
 
-from .. import __version__
+from .._version import __version__
 from .adapters import Adapter, adapter_for
 from .control import Control, control_for
 from .format import (

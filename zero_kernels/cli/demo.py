@@ -36,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import shlex
-import socket
 import statistics
 import sys
 import time
@@ -48,6 +47,7 @@ import torch
 
 from ..models import MODEL_SIZES, build_gpt, get_batch, load_corpus
 from . import stop_processes
+from .launch import available_stages, free_port, under_torchrun
 from .optimizers import optimizer_spec
 
 __all__ = ["DemoConfig", "available_stages", "run_demo"]
@@ -76,18 +76,6 @@ class DemoConfig:
     timeout_s: float = 1800.0
     checkpoint_dir: str | None = None  # save every checkpoint_every steps; resume from it
     checkpoint_every: int = 0
-
-
-def available_stages() -> tuple[int, ...]:
-    """0 (DDP) always; 1, 2 and 3 when ZeroOptimizer is importable."""
-    stages = [0]
-    try:
-        from ..optimizer import ZeroOptimizer  # noqa: F401
-
-        stages += [1, 2, 3]
-    except ImportError:
-        pass
-    return tuple(stages)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -412,12 +400,6 @@ def _finish(cfg: DemoConfig, report: dict) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
 
@@ -444,13 +426,9 @@ def _spawned(local_rank: int, cfg: DemoConfig, nproc: int, port: int, errors) ->
         os._exit(1)
 
 
-def _under_torchrun() -> bool:
-    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ and "RANK" in os.environ
-
-
 def run_demo(cfg: DemoConfig) -> int:
     """Run the demo (spawning ranks unless under torchrun); returns the exit code."""
-    if _under_torchrun():
+    if under_torchrun():
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         report = run_rank(cfg, rank, world, int(os.environ["LOCAL_RANK"]))
         if report is not None:
@@ -460,7 +438,7 @@ def run_demo(cfg: DemoConfig) -> int:
     import torch.multiprocessing as mp
 
     nproc = cfg.nproc or (torch.cuda.device_count() if _device_for_parent(cfg) == "cuda" else 2)
-    port = cfg.master_port or _free_port()
+    port = cfg.master_port or free_port()
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
     procs = [
@@ -543,7 +521,7 @@ def validate(cfg: DemoConfig) -> None:
             raise ValueError(f"{name} must be >= {lo}; got {v}")
     if not 0 <= cfg.node_rank < cfg.nnodes:
         raise ValueError(f"--node-rank must be in 0..{cfg.nnodes - 1}; got {cfg.node_rank}")
-    if cfg.nnodes > 1 and cfg.master_port is None and not _under_torchrun():
+    if cfg.nnodes > 1 and cfg.master_port is None and not under_torchrun():
         raise ValueError("--master-port is required with --nnodes > 1 (the same on every node)")
     if cfg.bucket_mb <= 0:
         raise ValueError(f"--bucket-mb must be > 0; got {cfg.bucket_mb}")

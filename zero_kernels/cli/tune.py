@@ -29,7 +29,6 @@ and predicted figures and whether it fits, the recommendation) and tune.png.
 from __future__ import annotations
 
 import os
-import platform
 import queue as queue_mod
 import statistics
 import sys
@@ -40,6 +39,7 @@ from pathlib import Path
 
 from .. import estimate as est
 from . import stop_processes
+from .launch import available_stages, cores, free_port, under_torchrun
 from .tune_model import ModelFacts, ModelSource, check_size, model_facts
 from .tune_plan import (
     Measured,
@@ -147,13 +147,6 @@ def add_parser(sub, parser_class) -> None:
     t.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 
 
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 def _list(name: str, text: str, parse, accepted: str) -> tuple:
     """A comma-separated list; ``parse`` returns None (or raises ValueError) for a bad item."""
     out = []
@@ -214,9 +207,8 @@ def _check_out(out: str) -> None:
 
 def config_from_args(args, argv: list[str] | None = None) -> TuneConfig:
     """Check every argument (ValueError naming it and its value) and build the configuration."""
-    from .demo import _under_torchrun, available_stages
 
-    if _under_torchrun():
+    if under_torchrun():
         raise ValueError(
             "zero-kernels tune starts its own ranks (--nproc): run it directly, not under torchrun"
         )
@@ -230,7 +222,7 @@ def config_from_args(args, argv: list[str] | None = None) -> TuneConfig:
     else:
         spec, src_kind = args.model_size or "small", "size"
         check_size(spec)
-    cores = _cores()
+    n_cores = cores()
     for name, v, lo in (
         ("--threads", args.threads, 1),
         ("--batch-size", args.batch_size, 1),
@@ -243,15 +235,15 @@ def config_from_args(args, argv: list[str] | None = None) -> TuneConfig:
             raise ValueError(f"{name} must be >= {lo}; got {v}")
     if args.seq_len is not None and args.seq_len < 1:
         raise ValueError(f"--seq-len must be >= 1; got {args.seq_len}")
-    if not 2 <= args.nproc <= cores:
+    if not 2 <= args.nproc <= n_cores:
         raise ValueError(
-            f"--nproc must be in 2..{cores} (ZeRO needs 2 ranks; this machine has {cores} "
+            f"--nproc must be in 2..{n_cores} (ZeRO needs 2 ranks; this machine has {n_cores} "
             f"cores, one per rank); got {args.nproc}"
         )
-    if args.nproc * args.threads > cores:
+    if args.nproc * args.threads > n_cores:
         raise ValueError(
             f"--threads {args.threads} x --nproc {args.nproc} needs {args.nproc * args.threads} "
-            f"cores; this machine has {cores}"
+            f"cores; this machine has {n_cores}"
         )
     for name, v in (("--time-budget", args.time_budget), ("--trial-timeout", args.trial_timeout)):
         if not v > 0:
@@ -322,11 +314,10 @@ class _Launcher:
         self.ctx.set_forkserver_preload(["zero_kernels.cli.tune_worker"])
 
     def run(self, job: dict) -> list:
-        from .demo import _free_port
         from .tune_worker import rank_main
 
         q = self.ctx.Queue()
-        port = _free_port()
+        port = free_port()
         procs = [
             self.ctx.Process(target=rank_main, args=(i, self.nproc, port, job, q))
             for i in range(self.nproc)
@@ -455,7 +446,7 @@ def _measured(cfg: TuneConfig, per_rank: list[dict]) -> tuple[Measured, dict]:
         optimizer_full_s=worst["optimizer_full_s"],
         optimizer_shard_s=worst["optimizer_shard_s"],
         activation_bytes=float(worst["activation_bytes"]),
-        overlap=overlap_efficiency(_cores(), cfg.nproc, cfg.threads),
+        overlap=overlap_efficiency(cores(), cfg.nproc, cfg.threads),
     )
     compute = {
         "fwd_bwd_s": m.fwd_bwd_s,
@@ -564,19 +555,3 @@ def run_tune(cfg: TuneConfig) -> int:
         raise
     bar.close()
     return finish(cfg, facts, measured, probe_json, trials, time.monotonic() - t0)
-
-
-def machine() -> dict:
-    import torch
-
-    from .. import __version__
-
-    return {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cores": _cores(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "zero_kernels": __version__,
-        "backend": "gloo (CPU)",
-    }

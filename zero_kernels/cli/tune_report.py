@@ -277,7 +277,7 @@ def _plot(res: dict, path: Path) -> Path | None:
 
 def finish(cfg, facts, measured, probe_json: dict, trials: list[dict], elapsed: float) -> int:
     """Aggregate, recommend, print, write; the exit code (1 when nothing fits)."""
-    from .tune import machine
+    from .launch import machine
 
     entries = sorted((_aggregate(t, cfg.mem_limit) for t in trials), key=_sort_key)
     best, ddp = recommend(entries)

@@ -61,6 +61,7 @@ __all__ = [
     "Watch",
     "all_gather",
     "all_reduce",
+    "all_reduce_start",
     "avg_supported",
     "broadcast",
     "broadcast_object",
@@ -172,6 +173,13 @@ def all_reduce(
         else:
             _wait(dist.all_reduce(t, op=rop, group=group, async_op=True), timeout_s, what)
     return t
+
+
+def all_reduce_start(t: torch.Tensor, op: str = "sum", *, group=None) -> Handle:
+    """Start an in-place all-reduce of ``t`` (op sum or max); the handle keeps ``t`` alive until
+    it is waited for (or dropped once the collective completed)."""
+    rop = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+    return Handle(dist.all_reduce(t, op=rop, group=group, async_op=True), (t,))
 
 
 def all_reduce_future(t: torch.Tensor, *, group=None) -> torch.futures.Future:

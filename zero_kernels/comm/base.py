@@ -164,7 +164,22 @@ class CollectiveTimeout(RuntimeError):
 
 
 def _wait(work, timeout_s: float | None, what: str) -> None:
-    """``work.wait()``, bounded by ``timeout_s`` (see `Handle.wait`)."""
+    """``work.wait()``, bounded by ``timeout_s`` (see `Handle.wait`).
+
+    [Note: timeouts]
+    Two bounds, both from the optimizer's ``timeout=``. (1) The collectives of backward and step
+    (reduce-scatters, all-gathers, the small all-reduces of the step) are bounded only when the
+    user passes ``timeout``: each wait then raises `CollectiveTimeout` naming the step, the phase
+    and the bucket or unit, instead of waiting for the process group's own timeout (30 minutes
+    on gloo). Unbounded by default because a bounded wait on gloo runs in a helper thread (its
+    reduce-scatter work ignores ``wait(timeout)``), a cost on every wait. (2) Calls that are
+    collective though they look local (``consolidated_state_dict``, ``full_param``, stage 3's
+    ``model.state_dict()`` and ``close()``) first check that every rank arrived, with
+    ``monitored_barrier`` on the optimizer's side group, within ``timeout`` or 300 s
+    (`zero_kernels.comm.check_arrival`): a call made on one rank is a RuntimeError there, never
+    a hang. A gloo wait that expires closes the group's pairs, so the group cannot be used after
+    a `CollectiveTimeout`; stage 3's `SequenceCheck` avoids expiring waits for that reason
+    ([Note: watched waits])."""
     if timeout_s is None:
         work.wait()
         return

@@ -26,6 +26,7 @@ import torch
 
 from .. import _native
 from . import reference
+from .backends import resolve_backend
 from .hyper import AdamHyper
 
 __all__ = [
@@ -109,8 +110,6 @@ def _native_scalars(h: AdamHyper) -> tuple:
 
 
 def _resolve(backend: str, device: torch.device) -> str:
-    from . import resolve_backend  # ops/__init__ imports this module first
-
     return resolve_backend(backend, device)
 
 

@@ -1,4 +1,5 @@
-"""ZeRO stages 1 and 2: which rank owns what, the hooks that fire buckets, the sharded step."""
+"""The partitioning layer of every stage: which rank owns what (modes), the hooks that fire
+gradient buckets (reducer), the sharded step (runner), state conversion, and stage 3's units."""
 
 from .modes import ELEMENTWISE, PARTITIONS, choose_mode
 from .reducer import Reducer

@@ -14,7 +14,6 @@ import uuid
 import weakref
 
 import torch
-import torch.distributed as dist
 
 from .. import comm
 from .units import _in_backward
@@ -322,8 +321,7 @@ class SequenceCheck(comm.Watch):
                             pass
         if self.ending is None:  # the end-of-pass all-reduce of the ranks that ended the pass
             t = torch.zeros(2 * self.streams, dtype=torch.int64)  # as `end_pass`'s
-            work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.side, async_op=True)
-            self.filled.append((work, t))
+            self.filled.append(comm.all_reduce_start(t, "max", group=self.side))
 
 
 def _monitor(ref, stop: threading.Event) -> None:

@@ -27,7 +27,9 @@ Timeline of one training step (units U1..U3 inside the root, prefetch=1):
 - The root unit is gathered from the model's pre-forward to the end of backward.
 - A module called twice re-gathers once per call (at most one extra gather); activation
   checkpointing re-runs a unit's forward inside backward, which gathers it if needed and does not
-  free it after (its backward comes next); a parameter shared by two units lives in the first.
+  free it after (its backward comes next); a parameter shared by two units (tied) lives in the
+  root unit, one shared by a unit and a module of the root in that unit (`unit_assignment`; the
+  read guard gathers it where the root's module reads it, [Note: external params]).
 - The forward order is recorded in the first step and checked on every rank in that step (a small
   all-reduce per unit): ranks that run different modules get a ValueError naming them, never
   all-gathers that do not match. Later steps prefetch by the recorded order; a unit reached out of
@@ -128,6 +130,14 @@ class UnitState(enum.Enum):
     GATHERED = "gathered"
 
 
+# a unit's transitions (asserted at each, as `zero_kernels.partition.reducer`'s buckets are)
+_UNIT_MOVES = {
+    UnitState.SHARDED: (UnitState.GATHERING,),
+    UnitState.GATHERING: (UnitState.GATHERED,),
+    UnitState.GATHERED: (UnitState.SHARDED,),
+}
+
+
 class Unit:
     """One unit: its module, its buckets ``(buffer, bucket)``, its state and pending gathers."""
 
@@ -140,6 +150,14 @@ class Unit:
 
     def expect(self, *states: UnitState) -> None:
         assert self.state in states, f"unit {self.name}: state {self.state}, expected {states}"
+
+    def move(self, to: UnitState) -> None:
+        assert to in _UNIT_MOVES[self.state], f"unit {self.name}: {self.state} -> {to}"
+        self.state = to
+
+    @property
+    def sharded(self) -> bool:
+        return self.state is UnitState.SHARDED
 
     def __repr__(self) -> str:
         return f"Unit({self.index}, {self.name!r}, {self.state.value}, {len(self.buckets)} bkts)"
@@ -290,7 +308,7 @@ class UnitScheduler:
                 i, b, self.log, self.group, timeout_s=self.timeout, what=what, watch=watch
             )
             u.handles.append(h)
-        u.state = UnitState.GATHERING
+        u.move(UnitState.GATHERING)
 
     def wait(self, u: Unit) -> None:
         self.gather(u)
@@ -299,17 +317,17 @@ class UnitScheduler:
             for h in u.handles:
                 h.wait(self.timeout, f"{self.describe()}: all-gather of unit {u.name}", watch)
             u.handles.clear()
-            u.state = UnitState.GATHERED
+            u.move(UnitState.GATHERED)
         u.expect(UnitState.GATHERED)
 
     def free(self, u: Unit) -> None:
-        if u.persistent:
+        if u.persistent or u.sharded:
             return
         if u.state is UnitState.GATHERING:
             self.wait(u)
         for i, b in u.buckets:
             self.store.free(i, b)
-        u.state = UnitState.SHARDED
+        u.move(UnitState.SHARDED)
 
     def free_all(self) -> None:
         for u in self.all_units:
