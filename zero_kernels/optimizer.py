@@ -752,6 +752,14 @@ class ZeroOptimizer(
         self._steps_at_reset = self._steps
         self.nonfinite_steps = 0
 
+    @property
+    def sharded_state(self):
+        """The public interface to this rank's sharded state that checkpoints read and write
+        (`zero_kernels.sharded_state.ShardedState`)."""
+        from .sharded_state import ShardedState
+
+        return ShardedState(self)
+
     # the loss scale, as before the scaler was its own object (checkpoints, scripts, tests)
     loss_scale = property(
         lambda self: self.scaler.scale, lambda self, v: setattr(self.scaler, "scale", float(v))

@@ -31,7 +31,6 @@ __all__ = ["Adapter", "PieceData", "Target", "adapter_for", "module_state", "unw
 # Per-tensor scalars torch optimizers keep as 0-dim tensors (the rule of
 # `zero_kernels.partition.state`): never element-wise.
 _SCALAR_KEYS = frozenset({"step", "mu_product", "eta", "mu"})
-_FUSED_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")  # fused Adam's flat state
 _PLAIN_BUCKET_NUMEL = 1 << 22  # elements per bucket of the layout built for a plain optimizer
 
 
@@ -204,95 +203,53 @@ class Adapter:
 
 
 class ZeroAdapter(Adapter):
+    """A `ZeroOptimizer`, through its public sharded-state interface (`opt.sharded_state`,
+    `zero_kernels.sharded_state.ShardedState`) only."""
+
     def __init__(self, model, optimizer):
         super().__init__(model, optimizer)
-        o = optimizer
-        o._check_open("checkpoint")
-        self.stage, self.mode, self.group = o.stage, o.mode, o.group
-        self.layout, self.rank, self.world_size = o.layout, o.rank, o.world_size
-        self.runner = o._runner
-        self._entries = list(self.runner.all_pieces())
+        self.state = st = optimizer.sharded_state
+        self.stage, self.mode, self.group = st.stage, st.mode, st.group
+        self.layout, self.rank, self.world_size = st.layout, st.rank, st.world_size
 
     def params(self):
-        return self.optimizer._params
+        return self.state.params()
 
     def trainable(self):
-        return sorted(self.optimizer._trainable)
+        return self.state.trainable()
 
     def group_params(self):
-        return [list(x) for x in self.optimizer._group_indices]
+        return self.state.group_indices()
 
     def optimizer_class(self):
-        return self.optimizer.optimizer_class
+        return self.state.optimizer_class
 
     def my_pieces(self):
-        for _i, _k, pc, ip, _g in self.runner.all_pieces():
-            st = self.runner.inner.state.get(ip) or {}
-            elem = {k: v.detach().reshape(-1) for k, v in st.items() if elementwise(k, v, ip.shape)}
+        for pc in self.state.pieces():
+            st = pc.state
+            elem = {k: v.detach().reshape(-1) for k, v in st.items() if elementwise(k, v, pc.shape)}
             other = {k: v for k, v in st.items() if k not in elem}
-            yield PieceData(pc.index, pc.offset, pc.numel, ip.detach().reshape(-1), elem, other)
+            yield PieceData(pc.index, pc.offset, pc.numel, pc.values, elem, other)
 
     def targets(self):
-        out = []
-        for _i, _k, pc, ip, _g in self.runner.all_pieces():
-            out.append(Target(pc.index, pc.offset, pc.numel, ip.detach().view(-1), tuple(ip.shape)))
-        return out
+        return [
+            Target(pc.index, pc.offset, pc.numel, pc.values, pc.shape) for pc in self.state.pieces()
+        ]
 
     def state_buffer(self, j, key, dtype):
-        r = self.runner
-        i, _k, pc, ip, _g = self._entries[j]
-        st = r.inner.state.get(ip) or {}
-        v = st.get(key)
-        if _reusable(v, dtype, pc.numel):
-            return v.detach().view(-1)
-        if r.fused[i] and dtype == torch.float32 and key in _FUSED_KEYS:
-            views = r.piece_flat_state(i, _k)
-            if key in views:
-                return views[key]
-        return torch.empty(pc.numel, dtype=dtype)
+        return self.state.state_target(j, key, dtype)
 
-    @torch.no_grad()
     def install(self, states, groups, meta):
-        o, r = self.optimizer, self.runner
-        entries = list(r.all_pieces())
-        assert len(entries) == len(states)
-        for (i, _k, pc, ip, _g), st in zip(entries, states):
-            if st is not None:
-                r.inner.state[ip] = {
-                    **{k: v.view(ip.shape) for k, v in st["elem"].items()},
-                    **st["other"],
-                }
-                continue
-            r.inner.state.pop(ip, None)
-            flat = r.flat_state.get((i, pc.bucket)) if r.fused[i] else None
-            if flat:  # fused Adam: the piece's range of the bucket's state restarts at 0
-                b = self.layout.buffers[i].buckets[pc.bucket]
-                lo = pc.start - b.shard_start(self.rank)
-                for t in flat.values():
-                    t[lo : lo + pc.numel].zero_()
-        r.adopt_state()
-        for g, saved in zip(o.param_groups, groups):
-            for k, v in saved.items():
-                if k != "params":
-                    g[k] = v
-        r.sync_hyper(o.param_groups)
-        sc = meta.get("scaler") or {}
-        if "loss_scale" in sc and sc.get("dynamic") == o._dynamic:
-            o.loss_scale = float(sc["loss_scale"])
-            o._growth_tracker = int(sc.get("growth_tracker", 0))
-        o._steps = int(meta.get("steps", o._steps))
-        o._refresh_params()
+        st = self.state
+        self.state.install(
+            states, groups, int(meta.get("steps", st.steps)), meta.get("scaler") or {}
+        )
 
     def steps(self):
-        return int(self.optimizer._steps)
+        return self.state.steps
 
     def scaler(self):
-        o = self.optimizer
-        return {
-            "loss_scale": float(o.loss_scale),
-            "growth_tracker": int(o._growth_tracker),
-            "dynamic": bool(o._dynamic),
-        }
+        return self.state.scaler_state()
 
 
 class PlainAdapter(Adapter):
