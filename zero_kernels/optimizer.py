@@ -48,6 +48,7 @@ from .partition import (
     choose_mode,
 )
 from .partition.grads import GradViews, ShardedGrad
+from .partition.state import consolidate, local_payload
 from .partition.units import (
     find_units,
     unit_assignment,
@@ -189,6 +190,17 @@ class ZeroOptimizer(
         host_cache: bool | None = None,
         **defaults,
     ):
+        # how this optimizer was built: add_param_group builds it again with one more group
+        self._init_args = (
+            optimizer_class,
+            {
+                k: v
+                for k, v in locals().items()
+                if k not in ("self", "params", "optimizer_class", "defaults", "__class__")
+            }
+            | {"module": params if isinstance(params, nn.Module) else module}
+            | defaults,
+        )
         self._closed = True  # until construction succeeds (close() then does nothing)
         self._hook_handles: list = []
         Joinable.__init__(self)
@@ -542,13 +554,58 @@ class ZeroOptimizer(
             raise RuntimeError(f"ZeroOptimizer.{what}: the optimizer was closed")
 
     def add_param_group(self, param_group: dict) -> None:
+        """Add a group of params not held yet (progressive unfreezing), as torch's optimizers
+        do; collective: every rank adds the same group.
+
+        The params are laid out and sharded at construction, so the optimizer is built again
+        over every group: the whole optimizer state (fp32 masters included) is gathered on
+        every rank, the params are handed back whole (`close`), the same constructor runs with
+        one more group, and the state, the step counter, the loss scaler, the counters of
+        `comm_stats` and the hooks registered on this optimizer are put back. The old params
+        keep their state exactly; the new ones start without state, as in torch. It costs the
+        whole optimizer state on every rank for a moment and the constructor's collectives,
+        once per call."""
         if getattr(self, "_building", False):
             return super().add_param_group(param_group)
-        raise NotImplementedError(
-            "ZeroOptimizer.add_param_group: the params of a ZeroOptimizer are laid out and "
-            "sharded at construction; build a new ZeroOptimizer with every param group instead "
-            f"(got a group of {len(list(param_group.get('params', [])))} params)"
-        )
+        self._check_open("add_param_group")
+        if not isinstance(param_group, dict) or "params" not in param_group:
+            raise TypeError(
+                "add_param_group: param_group must be a dict with 'params', got "
+                f"{type(param_group).__name__}"
+            )
+        new = dict(param_group)
+        ps = new["params"]
+        new["params"] = [ps] if isinstance(ps, torch.Tensor) else list(ps)
+        held = {id(p) for p in self._params.values()}
+        if any(id(p) in held for p in new["params"]):
+            raise ValueError(
+                "add_param_group: some parameters appear in more than one parameter group "
+                "(a param of the new group is held by this optimizer already)"
+            )
+        comm.check_arrival(self._side, "ZeroOptimizer.add_param_group()", self.timeout)
+        self.wait_params()
+        payload = local_payload(self.layout, self._runner, masters=True)
+        got = comm.all_gather_object(payload, group=self.group)
+        full = consolidate(self.layout, got, self.param_groups, self._group_indices)
+        groups = [dict(g) for g in self.param_groups] + [new]
+        kept = {
+            "_steps": self._steps,
+            "_steps_at_reset": self._steps_at_reset,
+            "skipped_steps": self.skipped_steps,
+            "_nonfinite_host": self._nonfinite_host,
+        }
+        hooks = {k: v for k, v in vars(self).items() if k.startswith("_optimizer_") and "hook" in k}
+        log, scaler = dict(vars(self.comm_log)), dict(vars(self.scaler))
+        optimizer_class, kwargs = self._init_args
+        self.close()
+        ZeroOptimizer.__init__(self, groups, optimizer_class, **kwargs)
+        g = {k: v for k, v in self.param_groups[-1].items() if k != "params"}
+        full["param_groups"].append({**g, "params": list(self._group_indices[-1])})
+        self.load_state_dict(full)
+        vars(self).update(kept)
+        vars(self).update(hooks)
+        vars(self.comm_log).update(log)
+        vars(self.scaler).update(scaler)
 
     def _check_params_intact(self) -> None:
         """Params whose data was replaced after construction (``p.data = ...``,
