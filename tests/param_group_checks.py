@@ -56,13 +56,12 @@ def check_add_param_group(rank: int, world: int) -> dict:
             base.head.requires_grad_(False)
             m, ref = copy.deepcopy(base), copy.deepcopy(base)
             kw = dict(lr=1e-2, weight_decay=0.1)
-            body = lambda mm: [p for n, p in mm.named_parameters() if not n.startswith("head")]  # noqa: E731
             zo = ZeroOptimizer(
-                [{"params": body(m)}], torch.optim.AdamW, stage=stage, module=m, **kw
+                [{"params": _body(m)}], torch.optim.AdamW, stage=stage, module=m, **kw
             )
-            to = torch.optim.AdamW([{"params": body(ref)}], **kw)
+            to = torch.optim.AdamW([{"params": _body(ref)}], **kw)
             calls = []
-            zo.register_step_post_hook(lambda o, a, k: calls.append(1))
+            zo.register_step_post_hook(lambda o, a, k, calls=calls: calls.append(1))
             for s in range(4):
                 x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * s + rank))
                 if s == 2:  # unfreeze the head: a group of its own, another lr
