@@ -33,6 +33,7 @@ import random
 
 import torch
 import torch.distributed as dist
+from numerics import rel_err
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -206,13 +207,6 @@ def full_state(m: Net, o) -> dict | None:
         for g in sd["param_groups"]
     ]
     return {"state": state, "groups": groups}
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    if a.numel() == 0:
-        return 0.0
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def assert_same_state(got: dict, want: dict, what: str) -> None:

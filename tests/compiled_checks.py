@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import copy
 
+from numerics import rel_err
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from zero_kernels import ZeroOptimizer
-
-
-def _rel(a, b) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def check_compiled_autograd(rank: int, world: int) -> dict:
@@ -45,7 +41,7 @@ def check_compiled_autograd(rank: int, world: int) -> dict:
                 torch.nn.utils.clip_grad_norm_(m2.parameters(), 0.05)
                 ref.step()
                 ref.zero_grad()
-            return max(_rel(a, b) for a, b in zip(m1.parameters(), m2.parameters()))
+            return max(rel_err(a, b) for a, b in zip(m1.parameters(), m2.parameters()))
         finally:
             zo.close()
 
@@ -149,7 +145,7 @@ def check_compiled_forward_hooks(rank: int, world: int) -> dict:
         else:
             zo.wait_params()
             for (n, a), b in zip(m1.named_parameters(), m2.parameters()):
-                assert _rel(a, b) <= tol, f"{name}: {n} {_rel(a, b):.3g}"
+                assert rel_err(a, b) <= tol, f"{name}: {n} {rel_err(a, b):.3g}"
         assert graphs[0] >= 1, f"{name}: nothing was compiled ({dict(counters['stats'])})"
         assert graphs[-1] == graphs[0], f"{name}: recompiled after the first step: {graphs}"
         assert not counters["recompiles"], f"{name}: {dict(counters['recompiles'])}"

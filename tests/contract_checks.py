@@ -1,5 +1,6 @@
 """Checks of the script contract (issue 8): an ordinary training script gets DDP's result or a
-clear error. Run on spawned gloo ranks by tests/test_zero_contract.py, several checks per group."""
+clear error. Run on spawned gloo ranks by tests/test_zero_contract.py: each ``check_*`` function
+is one concern, `contract_all` runs them all in one spawned group (dist_utils.run_checks)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import time
 
 import torch
 import torch.distributed as dist
+from dist_utils import run_checks
+from numerics import assert_params_close, rel_err
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -30,18 +33,6 @@ def _x(rank: int, step: int, dtype=torch.float32) -> torch.Tensor:
     return torch.randn(6, 8, generator=torch.Generator().manual_seed(1000 * step + rank)).to(dtype)
 
 
-def _close(m1, m2, tol, what):
-    for (n, a), (_, b) in zip(m1.named_parameters(), m2.named_parameters()):
-        a, b = a.detach().double(), b.detach().double()
-        err = float((a - b).norm() / b.norm().clamp_min(1e-30))
-        assert err <= tol, f"{what}: {n} rel err {err:.3g} > {tol:g}"
-
-
-def _rel(a, b) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
 def _pair(stage, cls=O.AdamW, dtype=torch.float32, zkw=None, **kw):
     base = _model(dtype=dtype)
     m1, m2 = copy.deepcopy(base), copy.deepcopy(base)
@@ -52,12 +43,13 @@ def _pair(stage, cls=O.AdamW, dtype=torch.float32, zkw=None, **kw):
     return m1, m2, zo, ddp, to
 
 
-def check_torch_tools(rank: int, world: int) -> dict:
-    """clip_grad_norm_, model.zero_grad (both ways), GradScaler, reading/scaling/replacing/
-    dropping p.grad: each gives DDP's result."""
-    out = {}
+# ------------------------------------------------------------------ torch's tools on sharded grads
+
+
+def check_torch_clip_and_zero_grad(rank: int, world: int) -> dict:
+    """torch.nn.utils.clip_grad_norm_ over model.parameters() (p = 2, inf, 1) and
+    model.zero_grad() (both ways): DDP's norms and result."""
     for stage in (1, 2):
-        # -- torch.nn.utils.clip_grad_norm_ over model.parameters(), model.zero_grad()
         for norm_type, set_to_none in ((2.0, True), (float("inf"), False), (1.0, True)):
             m1, m2, zo, ddp, to = _pair(stage)
             for step in range(4):
@@ -71,28 +63,50 @@ def check_torch_tools(rank: int, world: int) -> dict:
                 assert float(n1) > 0
                 zo.step()
                 to.step()
-            _close(m1, m2, 1e-6, f"clip_grad_norm_ p={norm_type} stage={stage}")
+            assert_params_close(m1, m2, 1e-6, f"clip_grad_norm_ p={norm_type} stage={stage}")
             zo.close()
-        # -- reading p.grad: norms, full_grad, the visible value after opt.clip_grad_norm_
-        m1, m2, zo, ddp, to = _pair(stage)
-        m1(_x(rank, 0)).pow(2).mean().backward()
-        ddp(_x(rank, 0)).pow(2).mean().backward()
+    return {}
+
+
+def _one_backward(stage, rank):
+    m1, m2, zo, ddp, to = _pair(stage)
+    m1(_x(rank, 0)).pow(2).mean().backward()
+    ddp(_x(rank, 0)).pow(2).mean().backward()
+    return m1, m2, zo, ddp, to
+
+
+def check_read_grads(rank: int, world: int) -> dict:
+    """Reading p.grad: a ShardedGrad of the param's shape and dtype, its norm and full_grad
+    DDP's, also after opt.clip_grad_norm_; an op that cannot be exact raises naming the way
+    that works."""
+    for stage in (1, 2):
+        m1, m2, zo, ddp, to = _one_backward(stage, rank)
         for a, b in zip(m1.parameters(), m2.parameters()):
             assert isinstance(a.grad, ShardedGrad)
             assert a.grad.shape == b.grad.shape and a.grad.dtype == b.grad.dtype
             assert abs(float(a.grad.norm()) - float(b.grad.norm())) <= 1e-6 * float(b.grad.norm())
-            assert _rel(zo.full_grad(a), b.grad) <= 1e-6
+            assert rel_err(zo.full_grad(a), b.grad) <= 1e-6
         zo.clip_grad_norm_(1e-3)
         torch.nn.utils.clip_grad_norm_(m2.parameters(), 1e-3)
         for a, b in zip(m1.parameters(), m2.parameters()):
-            assert _rel(zo.full_grad(a), b.grad) <= 1e-5
-        # an operation that cannot be exact raises, naming the way that works
+            assert rel_err(zo.full_grad(a), b.grad) <= 1e-5
         try:
             _ = m1[0].weight.grad + 1
             raise AssertionError("an unsupported op on a sharded grad did not raise")
         except ShardedGradError as e:
             assert "full_grad" in str(e), e
-        # -- scaling, replacing and dropping grads before the step
+        zo.close()
+    return {}
+
+
+def check_edit_grads(rank: int, world: int) -> dict:
+    """Scaling, replacing and dropping grads before the step: DDP's result, a dropped param
+    neither stepped nor given state; grads stay after step until zero_grad; a step with no
+    backward since zero_grad changes nothing."""
+    for stage in (1, 2):
+        m1, m2, zo, ddp, to = _one_backward(stage, rank)
+        zo.clip_grad_norm_(1e-3)
+        torch.nn.utils.clip_grad_norm_(m2.parameters(), 1e-3)
         m1[0].weight.grad.mul_(0.5)
         m2[0].weight.grad.mul_(0.5)
         g = torch.full_like(m2[2].weight, 0.01)
@@ -105,9 +119,9 @@ def check_torch_tools(rank: int, world: int) -> dict:
         to.step()
         assert torch.equal(m1[4].bias, before), "a param with grad None was stepped"
         assert not zo.full_state(m1[4].bias), "state created for a param never stepped"
-        _close(m1, m2, 1e-6, f"scaled/replaced/dropped grads stage={stage}")
+        assert_params_close(m1, m2, 1e-6, f"scaled/replaced/dropped grads stage={stage}")
         # grads stay after step (torch's rule) until zero_grad
-        assert _rel(zo.full_grad(m1[2].weight), m2[2].weight.grad) <= 1e-6
+        assert rel_err(zo.full_grad(m1[2].weight), m2[2].weight.grad) <= 1e-6
         zo.zero_grad()
         assert all(p.grad is None for p in m1.parameters())
         # -- step with no backward since zero_grad changes nothing
@@ -115,7 +129,13 @@ def check_torch_tools(rank: int, world: int) -> dict:
         zo.step()
         assert all(torch.equal(a, b) for a, b in zip(snap, m1.parameters()))
         zo.close()
-        # -- GradScaler (its unscale_ and inf check run on the sharded grads)
+    return {}
+
+
+def check_grad_scaler(rank: int, world: int) -> dict:
+    """torch.amp.GradScaler (its unscale_ and inf check run on the sharded grads): DDP's
+    scales and result, one rank's overflow skipping the step on every rank."""
+    for stage in (1, 2):
         m1, m2, zo, ddp, to = _pair(stage)
         s1 = torch.amp.GradScaler("cpu", init_scale=1024.0)
         s2 = torch.amp.GradScaler("cpu", init_scale=1024.0)
@@ -131,10 +151,12 @@ def check_torch_tools(rank: int, world: int) -> dict:
                 s.step(o)
                 s.update()
             assert s1.get_scale() == s2.get_scale(), (s1.get_scale(), s2.get_scale())
-        _close(m1, m2, 1e-6, f"GradScaler stage={stage}")
+        assert_params_close(m1, m2, 1e-6, f"GradScaler stage={stage}")
         zo.close()
-        out[f"torch tools stage={stage}"] = "ok"
-    return out
+    return {}
+
+
+# ------------------------------------------------------------------ torch's per-param semantics
 
 
 class Branchy(nn.Module):
@@ -155,9 +177,9 @@ class Branchy(nn.Module):
         return self.b(h)
 
 
-def check_semantics(rank: int, world: int) -> dict:
-    """Unused params, requires_grad toggled, float64, add_param_group, full-state access."""
-    out = {}
+def check_unused_params(rank: int, world: int) -> dict:
+    """Params used on some ranks only, or on none in some steps: DDP's grads None, result and
+    optimizer state."""
     for stage in (1, 2):
         for cls, kw in (
             (O.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
@@ -181,16 +203,21 @@ def check_semantics(rank: int, world: int) -> dict:
                     assert (a.grad is None) == (b.grad is None), (n, step)
                 zo.step()
                 to.step()
-            _close(m1, m2, 1e-6, f"unused params {cls.__name__} stage={stage}")
+            assert_params_close(m1, m2, 1e-6, f"unused params {cls.__name__} stage={stage}")
             ref = to.state_dict()["state"]
             full = zo.consolidated_state_dict()
             if rank == 0:
                 assert sorted(full["state"]) == sorted(ref), (sorted(full["state"]), sorted(ref))
                 for k, st in ref.items():
                     for key, v in st.items():
-                        assert _rel(full["state"][k][key], v) <= 1e-5, (k, key)
+                        assert rel_err(full["state"][k][key], v) <= 1e-5, (k, key)
             zo.close()
-        # -- requires_grad toggled between steps: left out while off, as torch does
+    return {}
+
+
+def check_requires_grad_toggled(rank: int, world: int) -> dict:
+    """requires_grad toggled between steps: left out while off, as torch does."""
+    for stage in (1, 2):
         m1, m2, zo, ddp, to = _pair(stage)
         for step in range(4):
             off = step in (1, 2)
@@ -202,9 +229,14 @@ def check_semantics(rank: int, world: int) -> dict:
             ddp(_x(rank, step)).pow(2).mean().backward()
             zo.step()
             to.step()
-        _close(m1, m2, 1e-6, f"requires_grad toggled stage={stage}")
+        assert_params_close(m1, m2, 1e-6, f"requires_grad toggled stage={stage}")
         zo.close()
-        # -- float64 params are stepped in float64, no fp32 master
+    return {}
+
+
+def check_float64(rank: int, world: int) -> dict:
+    """float64 params are stepped in float64 (DDP's result to 1e-13), no fp32 master."""
+    for stage in (1, 2):
         for cls, kw in (
             (O.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
             (O.SGD, {"lr": 0.1, "momentum": 0.9}),
@@ -217,18 +249,19 @@ def check_semantics(rank: int, world: int) -> dict:
                 ddp(_x(rank, step, torch.float64)).pow(2).mean().backward()
                 zo.step()
                 to.step()
-            _close(m1, m2, 1e-13, f"float64 {cls.__name__} stage={stage}")
+            assert_params_close(m1, m2, 1e-13, f"float64 {cls.__name__} stage={stage}")
             assert zo.memory_report()["master_bytes"] == 0
             assert all(t.dtype == torch.float64 for t in zo._grads.shard_tensors())
             zo.close()
-        # -- add_param_group is refused, never accepted and ignored
+    return {}
+
+
+def check_full_state_access(rank: int, world: int) -> dict:
+    """full_param / full_state (collective) against the DDP side's torch optimizer; the
+    setters set_full_param / set_full_state / set_full_grad give the result of the same edits
+    made to the unsharded model."""
+    for stage in (1, 2):
         m1, m2, zo, ddp, to = _pair(stage)
-        try:
-            zo.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
-            raise AssertionError("add_param_group accepted")
-        except NotImplementedError as e:
-            assert "add_param_group" in str(e)
-        # -- full-state access (collective) against the DDP side's torch optimizer
         for step in range(2):
             zo.zero_grad()
             to.zero_grad()
@@ -237,11 +270,11 @@ def check_semantics(rank: int, world: int) -> dict:
             zo.step()
             to.step()
         for a, b in zip(m1.parameters(), m2.parameters()):
-            assert _rel(zo.full_param(a), b) <= 1e-6
+            assert rel_err(zo.full_param(a), b) <= 1e-6
             st, ref = zo.full_state(a), to.state[b]
             assert sorted(st) == sorted(ref), (sorted(st), sorted(ref))
             for key in ref:
-                assert _rel(st[key], ref[key]) <= 1e-5, (key, _rel(st[key], ref[key]))
+                assert rel_err(st[key], ref[key]) <= 1e-5, (key, rel_err(st[key], ref[key]))
         w1, w2 = m1[0].weight, m2[0].weight
         new = torch.linspace(-1, 1, w1.numel()).view(w1.shape)
         zo.set_full_param(w1, new)
@@ -257,14 +290,24 @@ def check_semantics(rank: int, world: int) -> dict:
         m2[4].weight.grad = torch.ones_like(m2[4].weight)
         zo.step()
         to.step()
-        _close(m1, m2, 1e-6, f"full-state setters stage={stage}")
+        assert_params_close(m1, m2, 1e-6, f"full-state setters stage={stage}")
         zo.close()
-        out[f"semantics stage={stage}"] = "ok"
-    return out
+    return {}
 
 
-def check_lifecycle(rank: int, world: int) -> dict:
-    """close(), a second optimizer, a failed constructor, collection, replaced param data."""
+# ------------------------------------------------------------------ lifecycle
+
+
+def _plain_grads(m, rank, step, what) -> None:
+    """A backward on ``m`` leaves plain tensors in p.grad (no hook of ours ran); cleared."""
+    m(_x(rank, step)).sum().backward()
+    assert all(type(p.grad) is torch.Tensor for p in m.parameters()), what
+    m.zero_grad()
+
+
+def check_close(rank: int, world: int) -> dict:
+    """A second optimizer over params held by a live one is refused; close() gives the params
+    back as plain tensors (not views of the flat buffers), grads None, no hook left."""
     m = _model()
     zo = ZeroOptimizer(m, O.SGD, stage=2, bucket_size_mb=0.001, lr=0.1)
     flats = [f.untyped_storage().data_ptr() for f in zo._flats]
@@ -276,13 +319,20 @@ def check_lifecycle(rank: int, world: int) -> dict:
     m(_x(rank, 0)).sum().backward()
     zo.step()
     zo.close()
-    # params are plain tensors again (not views of the flat buffers); no hooks are left
     assert all(p.untyped_storage().data_ptr() not in flats for p in m.parameters())
     assert all(p.grad is None for p in m.parameters())
-    m(_x(rank, 1)).sum().backward()
-    assert all(type(p.grad) is torch.Tensor for p in m.parameters()), "a hook survived close()"
-    m.zero_grad()
-    # a second optimizer on the same model trains (DDP parity), with the first one closed
+    _plain_grads(m, rank, 1, "a hook survived close()")
+    return {}
+
+
+def check_second_optimizer(rank: int, world: int) -> dict:
+    """A second optimizer on the same model, the first one closed, trains (DDP parity); the
+    with-block closes it."""
+    m = _model()
+    zo = ZeroOptimizer(m, O.SGD, stage=2, bucket_size_mb=0.001, lr=0.1)
+    m(_x(rank, 0)).sum().backward()
+    zo.step()
+    zo.close()
     base = copy.deepcopy(m)
     with ZeroOptimizer(m, O.SGD, stage=1, bucket_size_mb=0.001, lr=0.1) as z2:
         d = DDP(base)
@@ -294,31 +344,43 @@ def check_lifecycle(rank: int, world: int) -> dict:
             d(_x(rank, step)).pow(2).mean().backward()
             z2.step()
             so.step()
-        _close(m, base, 1e-6, "second optimizer")
+        assert_params_close(m, base, 1e-6, "second optimizer")
     assert z2._closed
-    # a collected optimizer leaves no hooks
+    return {}
+
+
+def check_collected_optimizer(rank: int, world: int) -> dict:
+    """A collected optimizer leaves no hooks."""
+    m = _model()
     z3 = ZeroOptimizer(m, O.SGD, stage=2, bucket_size_mb=0.001, lr=0.1)
     m(_x(rank, 2)).sum().backward()
     del z3
     gc.collect()
     for p in m.parameters():
         p.grad = None
-    m(_x(rank, 3)).sum().backward()
-    assert all(type(p.grad) is torch.Tensor for p in m.parameters()), "hooks outlived the optimizer"
-    m.zero_grad()
-    # a constructor that fails (the inner optimizer rejects lr) leaves nothing behind
+    _plain_grads(m, rank, 3, "hooks outlived the optimizer")
+    return {}
+
+
+def check_failed_constructor(rank: int, world: int) -> dict:
+    """A constructor that fails (the inner optimizer rejects lr) leaves nothing behind: no
+    hooks, the params free for the next optimizer."""
+    m = _model()
     try:
         ZeroOptimizer(m, O.SGD, stage=2, lr=-1.0)
         raise AssertionError("lr=-1 accepted")
     except ValueError as e:
         assert "learning rate" in str(e).lower(), e
-    m(_x(rank, 4)).sum().backward()
-    assert all(type(p.grad) is torch.Tensor for p in m.parameters()), "a failed build left hooks"
-    m.zero_grad()
-    z4 = ZeroOptimizer(m, O.SGD, stage=2, lr=0.1)  # the params are free again
-    # replaced param data: a clear error at the next step, never a model that stops training
+    _plain_grads(m, rank, 4, "a failed build left hooks")
+    ZeroOptimizer(m, O.SGD, stage=2, lr=0.1).close()  # the params are free again
+    return {}
+
+
+def check_replaced_params(rank: int, world: int) -> dict:
+    """Replaced param data (.data =, module.to(), load_state_dict(assign=True)): a clear error
+    at the next step, never a model that stops training."""
+    m = _model()
     for how in ("data", "to", "assign"):
-        z4.close()
         z4 = ZeroOptimizer(m, O.SGD, stage=2, lr=0.1)
         if how == "data":
             m[0].weight.data = m[0].weight.data.clone()
@@ -334,13 +396,16 @@ def check_lifecycle(rank: int, world: int) -> dict:
             assert "replaced" in str(e), e
         m.zero_grad()
         m.to(torch.float32)
-    z4.close()
-    return {"lifecycle": "ok"}
+        z4.close()
+    return {}
 
 
-def check_disagree(rank: int, world: int) -> dict:
-    """Ranks built differently: a ValueError on every rank naming what and where."""
-    out = {}
+# ------------------------------------------------------------------ ranks that disagree
+
+
+def check_disagree_options(rank: int, world: int) -> dict:
+    """Ranks built with different hyper-parameters or bucket_size_mb: a ValueError on every
+    rank naming what and where."""
     for what, kw in (
         ("hyper-parameters", {"lr": 0.1 if rank == 0 else 0.2}),
         ("bucket_size_mb", {"lr": 0.1, "bucket_size_mb": 1.0 if rank == 0 else 2.0}),
@@ -350,14 +415,23 @@ def check_disagree(rank: int, world: int) -> dict:
             raise AssertionError(f"different {what} accepted")
         except ValueError as e:
             assert what in str(e) and f"rank {world - 1}" in str(e), e
-    # different shapes
+    return {}
+
+
+def check_disagree_params(rank: int, world: int) -> dict:
+    """Ranks with params of different shapes: a ValueError on every rank."""
     m = _model() if rank == 0 else nn.Sequential(nn.Linear(8, 5))
     try:
         ZeroOptimizer(m, O.SGD, stage=2, lr=0.1)
         raise AssertionError("different params accepted")
     except ValueError as e:
         assert "params" in str(e), e
-    # a collective-only call made on one rank: an error there, no hang
+    return {}
+
+
+def check_lone_collective(rank: int, world: int) -> dict:
+    """A collective-only call made on one rank: an error there within the timeout, no hang."""
+    out = {}
     zo = ZeroOptimizer(_model(), O.SGD, stage=2, lr=0.1, timeout=3)
     t0 = time.monotonic()
     if rank == 0:
@@ -373,35 +447,83 @@ def check_disagree(rank: int, world: int) -> dict:
     return out
 
 
-def check_nonfinite(rank: int, world: int) -> dict:
-    """nonfinite='skip' | 'raise' | 'step' with a NaN on one rank only."""
-    out = {}
-    for mode in ("skip", "raise", "step"):
-        m = _model()
-        zo = ZeroOptimizer(m, O.SGD, stage=2, lr=0.1, nonfinite=mode)
-        before = [p.detach().clone() for p in m.parameters()]
-        loss = m(_x(rank, 0)).pow(2).mean()
-        if rank == world - 1:
-            loss = loss * float("nan")
-        loss.backward()
-        if mode == "raise":
-            try:
-                zo.step()
-                raise AssertionError("nonfinite='raise' did not raise")
-            except FloatingPointError:
-                pass
-        else:
+# ------------------------------------------------------------------ non-finite gradients
+
+
+def _nonfinite(rank: int, world: int, mode: str) -> dict:
+    """nonfinite=``mode`` with a NaN on the last rank only (its loss times NaN: every gradient
+    of that rank NaN, so every rank's reduced shard holds NaN)."""
+    m = _model()
+    zo = ZeroOptimizer(m, O.SGD, stage=2, lr=0.1, nonfinite=mode)
+    before = [p.detach().clone() for p in m.parameters()]
+    loss = m(_x(rank, 0)).pow(2).mean()
+    if rank == world - 1:
+        loss = loss * float("nan")
+    loss.backward()
+    if mode == "raise":
+        try:
             zo.step()
-        same = all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
-        assert same == (mode != "step"), (mode, same)
-        stats = zo.comm_stats["nonfinite_steps"]
-        if mode == "skip":
-            assert stats == 1, stats
-        if mode == "step":
-            assert stats == (1 if rank == world - 1 or world == 1 else stats), stats
-        out[mode] = stats
-        zo.close()
+            raise AssertionError("nonfinite='raise' did not raise")
+        except FloatingPointError:
+            pass
+    else:
+        zo.step()
+    same = all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
+    assert same == (mode != "step"), (mode, same)
+    stats = zo.comm_stats["nonfinite_steps"]
+    zo.close()
+    return {"nonfinite_steps": stats}
+
+
+def check_nonfinite_skip(rank: int, world: int) -> dict:
+    """nonfinite='skip': every rank skips the step and counts it."""
+    out = _nonfinite(rank, world, "skip")
+    assert out["nonfinite_steps"] == 1, out
     return out
+
+
+def check_nonfinite_raise(rank: int, world: int) -> dict:
+    """nonfinite='raise': a FloatingPointError on every rank, nothing updated."""
+    return _nonfinite(rank, world, "raise")
+
+
+def check_nonfinite_step(rank: int, world: int) -> dict:
+    """nonfinite='step' (torch's behaviour): every rank steps, and counts the step, since its
+    shard of the reduced gradients holds the NaN."""
+    out = _nonfinite(rank, world, "step")
+    assert out["nonfinite_steps"] == 1, out
+    return out
+
+
+# ------------------------------------------------------------------ overlapped param gathers
+
+
+def check_overlap_gather(rank: int, world: int) -> dict:
+    """overlap_param_gather: DDP's result; all-gathers still in flight after step() are waited
+    for by the forward (or wait_params); state_dict sees finished values."""
+    for stage in (1, 2):
+        m1, m2, zo, ddp, to = _pair(stage, zkw={"overlap_param_gather": True})
+        for step in range(4):
+            zo.zero_grad()
+            to.zero_grad()
+            m1(_x(rank, step)).pow(2).mean().backward()
+            ddp(_x(rank, step)).pow(2).mean().backward()
+            zo.step()
+            to.step()
+            pending = len(zo._pending_gathers)
+            assert pending == sum(len(b.buckets) for b in zo.layout.buffers), pending
+            if step == 2:
+                sd = m1.state_dict()  # waits for every gather first
+                assert not zo._pending_gathers
+                for k, v in m2.state_dict().items():
+                    assert rel_err(sd[k.removeprefix("module.")], v) <= 1e-6, k
+        zo.wait_params()
+        assert_params_close(m1, m2, 1e-6, f"overlap_param_gather stage={stage}")
+        zo.close()
+    return {}
+
+
+# ------------------------------------------------------------------ uneven inputs (Join)
 
 
 class _Calls(nn.Module):
@@ -423,7 +545,6 @@ def check_join(rank: int, world: int) -> dict:
     result (the joined ranks count as zero gradients), every rank ends with the same params."""
     from torch.distributed.algorithms.join import Join
 
-    out = {}
     for stage in (1, 2, 3):
         n_batches = 2 + rank  # the last rank has the most
         m1, m2, zo, ddp, to = _pair(stage)
@@ -447,29 +568,35 @@ def check_join(rank: int, world: int) -> dict:
         assert torch.equal(torch.get_rng_state(), now), "a shadow iteration used the RNG"
         with zo.gathered_params() if stage == 3 else contextlib.nullcontext():
             if rank == world - 1:  # stepped in every iteration under DDP too
-                _close(m1, m2, 1e-6, f"Join stage={stage}")
+                assert_params_close(m1, m2, 1e-6, f"Join stage={stage}")
             for p in m1.parameters():
                 ref = p.detach().clone()
                 dist.broadcast(ref, 0)
                 assert torch.equal(ref, p.detach()), "ranks differ after Join"
         zo.close()
-        out[f"join stage={stage}"] = "ok"
-    # clipping once a rank joined: a clear error on the ranks still training, no hang. It ends
-    # the group's use (the joined rank waits in a collective that never comes), so it is last.
-    if world > 1:
-        m1, m2, zo, ddp, to = _pair(2)
-        try:
-            with Join([zo]):
-                for step in range(1 + rank):
-                    zo.zero_grad()
-                    m1(_x(rank, step)).pow(2).mean().backward()
-                    zo.clip_grad_norm_(1.0)
-                    zo.step()
-            raise AssertionError("clip_grad_norm_ after a rank joined did not raise")
-        except RuntimeError as e:
-            if rank > 0:  # the joined rank 0 sees its partners leave
-                assert "Join" in str(e), e
-                out["join clip error"] = str(e)[:60]
+    return {}
+
+
+def check_join_clip(rank: int, world: int) -> dict:
+    """Clipping once a rank joined: a clear error on the ranks still training, no hang. It
+    ends the group's use (the joined rank waits in a collective that never comes), so it runs
+    last."""
+    from torch.distributed.algorithms.join import Join
+
+    out = {}
+    m1, m2, zo, ddp, to = _pair(2)
+    try:
+        with Join([zo]):
+            for step in range(1 + rank):
+                zo.zero_grad()
+                m1(_x(rank, step)).pow(2).mean().backward()
+                zo.clip_grad_norm_(1.0)
+                zo.step()
+        raise AssertionError("clip_grad_norm_ after a rank joined did not raise")
+    except RuntimeError as e:
+        if rank > 0:  # the joined rank 0 sees its partners leave
+            assert "Join" in str(e), e
+            out["join clip error"] = str(e)[:60]
     return out
 
 
@@ -507,41 +634,35 @@ def check_join_refusals(rank: int, world: int, what: str) -> dict:
     return {}
 
 
+# ------------------------------------------------------------------ the spawned group
+
+
+def contract_checks(world: int) -> tuple:
+    """The concerns `contract_all` runs at ``world`` ranks, in order."""
+    many = world > 1  # ranks that disagree, a lone rank, a rank that joined: two ranks at least
+    return (
+        check_torch_clip_and_zero_grad,
+        check_read_grads,
+        check_edit_grads,
+        check_grad_scaler,
+        check_unused_params,
+        check_requires_grad_toggled,
+        check_float64,
+        check_full_state_access,
+        check_close,
+        check_second_optimizer,
+        check_collected_optimizer,
+        check_failed_constructor,
+        check_replaced_params,
+        check_nonfinite_skip,
+        check_nonfinite_raise,
+        check_nonfinite_step,
+        check_overlap_gather,
+        *((check_disagree_options, check_disagree_params, check_lone_collective) if many else ()),
+        check_join,
+        *((check_join_clip,) if many else ()),  # last: it leaves the group unusable
+    )
+
+
 def contract_all(rank: int, world: int) -> dict:
-    out = {}
-    out.update(check_torch_tools(rank, world))
-    out.update(check_semantics(rank, world))
-    out.update(check_lifecycle(rank, world))
-    out.update(check_nonfinite(rank, world))
-    out.update(check_overlap_gather(rank, world))
-    if world > 1:
-        out.update(check_disagree(rank, world))
-    out.update(check_join(rank, world))  # last: it leaves the group unusable
-    return out
-
-
-def check_overlap_gather(rank: int, world: int) -> dict:
-    """overlap_param_gather: DDP's result; all-gathers still in flight after step() are waited
-    for by the forward (or wait_params); state_dict sees finished values."""
-    out = {}
-    for stage in (1, 2):
-        m1, m2, zo, ddp, to = _pair(stage, zkw={"overlap_param_gather": True})
-        for step in range(4):
-            zo.zero_grad()
-            to.zero_grad()
-            m1(_x(rank, step)).pow(2).mean().backward()
-            ddp(_x(rank, step)).pow(2).mean().backward()
-            zo.step()
-            to.step()
-            pending = len(zo._pending_gathers)
-            assert pending == sum(len(b.buckets) for b in zo.layout.buffers), pending
-            if step == 2:
-                sd = m1.state_dict()  # waits for every gather first
-                assert not zo._pending_gathers
-                for k, v in m2.state_dict().items():
-                    assert _rel(sd[k.removeprefix("module.")], v) <= 1e-6, k
-        zo.wait_params()
-        _close(m1, m2, 1e-6, f"overlap_param_gather stage={stage}")
-        zo.close()
-        out[f"overlap gather stage={stage}"] = "ok"
-    return out
+    return run_checks(rank, world, contract_checks(world))

@@ -1,10 +1,16 @@
-"""Spawn N gloo workers running one function; their exceptions come back with tracebacks."""
+"""Spawn N gloo workers running one function; their exceptions come back with tracebacks.
+
+Several concerns per spawned group (spawning ranks is slow), one result per concern: a worker
+runs its checks through `run_checks` (an assertion failing in one check is that check's result,
+and the next check runs), and the tests read them through `SharedRun` (one spawned group per
+world size, each concern its own pytest test)."""
 
 from __future__ import annotations
 
 import os
 import queue as _queue
 import socket
+import sys
 import traceback
 from datetime import timedelta
 
@@ -87,3 +93,57 @@ def run_workers(fn, world: int, *args, timeout: float = 300.0) -> list:
             f"(exit codes {[p.exitcode for p in procs]})"
         )
     return [results[r] for r in range(world)]
+
+
+FAILED = "FAILED: "
+
+
+def run_checks(rank: int, world: int, checks) -> dict:
+    """In a worker: ``{check.__name__: check(rank, world)}`` for each check in turn (a dict of
+    details, {} when it has none). An AssertionError in a check is its result (``"FAILED: ..."``,
+    printed to stderr at once) and the next check runs: most checks assert on values every rank
+    agrees on, so the ranks leave the check at the same point and their collectives stay
+    matched. A failure on some ranks only (an assertion on the rank a state dict was gathered
+    to) can leave the others in a collective of the failed check: the group then fails as a
+    whole (the process group's timeout), the stderr line still naming the check. Any other
+    exception is the group's failure: it propagates."""
+    out = {}
+    for check in checks:
+        try:
+            out[check.__name__] = check(rank, world) or {}
+        except AssertionError as e:
+            frames = traceback.extract_tb(e.__traceback__)
+            mine = [f for f in frames if f.filename == check.__code__.co_filename]
+            where = (mine or frames)[-1]  # the line in the check's own module
+            out[check.__name__] = f"{FAILED}{e} ({os.path.basename(where.filename)}:{where.lineno})"
+            tb = traceback.format_exc(limit=-3)
+            print(f"rank {rank}: {check.__name__} {FAILED}\n{tb}", file=sys.stderr, flush=True)
+    return out
+
+
+class SharedRun:
+    """``fn`` (a `run_checks` worker) run once per world size on spawned ranks, its results
+    shared by the tests of each concern; a failed group fails every test that reads it."""
+
+    def __init__(self, fn, timeout: float):
+        self.fn, self.timeout, self.runs = fn, timeout, {}
+
+    def reports(self, world: int) -> list[dict]:
+        if world not in self.runs:
+            try:
+                self.runs[world] = run_workers(self.fn, world, timeout=self.timeout)
+            except AssertionError as e:
+                self.runs[world] = e
+        got = self.runs[world]
+        if isinstance(got, AssertionError):
+            raise AssertionError(f"the spawned group of {self.fn.__name__} failed:\n{got}")
+        return got
+
+    def check(self, world: int, name: str) -> list[dict]:
+        """Every rank's details of check ``name``, after asserting it passed on every rank."""
+        reps = self.reports(world)
+        missing = [r for r, rep in enumerate(reps) if name not in rep]
+        assert not missing, f"{name} (world={world}) did not run on ranks {missing}"
+        bad = [f"rank {r}: {rep[name]}" for r, rep in enumerate(reps) if isinstance(rep[name], str)]
+        assert not bad, f"{name} (world={world}):\n" + "\n".join(bad)
+        return [rep[name] for rep in reps]

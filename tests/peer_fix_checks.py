@@ -14,6 +14,7 @@ from datetime import timedelta
 import stage3_checks as s3
 import torch
 import torch.distributed as dist
+from numerics import rel_err
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -114,7 +115,7 @@ def _zero_grad_run(rank: int, stage: int, cls, kw: dict, set_to_none: bool) -> d
         if step == 0:
             first = [p.detach().clone() for p in m2.blocks[-1].parameters()]
     with zo.gathered_params():
-        rel = max(s3._rel(a, b) for a, b in zip(m1.parameters(), m2.parameters()))
+        rel = max(rel_err(a, b) for a, b in zip(m1.parameters(), m2.parameters()))
     zo.close()
     # how far DDP moved the unused block after its only step with a gradient (step 0): 0 when
     # set_to_none leaves it out, > 0 when its zero gradients keep it in (momentum)

@@ -9,6 +9,7 @@ import copy
 
 import torch
 import torch.distributed as dist
+from numerics import rel_err
 from torch import nn
 
 from zero_kernels import ZeroOptimizer
@@ -79,7 +80,7 @@ def check_bf16_resume(rank: int, world: int) -> dict:
             for (n, _), a, b in zip(m2.named_parameters(), got, want):
                 assert torch.equal(a, b), (
                     f"stage {stage}, {how}: {n} differs from the uninterrupted run by "
-                    f"{float((a.float() - b.float()).norm() / b.float().norm()):.3g}"
+                    f"{rel_err(a, b):.3g}"
                 )
             zo2.close()
             out[f"stage {stage}: {how}"] = "ok"

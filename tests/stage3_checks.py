@@ -11,6 +11,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.utils.checkpoint as ckpt
+from numerics import rel_err
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -72,15 +73,10 @@ def _loss(out, y):
     return nn.functional.cross_entropy(out.reshape(-1, V).float(), y.reshape(-1))
 
 
-def _rel(a, b):
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
 def _close(zo, m1, m2, tol, what):
     with zo.gathered_params():
         for (n, a), (_, b) in zip(m1.named_parameters(), m2.named_parameters()):
-            assert a.shape == b.shape and _rel(a, b) <= tol, f"{what}: {n} {_rel(a, b):.3g}"
+            assert a.shape == b.shape and rel_err(a, b) <= tol, f"{what}: {n} {rel_err(a, b):.3g}"
 
 
 def _run(
@@ -158,7 +154,7 @@ def _run(
         if eval_between:
             with torch.no_grad():
                 e1, e2 = m1(x), m2(x)
-            assert _rel(e1, e2) <= 1e-5 and not zo._store.live
+            assert rel_err(e1, e2) <= 1e-5 and not zo._store.live
     return zo, m1, m2
 
 
@@ -350,6 +346,43 @@ def _train_until_error(zo, m, rank: int, world: int, steps: int, at: int, blocks
             return step, str(e)
         zo.step()
     return None
+
+
+def check_order_first(rank: int, world: int) -> dict:
+    """check_order="first": the first forward still compares the module order (a different
+    one is a ValueError on every rank); after it no per-pass comparison runs (no
+    SequenceCheck.end_pass, where the default "pass" runs two per step); DDP's result."""
+    from zero_kernels.partition import order
+
+    torch.manual_seed(0)
+    m = Net3()
+    zo = ZeroOptimizer(m, O.SGD, stage=3, check_order="first", lr=0.1)
+    assert zo.check_order == "first", zo.check_order
+    m.order = [0, 1, 2, 3] if rank == 0 else [0, 2, 1, 3]
+    x, y = _batch(rank, 0)
+    try:
+        _loss(m(x), y).backward()
+        assert world == 1, "check_order='first': different module orders accepted"
+    except ValueError as e:
+        assert "blocks." in str(e), e
+    dist.barrier()
+    zo.close()
+    ends = []
+    real = order.SequenceCheck.end_pass
+    order.SequenceCheck.end_pass = lambda self, which: ends.append(which) or real(self, which)
+    try:
+        steps = 4
+        zo, m1, m2 = _run(rank, {"check_order": "first"}, steps=steps)
+        assert zo.check_order == "first" and not ends, ends
+        _close(zo, m1, m2, 1e-6, "check_order='first'")
+        zo.close()
+        if world > 1:  # the spy sees the default's comparisons (world 1: none to make)
+            zo, _, _ = _run(rank, {}, steps=1)
+            assert zo.check_order == "pass" and len(ends) == 2, ends
+            zo.close()
+    finally:
+        order.SequenceCheck.end_pass = real
+    return {"check_order first": "ok"}
 
 
 def check_order_differs(rank: int, world: int) -> dict:
@@ -551,6 +584,8 @@ def stage3_all(rank: int, world: int) -> dict:
     out.update(check_cases(rank, world))
     out.update(check_memory_and_comm(rank, world))
     out.update(check_meta(rank, world))
+    if world <= 3:  # 4 ranks add nothing to it but time
+        out.update(check_order_first(rank, world))
     out.update(check_order_differs(rank, world))
     out.update(check_unused_outputs(rank, world))
     return out

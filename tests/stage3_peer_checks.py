@@ -11,6 +11,7 @@ import copy
 
 import torch
 import torch.distributed as dist
+from numerics import rel_err
 from torch import nn
 
 from zero_kernels import ZeroOptimizer
@@ -54,11 +55,6 @@ def _ce(logits, y):
     return nn.functional.cross_entropy(logits.reshape(-1, V), y.reshape(-1))
 
 
-def _rel(a, b) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
 def _average_grads(model: nn.Module, world: int) -> None:
     for p in model.parameters():
         if p.grad is not None:
@@ -70,7 +66,7 @@ def _compare(zo, m, ref, tol: float, what: str) -> None:
     with zo.gathered_params():
         for (n, a), (_, b) in zip(m.named_parameters(), ref.named_parameters()):
             assert not torch.isnan(a).any(), f"{what}: {n} is NaN"
-            assert _rel(a, b) <= tol, f"{what}: {n} off by {_rel(a, b):.3g}"
+            assert rel_err(a, b) <= tol, f"{what}: {n} off by {rel_err(a, b):.3g}"
 
 
 def _train(rank, world, make, loss_fn, steps=3, tol=1e-5, what="", **zkw):

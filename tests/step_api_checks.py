@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 
 import torch
+from numerics import rel_err
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -78,11 +79,6 @@ def _backward(f, x) -> torch.Tensor:
     return loss.detach()
 
 
-def _rel(a, b) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
 def _groups(groups) -> list[dict]:
     return [{k: v for k, v in g.items() if k != "params"} for g in groups]
 
@@ -139,7 +135,7 @@ def check_step_kwargs(rank: int, world: int) -> dict:
                 _groups(to.param_groups),
             )
         assert zo.param_groups[0]["last_scale"] == 3.5 and zo.param_groups[1]["calls"] == 4
-        errs = [_rel(a, b) for a, b in zip(_params_of(zo, m1), m2.parameters())]
+        errs = [rel_err(a, b) for a, b in zip(_params_of(zo, m1), m2.parameters())]
         assert max(errs) <= 1e-6, (key, errs)
         # a keyword the inner step does not take: a TypeError naming it, nothing stepped
         before = _params_of(zo, m1)

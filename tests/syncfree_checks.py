@@ -9,6 +9,7 @@ import logging
 import sys
 
 import torch
+from numerics import rel_err
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -26,11 +27,6 @@ def _model() -> nn.Module:
 
 def _x(rank: int, step: int) -> torch.Tensor:
     return torch.randn(6, 8, generator=torch.Generator().manual_seed(1000 * step + rank))
-
-
-def _rel(a, b) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 @contextlib.contextmanager
@@ -98,9 +94,9 @@ def check_syncfree(rank: int, world: int) -> dict:
             if stage == 3:
                 zo.wait_params()
                 with zo.gathered_params(m1):
-                    errs = [_rel(a, b) for a, b in zip(m1.parameters(), m2.parameters())]
+                    errs = [rel_err(a, b) for a, b in zip(m1.parameters(), m2.parameters())]
             else:
-                errs = [_rel(a, b) for a, b in zip(m1.parameters(), m2.parameters())]
+                errs = [rel_err(a, b) for a, b in zip(m1.parameters(), m2.parameters())]
             assert max(errs) <= 1e-6, (stage, norm_type, errs)
             zo.close()
         out[f"stage {stage}"] = "ok"

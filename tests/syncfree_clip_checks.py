@@ -9,7 +9,8 @@ import contextlib
 import copy
 
 import torch
-from syncfree_checks import _model, _rel, _step_counters, _x, host_reads
+from numerics import rel_err
+from syncfree_checks import _model, _step_counters, _x, host_reads
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from zero_kernels import ZeroOptimizer
@@ -62,9 +63,9 @@ def check_torch_clip_syncfree(rank: int, world: int) -> dict:
         if stage == 3:
             zo.wait_params()
             with zo.gathered_params(m1):
-                errs = [_rel(a, b) for a, b in zip(m1.parameters(), m2.parameters())]
+                errs = [rel_err(a, b) for a, b in zip(m1.parameters(), m2.parameters())]
         else:
-            errs = [_rel(a, b) for a, b in zip(m1.parameters(), m2.parameters())]
+            errs = [rel_err(a, b) for a, b in zip(m1.parameters(), m2.parameters())]
         assert max(errs) <= 1e-6, (key, errs)
         zo.close()
         out[key] = "ok"
@@ -87,7 +88,7 @@ def check_torch_clip_syncfree(rank: int, world: int) -> dict:
         zo.step()
     assert not seen, f"host reads scaling by tensors: {seen}"
     to.step()
-    errs = [_rel(a, b) for a, b in zip(m1.parameters(), m2.parameters())]
+    errs = [rel_err(a, b) for a, b in zip(m1.parameters(), m2.parameters())]
     assert max(errs) <= 1e-6, errs
     zo.close()
     out["scale by tensors"] = "ok"

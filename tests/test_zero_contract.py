@@ -9,19 +9,23 @@ import sys
 import contract_checks
 import pytest
 import torch
-from dist_utils import run_workers
+from dist_utils import SharedRun, run_workers
 from torch import nn
 
 from zero_kernels import ZeroOptimizer
 
+CONTRACT = SharedRun(contract_checks.contract_all, timeout=500)
+
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world", [1, 2, 3])
-def test_contract(world):
-    rep = run_workers(contract_checks.contract_all, world, timeout=500)
-    assert rep[0]["torch tools stage=2"] == "ok" and rep[0]["lifecycle"] == "ok"
-    if world > 1:
-        assert rep[0]["lone call s"] < 30  # an error on the lone rank, not a hang
+@pytest.mark.parametrize(
+    "world, check",
+    [(w, c.__name__) for w in (1, 2, 3) for c in contract_checks.contract_checks(w)],
+)
+def test_contract(world, check):
+    reps = CONTRACT.check(world, check)
+    if check == "check_lone_collective":
+        assert reps[0]["lone call s"] < 30  # an error on the lone rank, not a hang
 
 
 @pytest.mark.distributed
