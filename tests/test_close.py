@@ -10,4 +10,5 @@ def test_close_never_hangs():
     reps = run_workers(close_checks.check_close, 2, timeout=120)
     assert reps[1]["raising rank leaves at once"] == "ok"
     assert reps[0]["other rank gets an error"] == "ok"
+    reps = run_workers(close_checks.check_close_one_rank, 2, timeout=120)
     assert all(r["close on one rank raises"] == "ok" for r in reps)
