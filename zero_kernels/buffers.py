@@ -465,3 +465,8 @@ def _maps_memory(device) -> bool:
         and hasattr(mmap, "MADV_DONTNEED")
         and os.environ.get("ZERO_KERNELS_GATHERED", "") != "allocator"
     )
+
+
+def storage_id(t: torch.Tensor) -> int:
+    """Identity of ``t``'s storage (stable while a stage-3 bucket is freed and gathered)."""
+    return t.untyped_storage()._cdata

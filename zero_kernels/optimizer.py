@@ -35,12 +35,13 @@ import torch
 from torch import nn
 from torch.distributed.algorithms.join import Joinable
 
-from . import comm, hostmem, syncfree, validate, wrappers
-from .buffers import GradStore, dtype_of, grad_dtypes, release_free_heap
+from . import comm, hostmem, regroup, syncfree, validate, wrappers
+from .buffers import GradStore, dtype_of, grad_dtypes, release_free_heap, storage_id
 from .grad_access import GradAccess
+from .groups import param_groups
 from .layout import Layout, ParamSpec, build_layout
 from .loss_scale import LossScaler
-from .param_access import ParamAccess, _call, _call_args, _storage_id
+from .param_access import ParamAccess, _call, _call_args
 from .partition import (
     FUSED_ADAM_CLASSES,
     Reducer,
@@ -48,12 +49,11 @@ from .partition import (
     choose_mode,
 )
 from .partition.grads import GradViews, ShardedGrad
-from .partition.state import consolidate, local_payload
 from .partition.units import (
     find_units,
     unit_assignment,
 )
-from .policy import ZeroPolicy
+from .policy import ZeroPolicy, resolve_given
 from .state_access import ShardStateAccess
 from .syncfree import GradChecks
 
@@ -208,9 +208,10 @@ class ZeroOptimizer(
         self._join_input = None  # stage 3 under Join: the last forward's inputs (shadowing)
         self._shadowing = False  # stage 3: a joined rank's shadow forward and backward runs
         # ---- every choice resolved once, checked before anything else ([Note: policies])
-        policy = _resolve_policy(
+        policy = resolve_given(
             stage,
             policy,
+            {k: v.default for k, v in inspect.signature(ZeroOptimizer.__init__).parameters.items()},
             bucket_size_mb=bucket_size_mb,
             overlap_comm=overlap_comm,
             max_inflight_buckets=max_inflight_buckets,
@@ -245,7 +246,7 @@ class ZeroOptimizer(
         self._op_timeout = float(cp.timeout) if cp.timeout is not None else None
         self.world_size = comm.world_size(process_group)
         self.rank = comm.rank(process_group)
-        user_groups, names = _param_groups(params)
+        user_groups, names = param_groups(params)
         if module is not None:
             for n, p in module.named_parameters():
                 names.setdefault(id(p), n)
@@ -253,7 +254,7 @@ class ZeroOptimizer(
         validate.check_params(all_params, names, module)
         wrappers.check_not_wrapped(all_params.values(), names, module)
         for p in all_params.values():
-            owner = _owner_of(p)
+            owner = wrappers.owner_of(p)
             if owner is not None:
                 raise ValueError(
                     f"param {names.get(id(p)) or tuple(p.shape)} is held by another live "
@@ -382,7 +383,7 @@ class ZeroOptimizer(
         # model built on the meta device, initialised identically on every rank
         self._store = self._materialize_and_store()
         self._flats = self._store.flats
-        self._expected = {i: (_storage_id(p), p.dtype) for i, p in self._trainable.items()}
+        self._expected = {i: (storage_id(p), p.dtype) for i, p in self._trainable.items()}
         self._side = comm.side_group(group, timeout_s=self.timeout)
         self.comm_log = comm.CommLog()
         self._steps = 0
@@ -568,85 +569,10 @@ class ZeroOptimizer(
         if getattr(self, "_building", False):
             return super().add_param_group(param_group)
         self._check_open("add_param_group")
-        if not isinstance(param_group, dict) or "params" not in param_group:
-            raise TypeError(
-                "add_param_group: param_group must be a dict with 'params', got "
-                f"{type(param_group).__name__}"
-            )
-        new = dict(param_group)
-        ps = new["params"]
-        new["params"] = [ps] if isinstance(ps, torch.Tensor) else list(ps)
-        held = {id(p) for p in self._params.values()}
-        if any(id(p) in held for p in new["params"]):
-            raise ValueError(
-                "add_param_group: some parameters appear in more than one parameter group "
-                "(a param of the new group is held by this optimizer already)"
-            )
-        comm.check_arrival(self._side, "ZeroOptimizer.add_param_group()", self.timeout)
-        self.wait_params()
-        payload = local_payload(self.layout, self._runner, masters=True)
-        got = comm.all_gather_object(payload, group=self.group)
-        full = consolidate(self.layout, got, self.param_groups, self._group_indices)
-        groups = [dict(g) for g in self.param_groups] + [new]
-        kept = {
-            "_steps": self._steps,
-            "_steps_at_reset": self._steps_at_reset,
-            "skipped_steps": self.skipped_steps,
-            "_nonfinite_host": self._nonfinite_host,
-        }
-        hooks = {k: v for k, v in vars(self).items() if k.startswith("_optimizer_") and "hook" in k}
-        log, scaler = dict(vars(self.comm_log)), dict(vars(self.scaler))
-        optimizer_class, kwargs = self._init_args
-        self.close()
-        ZeroOptimizer.__init__(self, groups, optimizer_class, **kwargs)
-        g = {k: v for k, v in self.param_groups[-1].items() if k != "params"}
-        full["param_groups"].append({**g, "params": list(self._group_indices[-1])})
-        self.load_state_dict(full)
-        vars(self).update(kept)
-        vars(self).update(hooks)
-        vars(self.comm_log).update(log)
-        vars(self.scaler).update(scaler)
+        regroup.add_group(self, param_group)
 
     def _check_params_intact(self) -> None:
-        """Params whose data was replaced after construction (``p.data = ...``,
-        ``model.to(dtype)``, ``load_state_dict(assign=True)``) would silently stop training."""
-        for i, p in self._trainable.items():
-            ptr, dt = self._expected[i]
-            if _storage_id(p) != ptr or p.dtype != dt:
-                name = self.layout_name(i)
-                raise RuntimeError(
-                    f"param {name}: its data was replaced after ZeroOptimizer was built "
-                    f"(now dtype={p.dtype}, a new storage), e.g. by `p.data = ...`, "
-                    "model.to(dtype) or load_state_dict(assign=True); the optimizer would no "
-                    "longer train it. Load values in place (model.load_state_dict(sd), "
-                    "opt.set_full_param) or build the ZeroOptimizer after changing the model"
-                )
-        if self._module is not None:
-            now = [id(p) for p in self._module.parameters()]
-            if now != self._module_params:
-                fsdp = any(
-                    type(p).__name__ in ("DTensor", "FlatParameter")
-                    for p in self._module.parameters()
-                )
-                raise RuntimeError(
-                    "the module's parameters were replaced after ZeroOptimizer was built (e.g. "
-                    "load_state_dict(assign=True) or a new nn.Parameter): the optimizer holds "
-                    "the old ones; load values in place or build the ZeroOptimizer again"
-                    + (
-                        ". They are FSDP's now (fully_shard or FullyShardedDataParallel): "
-                        "ZeroOptimizer shards the model itself, do not also wrap it in FSDP"
-                        if fsdp
-                        else ""
-                    )
-                )
-        for i in self.layout.frozen:
-            p = self._params[i]
-            if p.grad is not None and p.requires_grad:
-                raise RuntimeError(
-                    f"param {self.layout_name(i)} was frozen (requires_grad=False) when "
-                    "ZeroOptimizer was built, so it is not sharded or reduced, but it now has a "
-                    "gradient; build the ZeroOptimizer after unfreezing it"
-                )
+        validate.check_intact(self)
 
     def _all_reduce(self, t: torch.Tensor, op: str, what: str, group=None) -> torch.Tensor:
         """A small blocking all-reduce of this optimizer (on ``group``, default its process
@@ -839,13 +765,6 @@ class ZeroOptimizer(
         )
 
 
-def _owner_of(p: torch.Tensor):
-    """The live, open ZeroOptimizer holding ``p``, or None."""
-    ref = getattr(p, "_zero_kernels_owner", None)
-    o = ref() if ref is not None else None
-    return o if o is not None and not o._closed else None
-
-
 def _remove_hooks(handles: list, params: dict) -> None:
     for h in handles:
         h.remove()
@@ -853,62 +772,3 @@ def _remove_hooks(handles: list, params: dict) -> None:
     for p in params.values():
         if isinstance(p.grad, ShardedGrad):
             p.grad = None
-
-
-def _param_groups(params) -> tuple[list[dict], dict[int, str]]:
-    """Normalise ``params`` to a list of group dicts (tied params once) and names by id."""
-    names: dict[int, str] = {}
-    if isinstance(params, nn.Module):
-        for n, p in params.named_parameters():  # deduplicates tied parameters
-            names.setdefault(id(p), n)
-        params = list(params.parameters())
-    if isinstance(params, torch.Tensor):
-        raise TypeError(
-            "params must be an iterable of tensors or dicts, or an nn.Module, got a single Tensor"
-        )
-    params = list(params)
-    if not params:
-        raise ValueError("ZeroOptimizer got an empty parameter list")
-    groups = [dict(g) for g in params] if isinstance(params[0], dict) else [{"params": params}]
-    seen: dict[int, int] = {}
-    for gi, g in enumerate(groups):
-        ps = g["params"]
-        ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
-        uniq = []
-        for p in ps:
-            if isinstance(p, tuple) and len(p) == 2:  # (name, param) pairs
-                names.setdefault(id(p[1]), p[0])
-                p = p[1]
-            if not isinstance(p, torch.Tensor):
-                raise TypeError(f"param group {gi}: params must be tensors, got {type(p).__name__}")
-            if id(p) in seen:
-                if seen[id(p)] != gi:
-                    raise ValueError(
-                        f"param {names.get(id(p), tuple(p.shape))} appears in "
-                        f"param groups {seen[id(p)]} and {gi}"
-                    )
-                continue  # tied: counted once
-            seen[id(p)] = gi
-            uniq.append(p)
-        g["params"] = uniq
-    return groups, names
-
-
-def _resolve_policy(stage, policy, **options) -> ZeroPolicy:
-    """The run's `ZeroPolicy`: ``policy`` itself, or the one ``stage`` and the keyword options
-    make (see [Note: policies]). Given a policy, an option also given with a value other than
-    its default is a ValueError naming it: one source for each choice."""
-    if policy is None:
-        return ZeroPolicy.resolve(stage, **options)
-    if not isinstance(policy, ZeroPolicy):
-        raise TypeError(
-            f"policy must be a zero_kernels.policy.ZeroPolicy, got {type(policy).__name__}"
-        )
-    sig = inspect.signature(ZeroOptimizer.__init__).parameters
-    both = [k for k, v in {"stage": stage, **options}.items() if v != sig[k].default]
-    if both:
-        raise ValueError(
-            f"policy= and {', '.join(f'{k}=' for k in both)} given together: set "
-            f"{'them' if len(both) > 1 else 'it'} in the policy (each choice in one place)"
-        )
-    return policy

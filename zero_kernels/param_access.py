@@ -277,11 +277,6 @@ class ParamAccess:
             self._wait_gathers(list(self._pending_gathers))
 
 
-def _storage_id(t: torch.Tensor) -> int:
-    """Identity of ``t``'s storage (stable while a stage-3 bucket is freed and gathered)."""
-    return t.untyped_storage()._cdata
-
-
 def _call_args(me, name: str):
     """A hook calling method ``name`` of the object behind weak reference ``me``."""
 

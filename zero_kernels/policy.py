@@ -39,6 +39,7 @@ __all__ = [
     "PrecisionPolicy",
     "ShardPolicy",
     "ZeroPolicy",
+    "resolve_given",
 ]
 
 
@@ -275,3 +276,22 @@ class ZeroPolicy:
                 v = getattr(getattr(self, name), f.name)
                 out[f"{name}.{f.name}"] = str(v) if isinstance(v, torch.dtype) else v
         return out
+
+
+def resolve_given(stage, policy, defaults: dict, **options) -> ZeroPolicy:
+    """The run's `ZeroPolicy`: ``policy`` itself, or the one ``stage`` and the keyword options
+    make. Given a policy, an option also given with a value other than its default
+    (``defaults``: name -> default) is a ValueError naming it: one source for each choice."""
+    if policy is None:
+        return ZeroPolicy.resolve(stage, **options)
+    if not isinstance(policy, ZeroPolicy):
+        raise TypeError(
+            f"policy must be a zero_kernels.policy.ZeroPolicy, got {type(policy).__name__}"
+        )
+    both = [k for k, v in {"stage": stage, **options}.items() if v != defaults[k]]
+    if both:
+        raise ValueError(
+            f"policy= and {', '.join(f'{k}=' for k in both)} given together: set "
+            f"{'them' if len(both) > 1 else 'it'} in the policy (each choice in one place)"
+        )
+    return policy

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from .wrappers import owner_of
+
 __all__ = [
     "safe_get_full_fp32_param",
     "safe_get_full_grad",
@@ -24,9 +26,8 @@ __all__ = [
 
 
 def _owner(param: torch.Tensor, what: str):
-    ref = getattr(param, "_zero_kernels_owner", None)
-    opt = ref() if ref is not None else None
-    if opt is None or opt._closed:
+    opt = owner_of(param)
+    if opt is None:
         raise ValueError(
             f"{what}: the tensor of shape {tuple(param.shape)} is not held by a live "
             "ZeroOptimizer (pass a param of the model the optimizer was built over)"

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from . import comm
+from .buffers import storage_id
 
 __all__ = [
     "check_args",
@@ -23,6 +24,7 @@ __all__ = [
     "check_launch",
     "check_agree",
     "check_stage3",
+    "check_intact",
 ]
 
 
@@ -134,3 +136,44 @@ def check_agree(config: dict, group, device) -> None:
             "ZeroOptimizer: ranks were built with different settings, which would meet in "
             "mismatched collectives: " + "; ".join(diffs[:6]) + ("; ..." if len(diffs) > 6 else "")
         )
+
+
+def check_intact(opt) -> None:
+    """Params whose data was replaced after construction (``p.data = ...``,
+    ``model.to(dtype)``, ``load_state_dict(assign=True)``) would silently stop training."""
+    for i, p in opt._trainable.items():
+        ptr, dt = opt._expected[i]
+        if storage_id(p) != ptr or p.dtype != dt:
+            name = opt.layout_name(i)
+            raise RuntimeError(
+                f"param {name}: its data was replaced after ZeroOptimizer was built "
+                f"(now dtype={p.dtype}, a new storage), e.g. by `p.data = ...`, "
+                "model.to(dtype) or load_state_dict(assign=True); the optimizer would no "
+                "longer train it. Load values in place (model.load_state_dict(sd), "
+                "opt.set_full_param) or build the ZeroOptimizer after changing the model"
+            )
+    if opt._module is not None:
+        now = [id(p) for p in opt._module.parameters()]
+        if now != opt._module_params:
+            fsdp = any(
+                type(p).__name__ in ("DTensor", "FlatParameter") for p in opt._module.parameters()
+            )
+            raise RuntimeError(
+                "the module's parameters were replaced after ZeroOptimizer was built (e.g. "
+                "load_state_dict(assign=True) or a new nn.Parameter): the optimizer holds "
+                "the old ones; load values in place or build the ZeroOptimizer again"
+                + (
+                    ". They are FSDP's now (fully_shard or FullyShardedDataParallel): "
+                    "ZeroOptimizer shards the model itself, do not also wrap it in FSDP"
+                    if fsdp
+                    else ""
+                )
+            )
+    for i in opt.layout.frozen:
+        p = opt._params[i]
+        if p.grad is not None and p.requires_grad:
+            raise RuntimeError(
+                f"param {opt.layout_name(i)} was frozen (requires_grad=False) when "
+                "ZeroOptimizer was built, so it is not sharded or reduced, but it now has a "
+                "gradient; build the ZeroOptimizer after unfreezing it"
+            )

@@ -33,7 +33,7 @@ import weakref
 
 import torch
 
-__all__ = ["install", "check_not_wrapped", "check_forward", "wrapped_message"]
+__all__ = ["check_forward", "check_not_wrapped", "install", "owner_of", "wrapped_message"]
 
 _installed = False
 
@@ -49,7 +49,8 @@ def wrapped_message(name: str, where: str) -> str:
     )
 
 
-def _owner(p):
+def owner_of(p: torch.Tensor):
+    """The live, open ZeroOptimizer holding ``p``, or None."""
     ref = getattr(p, "_zero_kernels_owner", None)
     o = ref() if ref is not None else None
     return o if o is not None and not getattr(o, "_closed", True) else None
@@ -76,7 +77,7 @@ def install() -> None:
     def __init__(self, module, *args, **kwargs):
         if isinstance(module, torch.nn.Module):
             for n, p in module.named_parameters():
-                if _owner(p) is not None:
+                if owner_of(p) is not None:
                     raise RuntimeError(wrapped_message(repr(n), "DistributedDataParallel(module)"))
         orig(self, module, *args, **kwargs)
         me = weakref.ref(self)

@@ -280,8 +280,8 @@ class UnitScheduler:
         for u in units:
             if is_container(u.module):  # entered by its members (see [Note: external params])
                 for c in container_members(u.module):
-                    self.handles.append(c.register_forward_pre_hook(_member_pre(me, u.index)))
-                    self.handles.append(c.register_forward_hook(_member_post(me, u.index)))
+                    self.handles.append(c.register_forward_pre_hook(_pre(me, u.index, True)))
+                    self.handles.append(c.register_forward_hook(_post(me, u.index, True)))
                 continue
             self.handles.append(u.module.register_forward_pre_hook(_pre(me, u.index)))
             self.handles.append(u.module.register_forward_hook(_post(me, u.index)))
@@ -654,22 +654,24 @@ def _opaque(hook):
     return torch.compiler.disable(hook, recursive=True)
 
 
-def _pre(me, k):
+def _pre(me, k, member: bool = False):
+    """Unit ``k``'s forward pre-hook (``member``: on a member of container unit ``k``)."""
+
     def hook(module, args):
         s = me()
         if s is not None:
-            s.pre_forward(k)
+            (s.member_pre if member else s.pre_forward)(k)
             s.push_recast(k)
 
     return _opaque(hook)
 
 
-def _post(me, k):
+def _post(me, k, member: bool = False):
     def hook(module, args, output):
         s = me()
         if s is not None:
             s.pop_recast(k)
-            s.post_forward(k, output)
+            s.post_forward(k, output, free=not member)
 
     return _opaque(hook)
 
@@ -751,26 +753,6 @@ def _root_bwd(me):
             s.wait(s.root)
 
     return hook
-
-
-def _member_pre(me, k):
-    def hook(module, args):
-        s = me()
-        if s is not None:
-            s.member_pre(k)
-            s.push_recast(k)
-
-    return _opaque(hook)
-
-
-def _member_post(me, k):
-    def hook(module, args, output):
-        s = me()
-        if s is not None:
-            s.pop_recast(k)
-            s.post_forward(k, output, free=False)
-
-    return _opaque(hook)
 
 
 def _pre_bwd(me, k):
