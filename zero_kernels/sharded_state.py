@@ -20,17 +20,7 @@ import torch
 
 __all__ = ["Piece", "ShardedState"]
 
-# Per-tensor scalars torch optimizers keep as 0-dim tensors, never element-wise
-# (the rule of `zero_kernels.partition.state`).
-_SCALAR_KEYS = frozenset({"step", "mu_product", "eta", "mu"})
 _FUSED_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")  # fused Adam's flat state
-
-
-def elementwise(key: str, v, shape) -> bool:
-    """Whether state value ``v`` of a tensor of ``shape`` holds one entry per element."""
-    if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(shape):
-        return False
-    return v.dim() > 0 or key not in _SCALAR_KEYS
 
 
 @dataclass

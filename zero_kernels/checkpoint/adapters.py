@@ -25,20 +25,11 @@ from torch import nn
 
 from .. import comm
 from ..layout import Layout, ParamSpec, build_layout, pieces
+from ..partition.state import elementwise
 
 __all__ = ["Adapter", "PieceData", "Target", "adapter_for", "module_state", "unwrap"]
 
-# Per-tensor scalars torch optimizers keep as 0-dim tensors (the rule of
-# `zero_kernels.partition.state`): never element-wise.
-_SCALAR_KEYS = frozenset({"step", "mu_product", "eta", "mu"})
 _PLAIN_BUCKET_NUMEL = 1 << 22  # elements per bucket of the layout built for a plain optimizer
-
-
-def elementwise(key: str, v, shape) -> bool:
-    """Whether state value ``v`` of a tensor of ``shape`` holds one entry per element."""
-    if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(shape):
-        return False
-    return v.dim() > 0 or key not in _SCALAR_KEYS
 
 
 def unwrap(model: nn.Module) -> nn.Module:

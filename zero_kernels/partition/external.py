@@ -115,10 +115,6 @@ class ReadGuard(TorchFunctionMode):
             return True
         return False
 
-    def on_stack(self) -> bool:
-        n = torch._C._len_torch_function_stack()
-        return any(torch._C._get_function_stack_at(i) is self for i in range(n))
-
 
 def under_dynamo() -> bool:
     """Whether this hook was called from a frame dynamo runs (torch.compile): the hooks are

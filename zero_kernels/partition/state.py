@@ -24,7 +24,7 @@ import torch
 
 from ..layout import Layout
 
-__all__ = ["MASTER_KEY", "consolidate", "local_payload", "shard_state"]
+__all__ = ["MASTER_KEY", "consolidate", "elementwise", "local_payload", "shard_state"]
 
 MASTER_KEY = "fp32_master"
 
@@ -32,7 +32,7 @@ MASTER_KEY = "fp32_master"
 _SCALAR_KEYS = frozenset({"step", "mu_product", "eta", "mu"})
 
 
-def _elementwise(key: str, v, shape: tuple) -> bool:
+def elementwise(key: str, v, shape: tuple) -> bool:
     """Whether state value ``v`` of a tensor of ``shape`` holds one entry per element."""
     if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(shape):
         return False
@@ -54,7 +54,7 @@ def local_payload(layout: Layout, runner, masters: bool = False) -> list[dict]:
         if not st:
             continue
         elem = {
-            k: v.detach().reshape(-1).clone() for k, v in st.items() if _elementwise(k, v, p.shape)
+            k: v.detach().reshape(-1).clone() for k, v in st.items() if elementwise(k, v, p.shape)
         }
         if masters and runner.masters[i] is not None:  # p is the piece's master view
             elem[MASTER_KEY] = p.detach().reshape(-1).clone()
@@ -101,7 +101,7 @@ def shard_state(layout: Layout, runner, rank: int, full_state: dict) -> dict:
         shape = layout.buffers[i].slots[pc.slot].shape
         piece = {}
         for k, v in st.items():
-            if _elementwise(k, v, shape):
+            if elementwise(k, v, shape):
                 piece[k] = v.reshape(-1)[pc.offset : pc.offset + pc.numel].view(p.shape).clone()
             else:
                 piece[k] = _copy(v)
