@@ -143,10 +143,10 @@ def _dcp_state(opt, names):
                     )
     numel = {s.index: s.numel for b in layout.buffers for s in b.slots}
     state = {}
-    for _i, _k, pc, ip, _g in opt._runner.all_pieces():
+    for _i, _k, pc, ip, _g in opt.parts.core.runner.all_pieces():
         if not pc.numel:
             continue
-        st = opt._runner.inner.state[ip]
+        st = opt.parts.core.runner.inner.state[ip]
         mine = next(c for c in chunks[pc.index] if c.shard_offsets[0] == pc.offset)
         meta = ShardedTensorMetadata(chunks[pc.index], torch.Size([numel[pc.index]]))
         meta.tensor_properties = TensorProperties(dtype=torch.float32)
@@ -166,7 +166,7 @@ def _candidates(model, opt, work: str, rank: int):
     import zero_kernels as zk
     from zero_kernels import comm
 
-    names = {i: opt.layout_name(i) for i in opt._trainable}
+    names = {i: opt.layout_name(i) for i in opt.parts.core.trainable}
     paths = {k: os.path.join(work, k) for k in KINDS}
 
     def ours_save():
@@ -201,14 +201,16 @@ def _candidates(model, opt, work: str, rank: int):
     def dcp_load():
         st = _dcp_state(opt, names)
         dcp.load(st, checkpoint_id=paths["dcp"])
-        for _i, _k, pc, ip, _g in opt._runner.all_pieces():
+        for _i, _k, pc, ip, _g in opt.parts.core.runner.all_pieces():
             if pc.numel:
-                opt._runner.inner.state[ip]["step"].copy_(st[f"step/{names[pc.index]}/{pc.offset}"])
-        opt._refresh_params()
+                opt.parts.core.runner.inner.state[ip]["step"].copy_(
+                    st[f"step/{names[pc.index]}/{pc.offset}"]
+                )
+        opt.parts.full.refresh_params()
 
     disk_file = os.path.join(work, f"disk{rank}")
     shard_bytes = sum(
-        ip.numel() * 4 * 3 for _i, _k, _pc, ip, _g in opt._runner.all_pieces()
+        ip.numel() * 4 * 3 for _i, _k, _pc, ip, _g in opt.parts.core.runner.all_pieces()
     )  # params, exp_avg, exp_avg_sq of this rank: the bytes its save writes
 
     return {
@@ -231,8 +233,8 @@ def _du(path: str) -> int:
 
 def _fingerprint(opt) -> float:
     s = 0.0
-    for _i, _k, _pc, ip, _g in opt._runner.all_pieces():
-        st = opt._runner.inner.state.get(ip) or {}
+    for _i, _k, _pc, ip, _g in opt.parts.core.runner.all_pieces():
+        st = opt.parts.core.runner.inner.state.get(ip) or {}
         s += float(ip.double().sum()) + sum(
             float(v.double().sum()) for k, v in st.items() if k != "step"
         )

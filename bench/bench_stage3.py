@@ -100,7 +100,9 @@ def _timing_model(name: str, args) -> nn.Module:
 
 
 def _timing_ready(name: str, opt) -> dict:
-    return {"units": [n for n, _ in opt._unit_modules] if name.startswith("ours") else None}
+    return {
+        "units": [n for n, _ in opt.parts.core.unit_modules] if name.startswith("ours") else None
+    }
 
 
 # the timing part's candidates, for harness.run_timing (module-level functions: spawn pickles them)

@@ -59,7 +59,9 @@ def run_stage(stage: int, device: torch.device, steps: int, variant: str = "") -
     m1, m2 = copy.deepcopy(base), copy.deepcopy(base)
     kw = {"lr": 1e-3, "weight_decay": 0.01}
     zo = ZeroOptimizer(m1, torch.optim.AdamW, stage=stage, **kw)
-    zo._sync_free = True  # the default off the CPU; on the CPU smoke run, the same code path
+    zo.parts.core.sync_free = (
+        True  # the default off the CPU; on the CPU smoke run, the same code path
+    )
     ref = torch.optim.AdamW(m2.parameters(), fused=True, **kw)
     f1, f2 = (torch.compile(m1), torch.compile(m2)) if variant == "compile" else (m1, m2)
     cast = dict(device_type=device.type, dtype=torch.bfloat16, cache_enabled=False)

@@ -188,7 +188,7 @@ def full_state(m: Net, o) -> dict | None:
         sd = o.consolidated_state_dict(to=0)
         if sd is None:
             return None
-        by_index = {i: names[id(p)] for i, p in o._params.items()}
+        by_index = {i: names[id(p)] for i, p in o.parts.core.params.items()}
     else:
         if dist.is_initialized() and dist.get_rank() != 0:
             return None

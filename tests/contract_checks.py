@@ -251,7 +251,7 @@ def check_float64(rank: int, world: int) -> dict:
                 to.step()
             assert_params_close(m1, m2, 1e-13, f"float64 {cls.__name__} stage={stage}")
             assert zo.memory_report()["master_bytes"] == 0
-            assert all(t.dtype == torch.float64 for t in zo._grads.shard_tensors())
+            assert all(t.dtype == torch.float64 for t in zo.parts.core.grads.shard_tensors())
             zo.close()
     return {}
 
@@ -310,7 +310,7 @@ def check_close(rank: int, world: int) -> dict:
     back as plain tensors (not views of the flat buffers), grads None, no hook left."""
     m = _model()
     zo = ZeroOptimizer(m, O.SGD, stage=2, bucket_size_mb=0.001, lr=0.1)
-    flats = [f.untyped_storage().data_ptr() for f in zo._flats]
+    flats = [f.untyped_storage().data_ptr() for f in zo.parts.core.store.flats]
     try:
         ZeroOptimizer(m, O.SGD, stage=1, lr=0.1)
         raise AssertionError("a second optimizer over held params was accepted")
@@ -345,7 +345,7 @@ def check_second_optimizer(rank: int, world: int) -> dict:
             z2.step()
             so.step()
         assert_params_close(m, base, 1e-6, "second optimizer")
-    assert z2._closed
+    assert z2.closed
     return {}
 
 
@@ -510,11 +510,11 @@ def check_overlap_gather(rank: int, world: int) -> dict:
             ddp(_x(rank, step)).pow(2).mean().backward()
             zo.step()
             to.step()
-            pending = len(zo._pending_gathers)
+            pending = len(zo.parts.params.pending)
             assert pending == sum(len(b.buckets) for b in zo.layout.buffers), pending
             if step == 2:
                 sd = m1.state_dict()  # waits for every gather first
-                assert not zo._pending_gathers
+                assert not zo.parts.params.pending
                 for k, v in m2.state_dict().items():
                     assert rel_err(sd[k.removeprefix("module.")], v) <= 1e-6, k
         zo.wait_params()

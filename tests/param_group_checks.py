@@ -65,7 +65,7 @@ def check_add_param_group(rank: int, world: int) -> dict:
                         mm.head.requires_grad_(True)
                         o.add_param_group({"params": mm.head.parameters(), "lr": 5e-3})
                     assert zo.param_groups[1]["lr"] == 5e-3 and len(zo.param_groups) == 2
-                    assert zo.comm_stats["steps"] == 2 and zo._steps == 2
+                    assert zo.comm_stats["steps"] == 2 and zo.parts.core.steps.n == 2
                 _step(m, zo, x.to(dtype), world, False)
                 _step(ref, to, x.to(dtype), world, True)
             assert len(calls) == 4, "a step hook registered before add_param_group was lost"

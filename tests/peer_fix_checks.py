@@ -57,7 +57,11 @@ def check_edits(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     m = EditNet()
     zo = ZeroOptimizer(m, O.SGD, stage=3, persist_below=2, lr=1.0, timeout=60)
-    out = {"persistent": bool(zo._scheduler.persistent and zo._scheduler.persistent.buckets)}
+    out = {
+        "persistent": bool(
+            zo.parts.core.units.persistent and zo.parts.core.units.persistent.buckets
+        )
+    }
     mine = rank == 0
     with zo.gathered_params(modifier_rank=0):
         with torch.no_grad():

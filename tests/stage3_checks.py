@@ -150,11 +150,13 @@ def _run(
         if sched:
             s1.step()
             s2.step()
-        assert not zo._store.live, f"units left gathered after a step: {zo._store.live}"
+        assert not zo.parts.core.store.live, (
+            f"units left gathered after a step: {zo.parts.core.store.live}"
+        )
         if eval_between:
             with torch.no_grad():
                 e1, e2 = m1(x), m2(x)
-            assert rel_err(e1, e2) <= 1e-5 and not zo._store.live
+            assert rel_err(e1, e2) <= 1e-5 and not zo.parts.core.store.live
     return zo, m1, m2
 
 
@@ -255,13 +257,13 @@ def check_memory_and_comm(rank: int, world: int) -> dict:
         m = Net3(n=6)
         psi = sum(p.numel() for p in m.parameters())
         zo = ZeroOptimizer(m, O.AdamW, stage=3, lr=1e-2, reshard_after_forward=raf)
-        store = zo._store
+        store = zo.parts.core.store
         sizes = {}
         for i, buf in enumerate(zo.layout.buffers):
             for b in buf.buckets:
                 sizes[(i, b.index)] = b.numel(world) * 4
-        root = sum(sizes[k] for k in zo._scheduler.root.buckets)
-        unit = max(sum(sizes[k] for k in u.buckets) for u in zo._scheduler.units)
+        root = sum(sizes[k] for k in zo.parts.core.units.root.buckets)
+        unit = max(sum(sizes[k] for k in u.buckets) for u in zo.parts.core.units.units)
         peak = [0]
         store.alloc = _tracking(store, peak)
         zo.comm_log.trace = True
@@ -278,11 +280,11 @@ def check_memory_and_comm(rank: int, world: int) -> dict:
         if raf:  # the shard plus the root unit and a few units, not the model
             assert peak[0] <= root + (2 + zo.prefetch) * unit, (peak[0], root, unit)
         else:  # every unit stays gathered from its forward to its backward
-            assert peak[0] <= root + len(zo._scheduler.units) * unit, (peak[0], root, unit)
-        n_units = len(zo._scheduler.units)
+            assert peak[0] <= root + len(zo.parts.core.units.units) * unit, (peak[0], root, unit)
+        n_units = len(zo.parts.core.units.units)
         ag = sum(1 for k, _, _ in zo.comm_log.sizes if k == "all_gather")
         rs = sum(1 for k, _, _ in zo.comm_log.sizes if k == "reduce_scatter")
-        want_ag = len(zo._scheduler.root.buckets) + n_units * (2 if raf else 1)
+        want_ag = len(zo.parts.core.units.root.buckets) + n_units * (2 if raf else 1)
         assert (ag, rs) == (want_ag, len(sizes)), (raf, ag, rs, want_ag, len(sizes))
         out[f"reshard={raf}"] = {"peak": peak[0], "root": root, "unit": unit, "ag": ag}
         # model.state_dict(): whole tensors, gathered unit by unit; load_state_dict into shards
@@ -473,7 +475,7 @@ def _check_fewer_modules(rank: int, world: int) -> dict:
         torch.manual_seed(0)
         m = Net3()
         zo = ZeroOptimizer(m, O.SGD, stage=3, lr=0.1, process_group=g, **kw)
-        zo._scheduler.check.probe_s = 0.5
+        zo.parts.core.units.check.probe_s = 0.5
         t0 = time.monotonic()
         raised = _train_until_error(zo, m, rank, world, at + 1, at, blocks)
         shm.SLOT_BYTES = piece
@@ -555,8 +557,13 @@ def check_unused_outputs(rank: int, world: int) -> dict:
                 p.grad = g / world
             zo.step()
             to.step()
-            kept = zo._scheduler.persistent.buckets if zo._scheduler.persistent else []
-            assert set(zo._store.live) <= set(kept), (at, kw, step, zo._store.live)
+            kept = zo.parts.core.units.persistent.buckets if zo.parts.core.units.persistent else []
+            assert set(zo.parts.core.store.live) <= set(kept), (
+                at,
+                kw,
+                step,
+                zo.parts.core.store.live,
+            )
         _close(zo, m1, ref, 1e-6, f"unused aux output at {at}, {kw}")
         zo.close()
         out[label] = "ok"

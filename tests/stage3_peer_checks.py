@@ -86,7 +86,7 @@ def _train(rank, world, make, loss_fn, steps=3, tol=1e-5, what="", **zkw):
         _average_grads(ref, world)
         zo.step()
         to.step()
-        assert not zo._store.live, f"{what}: units left gathered after step {step}"
+        assert not zo.parts.core.store.live, f"{what}: units left gathered after step {step}"
     _compare(zo, m, ref, tol, what)
     zo.close()
 

@@ -152,7 +152,7 @@ def check_step_kwargs(rank: int, world: int) -> dict:
     for fused in (True, False):
         m = _model()
         zo = ZeroOptimizer(m, torch.optim.AdamW, stage=2, fused_adam=fused, lr=1e-2)
-        assert all(zo._runner.fused) == fused
+        assert all(zo.parts.core.runner.fused) == fused
         m(_x(rank, 0)).pow(2).mean().backward()
         before = _params_of(zo, m)
         try:
@@ -161,7 +161,7 @@ def check_step_kwargs(rank: int, world: int) -> dict:
         except TypeError as e:
             assert "'scale'" in str(e) and "AdamW" in str(e), e
         assert all(torch.equal(a, b) for a, b in zip(before, _params_of(zo, m)))
-        assert zo._steps == 0
+        assert zo.parts.core.steps.n == 0
         zo.step()  # the refused call left nothing half-done: the step runs as usual
         assert not all(torch.equal(a, b) for a, b in zip(before, _params_of(zo, m)))
         zo.close()

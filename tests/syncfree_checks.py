@@ -58,7 +58,7 @@ def host_reads(exempt: set[int]):
 def _step_counters(zo: ZeroOptimizer) -> set[int]:
     return {
         id(v)
-        for st in zo._runner.inner.state.values()
+        for st in zo.parts.core.runner.inner.state.values()
         for k, v in st.items()
         if k == "step" and isinstance(v, torch.Tensor)
     }
@@ -72,7 +72,7 @@ def check_syncfree(rank: int, world: int) -> dict:
             m1, m2 = copy.deepcopy(base), copy.deepcopy(base)
             kw = {"lr": 1e-2, "weight_decay": 0.1}
             zo = ZeroOptimizer(m1, torch.optim.AdamW, stage=stage, bucket_size_mb=0.001, **kw)
-            zo._sync_free = True
+            zo.parts.core.sync_free = True
             ddp = DDP(m2)
             to = torch.optim.AdamW(m2.parameters(), **kw)
             reads: list[str] = []
@@ -106,7 +106,7 @@ def check_syncfree(rank: int, world: int) -> dict:
     for sync_free in (False, True):
         m = _model()
         zo = ZeroOptimizer(m, torch.optim.AdamW, stage=2, bucket_size_mb=0.001, lr=1e-2)
-        zo._sync_free = sync_free
+        zo.parts.core.sync_free = sync_free
         records: list[str] = []
 
         class Keep(logging.Handler):
@@ -124,7 +124,7 @@ def check_syncfree(rank: int, world: int) -> dict:
                 zo.zero_grad()
                 m(_x(rank, step)).pow(2).mean().backward()
                 if step == 1 and rank == world - 1:  # a NaN in this rank's reduced shard only
-                    shard = next(g for g in zo._grads.shard_tensors() if g.numel())
+                    shard = next(g for g in zo.parts.core.grads.shard_tensors() if g.numel())
                     shard.view(-1)[0] = float("nan")
                 zo.step()
         finally:

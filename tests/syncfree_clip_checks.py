@@ -39,7 +39,7 @@ def check_torch_clip_syncfree(rank: int, world: int) -> dict:
         m1, m2 = copy.deepcopy(base), copy.deepcopy(base)
         kw = {"lr": 1e-2, "weight_decay": 0.1}
         zo = ZeroOptimizer(m1, torch.optim.AdamW, stage=stage, bucket_size_mb=0.001, **kw)
-        zo._sync_free = True
+        zo.parts.core.sync_free = True
         ddp = DDP(m2)
         to = torch.optim.AdamW(m2.parameters(), **kw)
         reads: list[str] = []
@@ -73,7 +73,7 @@ def check_torch_clip_syncfree(rank: int, world: int) -> dict:
     base = _model()
     m1, m2 = copy.deepcopy(base), copy.deepcopy(base)
     zo = ZeroOptimizer(m1, torch.optim.SGD, stage=2, bucket_size_mb=0.001, lr=0.1)
-    zo._sync_free = True
+    zo.parts.core.sync_free = True
     ddp = DDP(m2)
     to = torch.optim.SGD(m2.parameters(), lr=0.1)
     m1(_x(rank, 0)).pow(2).mean().backward()

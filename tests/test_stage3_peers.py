@@ -45,7 +45,7 @@ def test_returned_params_kept_without_the_read_guard(monkeypatch):
         zo.step()
         for (n, p), q in zip(m.named_parameters(), ref.parameters()):
             torch.testing.assert_close(zo.full_grad(p), q.grad, msg=n)
-        assert not zo._store.live
+        assert not zo.parts.core.store.live
         zo.close()
 
 
@@ -53,7 +53,7 @@ def test_read_guard_only_where_needed():
     """Metadata reads gather nothing; a read of a sharded param gathers its unit once; a forward
     that raised leaves no mode on the stack."""
     zo, m, ref = _pair(stage3_peer_checks.ExtRead, units=lambda n, mod: n in ("l1", "l2"))
-    sched = zo._scheduler
+    sched = zo.parts.core.units
     gathers = []
     real = sched.gather
     sched.gather = lambda u: (
@@ -65,7 +65,7 @@ def test_read_guard_only_where_needed():
         torch.testing.assert_close(m(x), ref(x))
     # each: its own forward, then the model's read of l1.weight / l2.bias after it resharded
     assert gathers == ["<root>", "l1", "l2", "l1", "l2"], gathers
-    assert not zo._store.live and torch._C._len_torch_function_stack() == 0
+    assert not zo.parts.core.store.live and torch._C._len_torch_function_stack() == 0
 
     def shapes_only(module, args):
         assert module.l1.weight.shape == (stage3_peer_checks.D,) * 2 and module.l1.weight.dim() == 2

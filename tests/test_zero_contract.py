@@ -122,7 +122,7 @@ def test_sharded_grad_repr_and_closed_use():
 def test_param_groups_show_inner_keys():
     m = _m()
     zo = ZeroOptimizer(m, torch.optim.AdamW, lr=0.1)
-    inner = zo._runner.inner.param_groups[0]
+    inner = zo.parts.core.runner.inner.param_groups[0]
     missing = set(inner) - set(zo.param_groups[0])
     assert not missing, missing
     zo.close()

@@ -123,7 +123,7 @@ def test_stage3_meta_params_built_in_their_buckets(monkeypatch):
     whole copy of them allocated apart, which fragmented glibc's heap), and the fused Adam state
     is one tensor per buffer and name, each bucket's a view of it (per-bucket tensors, made at
     the first step among its transients, pinned holes in the heap)."""
-    import zero_kernels.param_access as pa
+    import zero_kernels.build as pa
 
     seen = []  # per unit: (params given memory by `storage`, params of the unit allocated apart)
 
@@ -149,7 +149,7 @@ def test_stage3_meta_params_built_in_their_buckets(monkeypatch):
         assert all(torch.equal(a, b) for a, b in zip(m.parameters(), ref.parameters()))
     m(torch.randn(4, 16)).sum().backward()
     zo.step()
-    r = zo._runner
+    r = zo.parts.core.runner
     assert r.fused[0] and len(r.flat_state) == len(zo.layout.buffers[0].buckets) == 3
     for name in ("exp_avg", "exp_avg_sq"):
         ptrs = {st[name].untyped_storage().data_ptr() for st in r.flat_state.values()}

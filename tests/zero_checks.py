@@ -635,12 +635,12 @@ def check_bf16_masters(rank: int, world: int) -> dict:
                 loss_fn("mlp", m(x.to(next(m.parameters()).dtype)), y).float().backward()
                 z.step()
         # the bf16 params are exactly the fp32 masters rounded; close to fp32 training
-        r = z_lp._runner
+        r = z_lp.parts.core.runner
         for i, buf in enumerate(z_lp.layout.buffers):
             for b in buf.buckets:
                 lo = b.shard_start(rank)
                 off = b.start // world
-                got = z_lp._flats[i][lo : lo + b.shard_numel]
+                got = z_lp.parts.core.store.flats[i][lo : lo + b.shard_numel]
                 want = r.masters[i][off : off + b.shard_numel].to(torch.bfloat16)
                 assert torch.equal(got, want), f"bf16 copy-out stage={stage}"
             assert r.masters[i].dtype == torch.float32
@@ -693,7 +693,7 @@ def _scaled_against_ddp(stage, rank, world, dtype, zkw, scale=None, growth=None,
     to = O.SGD(m_d.parameters(), **kw)
     ls = zkw.get("loss_scale", "dynamic" if dtype == torch.float16 else None)  # the default
     if ls == "dynamic":
-        assert zo._dynamic and zo.loss_scale == 2.0**16, (zkw, dtype, zo.loss_scale)
+        assert zo.scaler.dynamic and zo.loss_scale == 2.0**16, (zkw, dtype, zo.loss_scale)
     if scale is not None:
         zo.loss_scale = scale
     if growth is not None:
@@ -746,7 +746,7 @@ def check_loss_scale_static(rank: int, world: int) -> dict:
         what = f"static loss scale {dtype} stage={stage}"
         zkw = {"loss_scale": 1024.0}
         m_z, m_d, zo, scales, unchanged = _scaled_against_ddp(stage, rank, world, dtype, zkw)
-        assert zo._dynamic is False and scales == [1024.0] * 6, (what, scales)
+        assert zo.scaler.dynamic is False and scales == [1024.0] * 6, (what, scales)
         assert unchanged == [False, False, True, False, False, False], (what, unchanged)
         assert zo.skipped_steps == 1, (what, zo.skipped_steps)
         tol = 1e-6 if dtype == torch.float32 else FP16_TOL
@@ -808,13 +808,14 @@ def check_memory(rank: int, world: int) -> dict:
         # fp32 params: the optimizer steps views of the param buffer, no master copy
         assert r["master_bytes"] == 0, r
         flat_ptrs = [
-            (f.untyped_storage().data_ptr(), f.untyped_storage().nbytes()) for f in zo._flats
+            (f.untyped_storage().data_ptr(), f.untyped_storage().nbytes())
+            for f in zo.parts.core.store.flats
         ]
-        for g in zo._runner.inner.param_groups:
+        for g in zo.parts.core.runner.inner.param_groups:
             for p in g["params"]:
                 ptr = p.untyped_storage().data_ptr()
                 assert any(ptr == fp for fp, _ in flat_ptrs), "inner param is not a view"
-        grads = zo._grads
+        grads = zo.parts.core.grads
         full_bucket = 4 * grads.bucket_numel
         if stage == 1:
             # the full buffer only; the reduced shard is a view of it
@@ -864,8 +865,8 @@ def check_sync_accumulation(rank: int, world: int) -> dict:
             so.step()
         assert_params_close(m1, m2, 1e-6, f"sync accumulation stage={stage}")
         zo.zero_grad()
-        zo._finish_reduction()
-        assert all(bool((t == 0).all()) for t in zo._grads.shard_tensors()), "stale grads"
+        zo.parts.grads.finish_reduction()
+        assert all(bool((t == 0).all()) for t in zo.parts.core.grads.shard_tensors()), "stale grads"
     return {}
 
 

@@ -1,86 +1,107 @@
-"""`ZeroOptimizer`'s gradients as torch sees them (see [Note: gradients] in
-`zero_kernels.partition.grads`) and its uneven-input support (``torch.distributed.algorithms
-.Join``). A mixin of `zero_kernels.optimizer.ZeroOptimizer`."""
+"""`GradContract`, a part of `ZeroOptimizer` ([Note: parts]): its gradients as torch sees
+them (``p.grad`` a `ShardedGrad`, see [Note: gradients] in `zero_kernels.partition.grads`), the
+factor between the gradient store and the true gradients (loss scale, clipping), and the checks
+of the reduced gradients before a step: non-finite values and the global norm
+(`clip_grad_norm_`), host-side on the CPU, device-side elsewhere ([Note: no host sync])."""
 
 from __future__ import annotations
 
+import logging
+import math
+
 import torch
-from torch.distributed.algorithms.join import JoinHook
-from torch.utils._pytree import tree_flatten
 
-from . import comm
+from .core import Core
+from .partition.grads import GradViews
+from .syncfree import Deferred, clip_coefficient, nonfinite_flag, norm_on_device
 
-__all__ = ["GradAccess"]
+__all__ = ["GradContract"]
 
-
-class _JoinHook(JoinHook):
-    """What a rank that ran out of inputs does while the others still train: it contributes
-    zero gradients to their reductions and steps its shard with the average, so its collectives
-    match theirs (one synchronising backward and one step per iteration)."""
-
-    def __init__(self, opt):
-        self.opt = opt
-
-    def main_hook(self) -> None:
-        self.opt._shadow_iteration()
-
-    def post_hook(self, is_last_joiner: bool) -> None:
-        self.opt._join_input = None  # the Join context ends on every rank
-        self.opt._join_active = None
+log = logging.getLogger("zero_kernels")
 
 
-class GradAccess:
-    """The gradient views' bookkeeping and Join (see the module doc)."""
+class GradContract:
+    """The gradient contract with torch over the `Core` (see the module doc).
+
+    Owns: ``views`` (the `GradViews`: which params have a gradient, their `ShardedGrad`s),
+    ``factor`` (the store times it is the true gradient), ``overflow`` (this step's verdict on
+    non-finite gradients: None until checked), ``local_nonfinite`` (this rank saw inf/NaN,
+    nonfinite="step") and the non-finite counters. Reads the loss ``scaler`` and asks ``join``
+    (`zero_kernels.join.JoinState`) whether a rank has run out of inputs."""
+
+    def __init__(self, core: Core, scaler, join, nonfinite: str):
+        self.core, self.scaler, self.join, self.nonfinite = core, scaler, join, nonfinite
+        self.views = GradViews(self, core.device, core.group, core.comm_log)
+        for _i, _, pc, _, g in core.runner.all_pieces():
+            self.views.by_index.setdefault(pc.index, []).append((g.reshape(-1), pc.offset))
+        self.factor = 1.0 / scaler.scale
+        self.overflow: bool | None = None
+        self.local_nonfinite = False
+        self.nonfinite_host = 0
+        self._nonfinite_dev: torch.Tensor | None = None  # device counter (sync-free mode)
+        self.deferred = Deferred()  # per-step non-finite flags, read when ready
+        self.said_nonfinite = False
+
+    @property
+    def sync_free(self) -> bool:
+        return self.core.sync_free
+
+    def check_not_joined(self, what: str) -> None:
+        self.join.check_not_joined(what)
 
     # ------------------------------------------------------------------ gradients
-    def _on_backward_start(self) -> None:
+    def on_backward_start(self) -> None:
         """First grad of a backward pass: take user changes, make the store accumulate in
         loss-scaled units, and take the views off the params so autograd writes fresh grads.
         Inside a ``Join`` context, a synchronising pass first tells it this rank still trains."""
-        shard = self.policy.shard  # stage 3 tells Join in its forward (`_forward_start`)
-        if shard.params and (self._reducer.sync or not shard.grads):
-            self._join_active = comm.join_notify(self)
-            if not self._reducer.sync:  # stage 2 reduces (and a joined rank steps) each time
-                self._check_not_joined("gradient accumulation (no_sync)")
-        self._sync_user_changes()
-        ls = 1.0 / self.loss_scale
-        if self._views.active and self._grad_factor != ls:
-            self._scale_store(self._grad_factor * self.loss_scale)
-        self._grad_factor = ls
-        self._views.detach_all(self._trainable)
+        shard = self.core.policy.shard  # stage 3: Join is told in the forward
+        if shard.params and (self.core.reducer.sync or not shard.grads):
+            self.join.notify()
+            if not self.core.reducer.sync:  # stage 2 reduces (and a joined rank steps) each time
+                self.join.check_not_joined("gradient accumulation (no_sync)")
+        self.sync_user_changes()
+        ls = 1.0 / self.scaler.scale
+        if self.views.active and self.factor != ls:
+            self.scale_store(self.factor * self.scaler.scale)
+        self.factor = ls
+        self.views.detach_all(self.core.trainable)
 
-    def _publish(self) -> None:
+    def publish(self) -> None:
         """End of a reduction: which params have a gradient on any rank, and their views."""
-        if self._scheduler is not None:  # stage 3: units of the forward left behind
-            self._scheduler.finish_backward()
-        if self._scheduler is not None and self._scheduler.check is not None:
+        if self.core.units is not None:  # stage 3: units of the forward left behind
+            self.core.units.finish_backward()
+        if self.core.units is not None and self.core.units.check is not None:
             # stage 3: every rank launched the same collectives in this backward, checked
             # before anything else goes through the main group (a difference may have left
             # it out of step)
-            self._scheduler.check.end_pass("backward")
-        idx = sorted(self._trainable)
+            self.core.units.check.end_pass("backward")
+        idx = sorted(self.core.trainable)
         pos = {k: j for j, k in enumerate(idx)}
-        local = self._views.active | self._reducer.got
-        on_host = self._sync_free and self._side is not None  # host knowledge, reduced there
-        mask = torch.zeros(len(idx), dtype=torch.uint8, device="cpu" if on_host else self.device)
+        local = self.views.active | self.core.reducer.got
+        on_host = (
+            self.core.sync_free and self.core.side is not None
+        )  # host knowledge, reduced there
+        mask = torch.zeros(
+            len(idx), dtype=torch.uint8, device="cpu" if on_host else self.core.device
+        )
         if local:
             mask[[pos[k] for k in local]] = 1
         what = "backward: which params have gradients"
-        self._all_reduce(mask, "max", what, group=self._side if on_host else None)
-        self._views.active = {idx[j] for j in mask.nonzero().flatten().tolist()}
-        self._reducer.got.clear()
-        self._views.install(self._trainable)
-        if self._scheduler is not None:
-            self._scheduler.end_backward()
+        self.core.all_reduce(mask, "max", what, group=self.core.side if on_host else None)
+        self.views.active = {idx[j] for j in mask.nonzero().flatten().tolist()}
+        self.core.reducer.got.clear()
+        self.views.install(self.core.trainable)
+        if self.core.units is not None:
+            self.core.units.end_backward()
 
-    def _sync_user_changes(self) -> None:
+    def sync_user_changes(self) -> None:
         """Apply what the user did to ``p.grad`` since the views were installed."""
-        cleared, replaced = self._views.user_changes(self._trainable)
+        cleared, replaced = self.views.user_changes(self.core.trainable)
         if not cleared and not replaced:
             return
-        views = self._views
+        views = self.views
         if cleared and cleared >= views.active and not replaced:
-            self._reset_grads()  # model.zero_grad(): the same as ours
+            self.reset()  # model.zero_grad(): the same as ours
             return
         for i in cleared:
             for v, _ in views.pieces_of(i):
@@ -89,114 +110,142 @@ class GradAccess:
         for i, g in replaced.items():
             flat = g.detach().reshape(-1)
             for v, off in views.pieces_of(i):
-                v.copy_(flat[off : off + v.numel()].to(v.dtype) / self._grad_factor)
+                v.copy_(flat[off : off + v.numel()].to(v.dtype) / self.factor)
             views.active.add(i)
-        views.install(self._trainable)
+        views.install(self.core.trainable)
 
-    def _scale_store(self, c: float) -> None:
+    def scale_store(self, c: float) -> None:
         if c != 1.0:
-            for t in self._grads.shard_tensors():
+            for t in self.core.grads.shard_tensors():
                 t.mul_(c)
 
-    def _apply_grad_factor(self) -> None:
+    def apply_factor(self) -> None:
         """Make the reduced store hold true gradients (what ``p.grad`` shows)."""
-        self._finish_reduction()
-        self._scale_store(self._grad_factor)
-        self._grad_factor = 1.0
+        self.finish_reduction()
+        self.scale_store(self.factor)
+        self.factor = 1.0
 
-    def _reset_grads(self, keep: bool = False) -> None:
+    def reset(self, keep: bool = False) -> None:
         """Zero the gradient store. ``keep`` (``zero_grad(set_to_none=False)``): the params
         with a gradient (the same on every rank) keep it, zero, and stay in the next step;
         else none has one (``p.grad = None``)."""
         if keep:
-            self._sync_user_changes()  # a p.grad the user cleared or replaced since
-        kept = set(self._views.active) if keep else set()
-        self._reducer.zero_grad()
-        self._views.active.clear()
-        self._views.detach_all(self._trainable)
+            self.sync_user_changes()  # a p.grad the user cleared or replaced since
+        kept = set(self.views.active) if keep else set()
+        self.core.reducer.zero_grad()
+        self.views.active.clear()
+        self.views.detach_all(self.core.trainable)
         if kept:
-            self._views.active.update(kept)
-            self._views.install(self._trainable)
-        self._grad_factor = 1.0 / self.loss_scale
-        self._overflow = None
+            self.views.active.update(kept)
+            self.views.install(self.core.trainable)
+        self.factor = 1.0 / self.scaler.scale
+        self.overflow = None
 
-    # ------------------------------------------------------------------ uneven inputs (Join)
-    def join_hook(self, **kwargs) -> JoinHook:
-        """For ``torch.distributed.algorithms.Join([opt])`` (as ZeroRedundancyOptimizer): a rank
-        out of inputs shadows the others' iterations, each one synchronising backward and one
-        ``step``; gradient averages count it as zeros (DDP's default under Join)."""
-        return _JoinHook(self)
-
-    @property
-    def join_device(self) -> torch.device:
-        return self.device
-
-    @property
-    def join_process_group(self):
-        return comm.group_or_world(self.group)
-
-    def _forward_start(self, args: tuple, kwargs: dict) -> None:
-        """Stage 3, a forward begins: inside a ``Join`` context, tell it this rank still trains
-        (before the forward's all-gathers, which a joined rank shadows after that all-reduce)
-        and keep the inputs, which this rank's shadow iterations run again once it joins."""
-        if self._shadowing:
+    def finish_reduction(self) -> None:
+        self.core.reducer.flush()
+        self.sync_user_changes()
+        if self.overflow is not None:
             return
-        if not torch.is_grad_enabled():  # its all-gathers have no partner on a joined rank
-            self._check_not_joined("a forward without gradients at stage 3")
-            return
-        if self._join_config.enable:
-            self._join_input = (args, kwargs)
-        self._join_active = comm.join_notify(self)
-        if not self._reducer.sync:  # a joined rank steps after each shadowed backward
-            self._check_not_joined("gradient accumulation (no_sync)")
+        scaled = self.scaler.active
+        if scaled or self.nonfinite != "step":
+            bad = torch.zeros(1, device=self.core.device)
+            for g in self.core.grads.shard_tensors():
+                if not bool(torch.isfinite(g).all()):
+                    bad.fill_(1.0)
+                    break
+            self.core.all_reduce(bad, "max", "step: non-finite check")
+            self.overflow = bool(bad.item() != 0)
+        elif self.core.sync_free:  # counted on the device, logged once the value is ready
+            self.overflow = False
+            flag = nonfinite_flag(self.core.grads.shard_tensors(), self.core.device)
+            if self._nonfinite_dev is None:
+                self._nonfinite_dev = torch.zeros((), dtype=torch.float32, device=self.core.device)
+            self._nonfinite_dev.add_(flag)
+            if not self.said_nonfinite:
+                self.deferred.put(self.core.steps.n, flag)
+        else:  # torch's behaviour: step anyway; `step` counts it (one cheap pass per shard)
+            self.overflow = False
+            self.local_nonfinite = not all(
+                bool(torch.isfinite(g.sum())) for g in self.core.grads.shard_tensors()
+            )
 
-    def _shadow_iteration(self) -> None:
-        self._reset_grads()
-        if not self.policy.shard.params:
-            self._shadow_stage3()
+    @torch.no_grad()
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """Clip the (reduced, unscaled) gradients to ``max_norm``; returns the global norm,
+        exactly as ``torch.nn.utils.clip_grad_norm_`` on the unsharded model."""
+        self.join.check_not_joined("clip_grad_norm_")
+        norm_type = float(norm_type)
+        if norm_type < 0 or math.isnan(norm_type):
+            raise ValueError(f"norm_type must be >= 0 or inf, got norm_type={norm_type!r}")
+        self.finish_reduction()
+        shards = self.core.grads.shard_tensors()
+        if self.core.sync_free:
+            return self._clip_on_device(shards, float(max_norm), norm_type, error_if_nonfinite)
+        if math.isinf(norm_type):
+            local = max((float(g.abs().max()) for g in shards if g.numel()), default=0.0)
+            t = torch.tensor([local], dtype=torch.float64, device=self.core.device)
+            self.core.all_reduce(t, "max", "clip_grad_norm_")
+            total = float(t.item())
         else:
-            self._reducer.finish()  # every bucket reduced with zeros; the gradient mask
-        self.step()
-
-    def _shadow_stage3(self) -> None:
-        """Stage 3: a joined rank's part of the others' forward and backward: the model run
-        again on this rank's last inputs, backward with zero output gradients (so its
-        gradients count as zeros in the averages, DDP's default under Join), which launches the
-        same all-gathers and reduce-scatters as a training forward and backward."""
-        if self._join_input is None:
-            raise RuntimeError(
-                "ZeroOptimizer stage 3 under Join: this rank ran out of inputs before its first "
-                "forward in the Join context, so it has no input to shadow the others' "
-                "forwards with (their all-gathers need a partner); give every rank at least "
-                "one batch"
+            s = sum(
+                float(torch.linalg.vector_norm(g, norm_type).double() ** norm_type)
+                if norm_type != 0
+                else float((g != 0).sum())
+                for g in shards
             )
-        args, kwargs = self._join_input
-        # the shadow leaves no trace on this rank: buffers (BatchNorm's running statistics)
-        # and random state are as before it, as on a joined DDP rank that runs no forward
-        saved = [(b, b.detach().clone()) for b in self._module.buffers()]
-        cuda = [self.device.index or 0] if self.device.type == "cuda" else []
-        self._shadowing = True
-        try:
-            with torch.random.fork_rng(devices=cuda), torch.enable_grad():
-                out = self._module(*args, **kwargs)
-                ts = [
-                    t
-                    for t in tree_flatten(out)[0]
-                    if isinstance(t, torch.Tensor) and t.requires_grad
-                ]
-                if ts:
-                    torch.autograd.backward(ts, [torch.zeros_like(t) for t in ts])
-        finally:
-            self._shadowing = False
-            with torch.no_grad():
-                for b, v in saved:
-                    b.copy_(v)
-
-    def _check_not_joined(self, what: str) -> None:
-        if self._join_active is not None and self._join_active < self.world_size:
+            t = torch.tensor([s], dtype=torch.float64, device=self.core.device)
+            self.core.all_reduce(t, "sum", "clip_grad_norm_")
+            total = float(t.item()) if norm_type == 0 else float(t.item()) ** (1.0 / norm_type)
+        total *= abs(self.factor)
+        if error_if_nonfinite and not math.isfinite(total):
             raise RuntimeError(
-                f"{what} after a rank ran out of inputs under Join: the joined rank shadows only "
-                "one forward (stage 3), one backward and one step per iteration, so this has no "
-                "partner there or would step its shard more often than the others'; do it only "
-                "while every rank has inputs (or pad the inputs to equal length)"
+                f"clip_grad_norm_: the total norm of order {norm_type} is "
+                f"non-finite ({total}), error_if_nonfinite=True"
             )
+        out = torch.tensor(total, dtype=torch.float32)
+        coef = float(max_norm) / (float(out) + 1e-6)
+        self.factor *= min(coef, 1.0) if math.isfinite(coef) else coef
+        return out
+
+    def _clip_on_device(self, shards, max_norm: float, norm_type: float, error_if_nonfinite):
+        """`clip_grad_norm_` without a host read ([Note: no host sync])."""
+        t = norm_on_device(shards, norm_type, self.core.device)
+        self.core.all_reduce(t, "max" if math.isinf(norm_type) else "sum", "clip_grad_norm_")
+        if norm_type not in (0.0, 1.0) and not math.isinf(norm_type):
+            t = t ** (1.0 / norm_type)
+        total = (t * abs(self.factor)).reshape(())
+        if error_if_nonfinite and not bool(torch.isfinite(total)):  # a host read, as torch's
+            raise RuntimeError(
+                f"clip_grad_norm_: the total norm of order {norm_type} is "
+                f"non-finite ({float(total)}), error_if_nonfinite=True"
+            )
+        coef = clip_coefficient(total, max_norm)
+        by_dtype: dict = {}
+        for g in shards:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        for dt, gs in by_dtype.items():  # float64 params have float64 grads
+            torch._foreach_mul_(gs, coef.to(dt))
+        return total.float()
+
+    def log_nonfinite(self, step: int) -> None:
+        self.said_nonfinite = True
+        log.warning(
+            "ZeroOptimizer: rank %d has non-finite gradients at step %d; stepping anyway "
+            "(nonfinite='step', as torch does); nonfinite='skip' or 'raise' stops it",
+            self.core.rank,
+            step,
+        )
+
+    @property
+    def nonfinite_steps(self) -> int:
+        """Steps with inf/NaN gradients (on this rank, with nonfinite="step"); reading it off
+        the CPU waits for the device (telemetry, never read by the step)."""
+        dev = self._nonfinite_dev
+        return self.nonfinite_host + (int(dev.item()) if dev is not None else 0)
+
+    @nonfinite_steps.setter
+    def nonfinite_steps(self, value: int) -> None:
+        self.nonfinite_host = int(value)
+        self._nonfinite_dev = None

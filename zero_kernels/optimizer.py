@@ -29,46 +29,32 @@ import inspect
 import logging
 import warnings
 import weakref
-import zlib
 
 import torch
 from torch import nn
-from torch.distributed.algorithms.join import Joinable
+from torch.distributed.algorithms.join import Joinable, JoinHook
 
-from . import comm, hostmem, regroup, syncfree, validate, wrappers
-from .buffers import GradStore, dtype_of, grad_dtypes, release_free_heap, storage_id
-from .grad_access import GradAccess
-from .groups import param_groups
-from .layout import Layout, ParamSpec, build_layout
+from . import build, comm, hostmem, regroup, validate, wrappers
+from .buffers import release_free_heap, storage_id
+from .core import Core
+from .grad_access import GradContract
+from .join import JoinState
 from .loss_scale import LossScaler
 from .param_access import ParamAccess, _call, _call_args
-from .partition import (
-    FUSED_ADAM_CLASSES,
-    Reducer,
-    ShardRunner,
-    choose_mode,
-)
-from .partition.grads import GradViews, ShardedGrad
-from .partition.units import (
-    find_units,
-    unit_assignment,
-)
+from .partition.grads import ShardedGrad
 from .policy import ZeroPolicy, resolve_given
-from .state_access import ShardStateAccess
-from .syncfree import GradChecks
+from .sharded_state import ShardedState
+from .state_access import FullState
+from .stepper import Stepper
 
 __all__ = ["ZeroOptimizer"]
 
 log = logging.getLogger("zero_kernels")
 
-_UNFUSABLE = ("differentiable", "capturable")
-
 wrappers.install()  # a DDP built over a live ZeroOptimizer's params raises ([Note: wrappers])
 
 
-class ZeroOptimizer(
-    ParamAccess, GradAccess, ShardStateAccess, GradChecks, torch.optim.Optimizer, Joinable
-):
+class ZeroOptimizer(torch.optim.Optimizer, Joinable):
     """Shards ``optimizer_class``'s state (stage 1), the gradients too (stage 2) and the params
     too (stage 3).
 
@@ -203,10 +189,8 @@ class ZeroOptimizer(
         )
         self._closed = True  # until construction succeeds (close() then does nothing)
         self._hook_handles: list = []
+        self.parts: Parts | None = None
         Joinable.__init__(self)
-        self._join_active: int | None = None  # ranks still training, inside a Join context
-        self._join_input = None  # stage 3 under Join: the last forward's inputs (shadowing)
-        self._shadowing = False  # stage 3: a joined rank's shadow forward and backward runs
         # ---- every choice resolved once, checked before anything else ([Note: policies])
         policy = resolve_given(
             stage,
@@ -225,127 +209,29 @@ class ZeroOptimizer(
             loss_scale=loss_scale,
         )
         self.policy = policy
-        shard, gather, cp = policy.shard, policy.gather, policy.comm
         validate.check_args(kernel_backend, nonfinite)
         validate.check_launch()
         if isinstance(params, nn.Module):
             if module is not None and module is not params:
                 raise ValueError("module= differs from the module passed as params")
             module = params
-        validate.check_stage3(shard, module, units)
-        self.check_order = gather.check_order
-        self.mode, why = choose_mode(optimizer_class, partition)
-        validate.check_kwargs(optimizer_class, defaults)
-        self.stage = policy.stage  # for reports and checkpoints: the parts read the policy
-        self.group, self.overlap_comm = process_group, cp.overlap_comm
-        self.optimizer_class = optimizer_class
-        self.nonfinite = nonfinite
-        self.timeout = float(cp.timeout or 300.0)
-        # collectives of backward and step are bounded only when the user asks (the process
-        # group's own timeout otherwise): see [Note: timeouts] in zero_kernels.comm
-        self._op_timeout = float(cp.timeout) if cp.timeout is not None else None
-        self.world_size = comm.world_size(process_group)
-        self.rank = comm.rank(process_group)
-        user_groups, names = param_groups(params)
-        if module is not None:
-            for n, p in module.named_parameters():
-                names.setdefault(id(p), n)
-        all_params = {id(p): p for g in user_groups for p in g["params"]}
-        validate.check_params(all_params, names, module)
-        wrappers.check_not_wrapped(all_params.values(), names, module)
-        for p in all_params.values():
-            owner = wrappers.owner_of(p)
-            if owner is not None:
-                raise ValueError(
-                    f"param {names.get(id(p)) or tuple(p.shape)} is held by another live "
-                    f"ZeroOptimizer ({owner!r}): close() it first (or use one optimizer)"
-                )
-        # ---- layout (pure data), identical on every rank or an error on every rank
-        specs, index_of, self._group_indices = [], {}, []
-        for gi, g in enumerate(user_groups):
-            idx = []
-            for p in g["params"]:
-                index_of[id(p)] = len(specs)
-                idx.append(len(specs))
-                specs.append(
-                    ParamSpec(
-                        len(specs),
-                        gi,
-                        str(p.dtype),
-                        tuple(p.shape),
-                        names.get(id(p), ""),
-                        p.requires_grad,
-                    )
-                )
-            self._group_indices.append(idx)
-        self._params = {index_of[id(p)]: p for g in user_groups for p in g["params"]}
-        # stage 3: which unit each param belongs to (see [Note: units])
-        self._unit_modules: list[tuple[str, nn.Module]] = []
-        self._unit_of: dict[int, int] = {}
-        if not shard.params:
-            self._unit_modules = find_units(module, units)
-            self._unit_of = unit_assignment(self._unit_modules, self._params, gather.persist_below)
-            specs = [dataclasses.replace(s, unit=self._unit_of[s.index]) for s in specs]
-        if not any(s.requires_grad for s in specs):
-            raise ValueError("ZeroOptimizer: no parameter has requires_grad=True")
-        devices = {p.device for p in self._params.values() if not p.is_meta}
-        if len(devices) > 1:
-            raise ValueError(f"ZeroOptimizer: all params must be on one device, got {devices}")
-        self._meta = any(p.is_meta for p in self._params.values())
-        self.device = devices.pop() if devices else comm.default_device(process_group)
-        self._init_fn, self._seed = init_fn, seed
-        self.reduce_dtype = policy.precision.reduce_dtype
-        if gather.overlap_param_gather and module is None:
-            raise ValueError(
-                "overlap_param_gather=True needs the model (its forward hooks wait for each "
-                f"bucket); got module={type(module).__name__}"
-            )
-        self.overlap_param_gather = gather.overlap_param_gather
-        self._pending_gathers: dict = {}  # (buffer, bucket) -> all-gather handle in flight
-        self.reshard_after_forward, self.prefetch = gather.reshard_after_forward, gather.prefetch
-        self.layout: Layout = build_layout(
-            specs,
-            self.world_size,
-            bucket_numel=max(1, int(cp.bucket_size_mb * 2**20) // 4),
-            mode=self.mode,
-            by_unit=not shard.params,
+        self.optimizer_class, self.nonfinite = optimizer_class, nonfinite
+        # ---- the layout (pure data): nothing is changed yet
+        core, user_groups, meta = build.lay_out(
+            policy,
+            params,
+            optimizer_class,
+            module=module,
+            units=units,
+            partition=partition,
+            process_group=process_group,
+            nonfinite=nonfinite,
+            defaults=defaults,
         )
-        validate.check_agree(
-            {
-                "stage": policy.stage,
-                **policy.describe(),  # every field of every policy, by its name
-                "partition mode": self.mode,
-                "optimizer_class": f"{optimizer_class.__module__}.{optimizer_class.__qualname__}",
-                "nonfinite": nonfinite,
-                "units": [n for n, _ in self._unit_modules],
-                "hyper-parameters": repr(sorted(defaults.items())),
-                "param groups": repr(
-                    [sorted((k, v) for k, v in g.items() if k != "params") for g in user_groups]
-                ),
-                "params (group, dtype, shape, requires_grad) crc32": zlib.crc32(
-                    repr([(s.group, s.dtype, s.shape, s.requires_grad) for s in specs]).encode()
-                ),
-                "number of params": len(specs),
-            },
-            process_group,
-            self.device,
-        )
-        self._trainable = {s.index: self._params[s.index] for s in specs if s.requires_grad}
-        self._expected = {}  # index -> (data_ptr, dtype) each trainable param's data must keep
-        self._module = module
-        self._module_params = [id(p) for p in module.parameters()] if module is not None else None
-        log.info(
-            "ZeroOptimizer: stage %d, %s mode (%s), %d flat buffer(s), %d bucket(s), world size %d",
-            stage,
-            self.mode,
-            why,
-            len(self.layout.buffers),
-            sum(len(b.buckets) for b in self.layout.buffers),
-            self.world_size,
-        )
+        self._core = core
         # large CPU blocks by size from here on, construction's included ([Note: host block cache])
-        self.host_cache = self.device.type == "cpu" and hostmem.ensure(host_cache)
-        if host_cache is True and self.device.type == "cpu" and not self.host_cache:
+        self.host_cache = core.device.type == "cpu" and hostmem.ensure(host_cache)
+        if host_cache is True and core.device.type == "cpu" and not self.host_cache:
             warnings.warn(
                 "host_cache=True: the host block cache is not in use ("
                 + (hostmem.available() or "another CPU allocator of higher priority is in place")
@@ -354,7 +240,9 @@ class ZeroOptimizer(
             )
         # ---- from here on the params are changed: undo everything if anything fails
         try:
-            self._build(user_groups, defaults, fused_adam, kernel_backend)
+            self._build(
+                core, user_groups, meta, defaults, fused_adam, kernel_backend, init_fn, seed
+            )
         except BaseException:
             self._closed = False
             try:  # collective where every rank failed alike, bounded where one did alone
@@ -363,128 +251,95 @@ class ZeroOptimizer(
                 pass  # the construction's own error is the one to see
             raise
 
-    def _comm_sizes(self) -> list[tuple[str, int]]:
-        """``(op, bytes)`` of every bucket's reduce-scatter and all-gather."""
-        out = []
-        _, rdts = grad_dtypes(self.layout, reduce_dtype=self.reduce_dtype)
-        for buf, rdt in zip(self.layout.buffers, rdts):
-            pdt = dtype_of(buf.dtype)
-            for b in buf.buckets:
-                n = b.shard_numel * self.layout.world_size
-                out += [("reduce_scatter", n * rdt.itemsize), ("all_gather", n * pdt.itemsize)]
-        return out
-
-    def _build(self, user_groups, defaults, fused_adam, kernel_backend) -> None:
-        group = self.group
-        # the collectives' algorithm probes, before this optimizer allocates anything
-        # (`comm.probe_ahead`: their buffers then do not add to the first step's peak)
-        comm.probe_ahead(self._comm_sizes(), group=group, device=self.device)
-        # params become views of the store; rank 0's values win (as DDP does), except for a
-        # model built on the meta device, initialised identically on every rank
-        self._store = self._materialize_and_store()
-        self._flats = self._store.flats
-        self._expected = {i: (storage_id(p), p.dtype) for i, p in self._trainable.items()}
-        self._side = comm.side_group(group, timeout_s=self.timeout)
-        self.comm_log = comm.CommLog()
-        self._steps = 0
-        self._steps_at_reset = 0  # comm_stats["steps"] counts from the last reset_comm_stats()
-        # [Note: no host sync] in zero_kernels/syncfree.py: off the CPU, step() reads nothing
-        self._sync_free = self.device.type != "cpu"
-        self._nonfinite_host = 0
-        self._nonfinite_dev: torch.Tensor | None = None  # device counter (sync-free mode)
-        self._deferred = syncfree.Deferred()  # per-step non-finite flags, read when ready
-        self._grads = GradStore(
-            self.layout,
-            self.policy.shard,
-            self.device,
-            rank=self.rank,
-            max_inflight=self.policy.comm.max_inflight_buckets,
-            reduce_dtype=self.reduce_dtype,
+    def _build(self, core, user_groups, meta, defaults, fused_adam, kernel_backend, init_fn, seed):
+        """The named steps of `zero_kernels.build`, then the parts over the core."""
+        core.store = build.store(core, meta=meta, init_fn=init_fn, seed=seed)
+        # each trainable param's data must keep its storage and dtype (`validate.check_intact`)
+        self._expected = {i: (storage_id(p), p.dtype) for i, p in core.trainable.items()}
+        self._module_params = (
+            [id(p) for p in core.module.parameters()] if core.module is not None else None
         )
-        # stage 3 on gloo: the reduce-scatters form a sequence of their own, apart from the
-        # all-gathers (see [Note: backward gathers] in zero_kernels/partition/units.py);
-        # check_order="every" compares every launch in one sequence, so it keeps one group
-        self._rs_group = group
-        if not self.policy.shard.params and self.check_order != "every":
-            self._rs_group = comm.twin_group(group)
-        self._reducer = Reducer(
-            self.layout, self._params, self._grads, self.rank, self._rs_group, self.comm_log
+        build.communication(core)
+        self._hook_handles = core.reducer.handles_to_remove()
+        core.runner = build.runner(
+            core, self.optimizer_class, user_groups, defaults, fused_adam, kernel_backend
         )
-        self._hook_handles = self._reducer.handles_to_remove()
-        if self._module is not None:  # a DDP built before zero_kernels was imported
-            ids = frozenset(id(p) for p in self._params.values())
-            self._hook_handles.append(
-                self._module.register_forward_pre_hook(lambda m, a: wrappers.check_forward(ids))
-            )
-        self._reducer.overlap = bool(self.overlap_comm)
+        core.units = build.units(core)
+        # ---- the parts ([Note: parts]); hooks reach them through a weak reference to self
         me = weakref.ref(self)
-        self._reducer.on_backward_start = _call(me, "_on_backward_start")
-        self._reducer.on_reduced = _call(me, "_publish")
-        self._reducer.timeout = self._op_timeout
-        self._reducer.describe = _call_args(me, "_where")
-        # the inner optimizer over this rank's pieces
-        group_opts = [{k: v for k, v in g.items() if k != "params"} for g in user_groups]
-        fusable = (
-            self.optimizer_class in FUSED_ADAM_CLASSES
-            and fused_adam
-            and not any(g.get(k) or defaults.get(k) for g in group_opts for k in _UNFUSABLE)
-        )
-        self._runner = ShardRunner(
-            self.layout,
-            self._store,
-            self._grads,
-            self.rank,
-            self.optimizer_class,
-            group_opts,
-            defaults,
-            fused=fusable,
-            backend=kernel_backend,
-        )
-        self._scheduler = None
-        self._ids_trainable = {id(p) for p in self._trainable.values()}
-        if not self.policy.shard.params:
-            self._scheduler = self._make_scheduler()
-            self._scheduler.timeout = self._op_timeout
-            self._scheduler.describe = _call_args(me, "_where")
-            if self.check_order != "first":
-                check = self._sequence_check(self.check_order)
-                check.describe = _call_args(me, "_where")
-                self._scheduler.check = self._reducer.check = check
-            self._reducer.on_bucket_ready = self._scheduler.bucket_done
-            self._scheduler.on_skip = _call_args(me, "_skip_unit")
-            self._scheduler.on_forward_start = _call_args(me, "_forward_start")
-            m = self._module
-            self._scheduler.handles += [
-                m._register_state_dict_hook(_call_args(me, "_state_dict_hook")),
-                m._register_load_state_dict_pre_hook(_call_args(me, "_load_pre_hook")),
-                m.register_load_state_dict_post_hook(_call_args(me, "_load_post_hook")),
-            ]
-        elif self._module is not None:  # a loaded model's values reach the fp32 masters
-            self._hook_handles.append(
-                self._module.register_load_state_dict_post_hook(_call_args(me, "_load_post_hook"))
-            )
-            if self.overlap_param_gather:
-                self._hook_handles += self._gather_wait_hooks(me)
-        self._views = GradViews(self)
-        for _i, _, pc, _, g in self._runner.all_pieces():
-            self._views.by_index.setdefault(pc.index, []).append((g.reshape(-1), pc.offset))
-        self._building = True
-        super().__init__(user_groups, dict(self._runner.inner.defaults))
-        self._building = False
-        # loss scaling
-        has_fp16 = any(p.dtype == torch.float16 and p.requires_grad for p in self._params.values())
+        has_fp16 = any(p.dtype == torch.float16 and p.requires_grad for p in core.params.values())
         self.scaler = LossScaler(self.policy.precision.loss_scale, has_fp16)
-        self._grad_factor = 1.0 / self.loss_scale  # the store times this = the true gradient
-        self._overflow: bool | None = None
-        self._local_nonfinite = False  # this rank's grads had inf/NaN (nonfinite="step")
-        self.skipped_steps = 0
-        self._said_nonfinite = False
-        for p in self._params.values():
+        join = JoinState(core, self)
+        grads = GradContract(core, self.scaler, join, self.nonfinite)
+        params = ParamAccess(core)
+        full = FullState(core, grads, params, lambda: me().param_groups)
+        stepper = Stepper(core, grads, params, self.scaler, self.nonfinite)
+        self.parts = Parts(core, grads, params, full, join, stepper)
+        r, m = core.reducer, core.module
+        r.on_backward_start = _call(me, "parts.grads.on_backward_start")
+        r.on_reduced = _call(me, "parts.grads.publish")
+        r.describe = core.where
+        if m is not None:  # a DDP built before zero_kernels was imported
+            ids = frozenset(id(p) for p in core.params.values())
+            self._hook_handles.append(
+                m.register_forward_pre_hook(lambda mod, a: wrappers.check_forward(ids))
+            )
+        sched = core.units
+        if sched is not None:
+            sched.describe = core.where
+            sched.on_skip = _call_args(me, "parts.params.skip_unit")
+            sched.on_forward_start = _call_args(me, "parts.join.forward_start")
+            sched.handles += [
+                m._register_state_dict_hook(_call_args(me, "parts.params.state_dict_hook")),
+                m._register_load_state_dict_pre_hook(_call_args(me, "parts.params.load_pre_hook")),
+                m.register_load_state_dict_post_hook(_call_args(me, "parts.params.load_post_hook")),
+            ]
+        elif m is not None:  # a loaded model's values reach the fp32 masters
+            self._hook_handles.append(
+                m.register_load_state_dict_post_hook(_call_args(me, "parts.params.load_post_hook"))
+            )
+            if self.policy.gather.overlap_param_gather:
+                self._hook_handles += params.gather_wait_hooks(me)
+        self._building = True
+        super().__init__(user_groups, dict(core.runner.inner.defaults))
+        self._building = False
+        for p in core.params.values():
             p._zero_kernels_owner = me
         self._closed = False
-        every = list(self._hook_handles) + (self._scheduler.handles if self._scheduler else [])
-        weakref.finalize(self, _remove_hooks, every, dict(self._params))
+        every = list(self._hook_handles) + (sched.handles if sched else [])
+        weakref.finalize(self, _remove_hooks, every, dict(core.params))
         release_free_heap()  # what construction copied and freed, back to the system
+
+    # ------------------------------------------------------------------ what the parts hold
+    @property
+    def stage(self) -> int:
+        """The policy's stage shorthand (reports, checkpoints): the parts read the policy."""
+        return self.policy.stage
+
+    mode = property(lambda self: self._core.mode)  # "flat" or "whole"
+    group = property(lambda self: self._core.group)  # the data-parallel process group
+    rank = property(lambda self: self._core.rank)
+    world_size = property(lambda self: self._core.world_size)
+    device = property(lambda self: self._core.device)
+    layout = property(lambda self: self._core.layout)
+    timeout = property(lambda self: self._core.timeout)
+    comm_log = property(lambda self: self._core.comm_log)
+    check_order = property(lambda self: self.policy.gather.check_order)
+    reduce_dtype = property(lambda self: self.policy.precision.reduce_dtype)
+    overlap_comm = property(lambda self: self.policy.comm.overlap_comm)
+    overlap_param_gather = property(lambda self: self.policy.gather.overlap_param_gather)
+    reshard_after_forward = property(lambda self: self.policy.gather.reshard_after_forward)
+    prefetch = property(lambda self: self.policy.gather.prefetch)
+    skipped_steps = property(
+        lambda self: self.parts.stepper.skipped_steps,
+        lambda self, v: setattr(self.parts.stepper, "skipped_steps", int(v)),
+    )
+    nonfinite_steps = property(
+        lambda self: self.parts.grads.nonfinite_steps,
+        lambda self, v: setattr(self.parts.grads, "nonfinite_steps", v),
+        doc="Steps with inf/NaN gradients (on this rank, with nonfinite='step'); reading it off "
+        "the CPU waits for the device (telemetry, never read by the step).",
+    )
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
@@ -502,20 +357,22 @@ class ZeroOptimizer(
     def _close(self, collective: bool) -> None:
         if getattr(self, "_closed", True):
             return
-        sched = getattr(self, "_scheduler", None)
+        core, parts = getattr(self, "_core", None), getattr(self, "parts", None)
+        sched = core.units if core is not None else None
+        params = core.params if core is not None else {}
         err = None
         if collective:
             try:
-                if getattr(self, "_pending_gathers", None):
-                    self.wait_params()
-                if hasattr(self, "_reducer"):
-                    self._reducer.flush_pending_waits()
+                if parts is not None:
+                    parts.params.wait()
+                if core is not None and core.reducer is not None:
+                    core.reducer.flush_pending_waits()
                 if sched is not None:
-                    comm.check_arrival(self._side, "ZeroOptimizer.close() at stage 3", self.timeout)
+                    comm.check_arrival(core.side, "ZeroOptimizer.close() at stage 3", core.timeout)
             except RuntimeError as e:
                 err, collective = e, False
         self._closed = True
-        _remove_hooks(self._hook_handles, getattr(self, "_params", {}))
+        _remove_hooks(self._hook_handles, params)
         if sched is not None:
             sched.remove()
         if sched is not None and collective:  # every unit gathered once: whole params back
@@ -524,15 +381,14 @@ class ZeroOptimizer(
                 whole = [
                     (q, q.data.clone())
                     for i, b in u.buckets
-                    for q, _, _ in self._store.members.get((i, b), ())
+                    for q, _, _ in core.store.members.get((i, b), ())
                 ]
                 sched.free(u)
                 for q, t in whole:
                     q.data = t
-        views = getattr(self, "_views", None)
-        if views is not None:
-            views.closed = True
-        for p in getattr(self, "_params", {}).values():
+        if parts is not None:
+            parts.grads.views.closed = True
+        for p in params.values():
             if getattr(p, "_zero_kernels_owner", None) is not None:
                 p._zero_kernels_owner = None
             if isinstance(p.grad, ShardedGrad):
@@ -542,6 +398,10 @@ class ZeroOptimizer(
                     p.data = p.data.clone()
         if err is not None:
             raise err
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def __enter__(self) -> ZeroOptimizer:
         return self
@@ -571,47 +431,21 @@ class ZeroOptimizer(
         self._check_open("add_param_group")
         regroup.add_group(self, param_group)
 
-    def _check_params_intact(self) -> None:
-        validate.check_intact(self)
-
-    def _all_reduce(self, t: torch.Tensor, op: str, what: str, group=None) -> torch.Tensor:
-        """A small blocking all-reduce of this optimizer (on ``group``, default its process
-        group), bounded by ``timeout`` when given."""
-        return comm.all_reduce(
-            t,
-            op,
-            group=self.group if group is None else group,
-            log=self.comm_log,
-            timeout_s=self._op_timeout,
-            what=f"{self._where()}, {what}",
-        )
-
-    def _where(self) -> str:
-        return f"ZeroOptimizer step {self._steps} (rank {self.rank})"
-
     def layout_name(self, index: int) -> str:
-        for b in self.layout.buffers:
-            for s in b.slots:
-                if s.index == index:
-                    return s.name or f"#{index} {s.shape}"
-        p = self._params[index]
-        if self._module is not None:  # a frozen param has no slot: its name in the module
-            for n, q in self._module.named_parameters(remove_duplicate=False):
-                if q is p:
-                    return f"{n!r} {tuple(p.shape)}"
-        return f"#{index} {tuple(p.shape)}"
+        return self._core.param_name(index)
 
     # ------------------------------------------------------------------ training loop API
     @contextlib.contextmanager
     def no_sync(self):
         """Accumulate gradients over micro-batches without reducing them (stage 1); stage 2
         still reduces every micro-batch to keep gradient memory sharded (same result)."""
-        old = self._reducer.sync
-        self._reducer.sync = False
+        r = self._core.reducer
+        old = r.sync
+        r.sync = False
         try:
             yield
         finally:
-            self._reducer.sync = old
+            r.sync = old
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss * loss_scale`` (fp16 dynamic loss scaling: call backward on this)."""
@@ -624,7 +458,7 @@ class ZeroOptimizer(
         decay) where a backward gives them none, as ``model.zero_grad(set_to_none=False)`` and
         DDP with torch's optimizer do."""
         self._check_open("zero_grad")
-        self._reset_grads(keep=not set_to_none)
+        self.parts.grads.reset(keep=not set_to_none)
 
     @torch.no_grad()
     def step(self, closure=None, **kwargs):
@@ -637,75 +471,130 @@ class ZeroOptimizer(
         step adds to its param groups (or sets anew) appear in ``opt.param_groups`` after it.
         """
         self._check_open("step")
-        self._runner.check_step_kwargs(kwargs)
-        self.wait_params()
+        self._core.runner.check_step_kwargs(kwargs)
+        self.parts.params.wait()
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._check_params_intact()
-        self._finish_reduction()
-        if self._overflow:
-            self.skipped_steps += 1
-            if not self.scaler.active and self.nonfinite == "raise":
-                self._overflow = None
-                raise FloatingPointError(
-                    f"ZeroOptimizer.step {self._steps}: non-finite gradients on at least one "
-                    "rank (nonfinite='raise'); nothing was updated"
-                )
-            self.scaler.overflow()
-            self._nonfinite_host += 1
-            log.info(
-                "ZeroOptimizer: non-finite gradients, step skipped on every rank; "
-                "loss scale now %g",
-                self.loss_scale,
-            )
-        else:
-            if self._local_nonfinite:
-                self._nonfinite_host += 1
-                if not self._said_nonfinite:
-                    self._log_nonfinite(self._steps)
-            for step, bad in self._deferred.ready():  # flags of earlier steps, now known
-                if bad and not self._said_nonfinite:
-                    self._log_nonfinite(step)
-            hyper = self._runner.sync_hyper(self.param_groups)
-            if not self._runner.scales_in_kernel:
-                self._apply_grad_factor()
-            handles = self._runner.step(
-                self._views.active, self._grad_factor, self.comm_log, self.group, kwargs
-            )
-            self._runner.take_group_keys(self.param_groups, hyper)
-            if self._scheduler is not None:  # stage 3: params kept whole are gathered now
-                handles += [
-                    ((-1, k), h) for k, h in enumerate(self._scheduler.refresh_persistent())
-                ]
-            if self.overlap_param_gather:  # waited for by the next forward (see wait_params)
-                self._pending_gathers.update(handles)
-            else:
-                for (_, b), h in handles:
-                    h.wait(self._op_timeout, f"{self._where()}, step: all-gather of bucket {b}")
-            self.scaler.finite_step()
-        self._steps += 1
-        self._overflow = None
-        self._local_nonfinite = False
+        validate.check_intact(self._core, self._expected, self._module_params)
+        self.parts.stepper.step(self.param_groups, kwargs)
         return loss
+
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """Clip the (reduced, unscaled) gradients to ``max_norm``; returns the global norm,
+        exactly as ``torch.nn.utils.clip_grad_norm_`` on the unsharded model."""
+        self._check_open("clip_grad_norm_")
+        return self.parts.grads.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
+
+    # ------------------------------------------------------------------ whole params and state
+    def gathered_params(self, module_or_params=None, modifier_rank: int | None = None):
+        """Make params whole for inspection or editing (collective: every rank enters it).
+
+        ``module_or_params``: a module or params (default: all). At stage 3 their units are
+        gathered (those gathered here are freed on exit); at stages 1/2 params are whole anyway.
+        ``modifier_rank``: the rank whose edits inside the block are kept: its values are sent
+        to every rank and written into the shards (and fp32 masters), for every unit of the
+        params asked for, whatever its state at entry (the params kept whole by
+        ``persist_below``, a unit an outer ``gathered_params`` or a forward holds). None: edits
+        are dropped at stage 3 (and must be the same on every rank at stages 1/2)."""
+        self._check_open("gathered_params")
+        return self.parts.params.gathered(module_or_params, modifier_rank)
+
+    def wait_params(self, *args, **kwargs) -> None:
+        """overlap_param_gather: finish every all-gather still in flight, so the params hold the
+        last step's values. The next forward does it bucket by bucket by itself; call this
+        before reading params between ``step()`` and the next forward (EMA, logging, saving
+        tensors yourself); model.state_dict() and this optimizer's own methods call it."""
+        if self.parts is not None:
+            self.parts.params.wait()
+
+    def state_dict(self) -> dict:
+        """This rank's shard: the inner optimizer's state plus the layout needed to check it."""
+        return self.sharded_state.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a `state_dict` of this rank (same layout), or a full torch-format one
+        (``consolidated_state_dict``, or a plain torch optimizer's) at any world size."""
+        self.sharded_state.load_state_dict(state_dict)
+
+    def consolidated_state_dict(self, to: int = 0) -> dict | None:
+        """On rank ``to``: the state dict of the unsharded ``optimizer_class`` (torch's format,
+        loadable by it); None on the other ranks. Collective: call it on every rank."""
+        if not 0 <= to < self.world_size:
+            raise ValueError(f"to must be a rank in [0, {self.world_size}), got to={to!r}")
+        self._check_open("consolidated_state_dict")
+        return self.parts.full.consolidated_state_dict(to)
+
+    def full_param(self, param: torch.Tensor) -> torch.Tensor:
+        """The whole parameter at full precision: the fp32 master (bf16/fp16 params) or the
+        param itself; a new tensor on every rank. Collective: call it on every rank."""
+        self._check_open("full_param")
+        return self.parts.full.full_param(param)
+
+    def set_full_param(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        """Set the whole parameter (and its master) to ``value`` (the same on every rank)."""
+        self._check_open("set_full_param")
+        self.parts.full.set_full_param(param, value)
+
+    def full_grad(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The whole averaged gradient (true units: loss scale removed, clipping applied), or
+        None if the param has no gradient (on any rank). Collective: call it on every rank."""
+        self._check_open("full_grad")
+        return self.parts.full.full_grad(param)
+
+    def set_full_grad(self, param: torch.Tensor, value: torch.Tensor | None) -> None:
+        """Replace the param's gradient by ``value`` (the same on every rank), or drop it."""
+        self._check_open("set_full_grad")
+        self.parts.full.set_full_grad(param, value)
+
+    def full_state(self, param: torch.Tensor) -> dict:
+        """The param's optimizer state in the unsharded torch optimizer's format (element-wise
+        entries whole, per-tensor ones as they are); {} before its first step. Collective."""
+        self._check_open("full_state")
+        return self.parts.full.full_state(param)
+
+    def set_full_state(self, param: torch.Tensor, key: str, value) -> None:
+        """Set one entry of the param's optimizer state (after its first step); ``value`` is
+        whole for element-wise entries (each rank keeps its piece), else set as is."""
+        self._check_open("set_full_state")
+        self.parts.full.set_full_state(param, key, value)
+
+    # ------------------------------------------------------------------ uneven inputs (Join)
+    def join_hook(self, **kwargs) -> JoinHook:
+        """For ``torch.distributed.algorithms.Join([opt])`` (as ZeroRedundancyOptimizer): a rank
+        out of inputs shadows the others' iterations, each one synchronising backward and one
+        ``step``; gradient averages count it as zeros (DDP's default under Join)."""
+        return self.parts.join.hook()
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.device
+
+    @property
+    def join_process_group(self):
+        return comm.group_or_world(self.group)
 
     # ------------------------------------------------------------------ telemetry
     def memory_report(self) -> dict:
         """This rank's bytes of params, grads, master, optimizer state and comm buffers."""
+        core = self._core
         seen, pb = set(), 0
-        pb += self._store.nbytes()
-        for i in self.layout.frozen:
-            p = self._params[i]
+        pb += core.store.nbytes()
+        for i in core.layout.frozen:
+            p = core.params[i]
             if id(p) not in seen:
                 seen.add(id(p))
                 pb += p.numel() * p.element_size()
-        g = self._grads
+        g = core.grads
         grad = g.nbytes()
-        state = self._runner.state_bytes()
-        master = self._runner.master_bytes()
+        state = core.runner.state_bytes()
+        master = core.runner.master_bytes()
         model = pb + grad + master + state
         comm_now = g.comm_nbytes()
+        sharded = core.store.sharded
         return dict(
             param_bytes=pb,
             grad_bytes=grad,
@@ -716,15 +605,16 @@ class ZeroOptimizer(
             comm_buffer_peak_bytes=g.comm_peak_nbytes(),
             grad_peak_bytes=grad + g.comm_peak_nbytes(),
             total_bytes=model + comm_now,
-            gathered_param_bytes=self._store.gathered_nbytes() if self._store.sharded else 0,
-            gathered_param_peak_bytes=self._store.peak_gathered if self._store.sharded else 0,
+            gathered_param_bytes=core.store.gathered_nbytes() if sharded else 0,
+            gathered_param_peak_bytes=core.store.peak_gathered if sharded else 0,
         )
 
     @property
     def comm_stats(self) -> dict:
+        steps = self._core.steps
         return {
             **self.comm_log.as_dict(),
-            "steps": self._steps - self._steps_at_reset,
+            "steps": steps.n - steps.at_reset,
             "nonfinite_steps": self.nonfinite_steps,
         }
 
@@ -732,15 +622,14 @@ class ZeroOptimizer(
         """Counters of `comm_stats` from zero; the step counter itself (which names checkpoint
         folders and is restored on resume) goes on."""
         self.comm_log.reset()
-        self._steps_at_reset = self._steps
+        self._core.steps.at_reset = self._core.steps.n
         self.nonfinite_steps = 0
 
     @property
     def sharded_state(self):
         """The public interface to this rank's sharded state that checkpoints read and write
         (`zero_kernels.sharded_state.ShardedState`)."""
-        from .sharded_state import ShardedState
-
+        self._check_open("sharded_state")
         return ShardedState(self)
 
     # the loss scale, as before the scaler was its own object (checkpoints, scripts, tests)
@@ -751,11 +640,6 @@ class ZeroOptimizer(
         lambda self: self.scaler.growth_interval,
         lambda self, v: setattr(self.scaler, "growth_interval", int(v)),
     )
-    _growth_tracker = property(
-        lambda self: self.scaler.growth_tracker,
-        lambda self, v: setattr(self.scaler, "growth_tracker", int(v)),
-    )
-    _dynamic = property(lambda self: self.scaler.dynamic)
 
     def __repr__(self) -> str:
         return (
@@ -763,6 +647,19 @@ class ZeroOptimizer(
             f"optimizer_class={self.optimizer_class.__name__}, "
             f"world_size={self.world_size}, rank={self.rank})"
         )
+
+
+@dataclasses.dataclass(eq=False)
+class Parts:
+    """The parts of one `ZeroOptimizer` ([Note: parts] in `zero_kernels.core`), for the layers
+    above it (checkpoints, the command, tests); a user needs only the optimizer's methods."""
+
+    core: Core
+    grads: GradContract
+    params: ParamAccess
+    full: FullState
+    join: JoinState
+    stepper: Stepper
 
 
 def _remove_hooks(handles: list, params: dict) -> None:

@@ -9,6 +9,8 @@ optimizer are put back.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from . import comm
@@ -27,33 +29,32 @@ def add_group(opt, param_group: dict) -> None:
     new = dict(param_group)
     ps = new["params"]
     new["params"] = [ps] if isinstance(ps, torch.Tensor) else list(ps)
-    held = {id(p) for p in opt._params.values()}
+    core = opt.parts.core
+    held = {id(p) for p in core.params.values()}
     if any(id(p) in held for p in new["params"]):
         raise ValueError(
             "add_param_group: some parameters appear in more than one parameter group "
             "(a param of the new group is held by this optimizer already)"
         )
-    comm.check_arrival(opt._side, "ZeroOptimizer.add_param_group()", opt.timeout)
+    comm.check_arrival(core.side, "ZeroOptimizer.add_param_group()", opt.timeout)
     opt.wait_params()
-    payload = local_payload(opt.layout, opt._runner, masters=True)
+    payload = local_payload(core.layout, core.runner, masters=True)
     got = comm.all_gather_object(payload, group=opt.group)
-    full = consolidate(opt.layout, got, opt.param_groups, opt._group_indices)
+    full = consolidate(core.layout, got, opt.param_groups, core.group_indices)
     groups = [dict(g) for g in opt.param_groups] + [new]
-    kept = {
-        "_steps": opt._steps,
-        "_steps_at_reset": opt._steps_at_reset,
-        "skipped_steps": opt.skipped_steps,
-        "_nonfinite_host": opt._nonfinite_host,
-    }
+    steps = dataclasses.replace(core.steps)
+    skipped, nonfinite = opt.skipped_steps, opt.parts.grads.nonfinite_host
     hooks = {k: v for k, v in vars(opt).items() if k.startswith("_optimizer_") and "hook" in k}
     log, scaler = dict(vars(opt.comm_log)), dict(vars(opt.scaler))
     optimizer_class, kwargs = opt._init_args
     opt.close()
     type(opt).__init__(opt, groups, optimizer_class, **kwargs)
+    core = opt.parts.core
     g = {k: v for k, v in opt.param_groups[-1].items() if k != "params"}
-    full["param_groups"].append({**g, "params": list(opt._group_indices[-1])})
+    full["param_groups"].append({**g, "params": list(core.group_indices[-1])})
     opt.load_state_dict(full)
-    vars(opt).update(kept)
+    core.steps.n, core.steps.at_reset = steps.n, steps.at_reset
+    opt.skipped_steps, opt.parts.grads.nonfinite_host = skipped, nonfinite
     vars(opt).update(hooks)
     vars(opt.comm_log).update(log)
     vars(opt.scaler).update(scaler)

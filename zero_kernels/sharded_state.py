@@ -6,9 +6,10 @@ the params are lower, and its optimizer state), the param groups, the step count
 scaler. `zero_kernels.checkpoint` goes through it (``opt.sharded_state``), never through the
 optimizer's or its runner's private attributes, so a change to how the runner keeps its state
 (fused Adam's flat per-bucket tensors, an offload tier) changes this file and not the checkpoint
-format. Where the fused kernel keeps a piece's state as views of one flat tensor per bucket,
-loaded values go straight into those views (`state_target`), and `install` makes the runner
-adopt what was loaded.
+format. The optimizer's own ``state_dict()`` and ``load_state_dict()`` are this interface's
+`state_dict` and `load_state_dict`. Where the fused kernel keeps a piece's state as views of
+one flat tensor per bucket, loaded values go straight into those views (`state_target`), and
+`install` makes the runner adopt what was loaded.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+
+from .layout import Layout
+from .partition import MASTER_KEY, shard_state
 
 __all__ = ["Piece", "ShardedState"]
 
@@ -42,54 +46,53 @@ class ShardedState:
     """The sharded state of one open `ZeroOptimizer` (see the module docstring)."""
 
     def __init__(self, opt):
-        opt._check_open("sharded_state")
-        self._opt = opt
-        self._runner = opt._runner
+        """``opt``: an open `ZeroOptimizer`; read through its public parts (``opt.parts``,
+        ``opt.scaler``, ``opt.param_groups``, ``opt.optimizer_class``)."""
+        parts = opt.parts
+        self._core, self._full, self._scaler = parts.core, parts.full, opt.scaler
+        self._groups, self.optimizer_class = opt.param_groups, opt.optimizer_class
+        self._runner = self._core.runner
         self._entries = list(self._runner.all_pieces())
 
     # ---- what the state is laid out over
     @property
     def layout(self):
-        return self._opt.layout
+        return self._core.layout
 
     @property
     def rank(self) -> int:
-        return self._opt.rank
+        return self._core.rank
 
     @property
     def world_size(self) -> int:
-        return self._opt.world_size
+        return self._core.world_size
 
     @property
     def stage(self) -> int:
-        return self._opt.stage
+        return self._core.policy.stage
 
     @property
     def mode(self) -> str:
-        return self._opt.mode
+        return self._core.mode
 
     @property
     def group(self):
-        return self._opt.group
-
-    @property
-    def optimizer_class(self):
-        return self._opt.optimizer_class
+        return self._core.group
 
     def params(self) -> dict[int, torch.Tensor]:
         """Every param by its layout index (frozen ones too)."""
-        return dict(self._opt._params)
+        return dict(self._core.params)
 
     def trainable(self) -> list[int]:
-        return sorted(self._opt._trainable)
+        return sorted(self._core.trainable)
 
     def group_indices(self) -> list[list[int]]:
         """The layout indices of each param group's params."""
-        return [list(x) for x in self._opt._group_indices]
+        return [list(x) for x in self._core.group_indices]
 
     @property
     def param_groups(self) -> list[dict]:
-        return self._opt.param_groups
+        return self._groups
 
     # ---- this rank's pieces
     def pieces(self) -> Iterator[Piece]:
@@ -124,7 +127,7 @@ class ShardedState:
         {...}}`` or None (no state: it restarts), the param groups' hyper-parameters, the step
         counter and the scaler's saved state; then the params are made whole from the loaded
         values (collective)."""
-        o, r = self._opt, self._runner
+        c, r = self._core, self._runner
         assert len(self._entries) == len(states)
         for (i, _k, pc, ip, _g), st in zip(self._entries, states):
             if st is not None:
@@ -136,27 +139,122 @@ class ShardedState:
             r.inner.state.pop(ip, None)
             flat = r.flat_state.get((i, pc.bucket)) if r.fused[i] else None
             if flat:  # fused Adam: the piece's range of the bucket's state restarts at 0
-                b = o.layout.buffers[i].buckets[pc.bucket]
-                lo = pc.start - b.shard_start(o.rank)
+                b = c.layout.buffers[i].buckets[pc.bucket]
+                lo = pc.start - b.shard_start(c.rank)
                 for t in flat.values():
                     t[lo : lo + pc.numel].zero_()
         r.adopt_state()
-        for g, saved in zip(o.param_groups, groups):
+        self._take_groups(groups)
+        sc = self._scaler
+        if "loss_scale" in scaler and scaler.get("dynamic") == sc.dynamic:
+            sc.scale = float(scaler["loss_scale"])
+            sc.growth_tracker = int(scaler.get("growth_tracker", 0))
+        c.steps.n = int(steps)
+        self._full.refresh_params()
+
+    def _take_groups(self, groups: list[dict]) -> None:
+        for g, saved in zip(self._groups, groups):
             for k, v in saved.items():
                 if k != "params":
                     g[k] = v
-        r.sync_hyper(o.param_groups)
-        if "loss_scale" in scaler and scaler.get("dynamic") == o.scaler.dynamic:
-            o.scaler.scale = float(scaler["loss_scale"])
-            o.scaler.growth_tracker = int(scaler.get("growth_tracker", 0))
-        o._steps = int(steps)
-        o._refresh_params()
+        self._runner.sync_hyper(self._groups)
 
     # ---- counters
     @property
     def steps(self) -> int:
         """The optimizer's step counter (names checkpoint folders; restored on resume)."""
-        return int(self._opt._steps)
+        return int(self._core.steps.n)
 
     def scaler_state(self) -> dict:
-        return self._opt.scaler.state_dict()
+        return self._scaler.state_dict()
+
+    # ---- the optimizer's state_dict() and load_state_dict()
+    def state_dict(self) -> dict:
+        """This rank's shard: the inner optimizer's state plus the layout needed to check it."""
+        return {
+            "zero": {
+                "stage": self.stage,
+                "mode": self.mode,
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "layout": self.layout.to_dict(),
+                "loss_scale": self._scaler.scale,
+                "growth_tracker": self._scaler.growth_tracker,
+                # the fp32 masters of bf16/fp16 params (None per fp32/fp64 buffer)
+                "masters": [None if m is None else m.clone() for m in self._runner.masters],
+            },
+            "inner": self._runner.inner.state_dict(),
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self._groups],
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a `state_dict` of this rank (same layout), or a full torch-format one
+        (``consolidated_state_dict``, or a plain torch optimizer's) at any world size."""
+        if not isinstance(state_dict, dict) or "param_groups" not in state_dict:
+            raise ValueError(
+                "load_state_dict: expected a dict with 'param_groups', got "
+                f"{type(state_dict).__name__} with keys "
+                f"{list(state_dict)[:5] if isinstance(state_dict, dict) else None}"
+            )
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self._groups):
+            raise ValueError(
+                f"load_state_dict: len(param_groups)={len(groups)} differs from "
+                f"this optimizer's {len(self._groups)}"
+            )
+        inner = self._runner.inner
+        if "zero" in state_dict:
+            meta = state_dict["zero"]
+            mine = Layout.from_dict(meta["layout"])
+            if mine != self.layout or meta["rank"] != self.rank:
+                raise ValueError(
+                    "load_state_dict: shard saved at world_size="
+                    f"{meta['world_size']} rank={meta['rank']} mode={meta['mode']} does not "
+                    f"match this optimizer (world_size={self.world_size}, rank={self.rank}, "
+                    f"mode={self.mode}); load a consolidated_state_dict() instead"
+                )
+            inner.load_state_dict(state_dict["inner"])
+            self._runner.adopt_state()
+            self._scaler.scale = float(meta.get("loss_scale", self._scaler.scale))
+            self._scaler.growth_tracker = int(meta.get("growth_tracker", 0))
+            saved = meta.get("masters")
+            if saved is not None:
+                with torch.no_grad():
+                    for m, v in zip(self._runner.masters, saved):
+                        if m is not None and v is not None:
+                            m.copy_(v)
+                self._full.refresh_params()
+        else:
+            for g, mine in zip(groups, self._core.group_indices):
+                if len(g["params"]) != len(mine):
+                    raise ValueError(
+                        f"load_state_dict: a param group has {len(g['params'])} "
+                        f"params, this optimizer's has {len(mine)}"
+                    )
+            remap = {
+                old: new
+                for g, mine in zip(groups, self._core.group_indices)
+                for old, new in zip(g["params"], mine)
+            }
+            full = {remap[int(k)]: v for k, v in state_dict["state"].items()}
+            st = shard_state(self.layout, self._runner, self.rank, full)
+            inner_groups = []
+            for i, buf in enumerate(self.layout.buffers):
+                ig = {k: v for k, v in groups[buf.group].items() if k != "params"}
+                ig["params"] = [id(p) for p in inner.param_groups[i]["params"]]
+                inner_groups.append(ig)
+            # inner indices: enumeration order of the inner params
+            k = 0
+            for ig in inner_groups:
+                ig["params"] = list(range(k, k + len(ig["params"])))
+                k += len(ig["params"])
+            masters = {j: s.pop(MASTER_KEY) for j, s in st.items() if MASTER_KEY in s}
+            inner.load_state_dict({"state": st, "param_groups": inner_groups})
+            self._runner.adopt_state()
+            if masters:  # saved by consolidated_state_dict for bf16/fp16 params
+                with torch.no_grad():
+                    for j, (i, _, _, p, _) in enumerate(self._runner.all_pieces()):
+                        if j in masters and self._runner.masters[i] is not None:
+                            p.copy_(masters[j].to(p.dtype))
+                self._full.refresh_params()
+        self._take_groups(groups)

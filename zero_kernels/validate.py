@@ -138,13 +138,15 @@ def check_agree(config: dict, group, device) -> None:
         )
 
 
-def check_intact(opt) -> None:
+def check_intact(core, expected: dict, module_params: list | None) -> None:
     """Params whose data was replaced after construction (``p.data = ...``,
-    ``model.to(dtype)``, ``load_state_dict(assign=True)``) would silently stop training."""
-    for i, p in opt._trainable.items():
-        ptr, dt = opt._expected[i]
+    ``model.to(dtype)``, ``load_state_dict(assign=True)``) would silently stop training.
+    ``expected``: index -> (storage id, dtype) at construction; ``module_params``: the ids of the
+    module's params then (None without a module)."""
+    for i, p in core.trainable.items():
+        ptr, dt = expected[i]
         if storage_id(p) != ptr or p.dtype != dt:
-            name = opt.layout_name(i)
+            name = core.param_name(i)
             raise RuntimeError(
                 f"param {name}: its data was replaced after ZeroOptimizer was built "
                 f"(now dtype={p.dtype}, a new storage), e.g. by `p.data = ...`, "
@@ -152,11 +154,11 @@ def check_intact(opt) -> None:
                 "longer train it. Load values in place (model.load_state_dict(sd), "
                 "opt.set_full_param) or build the ZeroOptimizer after changing the model"
             )
-    if opt._module is not None:
-        now = [id(p) for p in opt._module.parameters()]
-        if now != opt._module_params:
+    if core.module is not None:
+        now = [id(p) for p in core.module.parameters()]
+        if now != module_params:
             fsdp = any(
-                type(p).__name__ in ("DTensor", "FlatParameter") for p in opt._module.parameters()
+                type(p).__name__ in ("DTensor", "FlatParameter") for p in core.module.parameters()
             )
             raise RuntimeError(
                 "the module's parameters were replaced after ZeroOptimizer was built (e.g. "
@@ -169,11 +171,11 @@ def check_intact(opt) -> None:
                     else ""
                 )
             )
-    for i in opt.layout.frozen:
-        p = opt._params[i]
+    for i in core.layout.frozen:
+        p = core.params[i]
         if p.grad is not None and p.requires_grad:
             raise RuntimeError(
-                f"param {opt.layout_name(i)} was frozen (requires_grad=False) when "
+                f"param {core.param_name(i)} was frozen (requires_grad=False) when "
                 "ZeroOptimizer was built, so it is not sharded or reduced, but it now has a "
                 "gradient; build the ZeroOptimizer after unfreezing it"
             )

@@ -22,7 +22,7 @@ error on every rank, found three ways:
   (``DistributedDataParallel._active_ddp_module``) over its params and raises.
 
 FSDP (``fully_shard``, ``FullyShardedDataParallel``) replaces the params or their data, which the
-optimizer already refuses at the next step (`ZeroOptimizer._check_params_intact`, whose message
+optimizer already refuses at the next step (`zero_kernels.validate.check_intact`, whose message
 names FSDP when the new params are DTensors or flat parameters).
 """
 
@@ -53,7 +53,7 @@ def owner_of(p: torch.Tensor):
     """The live, open ZeroOptimizer holding ``p``, or None."""
     ref = getattr(p, "_zero_kernels_owner", None)
     o = ref() if ref is not None else None
-    return o if o is not None and not getattr(o, "_closed", True) else None
+    return o if o is not None and not getattr(o, "closed", True) else None
 
 
 def _ddp_class():

@@ -139,7 +139,7 @@ def _scalar(x) -> float:
 def _sync_free(t: ShardedGrad) -> bool:
     """Whether ``t``'s optimizer keeps its bookkeeping on the device ([Note: no host sync] in
     `zero_kernels.syncfree`): norms stay device tensors, scaling by a tensor reads nothing."""
-    return bool(t._owner().opt()._sync_free)
+    return bool(t._owner().owner().sync_free)
 
 
 def _factor(t: ShardedGrad, x):
@@ -176,13 +176,13 @@ def _norm_parts(ts: list[ShardedGrad], ord) -> list[torch.Tensor]:
     """Global norms of ``ts``: local partial results, one all-reduce for the whole list. In
     sync-free mode the partial results, the all-reduce and the norms stay on the device."""
     owner = ts[0]._owner()
-    owner.opt()._check_not_joined("a norm of a sharded .grad (clip_grad_norm_)")
+    owner.owner().check_not_joined("a norm of a sharded .grad (clip_grad_norm_)")
     owner.normalize()
     o = float(ord)
     if math.isnan(o):
         raise ValueError(f"norm order must not be nan, got ord={ord!r}")
     op = "max" if math.isinf(o) else "sum"
-    if owner.opt()._sync_free:
+    if owner.owner().sync_free:
         part = torch.stack(
             [
                 _local_part([v.double() for v, _ in _pieces(_sg(t)) if v.numel()], o, owner.device)
@@ -400,11 +400,13 @@ class GradViews:
     ``factor``: the store times ``factor`` is the true gradient.
     """
 
-    def __init__(self, opt):
-        self._opt = weakref.ref(opt)
-        self.device = opt.device
-        self.group = opt.group
-        self.log = opt.comm_log
+    def __init__(self, owner, device, group, log):
+        # the optimizer's gradient part (`zero_kernels.grad_access.GradContract`): it applies
+        # the pending factor, says whether host reads are avoided and whether a rank joined
+        self._owner = weakref.ref(owner)
+        self.device = device
+        self.group = group
+        self.log = log
         self.closed = False
         self.views: dict[int, ShardedGrad] = {}
         self.active: set[int] = set()
@@ -412,8 +414,8 @@ class GradViews:
         self.by_index: dict[int, list[tuple[torch.Tensor, int]]] = {}
 
     # ---- the optimizer's side
-    def opt(self):
-        o = self._opt()
+    def owner(self):
+        o = self._owner()
         if o is None:
             raise ShardedGradError("the ZeroOptimizer of this gradient was collected")
         return o
@@ -423,7 +425,7 @@ class GradViews:
 
     def normalize(self) -> None:
         """Make the store hold true gradients (apply the pending factor)."""
-        self.opt()._apply_grad_factor()
+        self.owner().apply_factor()
 
     def view_for(self, index: int) -> ShardedGrad | None:
         return self.views.get(index)

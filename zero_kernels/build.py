@@ -1,0 +1,352 @@
+"""`ZeroOptimizer`'s construction as named steps, each building one part of the `Core`.
+
+    core = lay_out(...)          # params named and checked, units found, the layout (pure data)
+    core.store = store(core)     # params become views of the store (stage 3: unit by unit)
+    communication(core)          # gradient store, reducer, the reduce-scatters' group
+    core.runner = runner(core)   # the inner optimizer over this rank's pieces
+    core.units = units(core)     # stage 3's unit scheduler and its order check
+
+Every step reads the policy ([Note: policies]) and what the steps before it built; none reads an
+integer stage. `lay_out` changes nothing outside itself (its errors leave the params as they
+were); from `store` on, the optimizer undoes a failed construction with ``close()``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import zlib
+
+import torch
+
+from . import comm, validate, wrappers
+from .buffers import GradStore, ParamStore, dtype_of, grad_dtypes
+from .core import Core
+from .groups import param_groups
+from .layout import ParamSpec, build_layout
+from .materialize import materialize_modules_
+from .partition import FUSED_ADAM_CLASSES, Reducer, ShardRunner, choose_mode
+from .partition.order import SequenceCheck
+from .partition.units import (
+    Unit,
+    UnitScheduler,
+    UnitState,
+    find_units,
+    unit_assignment,
+    unit_members,
+)
+
+__all__ = ["communication", "lay_out", "runner", "store", "units"]
+
+log = logging.getLogger("zero_kernels")
+
+_UNFUSABLE = ("differentiable", "capturable")
+
+
+def lay_out(
+    policy, params, optimizer_class, *, module, units, partition, process_group, nonfinite, defaults
+) -> tuple[Core, list[dict], bool]:
+    """Name, check and lay out the params: the `Core` without its stores, the user's param
+    groups, and whether any param is on the meta device. Identical on every rank or an error on
+    every rank (`validate.check_agree`)."""
+    shard, gather, cp = policy.shard, policy.gather, policy.comm
+    validate.check_stage3(shard, module, units)
+    mode, why = choose_mode(optimizer_class, partition)
+    validate.check_kwargs(optimizer_class, defaults)
+    world_size, rank = comm.world_size(process_group), comm.rank(process_group)
+    user_groups, names = param_groups(params)
+    if module is not None:
+        for n, p in module.named_parameters():
+            names.setdefault(id(p), n)
+    every = {id(p): p for g in user_groups for p in g["params"]}
+    validate.check_params(every, names, module)
+    wrappers.check_not_wrapped(every.values(), names, module)
+    for p in every.values():
+        owner = wrappers.owner_of(p)
+        if owner is not None:
+            raise ValueError(
+                f"param {names.get(id(p)) or tuple(p.shape)} is held by another live "
+                f"ZeroOptimizer ({owner!r}): close() it first (or use one optimizer)"
+            )
+    specs, index_of, group_indices = [], {}, []
+    for gi, g in enumerate(user_groups):
+        idx = []
+        for p in g["params"]:
+            index_of[id(p)] = len(specs)
+            idx.append(len(specs))
+            specs.append(
+                ParamSpec(
+                    len(specs), gi, str(p.dtype), tuple(p.shape), names.get(id(p), ""),
+                    p.requires_grad,
+                )
+            )  # fmt: skip
+        group_indices.append(idx)
+    by_index = {index_of[id(p)]: p for g in user_groups for p in g["params"]}
+    unit_modules: list = []  # stage 3: which unit each param belongs to ([Note: units])
+    unit_of: dict[int, int] = {}
+    if not shard.params:
+        unit_modules = find_units(module, units)
+        unit_of = unit_assignment(unit_modules, by_index, gather.persist_below)
+        specs = [dataclasses.replace(s, unit=unit_of[s.index]) for s in specs]
+    if not any(s.requires_grad for s in specs):
+        raise ValueError("ZeroOptimizer: no parameter has requires_grad=True")
+    devices = {p.device for p in by_index.values() if not p.is_meta}
+    if len(devices) > 1:
+        raise ValueError(f"ZeroOptimizer: all params must be on one device, got {devices}")
+    meta = any(p.is_meta for p in by_index.values())
+    device = devices.pop() if devices else comm.default_device(process_group)
+    if gather.overlap_param_gather and module is None:
+        raise ValueError(
+            "overlap_param_gather=True needs the model (its forward hooks wait for each "
+            f"bucket); got module={type(module).__name__}"
+        )
+    layout = build_layout(
+        specs,
+        world_size,
+        bucket_numel=max(1, int(cp.bucket_size_mb * 2**20) // 4),
+        mode=mode,
+        by_unit=not shard.params,
+    )
+    validate.check_agree(
+        {
+            "stage": policy.stage,
+            **policy.describe(),  # every field of every policy, by its name
+            "partition mode": mode,
+            "optimizer_class": f"{optimizer_class.__module__}.{optimizer_class.__qualname__}",
+            "nonfinite": nonfinite,
+            "units": [n for n, _ in unit_modules],
+            "hyper-parameters": repr(sorted(defaults.items())),
+            "param groups": repr(
+                [sorted((k, v) for k, v in g.items() if k != "params") for g in user_groups]
+            ),
+            "params (group, dtype, shape, requires_grad) crc32": zlib.crc32(
+                repr([(s.group, s.dtype, s.shape, s.requires_grad) for s in specs]).encode()
+            ),
+            "number of params": len(specs),
+        },
+        process_group,
+        device,
+    )
+    log.info(
+        "ZeroOptimizer: stage %d, %s mode (%s), %d flat buffer(s), %d bucket(s), world size %d",
+        policy.stage,
+        mode,
+        why,
+        len(layout.buffers),
+        sum(len(b.buckets) for b in layout.buffers),
+        world_size,
+    )
+    core = Core(
+        policy=policy,
+        mode=mode,
+        group=process_group,
+        rs_group=process_group,
+        side=None,
+        rank=rank,
+        world_size=world_size,
+        device=device,
+        timeout=float(cp.timeout or 300.0),
+        # collectives of backward and step are bounded only when the user asks (the process
+        # group's own timeout otherwise): see [Note: timeouts] in zero_kernels.comm
+        op_timeout=float(cp.timeout) if cp.timeout is not None else None,
+        layout=layout,
+        params=by_index,
+        trainable={s.index: by_index[s.index] for s in specs if s.requires_grad},
+        group_indices=group_indices,
+        module=module,
+        unit_of=unit_of,
+        unit_modules=unit_modules,
+        # [Note: no host sync] in zero_kernels/syncfree.py: off the CPU, step() reads nothing
+        sync_free=device.type != "cpu",
+    )
+    return core, user_groups, meta
+
+
+def comm_sizes(core: Core) -> list[tuple[str, int]]:
+    """``(op, bytes)`` of every bucket's reduce-scatter and all-gather."""
+    out = []
+    _, rdts = grad_dtypes(core.layout, reduce_dtype=core.policy.precision.reduce_dtype)
+    for buf, rdt in zip(core.layout.buffers, rdts):
+        pdt = dtype_of(buf.dtype)
+        for b in buf.buckets:
+            n = b.shard_numel * core.layout.world_size
+            out += [("reduce_scatter", n * rdt.itemsize), ("all_gather", n * pdt.itemsize)]
+    return out
+
+
+def store(core: Core, *, meta: bool, init_fn, seed: int) -> ParamStore:
+    """The param store; params become its views, rank 0's values winning (as DDP does) except
+    for a model built on the meta device, initialised identically on every rank (stage 3 unit
+    by unit, keeping only this rank's shard, so construction holds the shards plus one unit).
+    The collectives' algorithm probes run first (`comm.probe_ahead`: their buffers then do not
+    add to the first step's peak)."""
+    comm.probe_ahead(comm_sizes(core), group=core.group, device=core.device)
+    sharded = not core.policy.shard.params
+    group, module, params, layout = core.group, core.module, core.params, core.layout
+    if meta and not sharded:  # whole params anyway
+        materialize_modules_(module.named_modules(), core.device, seed, init_fn)
+    st = ParamStore(layout, params, core.device, rank=core.rank, sharded=sharded)
+    if not sharded:
+        if not meta:
+            for f in st.flats:
+                comm.broadcast(f, 0, group=group)
+        return st
+    members = unit_members(module, core.unit_modules) if meta else None
+    by_unit: dict[int, list[tuple[int, int]]] = {}
+    for i, buf in enumerate(layout.buffers):
+        for b in buf.buckets:
+            u = core.unit_index(buf.slots[b.slots[0]].index) if b.slots else 0
+            by_unit.setdefault(u, []).append((i, b.index))
+    persistent = len(core.unit_modules) + 1  # small params kept whole (persist_below)
+    for u in range(persistent + 1):
+        if members is not None and u < persistent:
+            into: dict[int, torch.Tensor] = {}  # the unit's params: straight into its buckets
+            for i, b in by_unit.get(u, []):
+                into.update(st.prepare(i, b, params))
+            materialize_modules_(members[u], core.device, seed, init_fn, storage=into)
+        for i, b in by_unit.get(u, []):
+            st.adopt(i, b, params)
+            if not meta:
+                comm.broadcast(st.raw[i][b], 0, group=group)
+            st.take_shard(i, b)
+            if u != persistent:
+                st.free(i, b)
+    if members is not None:  # frozen params and buffers outside any trained unit
+        materialize_modules_(module.named_modules(), core.device, seed, init_fn)
+    return st
+
+
+def communication(core: Core) -> None:
+    """The side group, the comm log, the gradient store and the reducer (its hooks on the
+    params). Stage 3 on gloo: the reduce-scatters form a sequence of their own, apart from the
+    all-gathers ([Note: backward gathers] in zero_kernels/partition/units.py); check_order=
+    "every" compares every launch in one sequence, so it keeps one group."""
+    p = core.policy
+    core.side = comm.side_group(core.group, timeout_s=core.timeout)
+    core.comm_log = comm.CommLog()
+    core.grads = GradStore(
+        core.layout,
+        p.shard,
+        core.device,
+        rank=core.rank,
+        max_inflight=p.comm.max_inflight_buckets,
+        reduce_dtype=p.precision.reduce_dtype,
+    )
+    if not p.shard.params and p.gather.check_order != "every":
+        core.rs_group = comm.twin_group(core.group)
+    core.reducer = Reducer(
+        core.layout, core.params, core.grads, core.rank, core.rs_group, core.comm_log
+    )
+    core.reducer.overlap = bool(p.comm.overlap_comm)
+    core.reducer.timeout = core.op_timeout
+
+
+def runner(core: Core, optimizer_class, user_groups, defaults, fused_adam, kernel_backend):
+    """The inner ``optimizer_class`` over this rank's pieces (fused Adam where it can)."""
+    group_opts = [{k: v for k, v in g.items() if k != "params"} for g in user_groups]
+    fusable = (
+        optimizer_class in FUSED_ADAM_CLASSES
+        and fused_adam
+        and not any(g.get(k) or defaults.get(k) for g in group_opts for k in _UNFUSABLE)
+    )
+    return ShardRunner(
+        core.layout,
+        core.store,
+        core.grads,
+        core.rank,
+        optimizer_class,
+        group_opts,
+        defaults,
+        fused=fusable,
+        backend=kernel_backend,
+    )
+
+
+def units(core: Core) -> UnitScheduler | None:
+    """Where params are resharded (stage 3): the unit scheduler over the root unit, the units
+    found and the params kept whole, with its order check ([Note: units]); else None."""
+    if core.policy.shard.params:
+        return None
+    module, gather = core.module, core.policy.gather
+    found = [Unit(0, "<root>", module)] + [
+        Unit(k, name, m) for k, (name, m) in enumerate(core.unit_modules, start=1)
+    ]
+    persistent = Unit(len(found), "<persistent>", module, persistent=True)
+    found.append(persistent)
+    for i, buf in enumerate(core.layout.buffers):
+        for b in buf.buckets:
+            u = core.unit_index(buf.slots[b.slots[0]].index) if b.slots else 0
+            found[u].buckets.append((i, b.index))
+    if persistent.buckets:  # gathered at construction, kept whole
+        persistent.move(UnitState.GATHERING)  # all-gathered by `store`
+        persistent.move(UnitState.GATHERED)
+    # the root unit's sharded params (frozen ones stay whole)
+    in_root = {id(p) for i, p in core.trainable.items() if core.unit_index(i) == 0}
+    root_members = [
+        (name, m)
+        for name, m in module.named_modules()
+        if m is not module and any(id(p) in in_root for p in m.parameters(False))
+    ]
+    sched = UnitScheduler(
+        module,
+        found[1:-1],
+        found[0],
+        core.store,
+        core.runner,
+        core.group,
+        core.comm_log,
+        reshard_after_forward=gather.reshard_after_forward,
+        prefetch=gather.prefetch,
+        persistent=persistent if persistent.buckets else None,
+        root_members=root_members,
+    )
+    sched.timeout = core.op_timeout
+    if gather.check_order != "first":
+        sched.check = core.reducer.check = _sequence_check(core, sched, gather.check_order)
+    core.reducer.on_bucket_ready = sched.bucket_done
+    return sched
+
+
+def _sequence_check(core: Core, sched: UnitScheduler, mode: str) -> SequenceCheck:
+    """Stage 3: the check that every rank launches the same collective (`SequenceCheck`)."""
+    names = {}
+    for u in sched.all_units:
+        for i, b in u.buckets:
+            where = f"unit {u.name!r} (bucket {b} of flat buffer {i})"
+            names[("all_gather", i, b)] = f"all-gather of {where}"
+            names[("reduce_scatter", i, b)] = f"reduce-scatter of the gradients of {where}"
+        names[("order", u.index, 0)] = f"forward of unit {u.name!r}"
+        names[("check", u.index, 0)] = f"first-step order check at unit {u.name!r}"
+    group, rs_group = core.group, core.rs_group
+    check = SequenceCheck(
+        core.side,
+        names,
+        core.op_timeout,
+        mode,
+        lambda key: scratch_collective(core, key),
+        split=rs_group is not group,
+        stop_shm=lambda: comm.shm.poison(group, rs_group),
+    )
+    check.describe = lambda *a, **k: core.where()
+    return check
+
+
+def scratch_collective(core: Core, key: tuple[str, int, int]):
+    """Collective ``key`` of stage 3 (the same sizes, dtype and algorithm) on scratch buffers:
+    what a rank that never launched it launches so that the others' waits complete once the
+    module-order error is found (`SequenceCheck`)."""
+    kind, i, b = key
+    n, dev, group = core.world_size, core.device, core.group
+    if kind == "check":  # `UnitScheduler._check_same`'s all-reduce
+        t = torch.zeros(2, dtype=torch.int64, device=dev)
+        return comm.all_reduce_start(t, "max", group=group)
+    numel = core.layout.buffers[i].buckets[b].numel(n)
+    if kind == "all_gather":
+        dt = dtype_of(core.layout.buffers[i].dtype)
+        out = torch.empty(numel, dtype=dt, device=dev)
+        inp = torch.zeros(numel // n, dtype=dt, device=dev)
+        return comm.all_gather(out, inp, group=group)
+    dt = core.grads.reduce_dtypes[i]  # "reduce_scatter"
+    out = torch.empty(numel // n, dtype=dt, device=dev)
+    inp = torch.zeros(numel, dtype=dt, device=dev)
+    return comm.reduce_scatter(out, inp, group=core.rs_group, avg=True)

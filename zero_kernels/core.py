@@ -1,0 +1,123 @@
+"""What one `ZeroOptimizer` is made of: the built `Core` and the parts over it.
+
+[Note: parts]
+`ZeroOptimizer` is a facade. Its constructor resolves the options into a policy and runs the
+named steps of `zero_kernels.build` (check, lay out, store, communication, runner, units); what
+they build is one `Core`: the references every part reads (layout, param store, gradient
+store, reducer, runner, stage 3's units, groups, timeouts, the comm log) and nothing that
+changes during training except the step counter (`StepCounter`, advanced by the step alone).
+Over the core sit parts that each own their state and are called by the facade:
+
+    ZeroOptimizer (facade: torch.optim.Optimizer + Joinable, lifecycle, telemetry)
+      |-- Stepper        zero_kernels.stepper      step(): checks, inner step, all-gathers
+      |-- GradContract   zero_kernels.grad_access  p.grad as ShardedGrad, scaling factor,
+      |                                            non-finite checks, clip_grad_norm_
+      |-- ParamAccess    zero_kernels.param_access whole params: gathered_params, stage 3's
+      |                                            model.state_dict(), overlapped all-gathers
+      |-- FullState      zero_kernels.state_access full_param/grad/state and their setters,
+      |                                            consolidated_state_dict
+      |-- JoinState      zero_kernels.join         uneven inputs (torch's Join)
+      |-- LossScaler     zero_kernels.loss_scale
+      `-- ShardedState   zero_kernels.sharded_state  (made on request) state_dict(),
+                                                   load_state_dict(), checkpoints
+    each reads the Core:  layout, store, grads, reducer, runner, units, comm_log, groups
+
+A part calls another only through the methods it was handed at construction; hooks registered on
+params and modules hold weak references to the optimizer, never to a part, so a collected
+optimizer leaves nothing reachable from the model. The layers below (`partition`, `buffers`,
+`comm`) know nothing of the parts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from . import comm
+
+__all__ = ["Core", "StepCounter"]
+
+
+@dataclasses.dataclass(eq=False)
+class StepCounter:
+    """Steps taken (names checkpoint folders, restored on resume) and its value at the last
+    ``reset_comm_stats()`` (``comm_stats["steps"]`` counts from there)."""
+
+    n: int = 0
+    at_reset: int = 0
+
+
+@dataclasses.dataclass(eq=False)
+class Core:
+    """The references every part of one optimizer reads (see [Note: parts])."""
+
+    policy: object  # zero_kernels.policy.ZeroPolicy
+    mode: str  # "flat" or "whole" (partition.choose_mode)
+    group: object  # the data-parallel process group (None: the world)
+    rs_group: object  # the reduce-scatters' group (stage 3 on gloo: a twin of ``group``)
+    side: object  # the side group of small checks (arrival, masks)
+    rank: int
+    world_size: int
+    device: torch.device
+    timeout: float  # collective-only calls (state dicts, full_param, close)
+    op_timeout: float | None  # backward's and step's collectives (None: the group's own)
+    layout: object  # zero_kernels.layout.Layout
+    params: dict  # index -> param
+    trainable: dict  # index -> param with requires_grad
+    group_indices: list  # per user param group: the param indices
+    module: nn.Module | None
+    unit_of: dict  # stage 3: param index -> unit index (0: the root unit)
+    unit_modules: list  # stage 3: (name, module) of each unit after the root
+    store: object = None  # buffers.ParamStore
+    grads: object = None  # buffers.GradStore
+    reducer: object = None  # partition.Reducer
+    runner: object = None  # partition.ShardRunner
+    units: object = None  # partition.units.UnitScheduler where params are resharded, else None
+    comm_log: object = None  # comm.CommLog
+    steps: StepCounter = dataclasses.field(default_factory=StepCounter)
+    sync_free: bool = False  # off the CPU: step() reads nothing back ([Note: no host sync])
+
+    def where(self) -> str:
+        return f"ZeroOptimizer step {self.steps.n} (rank {self.rank})"
+
+    def unit_index(self, index: int) -> int:
+        """Stage 3: the unit of param ``index`` (0, the root unit, elsewhere)."""
+        return self.unit_of.get(index, 0)
+
+    def all_reduce(self, t: torch.Tensor, op: str, what: str, group=None) -> torch.Tensor:
+        """A small blocking all-reduce (on ``group``, default the data-parallel group), bounded
+        by ``op_timeout`` when given."""
+        return comm.all_reduce(
+            t,
+            op,
+            group=self.group if group is None else group,
+            log=self.comm_log,
+            timeout_s=self.op_timeout,
+            what=f"{self.where()}, {what}",
+        )
+
+    def param_name(self, index: int) -> str:
+        """Param ``index`` as errors name it: its name in the model, else its index and shape."""
+        for b in self.layout.buffers:
+            for s in b.slots:
+                if s.index == index:
+                    return s.name or f"#{index} {s.shape}"
+        p = self.params[index]
+        if self.module is not None:  # a frozen param has no slot: its name in the module
+            for n, q in self.module.named_parameters(remove_duplicate=False):
+                if q is p:
+                    return f"{n!r} {tuple(p.shape)}"
+        return f"#{index} {tuple(p.shape)}"
+
+    def index_of(self, param: torch.Tensor, what: str) -> int:
+        """The index of trainable ``param``; a ValueError naming ``what`` otherwise."""
+        for i, p in self.params.items():
+            if p is param:
+                if i not in self.trainable:
+                    raise ValueError(f"{what}: param {self.param_name(i)} is frozen")
+                return i
+        raise ValueError(
+            f"{what}: the tensor of shape {tuple(param.shape)} is not a param of this optimizer"
+        )
