@@ -53,7 +53,6 @@ def lay_out(
     validate.check_stage3(shard, module, units)
     mode, why = choose_mode(optimizer_class, partition)
     validate.check_kwargs(optimizer_class, defaults)
-    world_size, rank = comm.world_size(process_group), comm.rank(process_group)
     user_groups, names = param_groups(params)
     if module is not None:
         for n, p in module.named_parameters():
@@ -100,13 +99,6 @@ def lay_out(
             "overlap_param_gather=True needs the model (its forward hooks wait for each "
             f"bucket); got module={type(module).__name__}"
         )
-    layout = build_layout(
-        specs,
-        world_size,
-        bucket_numel=max(1, int(cp.bucket_size_mb * 2**20) // 4),
-        mode=mode,
-        by_unit=not shard.params,
-    )
     validate.check_agree(
         {
             "stage": policy.stage,
@@ -127,23 +119,40 @@ def lay_out(
         process_group,
         device,
     )
+    # the shard groups ([Note: hierarchy]): made once the ranks agree on every choice
+    shard_ranks, device_mesh = comm.hier.resolve_shard_group(cp.shard_group, process_group)
+    mesh = comm.hier.split(process_group, shard_ranks, device_mesh)
+    world_size, rank = comm.world_size(mesh.shard), comm.rank(mesh.shard)
+    layout = build_layout(
+        specs,
+        world_size,
+        bucket_numel=max(1, int(cp.bucket_size_mb * 2**20) // 4),
+        mode=mode,
+        by_unit=not shard.params,
+    )
     log.info(
-        "ZeroOptimizer: stage %d, %s mode (%s), %d flat buffer(s), %d bucket(s), world size %d",
+        "ZeroOptimizer: stage %d, %s mode (%s), %d flat buffer(s), %d bucket(s), sharded over "
+        "%d rank(s) x %d replica(s)",
         policy.stage,
         mode,
         why,
         len(layout.buffers),
         sum(len(b.buckets) for b in layout.buffers),
         world_size,
+        mesh.n_replicas,
     )
     core = Core(
         policy=policy,
         mode=mode,
         group=process_group,
-        rs_group=process_group,
+        mesh=mesh,
+        shard_group=mesh.shard,
+        rs_group=mesh.shard,
         side=None,
         rank=rank,
         world_size=world_size,
+        dp_rank=comm.rank(process_group),
+        dp_size=comm.world_size(process_group),
         device=device,
         timeout=float(cp.timeout or 300.0),
         # collectives of backward and step are bounded only when the user asks (the process
@@ -180,7 +189,7 @@ def store(core: Core, *, meta: bool, init_fn, seed: int) -> ParamStore:
     by unit, keeping only this rank's shard, so construction holds the shards plus one unit).
     The collectives' algorithm probes run first (`comm.probe_ahead`: their buffers then do not
     add to the first step's peak)."""
-    comm.probe_ahead(comm_sizes(core), group=core.group, device=core.device)
+    comm.probe_ahead(comm_sizes(core), group=core.shard_group, device=core.device)
     sharded = not core.policy.shard.params
     group, module, params, layout = core.group, core.module, core.params, core.layout
     if meta and not sharded:  # whole params anyway
@@ -233,9 +242,9 @@ def communication(core: Core) -> None:
         reduce_dtype=p.precision.reduce_dtype,
     )
     if not p.shard.params and p.gather.check_order != "every":
-        core.rs_group = comm.twin_group(core.group)
+        core.rs_group = comm.hier.twin_of_shard(core.mesh)
     core.reducer = Reducer(
-        core.layout, core.params, core.grads, core.rank, core.rs_group, core.comm_log
+        core.layout, core.params, core.grads, core.rank, core.rs_group, core.comm_log, core.mesh
     )
     core.reducer.overlap = bool(p.comm.overlap_comm)
     core.reducer.timeout = core.op_timeout
@@ -293,7 +302,7 @@ def units(core: Core) -> UnitScheduler | None:
         found[0],
         core.store,
         core.runner,
-        core.group,
+        core.shard_group,
         core.comm_log,
         reshard_after_forward=gather.reshard_after_forward,
         prefetch=gather.prefetch,
@@ -317,7 +326,7 @@ def _sequence_check(core: Core, sched: UnitScheduler, mode: str) -> SequenceChec
             names[("reduce_scatter", i, b)] = f"reduce-scatter of the gradients of {where}"
         names[("order", u.index, 0)] = f"forward of unit {u.name!r}"
         names[("check", u.index, 0)] = f"first-step order check at unit {u.name!r}"
-    group, rs_group = core.group, core.rs_group
+    group, rs_group = core.shard_group, core.rs_group
     check = SequenceCheck(
         core.side,
         names,
@@ -336,7 +345,7 @@ def scratch_collective(core: Core, key: tuple[str, int, int]):
     what a rank that never launched it launches so that the others' waits complete once the
     module-order error is found (`SequenceCheck`)."""
     kind, i, b = key
-    n, dev, group = core.world_size, core.device, core.group
+    n, dev, group = core.world_size, core.device, core.shard_group
     if kind == "check":  # `UnitScheduler._check_same`'s all-reduce
         t = torch.zeros(2, dtype=torch.int64, device=dev)
         return comm.all_reduce_start(t, "max", group=group)

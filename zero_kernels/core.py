@@ -56,10 +56,14 @@ class Core:
     policy: object  # zero_kernels.policy.ZeroPolicy
     mode: str  # "flat" or "whole" (partition.choose_mode)
     group: object  # the data-parallel process group (None: the world)
-    rs_group: object  # the reduce-scatters' group (stage 3 on gloo: a twin of ``group``)
-    side: object  # the side group of small checks (arrival, masks)
-    rank: int
-    world_size: int
+    mesh: object  # comm.hier.Mesh: shard and replica groups ([Note: hierarchy])
+    shard_group: object  # the ranks the state is sharded over (``group`` unless hierarchical)
+    rs_group: object  # the reduce-scatters' group (stage 3 on gloo: a twin of ``shard_group``)
+    side: object  # the side group of small checks over ``group`` (arrival, masks)
+    rank: int  # in the shard group: the layout's rank
+    world_size: int  # of the shard group: the layout's world size
+    dp_rank: int  # in the data-parallel group
+    dp_size: int
     device: torch.device
     timeout: float  # collective-only calls (state dicts, full_param, close)
     op_timeout: float | None  # backward's and step's collectives (None: the group's own)
@@ -80,7 +84,7 @@ class Core:
     sync_free: bool = False  # off the CPU: step() reads nothing back ([Note: no host sync])
 
     def where(self) -> str:
-        return f"ZeroOptimizer step {self.steps.n} (rank {self.rank})"
+        return f"ZeroOptimizer step {self.steps.n} (rank {self.dp_rank})"
 
     def unit_index(self, index: int) -> int:
         """Stage 3: the unit of param ``index`` (0, the root unit, elsewhere)."""

@@ -31,7 +31,7 @@ class GradContract:
 
     def __init__(self, core: Core, scaler, join, nonfinite: str):
         self.core, self.scaler, self.join, self.nonfinite = core, scaler, join, nonfinite
-        self.views = GradViews(self, core.device, core.group, core.comm_log)
+        self.views = GradViews(self, core.device, core.shard_group, core.comm_log)
         for _i, _, pc, _, g in core.runner.all_pieces():
             self.views.by_index.setdefault(pc.index, []).append((g.reshape(-1), pc.offset))
         self.factor = 1.0 / scaler.scale
@@ -186,7 +186,7 @@ class GradContract:
         if math.isinf(norm_type):
             local = max((float(g.abs().max()) for g in shards if g.numel()), default=0.0)
             t = torch.tensor([local], dtype=torch.float64, device=self.core.device)
-            self.core.all_reduce(t, "max", "clip_grad_norm_")
+            self.core.all_reduce(t, "max", "clip_grad_norm_", group=self.core.shard_group)
             total = float(t.item())
         else:
             s = sum(
@@ -196,7 +196,7 @@ class GradContract:
                 for g in shards
             )
             t = torch.tensor([s], dtype=torch.float64, device=self.core.device)
-            self.core.all_reduce(t, "sum", "clip_grad_norm_")
+            self.core.all_reduce(t, "sum", "clip_grad_norm_", group=self.core.shard_group)
             total = float(t.item()) if norm_type == 0 else float(t.item()) ** (1.0 / norm_type)
         total *= abs(self.factor)
         if error_if_nonfinite and not math.isfinite(total):
@@ -212,7 +212,9 @@ class GradContract:
     def _clip_on_device(self, shards, max_norm: float, norm_type: float, error_if_nonfinite):
         """`clip_grad_norm_` without a host read ([Note: no host sync])."""
         t = norm_on_device(shards, norm_type, self.core.device)
-        self.core.all_reduce(t, "max" if math.isinf(norm_type) else "sum", "clip_grad_norm_")
+        self.core.all_reduce(
+            t, "max" if math.isinf(norm_type) else "sum", "clip_grad_norm_", self.core.shard_group
+        )
         if norm_type not in (0.0, 1.0) and not math.isinf(norm_type):
             t = t ** (1.0 / norm_type)
         total = (t * abs(self.factor)).reshape(())
@@ -234,7 +236,7 @@ class GradContract:
         log.warning(
             "ZeroOptimizer: rank %d has non-finite gradients at step %d; stepping anyway "
             "(nonfinite='step', as torch does); nonfinite='skip' or 'raise' stops it",
-            self.core.rank,
+            self.core.dp_rank,
             step,
         )
 

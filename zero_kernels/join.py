@@ -124,7 +124,7 @@ class JoinState:
                     b.copy_(v)
 
     def check_not_joined(self, what: str) -> None:
-        if self.active is not None and self.active < self.core.world_size:
+        if self.active is not None and self.active < self.core.dp_size:
             raise RuntimeError(
                 f"{what} after a rank ran out of inputs under Join: the joined rank shadows only "
                 "one forward (stage 3), one backward and one step per iteration, so this has no "

@@ -66,6 +66,12 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
         policy: a `zero_kernels.policy.ZeroPolicy` holding every choice below that a policy
             has (instead of those keywords, which may then not be given: [Note: policies]).
         process_group: the data-parallel group (default: the world).
+        shard_group: the ranks the state is sharded over, replicated across the others
+            (hierarchical sharding, [Note: hierarchy] in `zero_kernels.comm.hier`): "world"
+            (default: all of ``process_group``), "node" (the ranks of each host), an int K
+            (consecutive blocks of K ranks) or a torch ``DeviceMesh`` (replicate x shard, as
+            FSDP2's HSDP takes it). Params are all-gathered inside the shard group; gradients
+            reduce-scattered there, then all-reduced across groups at shard size.
         bucket_size_mb: target size of a gradient bucket in MiB (at 4 bytes per element).
         overlap_comm: reduce buckets during backward (True) or all at the end (False).
         partition: "auto" (element-wise optimizers get flat shards, the rest whole params),
@@ -154,6 +160,7 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
         stage: int = 2,
         policy: ZeroPolicy | None = None,
         process_group=None,
+        shard_group="world",
         bucket_size_mb: float = 25.0,
         overlap_comm: bool = True,
         partition: str = "auto",
@@ -207,6 +214,7 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
             reduce_dtype=reduce_dtype,
             overlap_param_gather=overlap_param_gather,
             loss_scale=loss_scale,
+            shard_group=shard_group,
         )
         self.policy = policy
         validate.check_args(kernel_backend, nonfinite)
@@ -318,8 +326,9 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
 
     mode = property(lambda self: self._core.mode)  # "flat" or "whole"
     group = property(lambda self: self._core.group)  # the data-parallel process group
-    rank = property(lambda self: self._core.rank)
-    world_size = property(lambda self: self._core.world_size)
+    rank = property(lambda self: self._core.dp_rank)  # in the data-parallel group
+    world_size = property(lambda self: self._core.dp_size)
+    shard_size = property(lambda self: self._core.world_size)  # ranks the state is sharded over
     device = property(lambda self: self._core.device)
     layout = property(lambda self: self._core.layout)
     timeout = property(lambda self: self._core.timeout)

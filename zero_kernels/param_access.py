@@ -29,9 +29,9 @@ class ParamAccess:
     def gathered(self, module_or_params=None, modifier_rank: int | None = None):
         """`ZeroOptimizer.gathered_params` (its docstring says what it does); collective."""
         self.wait()
-        if modifier_rank is not None and not 0 <= modifier_rank < self.core.world_size:
+        if modifier_rank is not None and not 0 <= modifier_rank < self.core.dp_size:
             raise ValueError(
-                f"modifier_rank must be a rank in [0, {self.core.world_size}) or None, "
+                f"modifier_rank must be a rank in [0, {self.core.dp_size}) or None, "
                 f"got modifier_rank={modifier_rank!r}"
             )
         if module_or_params is None:

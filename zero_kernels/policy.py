@@ -154,13 +154,15 @@ class CommPolicy:
     overlap_comm: reduce buckets during backward; max_inflight_buckets: bucket buffers (stage
     2/3) or reduce-scatters (stage 1) held at once; timeout: seconds bounding every collective of
     backward and step (None: the process group's own); shard_group: the ranks the state is
-    sharded over ("world": the whole process group)."""
+    sharded over: "world" (the whole process group), "node" (the ranks of each host), an int K
+    (consecutive blocks of K ranks) or a torch DeviceMesh (replicate x shard, as FSDP2 takes
+    it); replicated across those groups ([Note: hierarchy] in `zero_kernels.comm.hier`)."""
 
     bucket_size_mb: float = 25.0
     overlap_comm: bool = True
     max_inflight_buckets: int = 2
     timeout: float | None = None
-    shard_group: str = "world"
+    shard_group: object = "world"
 
     def __post_init__(self):
         b = self.bucket_size_mb
@@ -176,11 +178,14 @@ class CommPolicy:
         t = self.timeout
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0):
             raise ValueError(f"timeout must be None or seconds > 0, got timeout={t!r}")
-        if self.shard_group != "world":
-            raise NotImplementedError(
-                f"shard_group={self.shard_group!r}: sharding inside a subgroup (hierarchical "
-                "sharding) is not built yet; the state is sharded over the whole process group"
-            )
+        sg = self.shard_group
+        mesh = type(sg).__name__ == "DeviceMesh" and hasattr(sg, "get_group")
+        if not mesh and sg not in ("world", "node"):
+            if isinstance(sg, bool) or not isinstance(sg, int) or sg < 1:
+                raise ValueError(
+                    "shard_group must be 'world', 'node', an int >= 1 or a torch DeviceMesh, "
+                    f"got shard_group={sg!r}"
+                )
 
 
 @dataclass(frozen=True)
@@ -274,7 +279,8 @@ class ZeroPolicy:
         for name in ("shard", "gather", "precision", "comm", "offload"):
             for f in dataclasses.fields(getattr(self, name)):
                 v = getattr(getattr(self, name), f.name)
-                out[f"{name}.{f.name}"] = str(v) if isinstance(v, torch.dtype) else v
+                plain = v is None or isinstance(v, (bool, int, float, str))
+                out[f"{name}.{f.name}"] = v if plain else str(v)
         return out
 
 

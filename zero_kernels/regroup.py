@@ -39,7 +39,7 @@ def add_group(opt, param_group: dict) -> None:
     comm.check_arrival(core.side, "ZeroOptimizer.add_param_group()", opt.timeout)
     opt.wait_params()
     payload = local_payload(core.layout, core.runner, masters=True)
-    got = comm.all_gather_object(payload, group=opt.group)
+    got = comm.all_gather_object(payload, group=core.shard_group)
     full = consolidate(core.layout, got, opt.param_groups, core.group_indices)
     groups = [dict(g) for g in opt.param_groups] + [new]
     steps = dataclasses.replace(core.steps)

@@ -79,6 +79,11 @@ class ShardedState:
     def group(self):
         return self._core.group
 
+    @property
+    def n_replicas(self) -> int:
+        """Copies of this state across shard groups (1 unless hierarchical)."""
+        return self._core.mesh.n_replicas
+
     def params(self) -> dict[int, torch.Tensor]:
         """Every param by its layout index (frozen ones too)."""
         return dict(self._core.params)

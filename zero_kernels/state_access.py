@@ -26,14 +26,18 @@ class FullState:
     def consolidated_state_dict(self, to: int = 0) -> dict | None:
         """On rank ``to``: the state dict of the unsharded ``optimizer_class`` (torch's format,
         loadable by it); None on the other ranks. Collective: call it on every rank."""
-        if not 0 <= to < self.core.world_size:
-            raise ValueError(f"to must be a rank in [0, {self.core.world_size}), got to={to!r}")
-        comm.check_arrival(
-            self.core.side, "ZeroOptimizer.consolidated_state_dict()", self.core.timeout
-        )
-        payload = local_payload(self.core.layout, self.core.runner, masters=True)
-        got = comm.gather_object(payload, to, group=self.core.group)
-        if self.core.rank != to:
+        core = self.core
+        if not 0 <= to < core.dp_size:
+            raise ValueError(f"to must be a rank in [0, {core.dp_size}), got to={to!r}")
+        comm.check_arrival(core.side, "ZeroOptimizer.consolidated_state_dict()", core.timeout)
+        mesh = core.mesh
+        # the pieces of one shard group make the whole state: that of rank ``to``
+        holders = next(rs for rs in mesh.shard_ranks if to in rs)
+        if core.dp_rank not in holders:
+            return None
+        payload = local_payload(core.layout, core.runner, masters=True)
+        got = comm.gather_object(payload, holders.index(to), group=core.shard_group)
+        if core.dp_rank != to:
             return None
         return consolidate(self.core.layout, got, self.param_groups(), self.core.group_indices)
 
@@ -50,7 +54,9 @@ class FullState:
             for b in buf.buckets:
                 if not self.core.store.sharded or (i, b.index) in self.core.store.live:
                     handles.append(
-                        self.core.runner.gather(i, b.index, self.core.comm_log, self.core.group)
+                        self.core.runner.gather(
+                            i, b.index, self.core.comm_log, self.core.shard_group
+                        )
                     )
         for h in handles:
             h.wait()
@@ -63,7 +69,7 @@ class FullState:
         full = torch.zeros(p.numel(), dtype=dtype, device=self.core.device)
         for v, off in parts:
             full[off : off + v.numel()] = v.reshape(-1)
-        comm.all_reduce(full, "sum", group=self.core.group)  # the pieces are disjoint
+        comm.all_reduce(full, "sum", group=self.core.shard_group)  # the pieces are disjoint
         return full.view(p.shape)
 
     def _piece_list(self, index: int, key: str | None):
@@ -144,7 +150,7 @@ class FullState:
         i = self.core.index_of(param, "full_state")
         payload = [d for d in local_payload(self.core.layout, self.core.runner)]
         mine = [d.get(i) for d in payload if i in d]
-        got = comm.all_gather_object(mine[0] if mine else None, group=self.core.group)
+        got = comm.all_gather_object(mine[0] if mine else None, group=self.core.shard_group)
         parts = [g for g in got if g is not None]
         out: dict = {}
         if not parts:

@@ -54,7 +54,7 @@ class Stepper:
             hyper = runner.sync_hyper(param_groups)
             if not runner.scales_in_kernel:
                 g.apply_factor()
-            handles = runner.step(g.views.active, g.factor, core.comm_log, core.group, kwargs)
+            handles = runner.step(g.views.active, g.factor, core.comm_log, core.shard_group, kwargs)
             runner.take_group_keys(param_groups, hyper)
             if core.units is not None:  # stage 3: params kept whole are gathered now
                 handles += [((-1, k), h) for k, h in enumerate(core.units.refresh_persistent())]

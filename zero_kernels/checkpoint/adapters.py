@@ -200,6 +200,13 @@ class ZeroAdapter(Adapter):
     def __init__(self, model, optimizer):
         super().__init__(model, optimizer)
         self.state = st = optimizer.sharded_state
+        if st.n_replicas > 1:
+            raise NotImplementedError(
+                f"checkpoints of a hierarchically sharded ZeroOptimizer (shard_group over "
+                f"{st.world_size} ranks x {st.n_replicas} replicas) are not built yet: use "
+                "opt.state_dict() per rank (the same layout reloads it) or "
+                "opt.consolidated_state_dict() (torch's format, any world size)"
+            )
         self.stage, self.mode, self.group = st.stage, st.mode, st.group
         self.layout, self.rank, self.world_size = st.layout, st.rank, st.world_size
 

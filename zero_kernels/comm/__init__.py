@@ -22,6 +22,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from . import hier  # noqa: F401 - comm.hier: hierarchical sharding
 from .base import (
     CollectiveTimeout,
     CommLog,

@@ -51,6 +51,10 @@ class CommLog:
     reduce_scatter_calls: int = 0
     all_gather_calls: int = 0
     all_reduce_calls: int = 0
+    # hierarchical sharding: the gradient shards all-reduced across replica groups (the bytes
+    # that cross nodes: [Note: hierarchy] in zero_kernels.comm.hier)
+    replica_all_reduce_bytes: int = 0
+    replica_all_reduce_calls: int = 0
     exposed_comm_s: float = 0.0  # time spent waiting on collectives after they were issued
     sizes: list = field(default_factory=list)  # (kind, numel, dtype) of every call, when traced
     trace: bool = False
@@ -68,6 +72,8 @@ class CommLog:
                 "reduce_scatter_calls",
                 "all_gather_calls",
                 "all_reduce_calls",
+                "replica_all_reduce_bytes",
+                "replica_all_reduce_calls",
                 "exposed_comm_s",
             )
         }

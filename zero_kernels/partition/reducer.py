@@ -127,8 +127,12 @@ class Reducer:
         rank: int,
         group,
         log: comm.CommLog,
+        mesh=None,
     ):
         self.layout, self.grads, self.rank, self.group, self.log = layout, grads, rank, group, log
+        # hierarchical sharding: each bucket's shard is then all-reduced across the replica
+        # groups ([Note: hierarchy] in zero_kernels.comm.hier)
+        self.mesh = mesh if mesh is not None and mesh.replicas is not None else None
         # whole gradients (stage 1): a full-size buffer reduced in place; else (stages 2 and 3)
         # bucket buffers reduced into the shards and given back (see [Note: overlap])
         self.whole = grads.whole
@@ -352,17 +356,17 @@ class Reducer:
                 self._finalize(self.inflight.pop(0))
         if self.check is not None:  # stage 3: every rank launches this one (SequenceCheck)
             self.check("reduce_scatter", *bk.key)
-        bk.handle = comm.reduce_scatter(
-            out,
-            inp,
-            group=self.group,
-            avg=True,
+        bound = dict(
             log=self.log,
             timeout_s=self.timeout,
             what=f"{self.describe()}, backward: reduce-scatter of bucket {bk.key[1]} of buffer "
             f"{bk.key[0]}",
             watch=self.check.watch if self.check is not None else None,
         )
+        if self.mesh is None:
+            bk.handle = comm.reduce_scatter(out, inp, group=self.group, avg=True, **bound)
+        else:
+            bk.handle = self.mesh.reduce_scatter(out, inp, first=self.group, **bound)
         bk.tmp = tmp
         bk.move(BucketState.REDUCING)
         bk.launched = True

@@ -1,0 +1,178 @@
+"""Checks of hierarchical sharding (``shard_group``), run by tests/test_hier.py on 4 gloo ranks
+(2 shard groups of 2 ranks): every stage trains as DDP does (fused AdamW, clipping), the
+whole-state accessors and torch's consolidated state see one copy of the state, the bytes across
+replica groups are one shard per bucket, and bad values are errors naming the argument."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from dist_utils import run_checks
+from numerics import rel_err
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(12, 40), nn.Tanh(), nn.Linear(40, 40), nn.Tanh(), nn.Linear(40, 3, bias=False)
+    )
+
+
+def _train(rank, stage, steps=4, clip=None, torch_clip=False, **kw):
+    """Our model and optimizer and DDP's after ``steps`` steps on the same per-rank batches."""
+    from zero_kernels import ZeroOptimizer
+
+    base = _model()
+    m, r = copy.deepcopy(base), copy.deepcopy(base)
+    extra = dict(units=[m[0], m[2]]) if stage == 3 else {}
+    hp = dict(lr=1e-2, weight_decay=0.1)
+    zo = ZeroOptimizer(m, torch.optim.AdamW, stage=stage, bucket_size_mb=0.002, **extra, **hp, **kw)
+    ddp = DDP(r)
+    to = torch.optim.AdamW(r.parameters(), fused=True, **hp)
+    norms = []
+    for s in range(steps):
+        g = torch.Generator().manual_seed(100 * s + rank)
+        x = torch.randn(6, 12, generator=g)
+        zo.zero_grad()
+        to.zero_grad()
+        m(x).pow(2).mean().backward()
+        ddp(x).pow(2).mean().backward()
+        if clip is not None:
+            a = (
+                torch.nn.utils.clip_grad_norm_(list(m.parameters()), clip)
+                if torch_clip
+                else zo.clip_grad_norm_(clip)
+            )
+            b = torch.nn.utils.clip_grad_norm_(r.parameters(), clip)
+            norms.append((float(a), float(b)))
+        zo.step()
+        to.step()
+    return zo, m, r, to, norms
+
+
+def _same_params(zo, m, r, tol, what):
+    with zo.gathered_params():
+        d = max(rel_err(a, b) for a, b in zip(m.parameters(), r.parameters()))
+    assert d <= tol, f"{what}: {d:.3g} from DDP"
+    return d
+
+
+def check_stages_match_ddp(rank, world):
+    out = {}
+    for stage in (1, 2, 3):
+        zo, m, r, _, _ = _train(rank, stage, shard_group=2)
+        assert zo.shard_size == 2 and zo.world_size == world, (zo.shard_size, zo.world_size)
+        assert zo.layout.world_size == 2
+        out[f"stage {stage}"] = _same_params(zo, m, r, 2e-6, f"stage {stage}, shard_group=2")
+        zo.close()
+    return out
+
+
+def check_clipping_over_one_copy(rank, world):
+    """The global norm counts each gradient element once (replicas hold the same shard): with
+    both clip paths, at a max_norm that clips every step."""
+    out = {}
+    for stage, torch_clip in ((2, False), (3, True), (1, True)):
+        zo, m, r, _, norms = _train(rank, stage, clip=0.05, torch_clip=torch_clip, shard_group=2)
+        for a, b in norms:
+            assert abs(a - b) <= 1e-5 * b, f"stage {stage}: norm {a} vs DDP's {b}"
+        assert norms[0][1] > 0.05, norms  # it did clip
+        out[f"stage {stage}"] = _same_params(zo, m, r, 2e-6, f"stage {stage} clipped")
+        zo.close()
+    return out
+
+
+def check_whole_state_one_copy(rank, world):
+    zo, m, r, to, _ = _train(rank, 2, steps=2, shard_group=2)
+    w = m[2].weight
+    assert rel_err(zo.full_param(w), r[2].weight.detach()) <= 2e-6
+    st = zo.full_state(w)
+    ref = to.state[r[2].weight]
+    assert rel_err(st["exp_avg"], ref["exp_avg"]) <= 2e-5
+    assert rel_err(st["exp_avg_sq"], ref["exp_avg_sq"]) <= 2e-5
+    got = {}
+    for to_rank in (0, 3):  # rank 3 is in the second shard group
+        got[to_rank] = zo.consolidated_state_dict(to=to_rank)  # every rank calls both
+    zo.close()
+    for to_rank, sd in got.items():
+        if rank != to_rank:
+            assert sd is None, f"consolidated_state_dict(to={to_rank}) returned on rank {rank}"
+            continue
+        assert len(sd["state"]) == len(list(m.parameters()))
+        # param 2 is m[2].weight (params: 0, 1 of m[0]; 2, 3 of m[2]; 4 of m[4])
+        assert rel_err(sd["state"][2]["exp_avg"], ref["exp_avg"]) <= 2e-5
+        assert rel_err(sd["state"][2]["exp_avg_sq"], ref["exp_avg_sq"]) <= 2e-5
+
+
+def check_bytes_across_replicas(rank, world):
+    """Per step, what crosses replica groups is each bucket's shard once (fp32), and the
+    reduce-scatter stays inside the shard group."""
+    zo, m, r, _, _ = _train(rank, 2, steps=3, shard_group=2)
+    cs = zo.comm_stats
+    shard_numel = sum(b.shard_numel(2) for b in zo.layout.buffers)
+    assert cs["replica_all_reduce_bytes"] == 3 * 4 * shard_numel, (cs, shard_numel)
+    n_buckets = sum(len(b.buckets) for b in zo.layout.buffers)
+    assert cs["replica_all_reduce_calls"] == 3 * n_buckets, cs
+    zo.close()
+    zo, *_ = _train(rank, 2, steps=1)  # flat: nothing across replicas
+    assert zo.comm_stats["replica_all_reduce_bytes"] == 0
+    zo.close()
+
+
+def check_shorthands(rank, world):
+    """ "node" on one host and K = world are the flat layout; a 2-D DeviceMesh as FSDP2 takes
+    it is shard_group=2's."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    out = {}
+    for spec in ("node", world):
+        zo, m, r, _, _ = _train(rank, 2, steps=2, shard_group=spec)
+        assert zo.shard_size == world and zo.sharded_state.n_replicas == 1, spec
+        out[str(spec)] = _same_params(zo, m, r, 2e-6, f"shard_group={spec!r}")
+        zo.close()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    zo, m, r, _, _ = _train(rank, 3, steps=2, shard_group=mesh)
+    assert zo.shard_size == 2 and zo.sharded_state.n_replicas == 2
+    out["mesh"] = _same_params(zo, m, r, 2e-6, "shard_group=DeviceMesh")
+    zo.close()
+    return out
+
+
+def check_bad_values(rank, world):
+    import pytest
+
+    from zero_kernels import ZeroOptimizer
+
+    for bad, err, words in (
+        (3, ValueError, "shard_group=3: must divide the world size 4"),
+        ("rack", ValueError, "shard_group='rack'"),
+        (0, ValueError, "shard_group=0"),
+    ):
+        with pytest.raises(err, match=words):
+            ZeroOptimizer(_model(), torch.optim.AdamW, stage=2, shard_group=bad, lr=1e-3)
+    from zero_kernels.checkpoint import save_checkpoint
+
+    m = _model()
+    zo = ZeroOptimizer(m, torch.optim.AdamW, stage=2, shard_group=2, lr=1e-3)
+    with pytest.raises(NotImplementedError, match="hierarchically sharded"):
+        save_checkpoint("/nonexistent-never-written", m, zo)
+    zo.close()
+    dist.barrier()
+
+
+CHECKS = [
+    check_stages_match_ddp,
+    check_clipping_over_one_copy,
+    check_whole_state_one_copy,
+    check_bytes_across_replicas,
+    check_shorthands,
+    check_bad_values,
+]
+
+
+def worker(rank, world):
+    return run_checks(rank, world, CHECKS)
