@@ -341,6 +341,22 @@ def test_ops_registered_and_opcheck():
     )
 
 
+def test_compiled_round_trip_is_one_graph():
+    import torch._dynamo
+
+    def f(x, e):
+        q, s = ops.quantize_blockwise(x, 4, 64, error=e)
+        return ops.dequantize_blockwise(q, s, 4, 64, x.numel()) * 2
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    x = sample(1001, seed=3)
+    e1, e2 = torch.zeros(1001), torch.zeros(1001)
+    assert_same(compiled(x, e1), f(x, e2), "compiled")
+    assert_same(e1, e2, "compiled residual")
+    torch._dynamo.reset()
+
+
 # ---- argument checks ----
 
 

@@ -114,6 +114,8 @@ def _check_layout(fn: str, bits, block) -> None:
 
 
 def _check_numel(fn: str, numel) -> None:
+    if isinstance(numel, torch.SymInt):  # traced by torch.compile: checked when it runs
+        return
     if not _is_int(numel) or numel < 0:
         raise ValueError(f"{fn}: numel must be an int >= 0, got numel={numel!r}")
 
