@@ -227,6 +227,7 @@ def main() -> None:
     na = int(args.n_accuracy) if not args.quick else 200_000
     reps = args.repeats if not args.quick else 3
     info = machine()
+    info["loadavg_before"] = os.getloadavg()  # the machine is shared: how busy it was
     print(info, flush=True)
     bw = memory_bandwidth(n_floats=n, repeats=reps)
     floor = max(bw["copy_GBps"], bw["rmw_GBps"])
@@ -234,6 +235,7 @@ def main() -> None:
     rows_t = throughput(n, reps, floor)
     rows_b = throughput_vs_block(n, reps, floor)
     rows_a = accuracy(na)
+    info["loadavg_after"] = os.getloadavg()
     payload = {
         "machine": info,
         "bandwidth": bw,
