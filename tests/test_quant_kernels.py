@@ -441,6 +441,44 @@ def test_bad_arguments_name_the_argument():
         assert text in str(info.value), f"{text!r} not in {info.value!r}"
 
 
+def test_without_extension_auto_uses_the_reference():
+    from test_backends import run_py
+
+    r = run_py(
+        """
+        import torch
+        from zero_kernels import ops
+        x = torch.randn(300)
+        q, s = ops.quantize_blockwise(x, 4, 64)
+        d = ops.dequantize_blockwise(q, s, 4, 64, 300)
+        assert (x - d).abs().max() <= s.max() * 0.51
+        try:
+            ops.quantize_blockwise(x, backend="cpu")
+        except RuntimeError as e:
+            print("raised:", e)
+        """
+    )
+    assert r.returncode == 0, r.stderr
+    assert "raised:" in r.stdout and "simulated: extension not built" in r.stdout
+    assert r.stderr.count("native extension not loaded") == 1, r.stderr
+
+
+def test_extension_without_quant_kernels_falls_back_or_raises(monkeypatch):
+    import types
+
+    from zero_kernels.ops import backends
+
+    old = types.SimpleNamespace(has_cuda=lambda: False)  # a _C built before issue 22
+    monkeypatch.setattr(_native, "load", lambda: old)
+    monkeypatch.setattr(backends, "_said", set())
+    x = sample(100)
+    want = ops.quantize_blockwise(x, backend="reference")
+    got = ops.quantize_blockwise(x)  # auto: one logged line, then the reference
+    assert_same(got[0], want[0], "fallback q")
+    with pytest.raises(RuntimeError, match="rebuild"):
+        ops.quantize_blockwise(x, backend="cpu")
+
+
 def test_explicit_cuda_backend_on_cpu_raises():
     with pytest.raises((RuntimeError, ValueError), match="cuda"):
         ops.quantize_blockwise(sample(10), backend="cuda")
