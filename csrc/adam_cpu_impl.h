@@ -9,6 +9,7 @@
 #include <stdexcept>
 
 #include "adam_math.h"
+#include "cpu_vec.h"
 
 namespace zk {
 inline namespace ZK_ISA_NS {
@@ -26,28 +27,6 @@ struct ScalarTraits {
   static V finite_acc(V acc, V x) { return acc + (x - x); }
   static bool all_zero(V acc) { return acc.x == 0.0f; }
 };
-
-template <class VT, DType D>
-inline typename VT::V vload(const void* base, int64_t i) {
-  if constexpr (D == DType::kF32) {
-    return VT::load(static_cast<const float*>(base) + i);
-  } else if constexpr (D == DType::kBF16) {
-    return VT::load_bf16(static_cast<const uint16_t*>(base) + i);
-  } else {
-    return VT::load_f16(static_cast<const uint16_t*>(base) + i);
-  }
-}
-
-template <class VT, DType D>
-inline void vstore(void* base, int64_t i, typename VT::V v) {
-  if constexpr (D == DType::kF32) {
-    VT::store(static_cast<float*>(base) + i, v);
-  } else if constexpr (D == DType::kBF16) {
-    VT::store_bf16(static_cast<uint16_t*>(base) + i, v);
-  } else {
-    VT::store_f16(static_cast<uint16_t*>(base) + i, v);
-  }
-}
 
 // Software prefetch kPrefetch elements ahead on every stream. The hardware prefetchers alone
 // leave the step at ~84% of the bandwidth of the same access pattern without the math (the

@@ -12,6 +12,7 @@
 #include "adam_cpu.h"
 #include "block_cache.h"
 #include "flat_copy.h"
+#include "quant_cpu.h"
 #include "shm_sync.h"
 #include "zk_types.h"
 
@@ -20,6 +21,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include "adam_cuda.h"
+#include "quant_cuda.h"
 #endif
 
 namespace {
@@ -275,6 +277,90 @@ void stream_probe(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m,
   });
 }
 
+// ---- blockwise quantization (zero_kernels/ops/quant.py [Note: quantized bytes]) ----
+// The Python layer checks the arguments with the messages users see; these checks keep a wrong
+// call from reading or writing outside a tensor.
+void check_quant_layout(int64_t bits, int64_t block) {
+  TORCH_CHECK_VALUE(bits == 4 || bits == 8, "bits must be 4 or 8, got ", bits);
+  TORCH_CHECK_VALUE(block > 0 && (bits == 8 || block % 2 == 0),
+                    "block must be > 0 (and even for bits=4), got ", block);
+}
+
+void check_quant_tensor(const at::Tensor& t, const at::Tensor& ref, const char* name,
+                        at::ScalarType dtype, int64_t numel) {
+  TORCH_CHECK(t.device() == ref.device(), name, " is on ", t.device(), ", expected ", ref.device());
+  TORCH_CHECK_TYPE(t.scalar_type() == dtype, name, ".dtype must be ", dtype, ", got ",
+                   t.scalar_type());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous, got stride ", t.strides());
+  TORCH_CHECK(t.numel() == numel, name, ".numel()=", t.numel(), ", expected ", numel);
+}
+
+int64_t quant_grain(int64_t block) { return std::max<int64_t>(1, kGrain / block); }
+
+void quantize_blockwise(const at::Tensor& x, const c10::optional<at::Tensor>& error,
+                        const at::Tensor& q, const at::Tensor& scales, int64_t bits,
+                        int64_t block) {
+  check_quant_layout(bits, block);
+  TORCH_CHECK(x.is_contiguous(), "x must be contiguous, got stride ", x.strides());
+  const int64_t n = x.numel();
+  const DType xd = to_dtype(x, "x");
+  check_quant_tensor(q, x, "q", at::kByte, zk::quant_packed_bytes(n, int(bits)));
+  check_quant_tensor(scales, x, "scales", at::kFloat, zk::quant_num_blocks(n, block));
+  float* err = nullptr;
+  if (error.has_value()) {
+    check_quant_tensor(*error, x, "error", at::kFloat, n);
+    err = error->data_ptr<float>();
+  }
+  if (n == 0) return;
+  const zk::QuantBuffers b{
+      x.data_ptr(), xd, err, q.data_ptr<uint8_t>(), scales.data_ptr<float>(), n, block, int(bits)};
+  if (x.is_cpu()) {
+    at::parallel_for(0, zk::quant_num_blocks(n, block), quant_grain(block),
+                     [&](int64_t b0, int64_t b1) { zk::quantize_cpu(b, b0, b1, g_isa); });
+    return;
+  }
+#ifdef ZK_WITH_CUDA
+  TORCH_CHECK(x.is_cuda(), "x must be a CPU or CUDA tensor, got ", x.device());
+  c10::cuda::CUDAGuard guard(x.device());
+  cuda_ok(zk::quantize_cuda(b, c10::cuda::getCurrentCUDAStream().stream()), "quantize_cuda");
+#else
+  TORCH_CHECK(false, "zero_kernels._C was built without CUDA kernels; x is on ", x.device());
+#endif
+}
+
+void dequantize_blockwise(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& out,
+                          int64_t bits, int64_t block, bool accumulate) {
+  check_quant_layout(bits, block);
+  TORCH_CHECK(out.is_contiguous(), "out must be contiguous, got stride ", out.strides());
+  const int64_t n = out.numel();
+  const DType od = to_dtype(out, "out");
+  TORCH_CHECK_TYPE(!accumulate || od == DType::kF32, "accumulate=True needs a float32 out, got ",
+                   out.scalar_type());
+  check_quant_tensor(q, out, "q", at::kByte, zk::quant_packed_bytes(n, int(bits)));
+  check_quant_tensor(scales, out, "scales", at::kFloat, zk::quant_num_blocks(n, block));
+  if (n == 0) return;
+  const zk::DequantBuffers b{q.data_ptr<uint8_t>(),
+                             scales.data_ptr<float>(),
+                             out.data_ptr(),
+                             od,
+                             accumulate,
+                             n,
+                             block,
+                             int(bits)};
+  if (out.is_cpu()) {
+    at::parallel_for(0, zk::quant_num_blocks(n, block), quant_grain(block),
+                     [&](int64_t b0, int64_t b1) { zk::dequantize_cpu(b, b0, b1, g_isa); });
+    return;
+  }
+#ifdef ZK_WITH_CUDA
+  TORCH_CHECK(out.is_cuda(), "out must be a CPU or CUDA tensor, got ", out.device());
+  c10::cuda::CUDAGuard guard(out.device());
+  cuda_ok(zk::dequantize_cuda(b, c10::cuda::getCurrentCUDAStream().stream()), "dequantize_cuda");
+#else
+  TORCH_CHECK(false, "zero_kernels._C was built without CUDA kernels; out is on ", out.device());
+#endif
+}
+
 std::string cpu_isa() { return zk::cpu_isa_name(g_isa); }
 
 void set_cpu_isa(const std::string& name) {
@@ -431,7 +517,9 @@ bool has_cuda() {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "zero_kernels native kernels: fused Adam/AdamW step, flat-buffer copies";
+  m.doc() =
+      "zero_kernels native kernels: fused Adam/AdamW step, flat-buffer copies, blockwise "
+      "quantization";
   m.def("adam_step", &adam_step, "One fused Adam/AdamW step over one flat buffer (in place)",
         py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
         py::arg("max_exp_avg_sq"), py::arg("out_lowp"), py::arg("found_inf"),
@@ -443,6 +531,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scale") = 1.0);
   m.def("flat_copy", &flat_copy, "Copy tensors into (to_flat) or out of a flat buffer",
         py::arg("tensors"), py::arg("flat"), py::arg("offsets"), py::arg("to_flat"));
+  m.def("quantize_blockwise", &quantize_blockwise,
+        "Blockwise symmetric int8/int4 quantization of x into q and scales (error: feedback)",
+        py::arg("x"), py::arg("error"), py::arg("q"), py::arg("scales"), py::arg("bits"),
+        py::arg("block"));
+  m.def("dequantize_blockwise", &dequantize_blockwise,
+        "out = q * scale per block (accumulate: out += q * scale, fp32 out)", py::arg("q"),
+        py::arg("scales"), py::arg("out"), py::arg("bits"), py::arg("block"),
+        py::arg("accumulate"));
   m.def("stream_probe", &stream_probe, "p += g, m += g, v += g (bandwidth floor of the step)");
   m.def("cpu_isa", &cpu_isa, "Instruction set the CPU kernels use now");
   m.def("set_cpu_isa", &set_cpu_isa, "Force the CPU kernels' instruction set (tests)");

@@ -3,7 +3,9 @@
 ``auto`` picks the fastest backend that loads for the tensors' device and logs one line saying why
 when it has to fall back; a backend asked for by name that cannot run raises with the reason.
 `adam_step` and `adam_step_multi` call the custom ops ``zero_kernels::adam_step_`` and
-``zero_kernels::adam_step_multi_`` (`zero_kernels.ops.library`), which torch.compile keeps whole.
+``zero_kernels::adam_step_multi_`` (`zero_kernels.ops.library`), which torch.compile keeps whole;
+`quantize_blockwise` and `dequantize_blockwise` (`zero_kernels.ops.quant`) the blockwise
+int8/int4 quantization of the communication layer.
 """
 
 from __future__ import annotations
@@ -15,8 +17,19 @@ import torch
 from . import library, reference  # noqa: F401  (library registers the ops)
 from .backends import BACKENDS, resolve_backend
 from .hyper import AdamHyper
+from .quant import DEFAULT_BLOCK, dequantize_blockwise, quantize_blockwise, quantized_sizes
 
-__all__ = ["AdamHyper", "BACKENDS", "adam_step", "adam_step_multi", "resolve_backend"]
+__all__ = [
+    "DEFAULT_BLOCK",
+    "AdamHyper",
+    "BACKENDS",
+    "adam_step",
+    "adam_step_multi",
+    "dequantize_blockwise",
+    "quantize_blockwise",
+    "quantized_sizes",
+    "resolve_backend",
+]
 
 
 def adam_step(
