@@ -269,6 +269,7 @@ class TestbedResult:
     out_dir: str  # `ENV_DIR` of the script: what it wrote there is here
     command: list[str]  # what each node ran (node 0's; the others differ in --node-rank)
     marks: list[dict] = field(default_factory=list)  # {"label", "t_s", "nodes": [LinkBytes]}
+    run_id: str = ""  # the namespaces' middle part, and ZK_TESTBED_RUN in every node process
 
     @property
     def exit_codes(self) -> list[int | None]:
@@ -303,6 +304,7 @@ class TestbedResult:
             "run_dir": self.run_dir,
             "out_dir": self.out_dir,
             "command": self.command,
+            "run_id": self.run_id,
             "marks": [
                 {
                     "label": m["label"],
@@ -588,7 +590,7 @@ class Testbed:
                 now = time.monotonic()
                 if now >= deadline:
                     timed_out = True
-                    self._stop(codes, stopped, f"timeout ({timeout:g} s)")
+                    self._stop(codes, stopped, "timeout")
                     break
                 bad = [k for k, c in enumerate(codes) if c not in (None, 0)]
                 if bad and grace_s is not None:
@@ -624,6 +626,7 @@ class Testbed:
             out,
             commands[0],
             marks,
+            self.run_id,
         )
 
     def _stop(self, codes, stopped, reason: str) -> None:

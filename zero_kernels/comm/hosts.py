@@ -11,13 +11,13 @@ creates an empty file where there is none, so a rank of another host "maps" a fi
 and then waits forever on words nobody else writes.
 
 The proof, collective over the group: every rank writes a random token into a new file of its
-own in /dev/shm (``O_EXCL``) and the ranks exchange (path, token) pairs; every rank opens every
-other rank's file *without creating it* and checks the token; the ranks exchange what each saw
-and every rank turns the same matrix into the same groups: rank a and b are together when each
-read the other's token, and a group holds only ranks that all see one another (taken in rank
-order, each rank joining the first group whose every member it sees both ways). The files are
-removed once every rank has looked. Where /dev/shm cannot be written a rank proves nothing and
-is a host of its own.
+own in /dev/shm (``O_EXCL``) and the ranks exchange (file name, token) pairs; every rank opens
+every other rank's file in its own /dev/shm *without creating it* and checks the token; the
+ranks exchange what each saw and every rank turns the same matrix into the same groups: rank a
+and b are together when each read the other's token, and a group holds only ranks that all see
+one another (taken in rank order, each rank joining the first group whose every member it sees
+both ways). The files are removed once every rank has looked. Where /dev/shm cannot be written
+a rank proves nothing and is a host of its own.
 """
 
 from __future__ import annotations
@@ -57,7 +57,9 @@ def _prove(group) -> tuple:
     from . import all_gather_object
 
     token = secrets.token_hex(16)
-    path = os.path.join(_shm_dir(), f"zero_kernels-host-{secrets.token_hex(8)}")
+    shm_dir = _shm_dir()
+    name = f"zero_kernels-host-{secrets.token_hex(8)}"
+    path = os.path.join(shm_dir, name)
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
         try:
@@ -65,10 +67,10 @@ def _prove(group) -> tuple:
         finally:
             os.close(fd)
     except OSError:  # nothing to prove with: this rank is a host of its own
-        path = None
-    try:
-        proofs = all_gather_object((path, token), group=group)
-        sees = [q == r or _reads(p, t) for q, (p, t) in enumerate(proofs)]
+        name = path = None
+    try:  # by name: each rank looks in its own /dev/shm (the same path on every host)
+        proofs = all_gather_object((name, token), group=group)
+        sees = [q == r or _reads(shm_dir, f, t) for q, (f, t) in enumerate(proofs)]
         matrix = all_gather_object(sees, group=group)
     finally:
         if path is not None:
@@ -79,12 +81,15 @@ def _prove(group) -> tuple:
     return _group(matrix)
 
 
-def _reads(path: str | None, token: str) -> bool:
-    """Whether the file at ``path`` exists here (opened, never created) and holds ``token``."""
-    if path is None:
+def _reads(shm_dir: str, name: str | None, token: str) -> bool:
+    """Whether file ``name`` exists in this rank's ``shm_dir`` (opened, never created) and holds
+    ``token``."""
+    if name is None:
         return False
     try:
-        fd = os.open(path, os.O_RDONLY)  # no O_CREAT: a file of another host is not found
+        fd = os.open(
+            os.path.join(shm_dir, name), os.O_RDONLY
+        )  # no O_CREAT: a file of another host is not found
     except OSError:
         return False
     try:
