@@ -213,7 +213,9 @@ def _cli(*argv, **kw) -> subprocess.Popen:
 
 
 def test_failing_script_json_and_cleanup(testbed):  # the fixture: skips where no testbed
-    p = _cli("--json", "--grace", "1", "--timeout", "120", script_path("testbed_fail.py"), "1")
+    path = os.pathsep.join([SCRIPTS, os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path)  # -m: a module the nodes import
+    p = _cli("--json", "--grace", "1", "--timeout", "120", "-m", "testbed_fail", "1", env=env)
     out, err = p.communicate(timeout=180)
     assert p.returncode == 1, err
     res = json.loads(out)
@@ -223,6 +225,7 @@ def test_failing_script_json_and_cleanup(testbed):  # the fixture: skips where n
     assert "node failing on purpose" in n1["log_tail"]
     assert n0["stopped"] == "node 1 failed" and n0["exit_code"] == -signal.SIGKILL
     assert all(isinstance(n["sent_bytes"], int) and n["received_bytes"] >= 0 for n in res["nodes"])
+    assert res["command"][-3:] == ["-m", "testbed_fail", "1"]
     assert leftovers(res["run_id"]) == NOTHING
 
 
