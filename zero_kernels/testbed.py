@@ -726,8 +726,10 @@ def cleanup_stale() -> list[str]:
     """Delete the namespaces of testbeds whose controlling process is gone (killed with SIGKILL)
     and kill what still runs in them; the names it deleted. Namespaces of live controllers, and
     any not named by a testbed, are left alone."""
-    if unavailable() is not None and shutil.which("ip") is None:
-        return []
+    if shutil.which("ip") is None:
+        raise TestbedUnavailable("`ip` is not on PATH (install iproute2)")
+    if os.geteuid() != 0:
+        raise TestbedUnavailable(f"deleting network namespaces needs root; uid {os.geteuid()}")
     gone = []
     for name in _netns_names():
         m = _NAME.match(name)

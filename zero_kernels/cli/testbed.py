@@ -71,14 +71,16 @@ def add_parser(sub, parser_class) -> None:
 def run(args) -> int:
     from .. import testbed as tb
 
-    if args.cleanup or args.check:
-        why = tb.unavailable()
-        if args.cleanup:
+    if args.cleanup:
+        try:
             gone = tb.cleanup_stale()
-            print(
-                f"removed {len(gone)} stale namespace(s)" + (": " + ", ".join(gone) if gone else "")
-            )
-            return 0
+        except tb.TestbedUnavailable as e:
+            print(f"zero-kernels: error: {e}", file=sys.stderr)
+            return tb.EXIT_UNAVAILABLE
+        print(f"removed {len(gone)} stale namespace(s)" + (": " + ", ".join(gone) if gone else ""))
+        return 0
+    if args.check:
+        why = tb.unavailable()
         print("the testbed can run here" if why is None else f"the testbed cannot run here: {why}")
         return 0 if why is None else tb.EXIT_UNAVAILABLE
     if args.script is None:
