@@ -1,11 +1,11 @@
-"""The multi-node testbed (`zero_kernels.testbed`, `zero-kernels testbed`) and what it shows (3 nodes
-through the hub for the all-reduce, 2 for the rest):
-bytes over the link against the formula, time against the rate, nodes that are apart, nothing
-left behind after a run, a failing script, a timeout or SIGTERM, clear errors for bad arguments;
-and stage 3 across two nodes with the default algorithm choice against the same run on one host
-(the shm probe used to take ranks of two nodes for ranks of one host).
+"""The multi-node testbed (`zero_kernels.testbed`, `zero-kernels testbed`) and what it shows:
+bytes over the link against the formula and time against the rate (an all-reduce on 3 nodes,
+through the hub), nodes that are apart, nothing left behind after a run, a failing script, a
+timeout, SIGTERM or SIGKILL (2 nodes), clear errors for bad arguments; and stage 3 across two
+nodes x two ranks with the default algorithm choice against the same run on one host (the shm
+probe used to take ranks of two nodes for ranks of one host).
 
-The spawned runs (about 1 + 2 agents and ranks each) are shared by the checks of one concern."""
+The spawned runs are shared by the checks of one concern."""
 
 from __future__ import annotations
 
