@@ -201,6 +201,81 @@ def _worker(args) -> None:
 # -- the controller
 
 
+def _busy_cpu_s() -> float:
+    """CPU seconds the whole machine has spent busy (every process, /proc/stat)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    idle = v[3] + (v[4] if len(v) > 4 else 0)  # idle + iowait
+    return (sum(v[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_s() -> float:
+    """CPU seconds of this process and of every descendant it reaped (the nodes' trees: each
+    parent in them waits for its children)."""
+    import resource
+
+    s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
+
+
+def summarize(rows: dict, cands) -> list[dict]:
+    """Per candidate, medians over the rounds: the step time, the bytes (the larger of the
+    nodes'), the formula's bytes and measured / formula, each round against its own formula (the
+    probe, which times the algorithms, may choose differently from one run to the next)."""
+    summary = []
+    for c in cands:
+        rs = rows[c]
+        sent = [max(r["sent_bytes_per_node_per_step"]) for r in rs]
+        recv = [max(r["received_bytes_per_node_per_step"]) for r in rs]
+        formula = [r["expected_bytes_per_node_per_step"] for r in rs]
+        summary.append(
+            {
+                "cand": c,
+                "median_step_s": statistics.median(r["median_step_s"] for r in rs),
+                "step_s_per_round": [r["median_step_s"] for r in rs],
+                "mb_sent_per_node_per_step": statistics.median(sent) / 1e6,
+                "mb_received_per_node_per_step": statistics.median(recv) / 1e6,
+                "mb_formula_per_node_per_step": statistics.median(formula) / 1e6,
+                "measured_over_formula": statistics.median(m / f for m, f in zip(sent, formula)),
+                "mb_sent_per_round": [round(x / 1e6, 2) for x in sent],
+                "mb_formula_per_round": [round(x / 1e6, 2) for x in formula],
+                "algorithms_per_round": [
+                    sorted({f"{op}:{a}" for op, _, a in r["launched_per_step"]}) for r in rs
+                ],
+                "others_cores_per_round": [r["others_cores"] for r in rs],
+            }
+        )
+    return summary
+
+
+def print_table(summary: list[dict]) -> None:
+    head = f"{'candidate':<13}{'s/step':>8}{'(rounds)':>22}{'MB/node/step':>14}{'formula MB':>12}"
+    print(head + f"{'ratio':>7}")
+    for s in summary:
+        rounds = "/".join(f"{x:.2f}" for x in s["step_s_per_round"])
+        print(
+            f"{s['cand']:<13}{s['median_step_s']:>8.3f}{rounds:>22}"
+            f"{s['mb_sent_per_node_per_step']:>14.1f}{s['mb_formula_per_node_per_step']:>12.1f}"
+            f"{s['measured_over_formula']:>7.3f}"
+        )
+    for s in summary:
+        algos = s["algorithms_per_round"]
+        if any(algos):
+            print(f"  {s['cand']}: " + " | ".join(" ".join(a) for a in algos))
+
+
+def _resummarize(path: str) -> int:
+    """Recompute the summary of a saved run from its per-round rows (the file is rewritten)."""
+    with open(path) as f:
+        out = json.load(f)
+    cands = [s["cand"] for s in out["summary"]]
+    out["summary"] = summarize(out["runs"], cands)
+    print_table(out["summary"])
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+    return 0
+
+
 def _controller(args) -> int:
     sys.path.insert(0, os.path.dirname(HERE))
     from zero_kernels import testbed as tb
@@ -222,12 +297,16 @@ def _controller(args) -> int:
     with tb.Testbed(args.nodes, rate=args.rate) as bed:
         for rnd in range(args.rounds):
             for c in cands:
+                busy0, own0, t0 = _busy_cpu_s(), _own_cpu_s(), time.monotonic()
                 res = bed.run(
                     __file__,
                     ["--worker", c, *worker_args],
                     ranks_per_node=args.ranks_per_node,
                     timeout=args.timeout,
                 )
+                wall = time.monotonic() - t0
+                # what the machine's other users took meanwhile, in cores on average
+                others = max(0.0, (_busy_cpu_s() - busy0) - (_own_cpu_s() - own0)) / wall
                 if not res.ok:
                     tail = "\n".join(n.log[-2500:] for n in res.nodes)
                     raise SystemExit(f"{c} failed (exit codes {res.exit_codes}):\n{tail}")
@@ -237,49 +316,34 @@ def _controller(args) -> int:
                 r["sent_bytes_per_node_per_step"] = [b.sent / args.steps for b in link]
                 r["received_bytes_per_node_per_step"] = [b.received / args.steps for b in link]
                 r["round"] = rnd
+                r["others_cores"] = round(others, 3)
                 rows[c].append(r)
                 mb = max(r["sent_bytes_per_node_per_step"]) / 1e6
                 print(
-                    f"round {rnd} {c:<12} {r['median_step_s']:.3f} s/step, {mb:.1f} MB/node/step",
+                    f"round {rnd} {c:<12} {r['median_step_s']:.3f} s/step, {mb:.1f} MB/node/step"
+                    f" (other users: {others:.2f} cores)",
                     flush=True,
                 )
     load["after"] = os.getloadavg()
-    summary = []
-    for c in cands:
-        rs = rows[c]
-        sent = [max(r["sent_bytes_per_node_per_step"]) for r in rs]
-        recv = [max(r["received_bytes_per_node_per_step"]) for r in rs]
-        summary.append(
-            {
-                "cand": c,
-                "median_step_s": statistics.median(r["median_step_s"] for r in rs),
-                "step_s_per_round": [r["median_step_s"] for r in rs],
-                "mb_sent_per_node_per_step": statistics.median(sent) / 1e6,
-                "mb_received_per_node_per_step": statistics.median(recv) / 1e6,
-                "mb_formula_per_node_per_step": rs[0]["expected_bytes_per_node_per_step"] / 1e6,
-                "algorithms": sorted({f"{op}:{a}" for op, _, a in rs[0]["launched_per_step"]}),
-            }
-        )
+    others_all = [r["others_cores"] for c in cands for r in rows[c]]
+    summary = summarize(rows, cands)
     print(
         f"\n{args.nodes} nodes x {args.ranks_per_node} ranks, link {tb.format_rate(bed.rate_bps)}, "
         f"{rows[cands[0]][0]['params'] / 1e6:.2f}M params fp32 AdamW, batch {args.batch} x "
         f"{CFG['block_size']} per rank, {args.steps} steps after {args.warmup}, "
-        f"{args.rounds} round(s); load {load['before'][0]:.2f} -> {load['after'][0]:.2f}"
+        f"{args.rounds} round(s); load average {load['before'][0]:.2f} before, "
+        f"{load['after'][0]:.2f} after (the bench's own ranks included); other users took "
+        f"{max(others_all):.2f} cores at most (mean over a run), {statistics.mean(others_all):.2f}"
+        " on average"
     )
-    head = f"{'candidate':<13}{'s/step':>8}{'MB/node/step':>14}{'formula MB':>12}{'ratio':>7}"
-    print(head + "  algorithms")
-    for s in summary:
-        mb, f = s["mb_sent_per_node_per_step"], s["mb_formula_per_node_per_step"]
-        print(
-            f"{s['cand']:<13}{s['median_step_s']:>8.3f}{mb:>14.1f}{f:>12.1f}{mb / f:>7.3f}  "
-            + " ".join(s["algorithms"])
-        )
+    print_table(summary)
     out = {
         "command": " ".join([os.path.relpath(sys.argv[0]), *sys.argv[1:]]),
         "machine": machine(),
         "date": time.strftime("%Y-%m-%d %H:%M", time.localtime(t_start)),
         "seconds": round(time.time() - t_start, 1),
         "load_avg_1_5_15": load,
+        "other_users_cores": {"max": max(others_all), "mean": statistics.mean(others_all)},
         "rate_bps": bed.rate_bps,
         "nodes": args.nodes,
         "ranks_per_node": args.ranks_per_node,
@@ -312,11 +376,16 @@ def main(argv=None) -> int:
         default=os.path.join(HERE, "results", "testbed_2x2_1gbit.json"),
         help="JSON results (default bench/results/testbed_2x2_1gbit.json; '' for none)",
     )
+    p.add_argument(
+        "--resummarize", default=None, metavar="FILE", help="recompute a saved run's summary"
+    )
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # inside the testbed
     args = p.parse_args(argv)
     if args.worker is not None:
         _worker(args)
         return 0
+    if args.resummarize:
+        return _resummarize(args.resummarize)
     return _controller(args)
 
 
