@@ -395,7 +395,7 @@ class Testbed:
         self.port = [f"zkh{k}" for k in range(nodes)]  # in the hub's
         self.ips = [f"{SUBNET}.{k + 1}" for k in range(nodes)]
         self.hostnames = [f"node{k}" for k in range(nodes)]
-        self.workdir = workdir or tempfile.mkdtemp(prefix="zk-testbed-")
+        self.workdir = workdir  # None: a new temporary folder at `up` (kept: the logs)
         self._made: list[str] = []
         self._procs: list = []
         self._runs = 0
@@ -417,6 +417,8 @@ class Testbed:
         why = unavailable()
         if why is not None:
             raise TestbedUnavailable(why)
+        if self.workdir is None:
+            self.workdir = tempfile.mkdtemp(prefix="zk-testbed-")
         os.makedirs(self.workdir, exist_ok=True)
         with open(os.path.join(self.workdir, "hosts"), "w") as f:
             f.write("127.0.0.1 localhost\n")
@@ -456,8 +458,8 @@ class Testbed:
             _cmd(["tc", "-n", self.hub, "qdisc", "add", "dev", p] + tbf)
 
     def _add_ns(self, name: str) -> None:
+        self._made.append(name)  # first: a command that timed out may still have made it
         _cmd(["ip", "netns", "add", name])
-        self._made.append(name)
 
     def down(self) -> None:
         """Kill whatever still runs on the nodes and delete the namespaces (with them the veths,
@@ -762,7 +764,8 @@ def run(
     grace_s: float | None = 5.0,
 ) -> TestbedResult:
     """Make a testbed of ``nodes`` nodes at ``rate``, run ``script`` on it (`Testbed.run`) and
-    remove it. ``timeout`` bounds the setup and the run together."""
+    remove it. The run gets what the setup left of ``timeout`` (each setup command is bounded
+    by its own 15 s)."""
     t0 = time.monotonic()
     _check_run(script, ranks_per_node, timeout, module)
     with _signals_raise(), Testbed(nodes, rate=rate, workdir=workdir) as tb:

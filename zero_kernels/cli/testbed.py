@@ -47,7 +47,8 @@ def add_parser(sub, parser_class) -> None:
         "--timeout",
         type=float,
         default=300.0,
-        help="seconds for the whole run, setup included; then every node is killed (default 300)",
+        help="seconds for the run (what the setup leaves of them); then every node is killed "
+        "(default 300)",
     )
     t.add_argument(
         "--grace",
