@@ -1,4 +1,4 @@
-"""The `zero-kernels` command: `demo`, `estimate`, `bench`, `tune` and `checkpoint`.
+"""The `zero-kernels` command: `demo`, `estimate`, `bench`, `tune`, `checkpoint` and `testbed`.
 
 Bad arguments end in one line on stderr naming the argument and what it accepts, exit code 2,
 never a traceback (set ZERO_KERNELS_TRACEBACK=1 to see one for an unexpected error). A reader
@@ -44,17 +44,19 @@ def _positive_float(name: str):
 
 def _build_parser() -> argparse.ArgumentParser:
     from ..models import MODEL_SIZES
-    from . import checkpoint, tune
+    from . import checkpoint, testbed, tune
     from .optimizers import OPTIMIZER_CHOICES
 
     p = _Parser(
         prog=PROG,
         description="ZeRO for PyTorch: train a demo, estimate memory, run the benchmarks, "
-        "look into checkpoints.",
+        "look into checkpoints, run scripts on a namespace testbed of several nodes.",
     )
     p.add_argument("--version", action="store_true", help="print the version and exit")
     sub = p.add_subparsers(
-        dest="command", parser_class=_Parser, metavar="{demo,estimate,bench,tune,checkpoint}"
+        dest="command",
+        parser_class=_Parser,
+        metavar="{demo,estimate,bench,tune,checkpoint,testbed}",
     )
 
     d = sub.add_parser(
@@ -196,6 +198,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     tune.add_parser(sub, _Parser)
     checkpoint.add_parser(sub, _Parser)
+    testbed.add_parser(sub, _Parser)
     return p
 
 
@@ -332,6 +335,12 @@ def _cmd_checkpoint(args) -> int:
     return run(args)
 
 
+def _cmd_testbed(args) -> int:
+    from .testbed import run
+
+    return run(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `zero-kernels` console script; returns the exit code."""
     try:
@@ -368,6 +377,7 @@ def _main(argv: list[str] | None) -> int:
             "estimate": _cmd_estimate,
             "bench": _cmd_bench,
             "checkpoint": _cmd_checkpoint,
+            "testbed": _cmd_testbed,
             "tune": lambda a: _cmd_tune(a, argv),
         }[args.command]
         return cmd(args)

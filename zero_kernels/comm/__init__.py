@@ -11,7 +11,8 @@ point-to-point algorithms, the sum is divided by the world size when the handle 
 
 The package: `base` (handles, counters, timeouts, the CUDA comm stream: [Note: CUDA streams]),
 `p2p` (the point-to-point algorithms: [Note: algorithms]), `shm` (ranks of one host exchanging
-through shared files: [Note: shared-memory collectives]), `choose` (which algorithm, and the
+through shared files: [Note: shared-memory collectives]), `hosts` (which ranks share a host,
+proven: [Note: hosts are proven]), `choose` (which algorithm, and the
 probe: [Note: choosing the algorithm]); the functions callers use are here.
 """
 
@@ -51,6 +52,7 @@ from .choose import (
     register_twin,
     set_algorithm,
 )
+from .hosts import host_groups
 from .p2p import free_scratch, scratch_bytes
 
 __all__ = [
@@ -71,6 +73,7 @@ __all__ = [
     "comm_stream",
     "free_scratch",
     "gather_object",
+    "host_groups",
     "is_initialized",
     "kv_store",
     "probe_results",

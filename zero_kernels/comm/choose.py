@@ -10,7 +10,8 @@ Precedence: `set_algorithm` (for the group, then for every group), then
 The probe runs lazily, inside the first collective of a class, which every rank calls in the same
 order. On one fp32 buffer of the class's probe size (32 KiB, 128 KiB, 512 KiB, 2 MiB, 8 MiB, 32
 MiB) it runs native, pairwise, (N > 2; a ring of 2 is the pairwise exchange) ring and, where every
-rank of the group shares ``/dev/shm`` with the others ([Note: shared-memory collectives]), shm, 5 to
+rank of the group shares ``/dev/shm`` with the others, proven by a file one rank wrote and the
+others read ([Note: hosts are proven] in hosts.py; [Note: shared-memory collectives]), shm, 5 to
 1 times each (fewer for larger sizes; buffers touched beforehand), interleaved, each run after a
 barrier.
 It takes each rank's fastest run (warm-up and preemption only add time) and all-reduces them with

@@ -29,6 +29,12 @@ ranks of a group exchange through files in ``/dev/shm`` that all of them map ins
   safe, and every wait a launch makes depends only on what the other ranks do at or before the
   same launch. A collective of more pieces than slots is therefore a rendezvous at its launch;
   those waits are bounded, named and watched like a handle's ([Note: watched waits]).
+- Which groups: only one whose ranks all share a host, proven by a file one rank writes and the
+  others read (`host_groups`, [Note: hosts are proven] in hosts.py); for a group whose ranks span
+  hosts `capable` returns why not, naming them, so the probe never times shm there and an
+  explicit request (`set_algorithm`, ``ZERO_KERNELS_COMM_ALGO=shm``) raises that reason. The
+  control file holds a random token of rank 0's, which every rank checks once it has mapped the
+  file (opened without creating it).
 - Every wait is bounded by the caller's timeout, else the group's (a `CollectiveTimeout`). A
   rank that finds another rank posted a different collective (kind or size) under the same
   number poisons the channel, so every rank waiting on it raises a ValueError at once instead of
@@ -55,13 +61,16 @@ import torch
 import torch._dynamo
 import torch.distributed as dist
 
+from . import hosts as _hosts
 from .base import CollectiveTimeout, rank, world_size
+from .hosts import host_groups
 
 SLOTS = 2
 SLOT_BYTES = 4 << 20  # the most one slot holds: N pieces of SLOT_BYTES / N of each rank's data
 SHM_DIR = "/dev/shm"
 _WORDS_PER_RANK = 16  # 64 bytes: a rank's words of a slot share no cache line with another's
 _POISON = 0  # word index: nonzero once a rank found the ranks launched different collectives
+_TOKEN = 4  # word index: 16 random bytes rank 0 wrote, which every rank checks once mapped
 _OPENED = 16  # word index + slot: how many times the slot's files were mapped, over all ranks
 _RANK_BASE = 64
 # per (slot, rank): 0 posted number, 1 kind, 2 numel low, 3 numel high, 4 consumed number
@@ -401,16 +410,28 @@ def _timeout_s(group) -> float:
 
 
 def capable(group) -> str | None:
-    """None when every rank of ``group`` can share files in /dev/shm with the others (tested by
-    opening one), else why not; the same answer on every rank. Collective on first call."""
+    """None when every rank of ``group`` shares /dev/shm with the others, proven by a file one
+    rank wrote and every other read (`hosts.host_groups`, [Note: hosts are proven]), and the
+    group's channel is set up; else why not (a group whose ranks span hosts names them). The
+    same answer on every rank. Collective on first call."""
     key, pg = _key(group), _pg(group)
     known = _capable.get(key)
     if known is None or known[0] is not pg:  # new, or another group object with a reused id
         stale = _channels.pop(key, None)
         if stale is not None:
             stale.close()
-        _capable[key] = known = (pg, _open(group))  # holds pg: its id is not reused meanwhile
+        _capable[key] = known = (pg, _check(group))  # holds pg: its id is not reused meanwhile
     return known[1]
+
+
+def _check(group) -> str | None:
+    hosts = host_groups(group)  # collective, on every rank alike, whatever this rank has
+    if len(hosts) > 1:
+        return (
+            f"its ranks are on {len(hosts)} hosts (no /dev/shm file one rank writes is seen by "
+            f"every other); the group ranks that share one: {hosts}"
+        )
+    return _open(group)
 
 
 def mapped_bytes() -> int:
@@ -427,9 +448,11 @@ def channel(group) -> _Channel:
 
 
 def _open(group) -> str | None:
-    """Set up ``group``'s channel (collective): rank 0 creates the control file, every rank maps
-    it, and all agree whether that worked."""
+    """Set up ``group``'s channel (collective): rank 0 creates the control file with a random
+    token in it, every rank opens it without creating it, maps it and checks the token, and all
+    agree whether that worked."""
     n, r = world_size(group), rank(group)
+    token = secrets.token_bytes(16) if r == 0 else None
     why = available()
     base = None
     if why is None:  # room for the slots at their largest, with a margin for other users
@@ -447,29 +470,37 @@ def _open(group) -> str | None:
             try:
                 os.ftruncate(fd, _ctrl_bytes(n))
                 os.posix_fallocate(fd, 0, _ctrl_bytes(n))
+                os.pwrite(fd, token, 4 * _TOKEN)
             finally:
                 os.close(fd)
         except OSError as e:
             why, base = f"cannot create a file in {SHM_DIR}: {e}", None
     made = base
     try:
-        box = [base]
+        box = [(base, token)]
         gsrc = dist.get_global_rank(group, 0) if group is not None else 0
         dist.broadcast_object_list(box, src=gsrc, group=group)
-        base = box[0]
+        base, token = box[0]
         ctrl, fd = None, -1
         if base is not None and why is None:
             try:
-                raw = torch.from_file(base + "-ctrl", shared=True, size=_ctrl_bytes(n))
-                ctrl = raw.view(torch.int32)
-                # after the mapping (which opened and closed the file: closing any descriptor
-                # of a file drops the process's locks on it), a descriptor kept open and a lock
-                # on byte r through it: the others tell from it whether this process lives
+                # opened without O_CREAT first: from_file(shared=True) would create an empty
+                # file where this rank's /dev/shm has none ([Note: hosts are proven])
                 fd = os.open(base + "-ctrl", os.O_RDWR)
-                if not _lib().shm_hold(fd, r):
+                raw = torch.from_file(
+                    base + "-ctrl", shared=True, size=_ctrl_bytes(n), dtype=torch.uint8
+                )
+                ctrl = raw.view(torch.int32)
+                seen = bytes(raw[4 * _TOKEN : 4 * _TOKEN + 16].tolist())
+                if seen != token:
+                    why = f"{base}-ctrl holds another token: not the file rank 0 wrote"
+                # after the mapping (which opened and closed the file: closing any descriptor
+                # of a file drops the process's locks on it), a lock on byte r through the
+                # descriptor kept open: the others tell from it whether this process lives
+                elif not _lib().shm_hold(fd, r):
                     why = f"cannot lock byte {r} of {base}-ctrl"
             except (RuntimeError, OSError) as e:
-                why = f"cannot map {base}-ctrl: {e}"
+                why = f"cannot open and map {base}-ctrl (made by rank 0 of the group): {e}"
         elif why is None:
             why = "rank 0 of the group could not set up the channel"
         whys = [None] * n
@@ -507,6 +538,7 @@ def close_all() -> None:
         ch.close()
     _channels.clear()
     _capable.clear()
+    _hosts._reset()
 
 
 atexit.register(close_all)

@@ -1,0 +1,72 @@
+"""Stage 3 with the default algorithm choice, a few steps of a small GPT: on the testbed (run as a
+script under torchrun, each rank saving what `worker` returns into the out folder) or on one host
+(`worker` through tests/dist_utils.run_workers)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+STEPS = 3
+
+
+def worker(rank: int, world: int) -> dict:
+    from zero_kernels import ZeroOptimizer, comm
+    from zero_kernels.models import GPT, GPTConfig, get_batch, load_corpus
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32))
+    opt = ZeroOptimizer(model, torch.optim.AdamW, stage=3, lr=1e-2, timeout=60)
+    data = load_corpus()
+    losses = []
+    for step in range(STEPS):
+        x, y = get_batch(data, 2, 32, seed=0, step=step, rank=rank)
+        opt.zero_grad()
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    # whole tensors (collective), as numpy arrays: torch's queue would share tensors' storage
+    # with the parent through the worker, which may have ended by then
+    state = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    algorithms = {f"{op} {c}": res["algorithm"] for (op, c), res in comm.probe_results().items()}
+    opt.close()
+    return {
+        "state": state,
+        "losses": losses,
+        "algorithms": algorithms,
+        "hosts": comm.host_groups(),
+        "shm_why": comm.shm.capable(None),
+        "explicit_shm": _explicit_shm(world),
+    }
+
+
+def _explicit_shm(world: int) -> str | None:
+    """The error of a reduce-scatter with shm asked for explicitly on the world group (None: it
+    ran)."""
+    from zero_kernels import comm
+
+    comm.set_algorithm("all", "shm")
+    try:
+        comm.reduce_scatter(torch.zeros(4), torch.ones(4 * world)).wait()
+        return None
+    except ValueError as e:
+        return str(e)
+    finally:
+        comm.set_algorithm("all", None)
+
+
+if __name__ == "__main__":
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from zero_kernels import testbed
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    r, n = dist.get_rank(), dist.get_world_size()
+    out = worker(r, n)
+    torch.save(out, os.path.join(testbed.out_dir(), f"rank{r}.pt"))
+    dist.destroy_process_group()
