@@ -14,6 +14,8 @@ Candidates:
     ddp_fused      DDP(gradient_as_bucket_view=True, 25 MB buckets) + torch AdamW(fused=True)
     ours_stage1/2/3  zero_kernels.ZeroOptimizer(model, AdamW, stage=1/2/3), default algorithm
                    choice (the probe runs on the testbed: shm is out, the ranks span 2 hosts)
+    ours_stage2_node, ours_stage3_node  the same with shard_group="node" (hierarchical: sharded
+                   within each node, the gradient shards all-reduced across nodes, as HSDP)
     fsdp2_hsdp     fully_shard per block and the root on a 2D mesh (replicate across nodes x shard
                    within one) + torch AdamW(fused=True), resharding after forward
     fsdp2          fully_shard over all ranks (1D mesh) + torch AdamW(fused=True), resharding
@@ -56,7 +58,16 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CANDIDATES = ("ddp_fused", "ours_stage1", "ours_stage2", "ours_stage3", "fsdp2_hsdp", "fsdp2")
+CANDIDATES = (
+    "ddp_fused",
+    "ours_stage1",
+    "ours_stage2",
+    "ours_stage3",
+    "ours_stage2_node",
+    "ours_stage3_node",
+    "fsdp2_hsdp",
+    "fsdp2",
+)
 CFG = dict(n_layer=6, n_head=5, n_embd=320, block_size=128)  # 7.52M params
 
 
@@ -86,6 +97,10 @@ def expected_bytes(cand: str, m: float, n_nodes: int, per_node: int, launched=No
         return (2 * ag + collective_factor("reduce_scatter", "native", n, per_node)) * m
     if cand == "fsdp2_hsdp":
         return 2 * (n_nodes - 1) / n_nodes * m
+    if cand.endswith("_node"):  # shard_group="node": as HSDP, plus any collective over all ranks
+        return 2 * (n_nodes - 1) / n_nodes * m + sum(
+            nb * collective_factor(op, a, n, per_node) for op, nb, a in launched
+        )
     return sum(nb * collective_factor(op, a, n, per_node) for op, nb, a in launched)
 
 
@@ -139,12 +154,14 @@ def _worker(args) -> None:
 
         def recorded(op, nbytes, **kwargs):  # what every collective of ours used
             algo = choose(op, nbytes, **kwargs)
-            if recording[0]:
+            if recording[0] and comm.world_size(kwargs.get("group")) == world:  # across nodes
                 launched.append((op, nbytes, algo))
             return algo
 
         comm.choose_algorithm = recorded
-        opt = ZeroOptimizer(model, torch.optim.AdamW, stage=int(cand[-1]), **kw)
+        stage = int(cand[len("ours_stage")])
+        sg = "node" if cand.endswith("_node") else "world"
+        opt = ZeroOptimizer(model, torch.optim.AdamW, stage=stage, shard_group=sg, **kw)
         run = model
     else:
         raise ValueError(f"--worker must be one of {CANDIDATES}; got {cand!r}")

@@ -332,3 +332,22 @@ def test_stage3_matches_one_host(stage3):
             atol=1e-5,
             msg=lambda m, k=k: f"{k}: {m}",
         )
+
+
+def test_shard_group_node_across_nodes(stage3):
+    """shard_group="node" finds the two nodes by the proof (shard groups of 2) and trains, at
+    stages 2 and 3, as shard_group=2 does on one host."""
+    _, got, one_host = stage3
+    assert len(got) == 4
+    for r in range(4):
+        for stage in (2, 3):
+            losses, state, size = got[r]["hier"][stage]
+            ref_losses, ref_state, ref_size = one_host[r]["hier"][stage]
+            assert size == ref_size == 2, (r, stage, size, ref_size)
+            torch.testing.assert_close(
+                torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6
+            )
+            for k in ref_state:
+                torch.testing.assert_close(
+                    torch.from_numpy(state[k]), torch.from_numpy(ref_state[k]), rtol=1e-5, atol=1e-6
+                )

@@ -11,7 +11,33 @@ import torch
 STEPS = 3
 
 
-def worker(rank: int, world: int) -> dict:
+def _train(rank: int, stage: int, shard_group) -> tuple[list, dict, int]:
+    from zero_kernels import ZeroOptimizer
+    from zero_kernels.models import GPT, GPTConfig, get_batch, load_corpus
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32))
+    opt = ZeroOptimizer(
+        model, torch.optim.AdamW, stage=stage, lr=1e-2, timeout=60, shard_group=shard_group
+    )
+    data = load_corpus()
+    losses = []
+    for step in range(STEPS):
+        x, y = get_batch(data, 2, 32, seed=0, step=step, rank=rank)
+        opt.zero_grad()
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    state = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    size = opt.shard_size
+    opt.close()
+    return losses, state, size
+
+
+def worker(rank: int, world: int, shard_group=2) -> dict:
+    """``shard_group``: of the hierarchical run ("node" on the testbed, 2 on one host: the same
+    shard groups, [[0, 1], [2, 3]])."""
     from zero_kernels import ZeroOptimizer, comm
     from zero_kernels.models import GPT, GPTConfig, get_batch, load_corpus
 
@@ -32,7 +58,9 @@ def worker(rank: int, world: int) -> dict:
     state = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
     algorithms = {f"{op} {c}": res["algorithm"] for (op, c), res in comm.probe_results().items()}
     opt.close()
+    hier = {stage: _train(rank, stage, shard_group) for stage in (2, 3)}
     return {
+        "hier": hier,
         "state": state,
         "losses": losses,
         "algorithms": algorithms,
@@ -67,6 +95,6 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     r, n = dist.get_rank(), dist.get_world_size()
-    out = worker(r, n)
+    out = worker(r, n, "node")
     torch.save(out, os.path.join(testbed.out_dir(), f"rank{r}.pt"))
     dist.destroy_process_group()

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 
 import torch
 import torch.distributed as dist
@@ -164,16 +163,13 @@ def twin_of_shard(mesh: Mesh):
     return mine
 
 
-def _hostname() -> str:
-    return os.environ.get("ZERO_KERNELS_HOST") or socket.gethostname()
-
-
 def resolve_shard_group(spec, group=None) -> tuple[list[list[int]], object]:
     """The shard groups (lists of ranks of ``group``, each sorted, all of one size) that
     ``spec`` names, and the DeviceMesh where one was given (else None). Collective for "node".
 
-    ``spec``: "world" (one group of all), "node" (the ranks of each host: by hostname, which
-    torchrun's agents on one machine share; checked against ``LOCAL_WORLD_SIZE`` where set), an
+    ``spec``: "world" (one group of all), "node" (the ranks of each host, proven by a file in
+    /dev/shm that they all see: `zero_kernels.comm.host_groups`; checked against torchrun's
+    ``LOCAL_WORLD_SIZE`` where set), an
     int K (consecutive blocks of K ranks, as torchrun numbers the ranks of a node), or a torch
     ``DeviceMesh`` of 2 dims (replicate, shard) or 1 dim (shard)."""
     n = world_size(group)
@@ -182,24 +178,21 @@ def resolve_shard_group(spec, group=None) -> tuple[list[list[int]], object]:
     if _is_device_mesh(spec):
         return _mesh_groups(spec, group), spec
     if spec == "node":
-        names = [None] * n
-        dist.all_gather_object(names, _hostname(), group=group)
-        by_host: dict[str, list[int]] = {}
-        for r, h in enumerate(names):
-            by_host.setdefault(h, []).append(r)
-        groups = list(by_host.values())
+        from .hosts import host_groups
+
+        groups = host_groups(group)  # proven: the ranks that share one /dev/shm
         sizes = sorted({len(g) for g in groups})
         if len(sizes) != 1:
             raise ValueError(
                 "shard_group='node': the nodes have different numbers of ranks "
-                f"({ {h: len(g) for h, g in by_host.items()} }); every shard group must have "
-                "the same size: give shard_group=K or equal ranks per node"
+                f"({groups}); every shard group must have the same size: give "
+                "shard_group=K or run equal ranks per node"
             )
         lws = os.environ.get("LOCAL_WORLD_SIZE")
         if lws is not None and lws.isdigit() and int(lws) != sizes[0]:
             raise ValueError(
                 f"shard_group='node': LOCAL_WORLD_SIZE={lws} but {sizes[0]} ranks share this "
-                "host's name; set ZERO_KERNELS_HOST per node or give shard_group=K"
+                "host's /dev/shm (comm.host_groups); give shard_group=K"
             )
         return groups, None
     if isinstance(spec, bool) or not isinstance(spec, int):
