@@ -154,14 +154,56 @@ def check_bad_values(rank, world):
     ):
         with pytest.raises(err, match=words):
             ZeroOptimizer(_model(), torch.optim.AdamW, stage=2, shard_group=bad, lr=1e-3)
-    from zero_kernels.checkpoint import save_checkpoint
-
-    m = _model()
-    zo = ZeroOptimizer(m, torch.optim.AdamW, stage=2, shard_group=2, lr=1e-3)
-    with pytest.raises(NotImplementedError, match="hierarchically sharded"):
-        save_checkpoint("/nonexistent-never-written", m, zo)
-    zo.close()
     dist.barrier()
+
+
+def check_checkpoint_across_layouts(rank, world):
+    """A checkpoint saved by a hierarchical layout (the first shard group writes) loads into
+    another hierarchical one, a flat one, and a different stage: every param's fp32 value and
+    AdamW state as saved; and a flat save loads into a hierarchical layout."""
+    import tempfile
+
+    from zero_kernels import ZeroOptimizer
+    from zero_kernels.checkpoint import load_checkpoint, save_checkpoint
+
+    root = tempfile.mkdtemp(prefix="zk-hier-ckpt-") if rank == 0 else None
+    box = [root]
+    dist.broadcast_object_list(box, src=0)
+    root = box[0]
+    zo, m, _, _, _ = _train(rank, 2, steps=2, shard_group=2)
+    params = list(m.parameters())
+    want = [(zo.full_param(p), zo.full_state(p)) for p in params]
+    path = save_checkpoint(root + "/a", m, zo)
+    zo.close()
+    out = {}
+    for stage, sg in ((3, 2), (1, "world"), (2, 2)):
+        m2 = _model()
+        extra = dict(units=[m2[0], m2[2]]) if stage == 3 else {}
+        z2 = ZeroOptimizer(m2, torch.optim.AdamW, stage=stage, shard_group=sg, lr=1e-2, **extra)
+        load_checkpoint(path, m2, z2)
+        worst = 0.0
+        for p, (v, st) in zip(m2.parameters(), want):
+            got = z2.full_state(p)
+            worst = max(worst, rel_err(z2.full_param(p), v))
+            for k in ("exp_avg", "exp_avg_sq"):
+                worst = max(worst, rel_err(got[k], st[k]))
+        assert worst == 0.0, f"stage {stage}, shard_group={sg!r}: {worst:.3g} off what was saved"
+        out[f"stage {stage} shard_group={sg}"] = worst
+        if sg == "world":  # and back: a flat save into a hierarchical layout
+            flat = save_checkpoint(root + "/b", m2, z2)
+        z2.close()
+    m3 = _model()
+    z3 = ZeroOptimizer(m3, torch.optim.AdamW, stage=2, shard_group=2, lr=1e-2)
+    load_checkpoint(flat, m3, z3)
+    for p, (v, _) in zip(m3.parameters(), want):
+        assert rel_err(z3.full_param(p), v) == 0.0
+    z3.close()
+    dist.barrier()
+    if rank == 0:
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)
+    return out
 
 
 CHECKS = [
@@ -171,6 +213,7 @@ CHECKS = [
     check_bytes_across_replicas,
     check_shorthands,
     check_bad_values,
+    check_checkpoint_across_layouts,
 ]
 
 

@@ -271,6 +271,16 @@ def runner(core: Core, optimizer_class, user_groups, defaults, fused_adam, kerne
     )
 
 
+def quantization(core: Core) -> None:
+    """quantize_weights: stage 3's per-use all-gathers send quantized chunks
+    ([Note: quantized all-gather]); the gathers that hand params out stay exact."""
+    qw = core.policy.comm.quantize_weights
+    if qw is not None:
+        from .ops.quant import DEFAULT_BLOCK
+
+        core.runner.quantize = (comm.quant.QUANTIZED[qw], DEFAULT_BLOCK)
+
+
 def units(core: Core) -> UnitScheduler | None:
     """Where params are resharded (stage 3): the unit scheduler over the root unit, the units
     found and the params kept whole, with its order check ([Note: units]); else None."""

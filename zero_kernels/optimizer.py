@@ -72,6 +72,13 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
             (consecutive blocks of K ranks) or a torch ``DeviceMesh`` (replicate x shard, as
             FSDP2's HSDP takes it). Params are all-gathered inside the shard group; gradients
             reduce-scattered there, then all-reduced across groups at shard size.
+        quantize_weights: stage 3: None or "int8"/"int4": the all-gathers before each unit's
+            forward and backward send the other ranks' chunks blockwise-quantized (ZeRO++'s
+            qwZ; [Note: quantized all-gather] in `zero_kernels.comm.quant`): a quarter (int8) of
+            fp32's bytes. The shards, the step, the gradients and every gather that hands
+            params out (state dicts, ``gathered_params``, ``close``) stay exact.
+        quantize_grads: room for quantized gradient reduction (ZeRO++'s qgZ): not built yet,
+            any value but None raises NotImplementedError.
         bucket_size_mb: target size of a gradient bucket in MiB (at 4 bytes per element).
         overlap_comm: reduce buckets during backward (True) or all at the end (False).
         partition: "auto" (element-wise optimizers get flat shards, the rest whole params),
@@ -161,6 +168,8 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
         policy: ZeroPolicy | None = None,
         process_group=None,
         shard_group="world",
+        quantize_weights: str | None = None,
+        quantize_grads: str | None = None,
         bucket_size_mb: float = 25.0,
         overlap_comm: bool = True,
         partition: str = "auto",
@@ -215,6 +224,8 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
             overlap_param_gather=overlap_param_gather,
             loss_scale=loss_scale,
             shard_group=shard_group,
+            quantize_weights=quantize_weights,
+            quantize_grads=quantize_grads,
         )
         self.policy = policy
         validate.check_args(kernel_backend, nonfinite)
@@ -272,6 +283,7 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
         core.runner = build.runner(
             core, self.optimizer_class, user_groups, defaults, fused_adam, kernel_backend
         )
+        build.quantization(core)
         core.units = build.units(core)
         # ---- the parts ([Note: parts]); hooks reach them through a weak reference to self
         me = weakref.ref(self)
@@ -386,7 +398,8 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
             sched.remove()
         if sched is not None and collective:  # every unit gathered once: whole params back
             for u in sched.all_units:
-                sched.wait(u)
+                with core.runner.exact():
+                    sched.wait(u)
                 whole = [
                     (q, q.data.clone())
                     for i, b in u.buckets

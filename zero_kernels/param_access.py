@@ -52,7 +52,8 @@ class ParamAccess:
                     covered.append(u)
                     if u.sharded:
                         mine.append(u)
-                    sched.wait(u)
+                    with self.core.runner.exact():  # handed out: never quantized
+                        sched.wait(u)
         try:
             yield
         finally:
@@ -83,7 +84,8 @@ class ParamAccess:
         names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
         for u in sched.all_units:
             was = u.sharded
-            sched.wait(u)
+            with self.core.runner.exact():  # a state dict holds no quantization
+                sched.wait(u)
             for i, b in u.buckets:
                 for p, _, _ in self.core.store.members.get((i, b), ()):
                     key = prefix + names.get(id(p), "")
@@ -101,8 +103,9 @@ class ParamAccess:
 
     def load_pre_hook(self, *args, **kwargs):
         if self.core.units is not None:
-            for u in self.core.units.all_units:
-                self.core.units.wait(u)
+            with self.core.runner.exact():  # the shards take these values back after
+                for u in self.core.units.all_units:
+                    self.core.units.wait(u)
 
     def load_post_hook(self, module, incompatible_keys):
         sched = self.core.units

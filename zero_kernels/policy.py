@@ -156,13 +156,18 @@ class CommPolicy:
     backward and step (None: the process group's own); shard_group: the ranks the state is
     sharded over: "world" (the whole process group), "node" (the ranks of each host), an int K
     (consecutive blocks of K ranks) or a torch DeviceMesh (replicate x shard, as FSDP2 takes
-    it); replicated across those groups ([Note: hierarchy] in `zero_kernels.comm.hier`)."""
+    it); replicated across those groups ([Note: hierarchy] in `zero_kernels.comm.hier`);
+    quantize_weights: None or "int8"/"int4": stage 3's per-use all-gathers send the other ranks'
+    chunks blockwise-quantized ([Note: quantized all-gather] in `zero_kernels.comm.quant`);
+    quantize_grads: room for quantized gradient reduction (not built: a value raises)."""
 
     bucket_size_mb: float = 25.0
     overlap_comm: bool = True
     max_inflight_buckets: int = 2
     timeout: float | None = None
     shard_group: object = "world"
+    quantize_weights: str | None = None
+    quantize_grads: str | None = None
 
     def __post_init__(self):
         b = self.bucket_size_mb
@@ -178,6 +183,16 @@ class CommPolicy:
         t = self.timeout
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0):
             raise ValueError(f"timeout must be None or seconds > 0, got timeout={t!r}")
+        qw = self.quantize_weights
+        if qw is not None and qw not in ("int8", "int4"):
+            raise ValueError(
+                f"quantize_weights must be None, 'int8' or 'int4', got quantize_weights={qw!r}"
+            )
+        if self.quantize_grads is not None:
+            raise NotImplementedError(
+                f"quantize_grads={self.quantize_grads!r}: quantized gradient reduction is not "
+                "built yet (gradients are reduced at reduce_dtype)"
+            )
         sg = self.shard_group
         mesh = type(sg).__name__ == "DeviceMesh" and hasattr(sg, "get_group")
         if not mesh and sg not in ("world", "node"):
@@ -241,6 +256,12 @@ class ZeroPolicy:
             raise ValueError(
                 "overlap_param_gather=True is a stage 1/2 option (stage 3 gathers at use "
                 "anyway); got stage=3"
+            )
+        if whole and self.comm.quantize_weights is not None:
+            raise ValueError(
+                f"quantize_weights={self.comm.quantize_weights!r} is a stage-3 option (its "
+                "all-gathers before each use; at stages 1/2 the gathered params are the "
+                f"model's values between steps); got stage={s.stage}"
             )
         if s.grads and self.precision.reduce_dtype is not None:
             raise NotImplementedError(

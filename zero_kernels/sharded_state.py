@@ -80,6 +80,11 @@ class ShardedState:
         return self._core.group
 
     @property
+    def replica_index(self) -> int:
+        """Which copy this rank holds (0: the first shard group, the one checkpoints write)."""
+        return self._core.mesh.replica_index
+
+    @property
     def n_replicas(self) -> int:
         """Copies of this state across shard groups (1 unless hierarchical)."""
         return self._core.mesh.n_replicas

@@ -49,15 +49,12 @@ class FullState:
         Collective."""
         self.params.wait()
         self.core.runner.write_params()
-        handles = []
-        for i, buf in enumerate(self.core.layout.buffers):
-            for b in buf.buckets:
-                if not self.core.store.sharded or (i, b.index) in self.core.store.live:
-                    handles.append(
-                        self.core.runner.gather(
-                            i, b.index, self.core.comm_log, self.core.shard_group
-                        )
-                    )
+        handles, c = [], self.core
+        with c.runner.exact():  # whole params handed back: never quantized
+            for i, buf in enumerate(c.layout.buffers):
+                for b in buf.buckets:
+                    if not c.store.sharded or (i, b.index) in c.store.live:
+                        handles.append(c.runner.gather(i, b.index, c.comm_log, c.shard_group))
         for h in handles:
             h.wait()
 

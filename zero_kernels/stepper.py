@@ -57,7 +57,9 @@ class Stepper:
             handles = runner.step(g.views.active, g.factor, core.comm_log, core.shard_group, kwargs)
             runner.take_group_keys(param_groups, hyper)
             if core.units is not None:  # stage 3: params kept whole are gathered now
-                handles += [((-1, k), h) for k, h in enumerate(core.units.refresh_persistent())]
+                with runner.exact():  # kept whole between steps: the model's values
+                    kept = core.units.refresh_persistent()
+                handles += [((-1, k), h) for k, h in enumerate(kept)]
             if core.policy.gather.overlap_param_gather:  # the next forward waits for them
                 self.params.pending.update(handles)
             else:

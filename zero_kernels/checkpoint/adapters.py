@@ -93,8 +93,13 @@ class Adapter:
     mode: str
     group = None
     layout: Layout
-    rank: int
-    world_size: int
+    rank: int  # in the layout: names this rank's file
+    world_size: int  # of the layout
+    # hierarchical sharding: the data-parallel group the save or load coordinates over, and
+    # whether this rank writes (the ranks of the first shard group: the others hold copies)
+    dp_rank: int
+    dp_size: int
+    writer: bool = True
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
         if not isinstance(model, nn.Module):
@@ -200,15 +205,10 @@ class ZeroAdapter(Adapter):
     def __init__(self, model, optimizer):
         super().__init__(model, optimizer)
         self.state = st = optimizer.sharded_state
-        if st.n_replicas > 1:
-            raise NotImplementedError(
-                f"checkpoints of a hierarchically sharded ZeroOptimizer (shard_group over "
-                f"{st.world_size} ranks x {st.n_replicas} replicas) are not built yet: use "
-                "opt.state_dict() per rank (the same layout reloads it) or "
-                "opt.consolidated_state_dict() (torch's format, any world size)"
-            )
         self.stage, self.mode, self.group = st.stage, st.mode, st.group
         self.layout, self.rank, self.world_size = st.layout, st.rank, st.world_size
+        self.dp_rank, self.dp_size = comm.rank(st.group), comm.world_size(st.group)
+        self.writer = st.replica_index == 0
 
     def params(self):
         return self.state.params()
@@ -258,6 +258,7 @@ class PlainAdapter(Adapter):
         super().__init__(model, optimizer)
         self.group = group
         self.rank, self.world_size = comm.rank(group), comm.world_size(group)
+        self.dp_rank, self.dp_size = self.rank, self.world_size
         self._params: dict[int, torch.Tensor] = {}
         self._groups: list[list[int]] = []
         specs = []

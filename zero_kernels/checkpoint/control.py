@@ -91,10 +91,10 @@ def control_for(ad, where: str, phase: str) -> Control:
     """The control group of ``ad``'s process group and timeout (made at the first save/load
     that needs it: collective)."""
     t = _timeout(ad.optimizer)
-    if ad.world_size == 1:
-        return Control(None, t, ad.rank, 1, where, phase)
+    if ad.dp_size == 1:
+        return Control(None, t, ad.dp_rank, 1, where, phase)
     pg = comm.group_or_world(ad.group)
     key = (id(pg), t)
     if key not in _groups:
         _groups[key] = (pg, comm.side_group(ad.group, timeout_s=t))
-    return Control(_groups[key][1], t, ad.rank, ad.world_size, where, phase)
+    return Control(_groups[key][1], t, ad.dp_rank, ad.dp_size, where, phase)

@@ -93,9 +93,10 @@ def save_checkpoint(
     ctl.step = step
     ctl.arrive(f"save_checkpoint (step {step})")
     name, tmp = _on_rank0(ctl, lambda: _prepare(root, step), "the temp directory from rank 0")
-    info = _try(lambda: _write_rank(ad, tmp))
+    # hierarchical sharding: the first shard group writes, the others hold copies of its state
+    info = _try(lambda: _write_rank(ad, tmp)) if ad.writer else ("ok", {"files": {}, "schema": {}})
     infos = ctl.gather(info, "every rank's files, on rank 0")
-    meta = _meta(ad, name, groups_json, sched_json, extra_json) if ad.rank == 0 else None
+    meta = _meta(ad, name, groups_json, sched_json, extra_json) if ctl.rank == 0 else None
     return _on_rank0(
         ctl, lambda: _commit(root, name, tmp, meta, infos, keep_last), "the commit on rank 0"
     )

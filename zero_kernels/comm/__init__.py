@@ -23,7 +23,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from . import hier  # noqa: F401 - comm.hier: hierarchical sharding
+from . import hier, quant  # noqa: F401 - hierarchical sharding, quantized all-gather
 from .base import (
     CollectiveTimeout,
     CommLog,

@@ -32,6 +32,7 @@ is all-gathered from the rank's slice of the flat param buffer, in the params' d
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
@@ -94,6 +95,8 @@ class ShardRunner:
             for i, buf in enumerate(layout.buffers)
         ]
         self.inner = optimizer_class(groups, **defaults)
+        self.quantize: tuple[int, int] | None = None  # (bits, block) of quantize_weights
+        self._exact = False
         # fused Adam per buffer: flat mode, a dtype the kernel takes
         self.fused = [
             fused and layout.mode == "flat" and dtypes[i] in _FUSED_DTYPES
@@ -364,10 +367,25 @@ class ShardRunner:
 
     def gather(self, i: int, b: int, log, group, **bound) -> comm.Handle:
         """Start the all-gather of bucket ``b`` of buffer ``i`` from every rank's param shard
-        (stage 3: the bucket must be allocated); ``bound``: `comm.all_gather`'s launch bounds."""
-        return comm.all_gather(
-            self.store.full(i, b), self.store.shard(i, b), group=group, log=log, **bound
-        )
+        (stage 3: the bucket must be allocated); ``bound``: `comm.all_gather`'s launch bounds.
+        With ``quantize`` set (stage 3's quantize_weights) and outside `exact`, the other
+        ranks' chunks come quantized ([Note: quantized all-gather])."""
+        full, shard = self.store.full(i, b), self.store.shard(i, b)
+        if self.quantize is not None and not self._exact:
+            bits, block = self.quantize
+            return comm.quant.all_gather_quantized(
+                full, shard, bits=bits, block=block, group=group, log=log, **bound
+            )
+        return comm.all_gather(full, shard, group=group, log=log, **bound)
+
+    @contextlib.contextmanager
+    def exact(self):
+        """Gathers inside are exact (params handed out: state dicts, gathered_params, close)."""
+        old, self._exact = self._exact, True
+        try:
+            yield
+        finally:
+            self._exact = old
 
     def _adam_hyper(self, g: dict, step: int, grad_scale: float) -> AdamHyper:
         """This step's scalars for torch Adam/AdamW's param group ``g``."""

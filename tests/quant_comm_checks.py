@@ -1,0 +1,126 @@
+"""Checks of the quantized all-gather (issue 22, qwZ), run by tests/test_quant_comm.py on 3 gloo
+ranks: the collective itself at odd sizes and dtypes (own chunk exact, the others exactly the
+kernel's round trip), and stage 3 with ``quantize_weights`` against the same run unquantized:
+close, not equal (the quantizer is on the path), a quarter of the bytes, state dicts exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_utils import run_checks
+from numerics import rel_err
+from torch import nn
+
+
+def check_all_gather_quantized(rank, world):
+    from zero_kernels import comm
+    from zero_kernels.ops import dequantize_blockwise, quantize_blockwise
+
+    out = {}
+    for c, dt, bits in ((1, torch.float32, 8), (257, torch.bfloat16, 8), (1000, torch.float32, 4)):
+        chunks = [
+            torch.randn(c, generator=torch.Generator().manual_seed(k)).to(dt) for k in range(world)
+        ]
+        full = torch.full((c * world,), float("nan"), dtype=dt)
+        mine = full[rank * c : (rank + 1) * c]
+        mine.copy_(chunks[rank])
+        log = comm.CommLog()
+        h = comm.quant.all_gather_quantized(full, mine, bits=bits, block=256, log=log)
+        h.wait()
+        for k in range(world):
+            got = full[k * c : (k + 1) * c]
+            if k == rank:
+                assert torch.equal(got, chunks[k]), "own chunk not exact"
+                continue
+            q, s = quantize_blockwise(chunks[k].contiguous(), bits, 256)
+            want = dequantize_blockwise(q, s, bits, 256, c, dtype=dt)
+            assert torch.equal(got, want), (c, dt, bits, k)
+        qb, ns = (c * bits + 7) // 8, (c + 255) // 256
+        nq = (qb + 3) // 4 * 4  # the bytes, padded to 4, then the fp32 scales
+        assert log.all_gather_calls == 1 and log.all_gather_bytes == world * (nq + 4 * ns), (
+            log.all_gather_bytes
+        )
+        out[f"{c} {dt} int{bits}"] = log.all_gather_bytes
+    return out
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4)
+    )
+
+
+def _run(rank, dtype, **kw):
+    from zero_kernels import ZeroOptimizer
+
+    m = _model().to(dtype)
+    zo = ZeroOptimizer(m, torch.optim.AdamW, stage=3, units=[m[0], m[2], m[4]], lr=1e-2, **kw)
+    losses = []
+    for s in range(4):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(10 * s + rank)).to(dtype)
+        zo.zero_grad()
+        loss = m(x).float().pow(2).mean()
+        loss.backward()
+        zo.step()
+        losses.append(loss.item())
+    return zo, m, losses
+
+
+def check_stage3_int8_close_not_equal(rank, world):
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        za, ma, la = _run(rank, dtype)
+        zb, mb, lb = _run(rank, dtype, quantize_weights="int8")
+        d = max(
+            rel_err(zb.full_param(p), za.full_param(q))
+            for p, q in zip(mb.parameters(), ma.parameters())
+        )
+        # int8 blocks of 256: about 0.7% per element per gather; 4 AdamW steps (normalised
+        # updates) measured 1.3e-2 (fp32) and 2.1e-2 (bf16) from the unquantized run
+        assert 0 < d <= 4e-2, f"{dtype}: params {d:.3g} from the unquantized run"
+        assert all(abs(a - b) <= 2e-2 * abs(a) for a, b in zip(la, lb)), (la, lb)
+        ratio = zb.comm_stats["all_gather_bytes"] / za.comm_stats["all_gather_bytes"]
+        per = 4 if dtype == torch.float32 else 2  # bytes per element unquantized
+        assert ratio <= (1 + 4 / 256 + 0.02) / per, f"{dtype}: all-gather bytes {ratio:.3f}x"
+        out[str(dtype)] = {"param_rel": d, "bytes_ratio": ratio}
+        za.close()
+        zb.close()
+    return out
+
+
+def check_state_dict_exact(rank, world):
+    """model.state_dict() and gathered_params hold the stepped values exactly."""
+    zo, m, _ = _run(rank, torch.float32, quantize_weights="int8")
+    sd = m.state_dict()
+    names = dict(m.named_parameters())
+    for k, p in names.items():
+        assert torch.equal(sd[k], zo.full_param(p)), k
+    with zo.gathered_params():
+        for p in m.parameters():
+            assert torch.equal(p.detach(), zo.full_param(p))
+    zo.close()  # the params handed back exact too
+    assert all(torch.equal(sd[k], p.detach()) for k, p in m.named_parameters())
+
+
+def check_bad_values(rank, world):
+    from zero_kernels import ZeroOptimizer
+
+    with pytest.raises(ValueError, match="quantize_weights='int8' is a stage-3 option"):
+        ZeroOptimizer(_model(), torch.optim.AdamW, stage=2, quantize_weights="int8", lr=1e-3)
+    with pytest.raises(ValueError, match="quantize_weights='int3'"):
+        ZeroOptimizer(_model(), torch.optim.AdamW, stage=3, quantize_weights="int3", lr=1e-3)
+    with pytest.raises(NotImplementedError, match="quantize_grads='int4'"):
+        ZeroOptimizer(_model(), torch.optim.AdamW, stage=3, quantize_grads="int4", lr=1e-3)
+
+
+CHECKS = [
+    check_all_gather_quantized,
+    check_stage3_int8_close_not_equal,
+    check_state_dict_exact,
+    check_bad_values,
+]
+
+
+def worker(rank, world):
+    return run_checks(rank, world, CHECKS)
