@@ -307,3 +307,27 @@ def test_scratch_bytes():
     need = s3.total_bytes + s3.comm_buffer_bytes + s3.scratch_bytes
     assert est.estimate_stage(3, psi, n, largest_layer=layer, gpu_mem=int(need), **kw).fits
     assert not est.estimate_stage(3, psi, n, largest_layer=layer, gpu_mem=int(need) - 8, **kw).fits
+
+
+def test_cross_node_bytes_match_the_testbed(capsys):
+    """`cross_node` per node per step at 2 nodes x 2 ranks, fp32, Ψ = 7.52M (M = 4Ψ bytes): the
+    formula bench/bench_testbed.py measured (tc counts 1.047x it: headers): DDP 1.5 M, ring
+    stages 1/2 1.5 M, stage 3 2.25 M, shard_group="node" 1 M; int8 weights cut stage 3's two
+    gathers to (1 + 4/256) / 4 of their bytes."""
+    psi = 7.52e6
+    m = 4 * psi
+    rows = {r["config"]: r["bytes"] for r in est.cross_node(int(psi), 2, 2, precision="fp32")}
+    assert rows["DDP"] == pytest.approx(1.5 * m)
+    assert rows["stage 1"] == rows["stage 2"] == pytest.approx(1.5 * m)
+    assert rows["stage 3"] == pytest.approx(2.25 * m)
+    assert rows["stage 1-3, shard_group=node"] == pytest.approx(1.0 * m)
+    assert rows["stage 3, int8 weights"] == pytest.approx(0.75 * (m + 2 * psi * (1 + 4 / 256)))
+    one = {r["config"]: r["bytes"] for r in est.cross_node(int(psi), 1, 4)}
+    assert set(one.values()) == {0.0}  # one node: nothing crosses
+    assert main(["estimate", "--params", "7.52M", "-n", "4", "--nodes", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "across nodes (2 nodes x 2 ranks" in out and "shard_group=node" in out
+    assert main(["estimate", "--params", "7.52M", "-n", "4", "--nodes", "3"]) == 2
+    assert "--nodes must be >= 1 and divide --world-size 4" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--nodes and ranks per node must be >= 1"):
+        est.cross_node(10, 0, 2)

@@ -59,6 +59,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 __all__ = [
+    "cross_node",
     "OPTIMIZERS",
     "PRECISIONS",
     "STAGES",
@@ -566,3 +567,57 @@ def estimate(
         for s in stages
     ]
     return Estimate(n_params, world_size, prec, opt, model, largest, rows, bucket_mb)
+
+
+# the configurations `cross_node` prices: (label, stage, shard_group, quantize_weights)
+CROSS_NODE_CONFIGS = (
+    ("DDP", 0, "world", None),
+    ("stage 1", 1, "world", None),
+    ("stage 2", 2, "world", None),
+    ("stage 3", 3, "world", None),
+    ("stage 3, int8 weights", 3, "world", "int8"),
+    ("stage 1-3, shard_group=node", 2, "node", None),
+)
+_QUANT_BYTES = {"int8": 1 + 4 / 256, "int4": 0.5 + 4 / 256}  # per element, with the scales
+
+
+def cross_node(
+    n_params: int,
+    nodes: int,
+    ranks_per_node: int,
+    *,
+    precision: str = "fp32",
+    reshard_after_forward: bool = True,
+) -> list[dict]:
+    """Bytes per node per step that cross the nodes' links, for each of `CROSS_NODE_CONFIGS`:
+    ring collectives over ranks numbered node-major (a ring leaves each node once, so a node
+    sends (N-1)/N of a reduce-scatter's or all-gather's payload and 2 (N-1)/N of an
+    all-reduce's), gradients reduced in fp32 as ZeroOptimizer does. With ``shard_group="node"``
+    (any stage) only the gradient shards' all-reduce across the nodes crosses: 2 (n-1)/n of the
+    gradients per node ([Note: hierarchy] in `zero_kernels.comm.hier`). The bench
+    (bench/bench_testbed.py) measured these on its testbed within the 4.7% of headers."""
+    if nodes < 1 or ranks_per_node < 1:
+        raise ValueError(
+            f"--nodes and ranks per node must be >= 1; got nodes={nodes}, "
+            f"ranks_per_node={ranks_per_node}"
+        )
+    prec = PRECISIONS[_choice("--precision", precision, PRECISIONS, _PRECISION_ALIASES)]
+    psi = float(n_params)
+    n_all, n = nodes * ranks_per_node, nodes
+    g, p = GRAD_REDUCE_BYTES * psi, prec.param_bytes * psi
+    ring = (n_all - 1) / n_all if n > 1 else 0.0
+    rows = []
+    for label, stage, sg, qw in CROSS_NODE_CONFIGS:
+        if sg == "node":
+            b = 2 * (n - 1) / n * g
+        elif stage == 0:
+            b = 2 * ring * g
+        elif stage in (1, 2) or not reshard_after_forward:
+            b = ring * (g + p)
+        else:
+            gathered = _QUANT_BYTES[qw] * psi if qw else p
+            b = ring * (g + 2 * gathered)
+        rows.append(
+            {"config": label, "stage": stage, "shard_group": sg, "quantize_weights": qw, "bytes": b}
+        )
+    return rows

@@ -152,6 +152,13 @@ def _build_parser() -> argparse.ArgumentParser:
         help="data-parallel ranks (required: the stages shard over them)",
     )
     e.add_argument(
+        "--nodes",
+        type=int,
+        default=None,
+        help="nodes the ranks are spread over (evenly): adds the bytes per node per step that "
+        "cross the links, per configuration (flat, shard_group=node, int8 weights)",
+    )
+    e.add_argument(
         "--precision",
         default="mixed",
         help="mixed (bf16/fp16 + fp32 master, default), mixed-fp32-grads (what "
@@ -216,6 +223,13 @@ def _cmd_estimate(args) -> int:
     if args.prefetch < 0:
         raise ValueError(f"--prefetch must be >= 0; got {args.prefetch}")
     bucket_mb = args.bucket_mb if args.bucket_mb is not None else est.DEFAULT_BUCKET_MB
+    cross = None
+    if args.nodes is not None:
+        if args.nodes < 1 or args.world_size % args.nodes:
+            raise ValueError(
+                f"--nodes must be >= 1 and divide --world-size {args.world_size}; got "
+                f"--nodes {args.nodes}"
+            )
     e = est.estimate(
         n_params,
         args.world_size,
@@ -226,8 +240,15 @@ def _cmd_estimate(args) -> int:
         gpu_mem=gpu_mem,
         bucket_mb=bucket_mb,
     )
+    if args.nodes is not None:
+        cross = est.cross_node(
+            e.n_params, args.nodes, args.world_size // args.nodes, precision=e.precision
+        )
     if args.json:
-        print(json.dumps(e.as_dict(), indent=1))
+        d = e.as_dict()
+        if cross is not None:
+            d["cross_node"] = {"nodes": args.nodes, "per_node_per_step": cross}
+        print(json.dumps(d, indent=1))
         return 0
     prec = {
         "mixed": "mixed precision (16-bit params/grads, fp32 master)",
@@ -264,6 +285,13 @@ def _cmd_estimate(args) -> int:
         if gpu_mem is not None:
             row += f"{'yes' if s.fits else 'no':>16}"
         print(row)
+    if cross is not None:
+        print(
+            f"across nodes ({args.nodes} nodes x {args.world_size // args.nodes} ranks, ring "
+            "collectives, fp32 gradient reduction), bytes per node per step:"
+        )
+        for c in cross:
+            print(f"  {c['config']:<30}{f(c['bytes']):>12}")
     for s in e.stages:
         if s.comm_buffer_bytes:
             print(
