@@ -16,6 +16,8 @@ Candidates:
                    choice (the probe runs on the testbed: shm is out, the ranks span 2 hosts)
     ours_stage2_node, ours_stage3_node  the same with shard_group="node" (hierarchical: sharded
                    within each node, the gradient shards all-reduced across nodes, as HSDP)
+    ours_stage3_q8  stage 3 with quantize_weights="int8" (its all-gathers carry int8 blocks
+                   and their scales: the recorded collectives' bytes give the formula)
     fsdp2_hsdp     fully_shard per block and the root on a 2D mesh (replicate across nodes x shard
                    within one) + torch AdamW(fused=True), resharding after forward
     fsdp2          fully_shard over all ranks (1D mesh) + torch AdamW(fused=True), resharding
@@ -65,6 +67,7 @@ CANDIDATES = (
     "ours_stage3",
     "ours_stage2_node",
     "ours_stage3_node",
+    "ours_stage3_q8",
     "fsdp2_hsdp",
     "fsdp2",
 )
@@ -161,7 +164,10 @@ def _worker(args) -> None:
         comm.choose_algorithm = recorded
         stage = int(cand[len("ours_stage")])
         sg = "node" if cand.endswith("_node") else "world"
-        opt = ZeroOptimizer(model, torch.optim.AdamW, stage=stage, shard_group=sg, **kw)
+        qw = "int8" if cand.endswith("_q8") else None
+        opt = ZeroOptimizer(
+            model, torch.optim.AdamW, stage=stage, shard_group=sg, quantize_weights=qw, **kw
+        )
         run = model
     else:
         raise ValueError(f"--worker must be one of {CANDIDATES}; got {cand!r}")

@@ -273,12 +273,21 @@ def runner(core: Core, optimizer_class, user_groups, defaults, fused_adam, kerne
 
 def quantization(core: Core) -> None:
     """quantize_weights: stage 3's per-use all-gathers send quantized chunks
-    ([Note: quantized all-gather]); the gathers that hand params out stay exact."""
-    qw = core.policy.comm.quantize_weights
-    if qw is not None:
-        from .ops.quant import DEFAULT_BLOCK
+    ([Note: quantized all-gather]); the gathers that hand params out stay exact.
+    quantize_grads: every bucket's reduce-scatter ([Note: quantized reduce-scatter])."""
+    from .ops.quant import DEFAULT_BLOCK
 
-        core.runner.quantize = (comm.quant.QUANTIZED[qw], DEFAULT_BLOCK)
+    cp = core.policy.comm
+    if cp.quantize_weights is not None:
+        core.runner.quantize = (comm.quant.QUANTIZED[cp.quantize_weights], DEFAULT_BLOCK)
+    if cp.quantize_grads is not None:
+        if core.mesh.replicas is not None:
+            raise NotImplementedError(
+                f"quantize_grads={cp.quantize_grads!r} with shard_group={cp.shard_group!r}: the "
+                "two-hop quantized reduction (quantized across nodes only) is not built yet; "
+                "use one of them"
+            )
+        core.reducer.quantize = (comm.quant.QUANTIZED[cp.quantize_grads], DEFAULT_BLOCK)
 
 
 def units(core: Core) -> UnitScheduler | None:

@@ -77,8 +77,10 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
             qwZ; [Note: quantized all-gather] in `zero_kernels.comm.quant`): a quarter (int8) of
             fp32's bytes. The shards, the step, the gradients and every gather that hands
             params out (state dicts, ``gathered_params``, ``close``) stay exact.
-        quantize_grads: room for quantized gradient reduction (ZeRO++'s qgZ): not built yet,
-            any value but None raises NotImplementedError.
+        quantize_grads: None or "int8"/"int4" (ZeRO++'s qgZ, one hop): each gradient bucket's
+            reduce-scatter sends the other ranks' chunks blockwise-quantized, summed in fp32
+            with the own chunk exact ([Note: quantized reduce-scatter]); inf/NaN still reach
+            ``nonfinite``. Not with a hierarchical ``shard_group`` yet (raises).
         bucket_size_mb: target size of a gradient bucket in MiB (at 4 bytes per element).
         overlap_comm: reduce buckets during backward (True) or all at the end (False).
         partition: "auto" (element-wise optimizers get flat shards, the rest whole params),

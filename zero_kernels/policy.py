@@ -159,7 +159,9 @@ class CommPolicy:
     it); replicated across those groups ([Note: hierarchy] in `zero_kernels.comm.hier`);
     quantize_weights: None or "int8"/"int4": stage 3's per-use all-gathers send the other ranks'
     chunks blockwise-quantized ([Note: quantized all-gather] in `zero_kernels.comm.quant`);
-    quantize_grads: room for quantized gradient reduction (not built: a value raises)."""
+    quantize_grads: None or "int8"/"int4": each gradient bucket's reduce-scatter sends the
+    chunks for the other ranks quantized and sums them in fp32 ([Note: quantized
+    reduce-scatter] in `zero_kernels.comm.quant`)."""
 
     bucket_size_mb: float = 25.0
     overlap_comm: bool = True
@@ -188,10 +190,10 @@ class CommPolicy:
             raise ValueError(
                 f"quantize_weights must be None, 'int8' or 'int4', got quantize_weights={qw!r}"
             )
-        if self.quantize_grads is not None:
-            raise NotImplementedError(
-                f"quantize_grads={self.quantize_grads!r}: quantized gradient reduction is not "
-                "built yet (gradients are reduced at reduce_dtype)"
+        qg = self.quantize_grads
+        if qg is not None and qg not in ("int8", "int4"):
+            raise ValueError(
+                f"quantize_grads must be None, 'int8' or 'int4', got quantize_grads={qg!r}"
             )
         sg = self.shard_group
         mesh = type(sg).__name__ == "DeviceMesh" and hasattr(sg, "get_group")

@@ -1,4 +1,4 @@
-"""Quantized all-gather of params (ZeRO++'s qwZ): int8 (or int4) blockwise bytes on the wire.
+"""Quantized collectives (ZeRO++'s qwZ and qgZ): int8 or int4 blockwise bytes on the wire.
 
 [Note: quantized all-gather]
 Each rank quantizes its own chunk (`zero_kernels.ops.quantize_blockwise`: symmetric, one fp32
@@ -11,10 +11,19 @@ the error a gathered param carries is at most half a quantization step of its bl
 (each use gathers again from the exact shards). Per element the wire carries 1 byte (int8) or
 1/2 (int4) plus 4 / block for the scales, against 4 (fp32) or 2 (bf16).
 
-What stays exact, and why: the gradients (a different error budget: `quantize_grads` is not
-built), and every gather made to hand params out rather than to compute with them: the model's
-``state_dict()``, ``gathered_params``, ``close()``, the refresh after a checkpoint load, and the
-small params kept whole between steps (``persist_below``), so no quantization enters a
+[Note: quantized reduce-scatter]
+``quantize_grads`` (ZeRO++'s qgZ, one hop here): a rank quantizes the chunk of its gradient bucket
+meant for each other rank, all-to-all exchanges them (gloo's ``all_to_all_single``), and sums
+what it received dequantized, in fp32, with its own chunk, which never leaves it and is exact;
+then averages. Inf/NaN survive the round trip (a block holding one dequantizes non-finite), so
+``nonfinite=`` and the loss scaler still see them. The error is per step (no error feedback),
+at most half a step of each block per rank's contribution. With ``shard_group`` hierarchical
+the two-hop form (quantized across nodes only) is not built: that combination raises.
+
+What stays exact in the weights' case, and why: every gather made to hand params out rather
+than to compute with them: the model's ``state_dict()``, ``gathered_params``, ``close()``, the
+refresh after a checkpoint load, and the small params kept whole between steps
+(``persist_below``), so no quantization enters a
 checkpoint or a value the user reads.
 """
 
@@ -24,7 +33,7 @@ import torch
 
 from .base import CommLog, Watch, rank, world_size
 
-__all__ = ["QUANTIZED", "all_gather_quantized"]
+__all__ = ["QUANTIZED", "all_gather_quantized", "reduce_scatter_quantized"]
 
 QUANTIZED = {"int8": 8, "int4": 4}  # the values of ``quantize_weights`` and their bits
 
@@ -104,3 +113,97 @@ def all_gather_quantized(
     recv = torch.empty(per * n, dtype=torch.uint8, device=input.device)
     inner = all_gather(recv, send, group=group, log=log, **bound)
     return _Dequantize(inner, output, input, recv, bits, block, rank(group), n)
+
+
+class _QuantReduce:
+    """The all-to-all of the quantized chunks; ``wait`` sums them (fp32) into the output."""
+
+    __slots__ = ("inner", "output", "own", "recv", "bits", "block", "me", "n", "avg", "done")
+
+    def __init__(self, inner, output, own, recv, bits, block, me, n, avg):
+        self.inner, self.output, self.own, self.recv = inner, output, own, recv
+        self.bits, self.block, self.me, self.n, self.avg = bits, block, me, n, avg
+        self.done = False
+
+    def is_completed(self) -> bool:
+        return self.done or self.inner.is_completed()
+
+    def wait(self, timeout_s: float | None = None, what: str = "", watch: Watch | None = None):
+        if self.done:
+            return self.output
+        from ..ops.quant import dequantize_blockwise
+
+        self.inner.wait(timeout_s, what, watch)
+        c = self.own.numel()
+        qb, nq, per = _packed(c, self.bits, self.block)
+        acc = self.own  # this rank's own contribution, exact, fp32
+        for k in range(self.n):
+            if k == self.me:
+                continue
+            chunk = self.recv[k * per : (k + 1) * per]
+            scales = chunk[nq:per].view(torch.float32)
+            dequantize_blockwise(
+                chunk[:qb], scales, self.bits, self.block, c, out=acc, accumulate=True
+            )
+        if self.avg:
+            acc.div_(self.n)
+        self.output.view(-1).copy_(acc)
+        self.done, self.recv, self.own = True, None, None
+        return self.output
+
+
+def _packed(c: int, bits: int, block: int) -> tuple[int, int, int]:
+    """(bytes of the values, their padded size, bytes per chunk with the fp32 scales)."""
+    from ..ops.quant import quantized_sizes
+
+    qb, ns = quantized_sizes(c, bits, block)
+    nq = -(-qb // 4) * 4  # the scales start 4-aligned (a float32 view of the bytes)
+    return qb, nq, nq + 4 * ns
+
+
+def reduce_scatter_quantized(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    *,
+    bits: int,
+    block: int,
+    group=None,
+    avg: bool = True,
+    log: CommLog | None = None,
+    timeout_s: float | None = None,
+    what: str = "",
+    watch: Watch | None = None,
+):
+    """Start ``output = reduce(input)[my chunk]`` with the chunks for the other ranks sent
+    quantized ([Note: quantized reduce-scatter]); returns a handle whose ``wait`` sums them in
+    fp32 with this rank's own chunk (exact) and averages when ``avg``. ``output`` may be this
+    rank's own chunk of ``input``."""
+    import torch.distributed as dist
+
+    from ..ops.quant import quantize_blockwise
+    from .base import Handle
+
+    n, c = world_size(group), output.numel()
+    if c * n != input.numel():
+        raise ValueError(
+            f"reduce_scatter_quantized: output.numel() * world_size must equal input.numel(); "
+            f"got {c} * {n} != {input.numel()}"
+        )
+    src = input.reshape(-1)
+    me = rank(group)
+    own = src[me * c : (me + 1) * c].to(torch.float32, copy=True)  # before the input is reused
+    if n == 1:
+        output.view(-1).copy_(own)
+        return Handle(None, (output,), 1.0, log)
+    qb, nq, per = _packed(c, bits, block)
+    send = torch.zeros(per * n, dtype=torch.uint8, device=input.device)
+    for k in range(n):
+        if k != me:  # this rank's own chunk goes nowhere (its slot is sent as zeros)
+            dst = send[k * per : (k + 1) * per]
+            piece = src[k * c : (k + 1) * c]
+            quantize_blockwise(piece, bits, block, out=(dst[:qb], dst[nq:].view(torch.float32)))
+    recv = torch.empty(per * n, dtype=torch.uint8, device=input.device)
+    if log is not None:
+        log._add("reduce_scatter", send)
+    work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+    return _QuantReduce(Handle(work, (recv, send)), output, own, recv, bits, block, me, n, avg)

@@ -133,6 +133,7 @@ class Reducer:
         # hierarchical sharding: each bucket's shard is then all-reduced across the replica
         # groups ([Note: hierarchy] in zero_kernels.comm.hier)
         self.mesh = mesh if mesh is not None and mesh.replicas is not None else None
+        self.quantize: tuple[int, int] | None = None  # (bits, block) of quantize_grads
         # whole gradients (stage 1): a full-size buffer reduced in place; else (stages 2 and 3)
         # bucket buffers reduced into the shards and given back (see [Note: overlap])
         self.whole = grads.whole
@@ -363,7 +364,12 @@ class Reducer:
             f"{bk.key[0]}",
             watch=self.check.watch if self.check is not None else None,
         )
-        if self.mesh is None:
+        if self.quantize is not None:
+            bits, block = self.quantize
+            bk.handle = comm.quant.reduce_scatter_quantized(
+                out, inp, bits=bits, block=block, group=self.group, **bound
+            )
+        elif self.mesh is None:
             bk.handle = comm.reduce_scatter(out, inp, group=self.group, avg=True, **bound)
         else:
             bk.handle = self.mesh.reduce_scatter(out, inp, first=self.group, **bound)
