@@ -29,6 +29,8 @@ def _train(rank: int, stage: int, shard_group) -> tuple[list, dict, int]:
         loss.backward()
         opt.step()
         losses.append(loss.item())
+    # whole tensors (collective), as numpy arrays: torch's queue would share tensors' storage
+    # with the parent through the worker, which may have ended by then
     state = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
     size = opt.shard_size
     opt.close()
@@ -38,26 +40,10 @@ def _train(rank: int, stage: int, shard_group) -> tuple[list, dict, int]:
 def worker(rank: int, world: int, shard_group=2) -> dict:
     """``shard_group``: of the hierarchical run ("node" on the testbed, 2 on one host: the same
     shard groups, [[0, 1], [2, 3]])."""
-    from zero_kernels import ZeroOptimizer, comm
-    from zero_kernels.models import GPT, GPTConfig, get_batch, load_corpus
+    from zero_kernels import comm
 
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32))
-    opt = ZeroOptimizer(model, torch.optim.AdamW, stage=3, lr=1e-2, timeout=60)
-    data = load_corpus()
-    losses = []
-    for step in range(STEPS):
-        x, y = get_batch(data, 2, 32, seed=0, step=step, rank=rank)
-        opt.zero_grad()
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    # whole tensors (collective), as numpy arrays: torch's queue would share tensors' storage
-    # with the parent through the worker, which may have ended by then
-    state = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    losses, state, _ = _train(rank, 3, "world")  # stage 3, the default algorithm choice
     algorithms = {f"{op} {c}": res["algorithm"] for (op, c), res in comm.probe_results().items()}
-    opt.close()
     hier = {stage: _train(rank, stage, shard_group) for stage in (2, 3)}
     return {
         "hier": hier,

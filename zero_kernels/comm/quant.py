@@ -38,42 +38,55 @@ __all__ = ["QUANTIZED", "all_gather_quantized", "reduce_scatter_quantized"]
 QUANTIZED = {"int8": 8, "int4": 4}  # the values of ``quantize_weights`` and their bits
 
 
-class _Dequantize:
-    """The all-gather of the packed chunks; ``wait`` then writes the output."""
+class _Unpack:
+    """A collective of packed quantized chunks; ``wait`` finishes it, then `_unpack` writes the
+    output (once)."""
 
-    __slots__ = ("inner", "output", "input", "recv", "bits", "block", "me", "n", "done")
+    __slots__ = ("inner", "output", "recv", "bits", "block", "me", "n", "done")
 
-    def __init__(self, inner, output, input, recv, bits, block, me, n):
-        self.inner, self.output, self.input, self.recv = inner, output, input, recv
+    def __init__(self, inner, output, recv, bits, block, me, n):
+        self.inner, self.output, self.recv = inner, output, recv
         self.bits, self.block, self.me, self.n, self.done = bits, block, me, n, False
 
     def is_completed(self) -> bool:
         return self.done or self.inner.is_completed()
 
     def wait(self, timeout_s: float | None = None, what: str = "", watch: Watch | None = None):
-        if self.done:
-            return self.output
-        from ..ops.quant import dequantize_blockwise, quantized_sizes
-
-        self.inner.wait(timeout_s, what, watch)
-        c = self.input.numel()
-        nq, ns = quantized_sizes(c, self.bits, self.block)
-        qb = nq
-        nq = -(-nq // 4) * 4  # as packed by `all_gather_quantized`
-        per = self.recv.numel() // self.n
-        out = self.output.view(-1)
-        for k in range(self.n):
-            dst = out[k * c : (k + 1) * c]
-            if k == self.me:
-                if dst.data_ptr() != self.input.data_ptr():
-                    dst.copy_(self.input.view(-1))
-                continue
-            chunk = self.recv[k * per : (k + 1) * per]
-            scales = chunk[nq : nq + 4 * ns].view(torch.float32)
-            dequantize_blockwise(chunk[:qb], scales, self.bits, self.block, c, out=dst)
-        self.done = True
-        self.recv = None
+        if not self.done:
+            self.inner.wait(timeout_s, what, watch)
+            self._unpack()
+            self.done, self.recv = True, None
         return self.output
+
+    def _chunks(self, c: int):
+        """``(k, values, scales)`` of every other rank's chunk received."""
+        qb, nq, per = _packed(c, self.bits, self.block)
+        for k in range(self.n):
+            if k != self.me:
+                chunk = self.recv[k * per : (k + 1) * per]
+                yield k, chunk[:qb], chunk[nq:per].view(torch.float32)
+
+
+class _Dequantize(_Unpack):
+    """The all-gather of the packed chunks; the others' dequantized into the output."""
+
+    __slots__ = ("input",)
+
+    def __init__(self, inner, output, input, recv, bits, block, me, n):
+        super().__init__(inner, output, recv, bits, block, me, n)
+        self.input = input
+
+    def _unpack(self) -> None:
+        from ..ops.quant import dequantize_blockwise
+
+        c = self.input.numel()
+        out = self.output.view(-1)
+        own = out[self.me * c : (self.me + 1) * c]
+        if own.data_ptr() != self.input.data_ptr():
+            own.copy_(self.input.view(-1))
+        for k, q, scales in self._chunks(c):
+            dst = out[k * c : (k + 1) * c]
+            dequantize_blockwise(q, scales, self.bits, self.block, c, out=dst)
 
 
 def all_gather_quantized(
@@ -89,7 +102,7 @@ def all_gather_quantized(
     """Start ``output = cat(input of every rank)`` with the other ranks' chunks sent quantized
     ([Note: quantized all-gather]); returns a handle whose ``wait`` dequantizes. ``input`` may
     be this rank's own chunk of ``output``."""
-    from ..ops.quant import quantize_blockwise, quantized_sizes
+    from ..ops.quant import quantize_blockwise
     from . import all_gather
 
     n = world_size(group)
@@ -101,55 +114,36 @@ def all_gather_quantized(
         )
     if n == 1:
         return all_gather(output, input, group=group, log=log, **bound)
-    nq, ns = quantized_sizes(c, bits, block)
-    nq = -(-nq // 4) * 4  # the scales start 4-aligned (a float32 view of the bytes)
-    per = nq + 4 * ns
+    qb, nq, per = _packed(c, bits, block)
     send = torch.empty(per, dtype=torch.uint8, device=input.device)
     src = input.view(-1)
     if not src.is_contiguous():
         src = src.contiguous()
-    qb = quantized_sizes(c, bits, block)[0]
     quantize_blockwise(src, bits, block, out=(send[:qb], send[nq:].view(torch.float32)))
     recv = torch.empty(per * n, dtype=torch.uint8, device=input.device)
     inner = all_gather(recv, send, group=group, log=log, **bound)
     return _Dequantize(inner, output, input, recv, bits, block, rank(group), n)
 
 
-class _QuantReduce:
-    """The all-to-all of the quantized chunks; ``wait`` sums them (fp32) into the output."""
+class _QuantReduce(_Unpack):
+    """The all-to-all of the quantized chunks; summed (fp32) with the own chunk into the output."""
 
-    __slots__ = ("inner", "output", "own", "recv", "bits", "block", "me", "n", "avg", "done")
+    __slots__ = ("own", "avg")
 
     def __init__(self, inner, output, own, recv, bits, block, me, n, avg):
-        self.inner, self.output, self.own, self.recv = inner, output, own, recv
-        self.bits, self.block, self.me, self.n, self.avg = bits, block, me, n, avg
-        self.done = False
+        super().__init__(inner, output, recv, bits, block, me, n)
+        self.own, self.avg = own, avg
 
-    def is_completed(self) -> bool:
-        return self.done or self.inner.is_completed()
-
-    def wait(self, timeout_s: float | None = None, what: str = "", watch: Watch | None = None):
-        if self.done:
-            return self.output
+    def _unpack(self) -> None:
         from ..ops.quant import dequantize_blockwise
 
-        self.inner.wait(timeout_s, what, watch)
-        c = self.own.numel()
-        qb, nq, per = _packed(c, self.bits, self.block)
-        acc = self.own  # this rank's own contribution, exact, fp32
-        for k in range(self.n):
-            if k == self.me:
-                continue
-            chunk = self.recv[k * per : (k + 1) * per]
-            scales = chunk[nq:per].view(torch.float32)
-            dequantize_blockwise(
-                chunk[:qb], scales, self.bits, self.block, c, out=acc, accumulate=True
-            )
+        acc, c = self.own, self.own.numel()  # this rank's own contribution, exact, fp32
+        for _, q, scales in self._chunks(c):
+            dequantize_blockwise(q, scales, self.bits, self.block, c, out=acc, accumulate=True)
         if self.avg:
             acc.div_(self.n)
         self.output.view(-1).copy_(acc)
-        self.done, self.recv, self.own = True, None, None
-        return self.output
+        self.own = None
 
 
 def _packed(c: int, bits: int, block: int) -> tuple[int, int, int]:
