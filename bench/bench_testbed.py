@@ -18,6 +18,8 @@ Candidates:
                    within each node, the gradient shards all-reduced across nodes, as HSDP)
     ours_stage3_q8  stage 3 with quantize_weights="int8" (its all-gathers carry int8 blocks
                    and their scales: the recorded collectives' bytes give the formula)
+    ours_stage3_q8g8  the same and quantize_grads="int8" (the reduce-scatters an all-to-all of
+                   int8 chunks, each rank's to each rank of the other node: R (N-R)/N of it)
     fsdp2_hsdp     fully_shard per block and the root on a 2D mesh (replicate across nodes x shard
                    within one) + torch AdamW(fused=True), resharding after forward
     fsdp2          fully_shard over all ranks (1D mesh) + torch AdamW(fused=True), resharding
@@ -68,6 +70,7 @@ CANDIDATES = (
     "ours_stage2_node",
     "ours_stage3_node",
     "ours_stage3_q8",
+    "ours_stage3_q8g8",
     "fsdp2_hsdp",
     "fsdp2",
 )
@@ -84,7 +87,7 @@ def collective_factor(op: str, algo: str, n_ranks: int, per_node: int) -> float:
         return 2 * (n - 1) / n
     if algo in ("ring", "native"):  # gloo's all-gather is a ring
         return (n - 1) / n
-    if algo == "pairwise":
+    if algo in ("pairwise", "alltoall"):  # every rank to each rank of the other nodes
         return per_node * (n - per_node) / n
     raise ValueError(f"no formula for {op} with algorithm {algo!r} across nodes")
 
@@ -162,11 +165,29 @@ def _worker(args) -> None:
             return algo
 
         comm.choose_algorithm = recorded
+        rsq = comm.quant.reduce_scatter_quantized
+
+        def recorded_rsq(output, input, **kwargs):  # quantize_grads: an all-to-all, no choice
+            h = rsq(output, input, **kwargs)
+            if recording[0] and comm.world_size(kwargs.get("group")) == world:
+                sent = h.inner.tensors[1] if hasattr(h, "inner") else None
+                if sent is not None:
+                    launched.append(("all_to_all", sent.numel(), "alltoall"))
+            return h
+
+        comm.quant.reduce_scatter_quantized = recorded_rsq
         stage = int(cand[len("ours_stage")])
         sg = "node" if cand.endswith("_node") else "world"
-        qw = "int8" if cand.endswith("_q8") else None
+        qw = "int8" if "_q8" in cand else None
+        qg = "int8" if cand.endswith("g8") else None
         opt = ZeroOptimizer(
-            model, torch.optim.AdamW, stage=stage, shard_group=sg, quantize_weights=qw, **kw
+            model,
+            torch.optim.AdamW,
+            stage=stage,
+            shard_group=sg,
+            quantize_weights=qw,
+            quantize_grads=qg,
+            **kw,
         )
         run = model
     else:
