@@ -1,0 +1,142 @@
+"""What the integrations share: the ``zero=`` argument, a plain torch optimizer turned into a
+`ZeroOptimizer` over the same param groups, and the checks that keep a model out of the
+frameworks' own data-parallel wrappers.
+
+[Note: from a torch optimizer]
+Trainer (``create_optimizer``), Lightning (``configure_optimizers``) and a user's accelerate
+script all build a plain ``torch.optim`` optimizer over the model's params, with param groups
+(decay / no decay) and hyper-parameters. `from_torch_optimizer` builds a `ZeroOptimizer` of the
+same class over the same groups: each group's constructor arguments are kept (keys the class's
+``__init__`` takes, so torch 2.13's derived ``decoupled_weight_decay`` is left for AdamW to set
+again; other keys, a group's "name", ride along) and the class's defaults become the
+ZeroOptimizer's ``**defaults``. An optimizer that has
+already stepped (non-empty ``state``) is refused: its state would be dropped without a word. A
+`ZeroOptimizer` given as the optimizer is kept as it is, if it holds the model's params.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+__all__ = [
+    "check_not_wrapped",
+    "from_torch_optimizer",
+    "is_zero",
+    "zero_kwargs",
+]
+
+
+def is_zero(optimizer) -> bool:
+    from ..optimizer import ZeroOptimizer
+
+    return isinstance(optimizer, ZeroOptimizer)
+
+
+def zero_kwargs(zero, where: str, *, stage: int | None = None) -> dict:
+    """``zero=`` as keyword arguments of `ZeroOptimizer`: a dict of them, a `ZeroPolicy` (as
+    ``policy=``), or None (stage 2 unless ``stage``). Names checked here, values by
+    `ZeroOptimizer`."""
+    from ..optimizer import ZeroOptimizer
+    from ..policy import ZeroPolicy
+
+    if zero is None:
+        out = {}
+    elif isinstance(zero, ZeroPolicy):
+        out = {"policy": zero}
+    elif isinstance(zero, Mapping):
+        out = dict(zero)
+        bad = [k for k in out if not isinstance(k, str)]
+        if bad:
+            raise TypeError(f"{where}: zero= keys must be str, got {bad!r}")
+    else:
+        raise TypeError(
+            f"{where}: zero= must be a dict of ZeroOptimizer keyword arguments, a ZeroPolicy or "
+            f"None, got {type(zero).__name__}: {zero!r}"
+        )
+    known = set(inspect.signature(ZeroOptimizer.__init__).parameters) - {
+        "self",
+        "params",
+        "optimizer_class",
+        "defaults",
+    }
+    for k in ("params", "optimizer_class", "module"):
+        if k in out:
+            raise ValueError(
+                f"{where}: zero={{{k!r}: ...}} is set by the integration (the model and the "
+                "optimizer come from the trainer); leave it out"
+            )
+    unknown = sorted(k for k in out if k not in known)
+    if unknown:
+        raise TypeError(
+            f"{where}: zero= has unknown key(s) {unknown}: not ZeroOptimizer options "
+            f"({', '.join(sorted(known))}); hyper-parameters come from the trainer's optimizer"
+        )
+    if stage is not None:
+        if "stage" in out and out["stage"] != stage:
+            raise ValueError(
+                f"{where}: stage={stage} and zero={{'stage': {out['stage']!r}}} differ"
+            )
+        if "policy" not in out:
+            out["stage"] = stage
+    return out
+
+
+def check_not_wrapped(model: nn.Module, where: str) -> None:
+    """A model already inside DDP or FSDP cannot be handed to a ZeroOptimizer."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        raise TypeError(
+            f"{where}: the model is a DistributedDataParallel; ZeroOptimizer reduces the "
+            "gradients itself. Pass the model before it is wrapped (model.module here)"
+        )
+    for p in model.parameters():
+        cls = type(p).__name__
+        if cls in ("DTensor", "FlatParameter") or hasattr(p, "_is_flat_param"):
+            raise TypeError(
+                f"{where}: the model's params are FSDP's ({cls}); ZeroOptimizer shards the "
+                "model itself: pass the model before fully_shard/FullyShardedDataParallel"
+            )
+
+
+def _group_args(cls: type) -> set[str]:
+    params = inspect.signature(cls.__init__).parameters
+    return {k for k in params if k not in ("self", "params")}
+
+
+def from_torch_optimizer(model: nn.Module, optimizer, zero: dict, where: str):
+    """A `ZeroOptimizer` of ``optimizer``'s class over its param groups, with their
+    hyper-parameters (see [Note: from a torch optimizer]); ``zero``: `zero_kwargs`'s dict."""
+    from ..optimizer import ZeroOptimizer
+
+    check_not_wrapped(model, where)
+    if isinstance(optimizer, ZeroOptimizer):
+        mine = {id(p) for p in model.parameters()}
+        held = [p for g in optimizer.param_groups for p in g["params"]]
+        if any(id(p) not in mine for p in held):
+            raise ValueError(
+                f"{where}: the ZeroOptimizer given holds params that are not the model's"
+            )
+        return optimizer
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"{where}: expected a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    if any(len(s) for s in optimizer.state.values()):
+        raise ValueError(
+            f"{where}: the {type(optimizer).__name__} given has already stepped; its state "
+            "would be dropped. Build the optimizer fresh (or load the state into the "
+            "ZeroOptimizer after, through load_checkpoint)"
+        )
+    cls = type(optimizer)
+    args = _group_args(cls)
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in args}
+    # keys a class derives in __init__ (not arguments) are left for it to set again; any other
+    # key of a group (a "name", say) rides along, as torch.optim keeps it
+    derived = {k for k in optimizer.defaults if k not in args}
+    groups = [{k: v for k, v in g.items() if k not in derived} for g in optimizer.param_groups]
+    return ZeroOptimizer(groups, cls, module=model, **{**defaults, **zero})
