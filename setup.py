@@ -24,6 +24,13 @@ except ImportError as e:  # pragma: no cover - build-time message
     )
 
 here = os.path.dirname(os.path.abspath(__file__))
+torch_pin = "torch==" + torch.__version__.split("+")[0]
+integrations = [
+    "transformers>=4.46,<=5.24.0",
+    "accelerate>=1.0,<=1.15.0",
+    "lightning>=2.4,<=2.6.6",
+    "pytorch-lightning>=2.4,<=2.6.6",
+]
 cpu_sources = [
     "csrc/bindings.cpp",
     "csrc/adam_cpu_scalar.cpp",
@@ -88,8 +95,14 @@ setup(
     # matplotlib draws the report.png that `zero-kernels demo` (the quickstart's first line) saves;
     # safetensors holds checkpoint tensors (zero_kernels.checkpoint: no pickle at load).
     install_requires=["numpy", "matplotlib", "safetensors"],
+    # The integrations' frameworks (zero_kernels.integrations) are optional; the test extra holds
+    # the versions the integrations are tested with, and pins torch to the installed build in the
+    # same pip command, so that none of them can replace it.
     extras_require={
-        "test": ["pytest", "pytest-benchmark", "triton"],
+        "test": ["pytest", "pytest-benchmark", "triton", *integrations, torch_pin],
+        "transformers": [integrations[0], integrations[1], torch_pin],
+        "accelerate": [integrations[1], torch_pin],
+        "lightning": [integrations[2], torch_pin],
     },
     ext_modules=[ext],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
