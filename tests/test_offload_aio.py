@@ -24,12 +24,25 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 1 << 20
 
 native_cls, native_why = aio._native_engine_class()
+uring_ok, uring_why = (False, "no native engine")
+if native_cls is not None:
+    uring_ok, uring_why = aio._native.load().aio_uring_supported()
+no_native = pytest.mark.skipif(native_cls is None, reason=f"no native engine: {native_why}")
 BACKENDS = [
     "python",
+    pytest.param("native-threads", marks=no_native),
     pytest.param(
-        "native", marks=pytest.mark.skipif(native_cls is None, reason=f"no native: {native_why}")
+        "native-io_uring",
+        marks=[no_native, pytest.mark.skipif(not uring_ok, reason=f"no io_uring: {uring_why}")],
     ),
 ]
+
+
+def kw(backend: str) -> dict:
+    """AioFile's keywords for a backend of BACKENDS."""
+    if backend == "python":
+        return {"backend": "python"}
+    return {"backend": "native", "engine": backend.split("-")[1]}
 
 
 def _takes_o_direct(directory: str) -> bool:
@@ -111,9 +124,11 @@ def test_round_trip_parallel(disk_dir, backend, direct):
         offsets.append(off)
         off += n
     path = os.path.join(disk_dir, "rt.bin")
-    f = AioFile(path, off + 123, direct=direct, threads=3, backend=backend)
+    f = AioFile(path, off + 123, direct=direct, threads=3, **kw(backend))
     assert f.size == aio._round_up(off + 123) and os.path.getsize(path) == f.size
-    assert f.direct == direct and f.backend == backend
+    assert f.direct == direct and f.backend == kw(backend)["backend"]
+    if backend != "python":
+        assert f.engine == kw(backend)["engine"]
     src = [_rand_bytes(n, i) for i, n in enumerate(sizes)]
     with ThreadPoolExecutor(2) as ex:
         handles = list(ex.map(lambda i: f.write_async(src[i], offsets[i]), range(len(sizes))))
@@ -141,7 +156,7 @@ def test_round_trip_parallel(disk_dir, backend, direct):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_o_direct_alignment_errors(disk_dir, backend):
-    f = AioFile(os.path.join(disk_dir, "e.bin"), 4 * MiB, backend=backend)
+    f = AioFile(os.path.join(disk_dir, "e.bin"), 4 * MiB, **kw(backend))
     assert f.direct
     buf = aligned_empty(2 * MiB, torch.uint8)
     bad = buf[1 : 1 + MiB]
@@ -166,7 +181,7 @@ def test_o_direct_alignment_errors(disk_dir, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_short_read_raises_oserror(disk_dir, backend):
     path = os.path.join(disk_dir, "s.bin")
-    f = AioFile(path, 4 * MiB, backend=backend)
+    f = AioFile(path, 4 * MiB, **kw(backend))
     buf = _rand_bytes(4 * MiB, 0)
     f.write(buf, 0)
     os.truncate(path, MiB + ALIGN)  # another process cut the file: the read must not pass
@@ -180,7 +195,7 @@ def test_short_read_raises_oserror(disk_dir, backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_buffered_io_has_no_alignment_rule(disk_dir, backend):
-    f = AioFile(os.path.join(disk_dir, "b.bin"), 10_000, direct=False, backend=backend)
+    f = AioFile(os.path.join(disk_dir, "b.bin"), 10_000, direct=False, **kw(backend))
     x = torch.arange(1000, dtype=torch.float64)
     f.write(x[1:], 8)
     y = torch.zeros(999, dtype=torch.float64)
@@ -208,19 +223,19 @@ def test_o_direct_refused_falls_back_to_buffered(disk_dir, monkeypatch):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_close_removes_and_is_idempotent(disk_dir, backend):
     p = os.path.join(disk_dir, "c.bin")
-    f = AioFile(p, MiB, backend=backend)
+    f = AioFile(p, MiB, **kw(backend))
     h = f.write_async(_rand_bytes(MiB, 1), 0)
     f.close()  # waits for the request in flight
     assert h.done() and not os.path.exists(p)
     h.wait()
     f.close()
     keep = os.path.join(disk_dir, "k.bin")
-    g = AioFile(keep, MiB, backend=backend)
+    g = AioFile(keep, MiB, **kw(backend))
     g.close(remove=False)
     assert os.path.getsize(keep) == MiB
     os.unlink(keep)
     gc_path = os.path.join(disk_dir, "gc.bin")
-    AioFile(gc_path, MiB, backend=backend)  # dropped at once: __del__ removes it
+    AioFile(gc_path, MiB, **kw(backend))  # dropped at once: __del__ removes it
     assert not os.path.exists(gc_path)
 
 
@@ -274,7 +289,7 @@ def test_o_direct_bytes_skip_the_page_cache(disk_dir, backend):
     resident = {}
     for direct in (True, False):
         p = os.path.join(disk_dir, f"pc-{direct}.bin")
-        f = AioFile(p, n, direct=direct, backend=backend)
+        f = AioFile(p, n, direct=direct, **kw(backend))
         f.write(buf, 0)
         f.read(buf, 0)
         resident[direct] = _resident_pages(p)

@@ -193,6 +193,9 @@ class AioFile:
     Requests are asynchronous (`write_async`, `read_async` return a `Handle`); with ``O_DIRECT``
     the tensor's data_ptr, the offset and the byte count must be multiples of `ALIGN`. The file
     is created (or truncated) here and removed by `close` (also at garbage collection and exit).
+    ``threads`` is the queue depth, ``chunk_bytes`` the size requests are split at; ``engine``
+    picks the native engine's backend ("auto": io_uring where it works, else "threads"), which
+    ``self.engine`` and ``self.engine_reason`` report.
     """
 
     def __init__(
@@ -204,6 +207,7 @@ class AioFile:
         threads: int = THREADS,
         backend: str = "auto",
         chunk_bytes: int = CHUNK_BYTES,
+        engine: str = "auto",
     ):
         self._closed = True  # until the file exists: __del__ of a failed constructor is a no-op
         if nbytes < 0:
@@ -212,6 +216,8 @@ class AioFile:
             raise ValueError(f"threads must be >= 1, got {threads=}")
         if chunk_bytes < ALIGN or chunk_bytes % ALIGN:
             raise ValueError(f"chunk_bytes must be a positive multiple of {ALIGN}: {chunk_bytes=}")
+        if engine not in ("auto", "io_uring", "threads"):
+            raise ValueError(f"engine must be 'auto', 'io_uring' or 'threads', got {engine=}")
         self.backend = _resolve_backend(backend)
         self.path = os.fspath(path)
         self.size = _round_up(nbytes)
@@ -224,11 +230,13 @@ class AioFile:
             os.ftruncate(self._fd, self.size)
             if self.backend == "native":
                 cls, _ = _native_engine_class()
-                self._engine = cls(self._fd, threads, chunk_bytes, self.direct, "auto")
+                self._engine = cls(self._fd, threads, chunk_bytes, self.direct, engine)
                 self.engine = self._engine.backend()  # "io_uring" or "threads"
+                self.engine_reason = self._engine.fallback_reason()
             else:
                 self._engine = ThreadPoolExecutor(threads, thread_name_prefix="zk-aio")
                 self.engine = "python-threads"
+                self.engine_reason = "python backend"
         except BaseException:
             os.close(self._fd)
             os.unlink(self.path)
