@@ -42,6 +42,7 @@ cpu_sources = [
     "csrc/flat_copy.cpp",
     "csrc/shm_sync.cpp",
     "csrc/block_cache.cpp",
+    "csrc/aio.cpp",
 ]
 cxx_flags = ["-O3", "-std=c++17", "-fopenmp", "-Wall", "-Wno-unknown-pragmas"]
 

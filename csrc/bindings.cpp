@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "adam_cpu.h"
+#include "aio.h"
 #include "block_cache.h"
 #include "flat_copy.h"
 #include "quant_cpu.h"
@@ -506,6 +507,30 @@ bool host_cache_owns(const at::Tensor& t) {
   return t.device().is_cpu() && zk::block_cache_owns(t.storage().data_ptr().get());
 }
 
+// The I/O engine (aio.h) takes raw addresses: the caller (zero_kernels.offload.aio) checks the
+// tensor and keeps it alive until the request is done.
+std::shared_ptr<zk::AioRequest> aio_submit(zk::AioEngine& e, bool write, uint64_t ptr,
+                                           int64_t nbytes, int64_t offset) {
+  TORCH_CHECK_VALUE(nbytes >= 0, "nbytes must be >= 0, got ", nbytes);
+  TORCH_CHECK_VALUE(offset >= 0, "offset must be >= 0, got ", offset);
+  return e.submit(write ? zk::AioOp::kWrite : zk::AioOp::kRead, reinterpret_cast<void*>(ptr),
+                  static_cast<size_t>(nbytes), static_cast<uint64_t>(offset));
+}
+
+py::tuple aio_wait(const zk::AioRequest& r) {
+  {
+    py::gil_scoped_release release;
+    r.wait();
+  }
+  return py::make_tuple(r.error(), r.bytes_done());
+}
+
+py::tuple aio_uring_supported() {
+  std::string why;
+  bool ok = zk::aio_uring_supported(&why);
+  return py::make_tuple(ok, why);
+}
+
 bool has_cuda() {
 #ifdef ZK_WITH_CUDA
   return true;
@@ -572,4 +597,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("host_cache_reset_stats", &zk::block_cache_reset_stats, "Peaks to now, counters to 0");
   m.def("host_cache_owns", &host_cache_owns, "Whether a tensor's storage is a cached block",
         py::arg("tensor"));
+  py::class_<zk::AioRequest, std::shared_ptr<zk::AioRequest>>(m, "AioRequest")
+      .def("done", &zk::AioRequest::done, "Whether every chunk has completed")
+      .def("wait", &aio_wait, "Wait (GIL released); (errno or 0, bytes moved)");
+  py::class_<zk::AioEngine>(m, "AioEngine")
+      .def(py::init<int, int, size_t, bool, const std::string&>(), py::arg("fd"),
+           py::arg("queue_depth"), py::arg("chunk_bytes"), py::arg("direct"),
+           py::arg("backend") = "auto")
+      .def("submit", &aio_submit, "Start reading/writing nbytes at offset from address ptr",
+           py::arg("write"), py::arg("ptr"), py::arg("nbytes"), py::arg("offset"))
+      .def("close", &zk::AioEngine::close, py::call_guard<py::gil_scoped_release>(),
+           "Wait for the requests in flight, stop the threads (idempotent)")
+      .def("backend", &zk::AioEngine::backend, "io_uring or threads")
+      .def("fallback_reason", &zk::AioEngine::fallback_reason, "Why not io_uring")
+      .def("bytes_read", &zk::AioEngine::bytes_read)
+      .def("bytes_written", &zk::AioEngine::bytes_written);
+  m.def("aio_uring_supported", &aio_uring_supported, "(io_uring works here, why not)");
 }

@@ -1,0 +1,11 @@
+"""Offload tiers behind the shard store: host memory and NVMe.
+
+`aio` is the NVMe tier's asynchronous I/O engine: files opened with ``O_DIRECT`` (so offloaded
+bytes do not sit in the page cache, memory a run would use without counting it), requests split
+into chunks issued in parallel, a native engine (``zero_kernels._C``: io_uring or a thread pool)
+with a pure-Python fallback.
+"""
+
+from zero_kernels.offload.aio import ALIGN, AioFile, Handle, aligned_empty, probe_disk
+
+__all__ = ["ALIGN", "AioFile", "Handle", "aligned_empty", "probe_disk"]
