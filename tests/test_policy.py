@@ -55,7 +55,11 @@ def test_stages_are_shard_policies():
         (lambda: CommPolicy(shard_group=2.0), ValueError, "shard_group=2.0"),
         (lambda: PrecisionPolicy(reduce_dtype=torch.int8), ValueError, "reduce_dtype=torch.int8"),
         (lambda: PrecisionPolicy(loss_scale=-2), ValueError, "loss_scale=-2"),
-        (lambda: OffloadPolicy(optimizer="nvme"), NotImplementedError, "optimizer='nvme'"),
+        (lambda: OffloadPolicy(offload_params="nvme"), NotImplementedError, "params='nvme'"),
+        (lambda: OffloadPolicy(offload_optimizer="disk"), ValueError, "'disk'"),
+        (lambda: OffloadPolicy(offload_optimizer="nvme"), ValueError, "offload_dir="),
+        (lambda: OffloadPolicy(offload_optimizer="cpu"), NotImplementedError, "'cpu'"),
+        (lambda: OffloadPolicy("nvme", None, "/x", 1), ValueError, "offload_staging"),
         (lambda: ZeroPolicy.resolve(2, persist_below=8), ValueError, "persist_below= is a stage-3"),
         (lambda: ZeroPolicy.resolve(3, overlap_param_gather=True), ValueError, "stage 1/2 option"),
         (

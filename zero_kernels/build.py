@@ -258,7 +258,7 @@ def runner(core: Core, optimizer_class, user_groups, defaults, fused_adam, kerne
         and fused_adam
         and not any(g.get(k) or defaults.get(k) for g in group_opts for k in _UNFUSABLE)
     )
-    return ShardRunner(
+    r = ShardRunner(
         core.layout,
         core.store,
         core.grads,
@@ -269,6 +269,32 @@ def runner(core: Core, optimizer_class, user_groups, defaults, fused_adam, kerne
         fused=fusable,
         backend=kernel_backend,
     )
+    off = core.policy.offload
+    if off.offload_optimizer == "nvme":
+        r.swap = _swapper(core, r, optimizer_class, group_opts, defaults, off)
+    return r
+
+
+def _swapper(core: Core, r, optimizer_class, group_opts, defaults, off):
+    """offload_optimizer="nvme": the fused step's moments in a file ([Note: offload])."""
+    from .offload.swap import StateSwapper
+
+    if not any(r.fused):
+        raise NotImplementedError(
+            f"offload_optimizer='nvme' offloads the fused Adam step's moments; "
+            f"{optimizer_class.__name__} here is not stepped by it (fused_adam=False, an "
+            "option the kernel does not take, or whole mode): not built yet for other steps"
+        )
+    if not all(r.fused):
+        raise NotImplementedError(
+            "offload_optimizer='nvme': some flat buffers (dtype) are not stepped by the fused "
+            "kernel; their state would stay in RAM unsaid. Not built yet"
+        )
+    names = {}
+    for i, buf in enumerate(core.layout.buffers):
+        ams = group_opts[buf.group].get("amsgrad", defaults.get("amsgrad", False))
+        names[i] = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if ams else ())
+    return StateSwapper(core.layout, core.rank, names, off.offload_dir, staging=off.offload_staging)
 
 
 def quantization(core: Core) -> None:

@@ -130,6 +130,10 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
             ``zero_kernels.hostmem.disable()`` was called; False: not installed by this
             optimizer (one installed before stays). Limits set by ``hostmem.install()`` are
             kept. ``opt.host_cache``: whether the cache is in use.
+        offload_optimizer, offload_dir, offload_staging: ``"nvme"`` keeps the fused Adam
+            step's moments in a file under ``offload_dir``, streamed through ``offload_staging``
+            bucket-sized buffers ([Note: offload] in `zero_kernels.offload.swap`); results are
+            bitwise those without offload. offload_params: not built yet.
         **defaults: passed to ``optimizer_class``.
 
     Gradients: after backward, ``param.grad`` is a `ShardedGrad` (this rank's piece of the
@@ -192,6 +196,10 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
         init_fn=None,
         seed: int = 0,
         host_cache: bool | None = None,
+        offload_optimizer: str | None = None,
+        offload_params: str | None = None,
+        offload_dir: str | None = None,
+        offload_staging: int = 3,
         **defaults,
     ):
         # how this optimizer was built: add_param_group builds it again with one more group
@@ -228,6 +236,10 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
             shard_group=shard_group,
             quantize_weights=quantize_weights,
             quantize_grads=quantize_grads,
+            offload_optimizer=offload_optimizer,
+            offload_params=offload_params,
+            offload_dir=offload_dir,
+            offload_staging=offload_staging,
         )
         self.policy = policy
         validate.check_args(kernel_backend, nonfinite)
@@ -396,6 +408,9 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
                 err, collective = e, False
         self._closed = True
         _remove_hooks(self._hook_handles, params)
+        swap = getattr(core.runner, "swap", None) if core is not None else None
+        if swap is not None:
+            swap.close()  # the offload file goes with the optimizer
         if sched is not None:
             sched.remove()
         if sched is not None and collective:  # every unit gathered once: whole params back
@@ -603,7 +618,8 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
 
     # ------------------------------------------------------------------ telemetry
     def memory_report(self) -> dict:
-        """This rank's bytes of params, grads, master, optimizer state and comm buffers."""
+        """This rank's bytes of params, grads, master, optimizer state and comm buffers; with
+        offload, the staging buffers (RAM) and the offload file (disk)."""
         core = self._core
         seen, pb = set(), 0
         pb += core.store.nbytes()
@@ -614,9 +630,11 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
                 pb += p.numel() * p.element_size()
         g = core.grads
         grad = g.nbytes()
-        state = core.runner.state_bytes()
+        state = core.runner.state_bytes()  # in RAM: offloaded moments count on disk
         master = core.runner.master_bytes()
-        model = pb + grad + master + state
+        sw = core.runner.swap
+        staging = sw.staging_bytes if sw is not None else 0
+        model = pb + grad + master + state + staging
         comm_now = g.comm_nbytes()
         sharded = core.store.sharded
         return dict(
@@ -631,6 +649,12 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
             total_bytes=model + comm_now,
             gathered_param_bytes=core.store.gathered_nbytes() if sharded else 0,
             gathered_param_peak_bytes=core.store.peak_gathered if sharded else 0,
+            # offload_optimizer="nvme": the staging buffers (RAM, in model_state_bytes) and
+            # the file (disk), bytes moved since construction
+            offload_staging_bytes=staging,
+            offload_disk_bytes=sw.nbytes if sw is not None else 0,
+            offload_read_bytes=sw.bytes_read if sw is not None else 0,
+            offload_written_bytes=sw.bytes_written if sw is not None else 0,
         )
 
     @property

@@ -14,7 +14,7 @@ The user's options map once, at construction, to these objects; the parts below 
                      dtype, with fp32 masters where they are lower (see [Note: modes])
     CommPolicy       bucket size, overlap, buffers in flight, the collectives' timeout, and the
                      group the state is sharded over (room for hierarchy: "world" only today)
-    OffloadPolicy    room for offload tiers (none today: a set field is NotImplementedError)
+    OffloadPolicy    offload tiers: offload_optimizer='nvme' (the Adam moments on disk)
     ZeroPolicy       the five together
 
 ``stage=1|2|3`` stays the shorthand: ``ZeroPolicy.resolve(stage=2, ...)`` builds the same as
@@ -207,21 +207,45 @@ class CommPolicy:
 
 @dataclass(frozen=True)
 class OffloadPolicy:
-    """optimizer: where fp32 masters and optimizer state live ("cpu" | "nvme"); params: stage 3
-    params between uses; directory: the NVMe tier's folder. Room for the offload tiers: none is
-    built yet, so a set field raises."""
+    """Where state lives when it is not in use ([Note: offload] in `zero_kernels.offload`).
 
-    optimizer: str | None = None
-    params: str | None = None
-    directory: str | None = None
+    offload_optimizer: ``"nvme"`` keeps the Adam moments of the fused step (exp_avg,
+    exp_avg_sq, max_exp_avg_sq) in a file under ``offload_dir``, read bucket by bucket ahead of
+    the step and written behind it, through ``offload_staging`` bucket-sized staging buffers
+    (at least 2); ``"cpu"`` is the tier for GPU runs (not built yet: NotImplementedError).
+    offload_params (stage 3, params between uses): not built yet."""
+
+    offload_optimizer: str | None = None
+    offload_params: str | None = None
+    offload_dir: str | None = None
+    offload_staging: int = 3
 
     def __post_init__(self):
-        for name in ("optimizer", "params"):
-            v = getattr(self, name)
-            if v is not None:
-                raise NotImplementedError(
-                    f"OffloadPolicy({name}={v!r}): offload tiers are not built yet"
-                )
+        v = self.offload_optimizer
+        if v not in (None, "cpu", "nvme"):
+            raise ValueError(f"offload_optimizer must be None, 'cpu' or 'nvme', got {v!r}")
+        if v == "cpu":
+            raise NotImplementedError(
+                "offload_optimizer='cpu' (GPU runs: state in pinned host memory) is not built "
+                "yet; on CPU params the state is in host memory already: use 'nvme' or None"
+            )
+        if self.offload_params is not None:
+            raise NotImplementedError(
+                f"offload_params={self.offload_params!r}: offloading stage-3 params is not "
+                "built yet (offload_optimizer='nvme' is)"
+            )
+        if v == "nvme" and not self.offload_dir:
+            raise ValueError(
+                "offload_optimizer='nvme' needs offload_dir= (a folder on the disk to use; "
+                f"got offload_dir={self.offload_dir!r})"
+            )
+        if v is None and self.offload_dir is not None:
+            raise ValueError(
+                f"offload_dir={self.offload_dir!r} given without offload_optimizer='nvme'"
+            )
+        k = self.offload_staging
+        if isinstance(k, bool) or not isinstance(k, int) or k < 2:
+            raise ValueError(f"offload_staging must be an int >= 2, got {k!r}")
 
 
 @dataclass(frozen=True)

@@ -179,8 +179,18 @@ class ShardedState:
         return self._scaler.state_dict()
 
     # ---- the optimizer's state_dict() and load_state_dict()
+    def resident(self):
+        """A context in which the optimizer state is in RAM (offloaded state read in, written
+        back after; [Note: offload]): every read or write of `pieces`/`state_target`/`install`
+        runs inside one."""
+        return self._runner.resident()
+
     def state_dict(self) -> dict:
         """This rank's shard: the inner optimizer's state plus the layout needed to check it."""
+        with self.resident():
+            return self._state_dict()
+
+    def _state_dict(self) -> dict:
         return {
             "zero": {
                 "stage": self.stage,
@@ -193,13 +203,17 @@ class ShardedState:
                 # the fp32 masters of bf16/fp16 params (None per fp32/fp64 buffer)
                 "masters": [None if m is None else m.clone() for m in self._runner.masters],
             },
-            "inner": self._runner.inner.state_dict(),
+            "inner": _own_entries(self._runner.inner.state_dict()),
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self._groups],
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a `state_dict` of this rank (same layout), or a full torch-format one
         (``consolidated_state_dict``, or a plain torch optimizer's) at any world size."""
+        with self.resident():
+            self._load_state_dict(state_dict)
+
+    def _load_state_dict(self, state_dict: dict) -> None:
         if not isinstance(state_dict, dict) or "param_groups" not in state_dict:
             raise ValueError(
                 "load_state_dict: expected a dict with 'param_groups', got "
@@ -268,3 +282,10 @@ class ShardedState:
                             p.copy_(masters[j].to(p.dtype))
                 self._full.refresh_params()
         self._take_groups(groups)
+
+
+def _own_entries(sd: dict) -> dict:
+    """torch's ``state_dict()`` shares each param's state dict with the optimizer; offloaded
+    moments are removed from those when `resident` ends, so the state dict gets its own."""
+    sd["state"] = {k: dict(v) for k, v in sd["state"].items()}
+    return sd

@@ -166,19 +166,20 @@ class FullState:
         whole for element-wise entries (each rank keeps its piece), else set as is."""
         i = self.core.index_of(param, "set_full_state")
         found = False
-        for _, _, pc, ip, _ in self.core.runner.all_pieces():
-            if pc.index != i:
-                continue
-            st = self.core.runner.inner.state.get(ip)
-            if not st or key not in st:
-                raise KeyError(f"set_full_state: param has no state entry {key!r} yet")
-            cur = st[key]
-            if isinstance(cur, torch.Tensor) and tuple(cur.shape) == tuple(ip.shape):
-                flat = torch.as_tensor(value).reshape(-1)
-                cur.copy_(flat[pc.offset : pc.offset + pc.numel].view(cur.shape))
-            elif isinstance(cur, torch.Tensor):
-                cur.copy_(torch.as_tensor(value))
-            else:
-                st[key] = value
-            found = True
+        with self.core.runner.resident():  # offloaded moments: read in, written back
+            for _, _, pc, ip, _ in self.core.runner.all_pieces():
+                if pc.index != i:
+                    continue
+                st = self.core.runner.inner.state.get(ip)
+                if not st or key not in st:
+                    raise KeyError(f"set_full_state: param has no state entry {key!r} yet")
+                cur = st[key]
+                if isinstance(cur, torch.Tensor) and tuple(cur.shape) == tuple(ip.shape):
+                    flat = torch.as_tensor(value).reshape(-1)
+                    cur.copy_(flat[pc.offset : pc.offset + pc.numel].view(cur.shape))
+                elif isinstance(cur, torch.Tensor):
+                    cur.copy_(torch.as_tensor(value))
+                else:
+                    st[key] = value
+                found = True
         del found

@@ -18,6 +18,7 @@ world size differs.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -88,6 +89,11 @@ class Target:
 
 class Adapter:
     """Common part; see [Note: two kinds of optimizer, one view]."""
+
+    def resident(self):
+        """A context in which the optimizer's state is in RAM (offloaded state read in and
+        written back after); a plain optimizer's always is."""
+        return contextlib.nullcontext()
 
     stage: int
     mode: str
@@ -209,6 +215,9 @@ class ZeroAdapter(Adapter):
         self.layout, self.rank, self.world_size = st.layout, st.rank, st.world_size
         self.dp_rank, self.dp_size = comm.rank(st.group), comm.world_size(st.group)
         self.writer = st.replica_index == 0
+
+    def resident(self):
+        return self.state.resident()
 
     def params(self):
         return self.state.params()

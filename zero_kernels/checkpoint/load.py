@@ -76,7 +76,7 @@ def load_checkpoint(
     names = sorted(plan.meta["files"])
     mine = [n for j, n in enumerate(names) if j % ad.world_size == ad.rank]
     _agree(ctl, lambda: _verify(plan, mine), "verifying the files")
-    with Reader(plan.directory) as rd:
+    with Reader(plan.directory) as rd, ad.resident():  # offloaded state: in RAM for the load
         states = _agree(ctl, lambda: _read_targets(plan, ad, rd), "reading the pieces")
         groups = decode(plan.meta["param_groups"])
         ad.install(states, groups, plan.meta)

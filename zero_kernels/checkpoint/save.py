@@ -94,7 +94,11 @@ def save_checkpoint(
     ctl.arrive(f"save_checkpoint (step {step})")
     name, tmp = _on_rank0(ctl, lambda: _prepare(root, step), "the temp directory from rank 0")
     # hierarchical sharding: the first shard group writes, the others hold copies of its state
-    info = _try(lambda: _write_rank(ad, tmp)) if ad.writer else ("ok", {"files": {}, "schema": {}})
+    info = (
+        _try(lambda: _resident(ad, _write_rank, tmp))
+        if ad.writer
+        else ("ok", {"files": {}, "schema": {}})
+    )
     infos = ctl.gather(info, "every rank's files, on rank 0")
     meta = _meta(ad, name, groups_json, sched_json, extra_json) if ctl.rank == 0 else None
     return _on_rank0(
@@ -126,6 +130,11 @@ def _meta(ad: Adapter, name: str, groups_json, sched_json, extra_json) -> dict:
 
 
 # ---------------------------------------------------------------------------- collective frame
+def _resident(ad: Adapter, fn, *args):
+    with ad.resident():  # offloaded state in RAM for the write ([Note: offload])
+        return fn(ad, *args)
+
+
 def _try(fn):
     """``("ok", fn())`` or ``("err", message)``: errors travel to the other ranks as values."""
     try:

@@ -106,6 +106,8 @@ class ShardRunner:
         self.flat_state: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # fused: per bucket
         # fused: per (buffer, state name), the whole shard's state; `flat_state` holds views
         self._state_whole: dict[tuple[int, str], torch.Tensor] = {}
+        self.swap = None  # zero_kernels.offload.StateSwapper: the moments on disk ([Note: offload])
+        self._resident = 0  # depth of `resident` (the moments read into RAM)
 
     def _slice(self, i: int, b: int) -> slice:
         """Bucket ``b``'s shard inside the rank's shard of buffer ``i``."""
@@ -230,31 +232,53 @@ class ShardRunner:
         else:
             assert not step_kwargs, "the fused kernel takes no step keywords"
         handles: list[tuple[tuple[int, int], comm.Handle]] = []
-        for i, buf in enumerate(self.layout.buffers):
-            m = self.masters[i]
-            lowp = m is not None
-            # last bucket first: it holds the first params of the forward (reverse layout), so
-            # its all-gather is the first one the next forward needs
-            for b in reversed(buf.buckets):
-                dst = self.store.shard(i, b.index)
+        # last bucket first: it holds the first params of the forward (reverse layout), so its
+        # all-gather is the first one the next forward needs
+        order = [
+            (i, b.index) for i, buf in enumerate(self.layout.buffers) for b in reversed(buf.buckets)
+        ]
+        src = None
+        if self.swap is not None and not self._resident:  # moments streamed ([Note: offload])
+            src = self.swap.stream([(i, b) for i, b in order if self.fused[i]])
+        try:
+            for i, b in order:
+                m = self.masters[i]
+                lowp = m is not None
+                dst = self.store.shard(i, b)
                 if self.fused[i]:
-                    self._fused_bucket(i, b.index, active, grad_scale, dst if lowp else None)
+                    flat, done = None, None
+                    if src is not None:
+                        key, flat, done = next(src)
+                        assert key == (i, b), (key, i, b)
+                    stepped = self._fused_bucket(
+                        i, b, active, grad_scale, dst if lowp else None, flat
+                    )
+                    if done is not None:
+                        done(stepped)
                 if m is not None and not (self.fused[i] and lowp):
-                    dst.copy_(m[self._slice(i, b.index)])
+                    dst.copy_(m[self._slice(i, b)])
                 if not self.store.sharded:  # stage 3 gathers at the next use instead
-                    handles.append(((i, b.index), self.gather(i, b.index, log, group)))
+                    handles.append(((i, b), self.gather(i, b, log, group)))
+            if src is not None:
+                next(src, None)  # the last bucket's write, then every write finished
+        finally:
+            if src is not None:
+                src.close()
         for _, _, _, p, _ in self.all_pieces():
             p.grad = None
         return handles
 
-    def _fused_bucket(self, i: int, b: int, active, grad_scale: float, out_lowp) -> None:
+    def _fused_bucket(self, i: int, b: int, active, grad_scale: float, out_lowp, flat=None) -> bool:
         """Adam/AdamW on bucket ``b``'s shard: one kernel call when its pieces agree, else one
-        per run of consecutive active pieces with the same ``step`` (see [Note: modes])."""
+        per run of consecutive active pieces with the same ``step`` (see [Note: modes]).
+        ``flat``: the bucket's moments (a staging buffer's views when they are offloaded).
+        Returns whether anything was stepped."""
         ks = [k for k, pc in enumerate(self.pieces[i]) if pc.bucket == b]
         if not ks:
-            return
+            return False
         g = self.inner.param_groups[i]
-        flat = self._flat_state(i, b, g)
+        if flat is None:
+            flat = self._flat_state(i, b, g)
         bk = self.layout.buffers[i].buckets[b]
         lo0 = bk.shard_start(self.rank)
         runs: list[tuple[int, int, int]] = []  # (first element, end, step) inside the shard
@@ -277,10 +301,18 @@ class ShardRunner:
             runs = [(0, bk.shard_numel, runs[0][2])]  # the whole shard, padding included
         master = self.master_view(i, b)
         grad = self.grads.shard(i, b)
+        stepped = False
         for lo, hi, s in runs:
             if hi <= lo:
                 continue
+            stepped = True
             hyper = self._adam_hyper(g, s, grad_scale)
+            if hyper.amsgrad and "max_exp_avg_sq" not in flat:
+                raise ValueError(
+                    "amsgrad=True set after the ZeroOptimizer was built with "
+                    "offload_optimizer='nvme': the offload file has no max_exp_avg_sq; set "
+                    "amsgrad at construction"
+                )
             adam_step(
                 master[lo:hi],
                 grad[lo:hi],
@@ -291,9 +323,15 @@ class ShardRunner:
                 out_lowp=None if out_lowp is None else out_lowp[lo:hi],
                 backend=self.backend,
             )
+        return stepped
 
     def _flat_state(self, i: int, b: int, g: dict) -> dict[str, torch.Tensor]:
         """The bucket's flat Adam state (created at its first step, zeros, as torch does)."""
+        if self.swap is not None and not self._resident:
+            raise RuntimeError(
+                "the Adam moments are offloaded (offload_optimizer='nvme'): read them inside "
+                "ShardRunner.resident()"
+            )
         key = (i, b)
         if key not in self.flat_state:
             names = _ADAM_KEYS if g.get("amsgrad", False) else _ADAM_KEYS[:2]
@@ -328,8 +366,9 @@ class ShardRunner:
             pc = self.pieces[i][k]
             lo = pc.start - self.layout.buffers[i].buckets[pc.bucket].shard_start(self.rank)
             st["step"] = torch.tensor(0.0, dtype=torch.float32)
-            for name, t in flat.items():
-                st[name] = t[lo : lo + pc.numel].view(p.shape)
+            if self.swap is None or self._resident:  # offloaded: views only while resident
+                for name, t in flat.items():
+                    st[name] = t[lo : lo + pc.numel].view(p.shape)
         return st
 
     def piece_flat_state(self, i: int, k: int) -> dict[str, torch.Tensor]:
@@ -364,6 +403,49 @@ class ShardRunner:
                         view.copy_(st[name])
                     st[name] = view
                 st["step"] = torch.as_tensor(st["step"], dtype=torch.float32).clone()
+
+    @contextlib.contextmanager
+    def resident(self):
+        """The offloaded moments in RAM for the duration (state dicts, checkpoints, full_state,
+        loads), written back to the file after; nothing to do without offload. Reentrant."""
+        if self.swap is None or self._resident:
+            self._resident += self.swap is not None
+            try:
+                yield
+            finally:
+                self._resident -= self.swap is not None
+            return
+        sw = self.swap
+        self._resident = 1
+        try:
+            for (i, b), _ in sw.records.items():
+                sw.read_into(i, b, {n: self._state_view(i, b, n) for n in sw.names[i]})
+            for i, _k, pc, p, _ in self.all_pieces():  # pieces with state: their views again
+                st = self.inner.state.get(p)
+                if self.fused[i] and st:
+                    flat = self._flat_state(i, pc.bucket, self.inner.param_groups[i])
+                    lo = pc.start - self.layout.buffers[i].buckets[pc.bucket].shard_start(self.rank)
+                    for name, t in flat.items():
+                        st[name] = t[lo : lo + pc.numel].view(p.shape)
+            yield
+            for (i, b), _ in sw.records.items():
+                extra = set(self.flat_state.get((i, b), {})) - set(sw.names[i])
+                if extra:
+                    raise ValueError(
+                        f"state {sorted(extra)} was loaded into an optimizer built without it "
+                        "and offload_optimizer='nvme' (amsgrad set after construction?): build "
+                        "it with the same amsgrad"
+                    )
+                sw.write_from(i, b, {n: self._state_view(i, b, n) for n in sw.names[i]})
+        finally:
+            self._resident = 0
+            self._state_whole.clear()
+            self.flat_state.clear()
+            for i, _k, _pc, p, _ in self.all_pieces():
+                st = self.inner.state.get(p)
+                if self.fused[i] and st:
+                    for name in _ADAM_KEYS:
+                        st.pop(name, None)
 
     def gather(self, i: int, b: int, log, group, **bound) -> comm.Handle:
         """Start the all-gather of bucket ``b`` of buffer ``i`` from every rank's param shard

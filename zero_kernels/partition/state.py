@@ -49,17 +49,25 @@ def local_payload(layout: Layout, runner, masters: bool = False) -> list[dict]:
     ``masters``, the fp32 master values of low-precision params as element-wise entry
     `MASTER_KEY`."""
     out = [{} for _ in layout.buffers]
-    for i, _, pc, p, _ in runner.all_pieces():
-        st = runner.inner.state.get(p, {})
-        if not st:
-            continue
-        elem = {
-            k: v.detach().reshape(-1).clone() for k, v in st.items() if elementwise(k, v, p.shape)
-        }
-        if masters and runner.masters[i] is not None:  # p is the piece's master view
-            elem[MASTER_KEY] = p.detach().reshape(-1).clone()
-        other = {k: _copy(v) for k, v in st.items() if k not in elem}
-        out[i][pc.index] = {"offset": pc.offset, "numel": pc.numel, "elem": elem, "other": other}
+    with runner.resident():  # offloaded moments read in for the copy ([Note: offload])
+        for i, _, pc, p, _ in runner.all_pieces():
+            st = runner.inner.state.get(p, {})
+            if not st:
+                continue
+            elem = {
+                k: v.detach().reshape(-1).clone()
+                for k, v in st.items()
+                if elementwise(k, v, p.shape)
+            }
+            if masters and runner.masters[i] is not None:  # p is the piece's master view
+                elem[MASTER_KEY] = p.detach().reshape(-1).clone()
+            other = {k: _copy(v) for k, v in st.items() if k not in elem}
+            out[i][pc.index] = {
+                "offset": pc.offset,
+                "numel": pc.numel,
+                "elem": elem,
+                "other": other,
+            }
     return out
 
 

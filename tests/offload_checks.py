@@ -1,0 +1,209 @@
+"""Checks run inside 2 gloo workers for tests/test_offload.py: offload_optimizer="nvme" against
+the same run without offload (bitwise), its I/O per step, checkpoints both ways, memory counts,
+the file's lifetime and the refusals."""
+
+from __future__ import annotations
+
+import gc
+import os
+import tempfile
+
+import torch
+from dist_utils import run_checks
+from torch import nn
+
+import zero_kernels
+
+DIR = os.environ.get("ZK_TEST_OFFLOAD_DIR") or tempfile.gettempdir()
+
+
+def model(dtype=torch.float32):
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(48, 48) for _ in range(4)]).to(dtype)
+
+
+def build(m, stage, off, **kw):
+    extra = {"offload_optimizer": "nvme", "offload_dir": DIR} if off else {}
+    return zero_kernels.ZeroOptimizer(
+        m,
+        torch.optim.AdamW,
+        stage=stage,
+        lr=1e-2,
+        weight_decay=0.1,
+        bucket_size_mb=0.004,
+        **extra,
+        **kw,
+    )
+
+
+def train(m, opt, steps, rank, start=0):
+    for s in range(start, start + steps):
+        g = torch.Generator().manual_seed(100 * s + rank)
+        x = torch.randn(6, 48, generator=g).to(next(m.parameters()).dtype)
+        opt.zero_grad()
+        m(x).float().square().mean().backward()
+        opt.clip_grad_norm_(0.05)  # clipping on: every step is clipped here
+        opt.step()
+
+
+def snapshot(m, opt):
+    w = {k: v.detach().clone() for k, v in m.state_dict().items()}
+    st = [opt.full_state(p) for p in m.parameters()]
+    return w, st
+
+
+def same(a, b) -> bool:
+    (wa, sa), (wb, sb) = a, b
+    return all(torch.equal(wa[k], wb[k]) for k in wa) and all(
+        x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(sa, sb)
+    )
+
+
+def _bitwise(stage, dtype, **kw):
+    def check(rank, world):
+        runs = []
+        for off in (False, True):
+            m = model(dtype)
+            opt = build(m, stage, off, **kw)
+            train(m, opt, 4, rank)
+            runs.append(snapshot(m, opt))
+            opt.close()
+        assert same(*runs), f"stage {stage} {dtype}: offloaded run differs"
+        return {}
+
+    check.__name__ = f"bitwise_stage{stage}_{str(dtype)[6:]}" + ("_amsgrad" if kw else "")
+    return check
+
+
+def io_per_step(rank, world):
+    """Each step reads and writes every bucket's record once: the moments, nothing more."""
+    m = model()
+    opt = build(m, 2, True)
+    sw = opt.parts.core.runner.swap
+    record = sum(stride * len(sw.names[i]) * 4 for (i, _), (_, _, stride) in sw.records.items())
+    need = sum(numel * len(sw.names[i]) * 4 for (i, _), (_, numel, _) in sw.records.items())
+    train(m, opt, 3, rank)
+    rd, wr = sw.bytes_read, sw.bytes_written
+    assert rd == wr == 3 * record, (rd, wr, record)
+    pads = sum(len(sw.names[i]) for i, _ in sw.records)  # each moment padded to 4 KiB
+    assert need <= record < need + 4096 * pads, (record, need, pads)
+    rep = opt.memory_report()
+    steps = 4 * len(list(opt.parts.core.runner.all_pieces()))  # each piece's 0-dim step
+    assert rep["optim_state_bytes"] <= steps, rep  # nothing of the moments stays in RAM
+    assert rep["offload_disk_bytes"] == sw.nbytes >= need
+    assert rep["offload_staging_bytes"] == sw.staging_bytes > 0
+    assert rep["offload_read_bytes"] == rd
+    direct = sw.file.direct
+    opt.close()
+    return {"record_bytes": record, "needed_bytes": need, "o_direct": direct}
+
+
+def checkpoints(rank, world):
+    """Saved with offload at stage 3, loaded without it at stage 2 and the other way round:
+    the next steps equal an uninterrupted run's."""
+    m0 = model()
+    o0 = build(m0, 2, False)
+    train(m0, o0, 5, rank)
+    want = snapshot(m0, o0)
+    o0.close()
+    d = os.path.join(DIR, f"zk-offload-ckpt-{os.getppid()}")
+    for first, second in (((3, True), (2, False)), ((2, False), (3, True))):
+        m = model()
+        o = build(m, first[0], first[1])
+        train(m, o, 3, rank)
+        path = zero_kernels.save_checkpoint(d, m, o, extra={"step": 3})
+        o.close()
+        m2 = model()
+        with torch.no_grad():
+            for p in m2.parameters():
+                p.zero_()
+        o2 = build(m2, second[0], second[1])
+        zero_kernels.load_checkpoint(path, m2, o2)
+        train(m2, o2, 2, rank, start=3)
+        got = snapshot(m2, o2)
+        o2.close()
+        assert same(got, want), f"saved {first}, loaded {second}: differs"
+    torch.distributed.barrier()
+    if rank == 0:
+        import shutil
+
+        shutil.rmtree(d, ignore_errors=True)
+    return {}
+
+
+def state_dict_round_trip(rank, world):
+    m = model(torch.bfloat16)
+    o = build(m, 1, True)
+    train(m, o, 2, rank)
+    sd = o.state_dict()
+    keys = {k for st in sd["inner"]["state"].values() for k in st}
+    assert {"exp_avg", "exp_avg_sq", "step"} <= keys, keys
+    m2 = model(torch.bfloat16)
+    o2 = build(m2, 1, True)
+    m2.load_state_dict(m.state_dict())
+    o2.load_state_dict(sd)
+    train(m, o, 2, rank, start=2)
+    train(m2, o2, 2, rank, start=2)
+    assert same(snapshot(m, o), snapshot(m2, o2))
+    o.close()
+    o2.close()
+    return {}
+
+
+def file_lifetime(rank, world):
+    m = model()
+    o = build(m, 2, True)
+    path = o.parts.core.runner.swap.path
+    assert os.path.exists(path) and os.path.basename(path).startswith("zero_kernels-optstate-")
+    o.close()
+    assert not os.path.exists(path), path
+    o = build(model(), 2, True)
+    path = o.parts.core.runner.swap.path
+    del o
+    gc.collect()
+    assert not os.path.exists(path), f"{path} outlived its optimizer"
+    return {}
+
+
+def refusals(rank, world):
+    msgs = {}
+    cases = [
+        ("missing dir", dict(offload_optimizer="nvme", offload_dir=DIR + "/no/such"), ValueError),
+        ("no dir", dict(offload_optimizer="nvme"), ValueError),
+        ("cpu tier", dict(offload_optimizer="cpu"), NotImplementedError),
+        ("params", dict(offload_params="nvme", offload_dir=DIR), NotImplementedError),
+    ]
+    for what, kw, err in cases:
+        try:
+            zero_kernels.ZeroOptimizer(model(), torch.optim.AdamW, stage=3, lr=1e-3, **kw)
+            raise AssertionError(f"{what}: accepted")
+        except err as e:
+            assert "offload" in str(e), e
+            msgs[what] = "raised"
+    try:
+        zero_kernels.ZeroOptimizer(
+            model(), torch.optim.SGD, stage=2, lr=1e-3, offload_optimizer="nvme", offload_dir=DIR
+        )
+        raise AssertionError("SGD: accepted")
+    except NotImplementedError as e:
+        assert "fused Adam" in str(e), e
+        msgs["sgd"] = "raised"
+    return msgs
+
+
+CHECKS = [
+    _bitwise(1, torch.float32),
+    _bitwise(2, torch.bfloat16),
+    _bitwise(3, torch.float32),
+    _bitwise(3, torch.bfloat16),
+    _bitwise(2, torch.float32, amsgrad=True),
+    io_per_step,
+    checkpoints,
+    state_dict_round_trip,
+    file_lifetime,
+    refusals,
+]
+
+
+def worker(rank, world):
+    return run_checks(rank, world, CHECKS)
