@@ -17,20 +17,25 @@ import zero_kernels
 DIR = os.environ.get("ZK_TEST_OFFLOAD_DIR") or tempfile.gettempdir()
 
 
-def model(dtype=torch.float32):
+def model(dtype=torch.float32, width=48):
     torch.manual_seed(0)
-    return nn.Sequential(*[nn.Linear(48, 48) for _ in range(4)]).to(dtype)
+    layers = [nn.Linear(48, width), nn.Linear(width, width), nn.Linear(width, 48)]
+    return nn.Sequential(*layers, nn.Linear(48, 48)).to(dtype)
 
 
-def build(m, stage, off, **kw):
-    extra = {"offload_optimizer": "nvme", "offload_dir": DIR} if off else {}
+def build(m, stage, off, bucket_mb=0.004, **kw):
+    """``bucket_mb=0.1`` and width 128 with the 0.1 MiB of staging: several chunks per
+    bucket, whose bounds cut params (runs of pieces cut at chunk bounds)."""
+    extra = {}
+    if off:
+        extra = {"offload_optimizer": "nvme", "offload_dir": DIR, "offload_staging_mb": 0.1}
     return zero_kernels.ZeroOptimizer(
         m,
         torch.optim.AdamW,
         stage=stage,
         lr=1e-2,
         weight_decay=0.1,
-        bucket_size_mb=0.004,
+        bucket_size_mb=bucket_mb,
         **extra,
         **kw,
     )
@@ -63,15 +68,19 @@ def _bitwise(stage, dtype, **kw):
     def check(rank, world):
         runs = []
         for off in (False, True):
-            m = model(dtype)
+            m = model(dtype, 128 if kw.get("bucket_mb") else 48)
             opt = build(m, stage, off, **kw)
             train(m, opt, 4, rank)
             runs.append(snapshot(m, opt))
+            if off and kw.get("bucket_mb"):
+                sw = opt.parts.core.runner.swap
+                assert max(len(r) for r in sw.records.values()) >= 2, sw.records
             opt.close()
         assert same(*runs), f"stage {stage} {dtype}: offloaded run differs"
         return {}
 
-    check.__name__ = f"bitwise_stage{stage}_{str(dtype)[6:]}" + ("_amsgrad" if kw else "")
+    tags = "".join(f"_{k}" for k in kw)
+    check.__name__ = f"bitwise_stage{stage}_{str(dtype)[6:]}{tags}"
     return check
 
 
@@ -80,12 +89,11 @@ def io_per_step(rank, world):
     m = model()
     opt = build(m, 2, True)
     sw = opt.parts.core.runner.swap
-    record = sum(stride * len(sw.names[i]) * 4 for (i, _), (_, _, stride) in sw.records.items())
-    need = sum(numel * len(sw.names[i]) * 4 for (i, _), (_, numel, _) in sw.records.items())
+    record, need = sw.record_bytes(), sw.moment_bytes()
     train(m, opt, 3, rank)
     rd, wr = sw.bytes_read, sw.bytes_written
     assert rd == wr == 3 * record, (rd, wr, record)
-    pads = sum(len(sw.names[i]) for i, _ in sw.records)  # each moment padded to 4 KiB
+    pads = sum(len(sw.names[i]) * len(rs) for (i, _), rs in sw.records.items())  # 4 KiB each
     assert need <= record < need + 4096 * pads, (record, need, pads)
     rep = opt.memory_report()
     steps = 4 * len(list(opt.parts.core.runner.all_pieces()))  # each piece's 0-dim step
@@ -195,8 +203,8 @@ CHECKS = [
     _bitwise(1, torch.float32),
     _bitwise(2, torch.bfloat16),
     _bitwise(3, torch.float32),
-    _bitwise(3, torch.bfloat16),
-    _bitwise(2, torch.float32, amsgrad=True),
+    _bitwise(3, torch.bfloat16, bucket_mb=0.1),
+    _bitwise(2, torch.float32, amsgrad=True, bucket_mb=0.1),
     io_per_step,
     checkpoints,
     state_dict_round_trip,

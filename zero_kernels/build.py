@@ -294,7 +294,9 @@ def _swapper(core: Core, r, optimizer_class, group_opts, defaults, off):
     for i, buf in enumerate(core.layout.buffers):
         ams = group_opts[buf.group].get("amsgrad", defaults.get("amsgrad", False))
         names[i] = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if ams else ())
-    return StateSwapper(core.layout, core.rank, names, off.offload_dir, staging=off.offload_staging)
+    return StateSwapper(
+        core.layout, core.rank, names, off.offload_dir, staging_mb=off.offload_staging_mb
+    )
 
 
 def quantization(core: Core) -> None:

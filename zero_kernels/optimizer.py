@@ -130,10 +130,11 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
             ``zero_kernels.hostmem.disable()`` was called; False: not installed by this
             optimizer (one installed before stays). Limits set by ``hostmem.install()`` are
             kept. ``opt.host_cache``: whether the cache is in use.
-        offload_optimizer, offload_dir, offload_staging: ``"nvme"`` keeps the fused Adam
-            step's moments in a file under ``offload_dir``, streamed through ``offload_staging``
-            bucket-sized buffers ([Note: offload] in `zero_kernels.offload.swap`); results are
-            bitwise those without offload. offload_params: not built yet.
+        offload_optimizer, offload_dir, offload_staging_mb: ``"nvme"`` keeps the fused Adam
+            step's moments in a file under ``offload_dir``, streamed chunk by chunk through
+            staging buffers of ``offload_staging_mb`` MiB in all ([Note: offload] in
+            `zero_kernels.offload.swap`); results are bitwise those without offload.
+            offload_params: not built yet.
         **defaults: passed to ``optimizer_class``.
 
     Gradients: after backward, ``param.grad`` is a `ShardedGrad` (this rank's piece of the
@@ -199,7 +200,7 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
         offload_optimizer: str | None = None,
         offload_params: str | None = None,
         offload_dir: str | None = None,
-        offload_staging: int = 3,
+        offload_staging_mb: float = 48.0,
         **defaults,
     ):
         # how this optimizer was built: add_param_group builds it again with one more group
@@ -239,7 +240,7 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
             offload_optimizer=offload_optimizer,
             offload_params=offload_params,
             offload_dir=offload_dir,
-            offload_staging=offload_staging,
+            offload_staging_mb=offload_staging_mb,
         )
         self.policy = policy
         validate.check_args(kernel_backend, nonfinite)

@@ -210,15 +210,16 @@ class OffloadPolicy:
     """Where state lives when it is not in use ([Note: offload] in `zero_kernels.offload`).
 
     offload_optimizer: ``"nvme"`` keeps the Adam moments of the fused step (exp_avg,
-    exp_avg_sq, max_exp_avg_sq) in a file under ``offload_dir``, read bucket by bucket ahead of
-    the step and written behind it, through ``offload_staging`` bucket-sized staging buffers
-    (at least 2); ``"cpu"`` is the tier for GPU runs (not built yet: NotImplementedError).
-    offload_params (stage 3, params between uses): not built yet."""
+    exp_avg_sq, max_exp_avg_sq) in a file under ``offload_dir``, read chunk by chunk ahead of the
+    step and written behind it, through staging buffers of ``offload_staging_mb`` MiB in all
+    (three: stepping, reading ahead, writing behind; at least 0.1 MiB); ``"cpu"`` is the tier for
+    GPU runs (not built yet: NotImplementedError). offload_params (stage 3, params between
+    uses): not built yet."""
 
     offload_optimizer: str | None = None
     offload_params: str | None = None
     offload_dir: str | None = None
-    offload_staging: int = 3
+    offload_staging_mb: float = 48.0
 
     def __post_init__(self):
         v = self.offload_optimizer
@@ -243,9 +244,9 @@ class OffloadPolicy:
             raise ValueError(
                 f"offload_dir={self.offload_dir!r} given without offload_optimizer='nvme'"
             )
-        k = self.offload_staging
-        if isinstance(k, bool) or not isinstance(k, int) or k < 2:
-            raise ValueError(f"offload_staging must be an int >= 2, got {k!r}")
+        k = self.offload_staging_mb
+        if isinstance(k, bool) or not isinstance(k, (int, float)) or not k >= 0.1:
+            raise ValueError(f"offload_staging_mb must be a number >= 0.1 (MiB), got {k!r}")
 
 
 @dataclass(frozen=True)

@@ -245,15 +245,16 @@ class ShardRunner:
                 m = self.masters[i]
                 lowp = m is not None
                 dst = self.store.shard(i, b)
-                if self.fused[i]:
-                    flat, done = None, None
-                    if src is not None:
-                        key, flat, done = next(src)
-                        assert key == (i, b), (key, i, b)
-                    stepped = self._fused_bucket(
-                        i, b, active, grad_scale, dst if lowp else None, flat
-                    )
-                    if done is not None:
+                if self.fused[i] and src is None:
+                    self._fused_bucket(i, b, active, grad_scale, dst if lowp else None)
+                elif self.fused[i]:  # chunk by chunk through the staging buffers
+                    plan = self._bucket_runs(i, b, active)
+                    for lo, hi in self.swap.chunks(i, b):
+                        key, span, flat, done = next(src)
+                        assert key == (i, b) and span == (lo, hi), (key, span, i, b, lo, hi)
+                        stepped = plan is not None and self._adam_runs(
+                            i, b, plan, grad_scale, dst if lowp else None, flat, lo, hi
+                        )
                         done(stepped)
                 if m is not None and not (self.fused[i] and lowp):
                     dst.copy_(m[self._slice(i, b)])
@@ -268,17 +269,28 @@ class ShardRunner:
             p.grad = None
         return handles
 
-    def _fused_bucket(self, i: int, b: int, active, grad_scale: float, out_lowp, flat=None) -> bool:
+    def _fused_bucket(self, i: int, b: int, active, grad_scale: float, out_lowp) -> bool:
         """Adam/AdamW on bucket ``b``'s shard: one kernel call when its pieces agree, else one
         per run of consecutive active pieces with the same ``step`` (see [Note: modes]).
-        ``flat``: the bucket's moments (a staging buffer's views when they are offloaded).
         Returns whether anything was stepped."""
+        plan = self._bucket_runs(i, b, active)
+        if plan is None:
+            return False
+        flat = self._flat_state(i, b, plan[0])
+        n = self.layout.buffers[i].buckets[b].shard_numel
+        return self._adam_runs(i, b, plan, grad_scale, out_lowp, flat, 0, n)
+
+    def _bucket_runs(self, i: int, b: int, active):
+        """Advance the ``step`` of the bucket's active pieces; ``(group, runs)`` with runs
+        ``(first element, end, step)`` inside the bucket's shard, or None without pieces."""
         ks = [k for k, pc in enumerate(self.pieces[i]) if pc.bucket == b]
         if not ks:
-            return False
+            return None
         g = self.inner.param_groups[i]
-        if flat is None:
+        if self.swap is None or self._resident:
             flat = self._flat_state(i, b, g)
+        else:
+            flat = {}  # offloaded: the pieces' state holds ``step`` only
         bk = self.layout.buffers[i].buckets[b]
         lo0 = bk.shard_start(self.rank)
         runs: list[tuple[int, int, int]] = []  # (first element, end, step) inside the shard
@@ -299,10 +311,18 @@ class ShardRunner:
             joined = True
         if len(runs) == 1 and all(self.pieces[i][k].index in active for k in ks):
             runs = [(0, bk.shard_numel, runs[0][2])]  # the whole shard, padding included
+        return g, runs
+
+    def _adam_runs(self, i, b, plan, grad_scale, out_lowp, flat, clo: int, chi: int) -> bool:
+        """The kernel on ``plan``'s runs cut to ``[clo, chi)`` of the bucket's shard; ``flat``:
+        the moments of that range (the whole bucket's, or a staging chunk's: [Note: offload]).
+        Returns whether anything was stepped."""
+        g, runs = plan
         master = self.master_view(i, b)
         grad = self.grads.shard(i, b)
         stepped = False
         for lo, hi, s in runs:
+            lo, hi = max(lo, clo), min(hi, chi)
             if hi <= lo:
                 continue
             stepped = True
@@ -313,13 +333,14 @@ class ShardRunner:
                     "offload_optimizer='nvme': the offload file has no max_exp_avg_sq; set "
                     "amsgrad at construction"
                 )
+            a, z = lo - clo, hi - clo
             adam_step(
                 master[lo:hi],
                 grad[lo:hi],
-                flat["exp_avg"][lo:hi],
-                flat["exp_avg_sq"][lo:hi],
+                flat["exp_avg"][a:z],
+                flat["exp_avg_sq"][a:z],
                 hyper,
-                max_exp_avg_sq=flat["max_exp_avg_sq"][lo:hi] if hyper.amsgrad else None,
+                max_exp_avg_sq=flat["max_exp_avg_sq"][a:z] if hyper.amsgrad else None,
                 out_lowp=None if out_lowp is None else out_lowp[lo:hi],
                 backend=self.backend,
             )
@@ -418,7 +439,7 @@ class ShardRunner:
         sw = self.swap
         self._resident = 1
         try:
-            for (i, b), _ in sw.records.items():
+            for i, b in sw.records:
                 sw.read_into(i, b, {n: self._state_view(i, b, n) for n in sw.names[i]})
             for i, _k, pc, p, _ in self.all_pieces():  # pieces with state: their views again
                 st = self.inner.state.get(p)
@@ -428,7 +449,7 @@ class ShardRunner:
                     for name, t in flat.items():
                         st[name] = t[lo : lo + pc.numel].view(p.shape)
             yield
-            for (i, b), _ in sw.records.items():
+            for i, b in sw.records:
                 extra = set(self.flat_state.get((i, b), {})) - set(sw.names[i])
                 if extra:
                     raise ValueError(
