@@ -98,6 +98,7 @@ def _fit(
     clip=CLIP,
     accum=2,
     trainer_kw=None,
+    top_k=-1,
     **kw,
 ):
     """Fit a fresh model (built after ``seed_everything(seed)``): (losses, model, trainer)."""
@@ -107,7 +108,7 @@ def _fit(
     callbacks = []
     if ckpt_dir is not None:
         callbacks.append(
-            L.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_epochs=1, save_top_k=-1)
+            L.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_epochs=1, save_top_k=top_k)
         )
     trainer = L.Trainer(
         accelerator="cpu",
@@ -173,9 +174,12 @@ def check_stages_match_ddp(rank, world):
     ddp, ddp_model, _ = _fit(L, "ddp", world)
     out = {}
     for stage in (1, 2, 3):
-        ckpt = os.path.join(_STATE["dir"], "s3") if stage == 3 else None
+        ckpt = os.path.join(_STATE["dir"], f"s{stage}") if stage > 1 else None
+        top_k = 1 if stage == 2 else -1  # stage 2: each new checkpoint removes the one before
         with _count_clips() as clips:
-            got, model, trainer = _fit(L, f"zero_kernels_stage_{stage}", world, ckpt_dir=ckpt)
+            got, model, trainer = _fit(
+                L, f"zero_kernels_stage_{stage}", world, ckpt_dir=ckpt, top_k=top_k
+            )
         assert len(clips) == EPOCHS * 2 and clips[0] == (CLIP,), clips
         opt = trainer.strategy.zero_optimizer
         assert type(trainer.strategy).__name__ == "ZeroStrategy"
@@ -186,11 +190,16 @@ def check_stages_match_ddp(rank, world):
         out[f"stage{stage}_val"] = _rel(model.val_losses, ddp_model.val_losses)
         assert out[f"stage{stage}_val"] < 1e-5, (model.val_losses, ddp_model.val_losses)
         _STATE[f"s{stage}"] = got
+        if stage == 2:
+            trainer.strategy.barrier()
+            assert os.listdir(ckpt) == [f"epoch={EPOCHS - 1}-step={EPOCHS * 2}.ckpt"]
         if stage == 3:  # after fit: the optimizer is alive, a save still works (collective)
             final = os.path.join(_STATE["dir"], "final.ckpt")
-            trainer.save_checkpoint(final)
+            for _ in range(2):  # saved again: replaced, its old side file removed
+                trainer.save_checkpoint(final)
             names = sorted(os.listdir(final))
-            assert "latest" in names and any(n.startswith("lightning-") for n in names), names
+            assert len(names) == 3 and names[0] == "latest", names
+            assert names[1].startswith("lightning-") and names[2].startswith("step-00000006"), names
         trainer.strategy.close()  # collective: every rank
     # the clipping acted: without it the losses after the first step differ
     noclip = _fit(L, "zero_kernels_stage_2", world, clip=0.0)[0]
