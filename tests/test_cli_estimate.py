@@ -148,6 +148,21 @@ def test_meta_factory_matches_real_model():
         (["estimate"], "--params"),
         (["estimate", "--params", "1B"], "--world-size"),  # required: no silent world size 1
         (["estimate", "--params", "1B", "--json"], "--world-size"),
+        (["estimate", "--params", "1B", "-n", "2", "--offload-optimizer", "cpu"], "offload"),
+        (
+            [
+                "estimate",
+                "--params",
+                "1B",
+                "-n",
+                "2",
+                "--optimizer",
+                "sgd",
+                "--offload-optimizer",
+                "nvme",
+            ],
+            "--offload-optimizer",
+        ),
     ],
 )
 def test_estimate_bad_arguments(argv, needle, capsys):
@@ -331,3 +346,22 @@ def test_cross_node_bytes_match_the_testbed(capsys):
     assert "--nodes must be >= 1 and divide --world-size 4" in capsys.readouterr().err
     with pytest.raises(ValueError, match="--nodes and ranks per node must be >= 1"):
         est.cross_node(10, 0, 2)
+
+
+def test_offload_optimizer(capsys):
+    """--offload-optimizer nvme: the fp32 moments (8 bytes/param) leave RAM for the disk, the
+    staging buffers join the total, a step reads and writes the moments once; DDP unchanged."""
+    plain = est.estimate(10**9, 4, precision="mixed")
+    off = est.estimate(10**9, 4, precision="mixed", offload_optimizer="nvme", offload_staging_mb=64)
+    assert off.stages[0] == plain.stages[0]
+    for a, b in zip(plain.stages[1:], off.stages[1:]):
+        moments = 8 * 10**9 / 4
+        assert b.offload_disk_bytes == moments
+        assert b.optim_bytes == a.optim_bytes - moments  # the fp32 masters stay
+        assert b.offload_staging_bytes == 64 * 2**20
+        assert b.total_bytes == a.total_bytes - moments + 64 * 2**20
+        assert b.offload_io_bytes == 2 * moments
+    assert main(["estimate", "--params", "1B", "-n", "4", "--offload-optimizer", "nvme"]) == 0
+    out = capsys.readouterr().out
+    assert "offload stage 3: Adam moments on disk, 2 GB per rank" in out, out
+    assert "4 GB read + written per step" in out

@@ -390,6 +390,11 @@ class StageEstimate:
     fits: bool | None = None
     comm_buffer_bytes: float = 0.0  # stage 2's in-flight bucket buffers (see the Note)
     scratch_bytes: float = 0.0  # receive buffers + autograd's largest gradient (see the Note)
+    # offload_optimizer="nvme": the Adam moments on disk (out of optim_bytes), the staging
+    # buffers in RAM (in total_bytes), the bytes read plus written per step, per rank
+    offload_disk_bytes: float = 0.0
+    offload_staging_bytes: float = 0.0
+    offload_io_bytes: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -412,6 +417,8 @@ def estimate_stage(
     reshard_after_forward: bool = True,
     largest_param: int | None = None,
     comm_scratch: str = "pairwise",
+    offload_optimizer: str | None = None,
+    offload_staging_mb: float = 48.0,
 ) -> StageEstimate:
     """Per-rank model-state bytes, comm buffers and per-step communication of one stage (see
     the Note above); ``bucket_mb`` / ``max_inflight_buckets`` / ``reshard_after_forward`` as
@@ -422,7 +429,19 @@ def estimate_stage(
     ``scratch_bytes``, "pairwise" (receive buffers), "shm" (the shared-memory slots, what the
     probe picks for ranks on one host: at most `SHM_SLOT_BYTES` per process group, one group
     at stages 1-2, two at stage 3 where the reduce-scatters have a group of their own) or
-    "pairwise+shm" (both: the probe chose per size class, some each way)."""
+    "pairwise+shm" (both: the probe chose per size class, some each way).
+    ``offload_optimizer="nvme"`` (stages 1-3, adam): the fp32 moments (8 bytes per param) leave
+    ``optim_bytes`` for ``offload_disk_bytes``, the staging buffers join the total, and every
+    step reads and writes them once (``offload_io_bytes``; [Note: offload])."""
+    if offload_optimizer not in (None, "nvme"):
+        raise ValueError(f"--offload-optimizer must be nvme; got {offload_optimizer!r}")
+    if offload_optimizer and stage == 0:
+        raise ValueError("--offload-optimizer is a ZeroOptimizer option (stages 1-3), not DDP's")
+    if offload_optimizer and OPTIMIZERS.get(optimizer) != 2:
+        raise ValueError(
+            f"--offload-optimizer nvme offloads the fused Adam step's moments; got "
+            f"--optimizer {optimizer}"
+        )
     if stage not in STAGES:
         raise ValueError(f"--stage must be one of {STAGES}; got {stage!r}")
     if world_size < 1:
@@ -461,7 +480,13 @@ def estimate_stage(
     else:
         ar, rs, ag, elems = 0.0, g, 2 * p, 3.0
         wire = ring * (g + 2 * p)
-    total = pb + gb + ob + live
+    disk = staging = io = 0.0
+    if offload_optimizer:
+        disk = 2 * 4 * psi / n  # exp_avg + exp_avg_sq, fp32, this rank's shard
+        ob -= disk
+        staging = offload_staging_mb * 2**20
+        io = 2 * disk
+    total = pb + gb + ob + live + staging
     comm_bytes = 2 * ar + rs + ag  # an all-reduce is a reduce-scatter plus an all-gather
     buffers = 0.0
     if stage == 2:
@@ -504,6 +529,9 @@ def estimate_stage(
         fits=fits,
         comm_buffer_bytes=buffers,
         scratch_bytes=scratch,
+        offload_disk_bytes=disk,
+        offload_staging_bytes=staging,
+        offload_io_bytes=io,
     )
 
 
@@ -536,8 +564,11 @@ def estimate(
     stages: Sequence[int] = STAGES,
     bucket_mb: float = DEFAULT_BUCKET_MB,
     max_inflight_buckets: int = 2,
+    offload_optimizer: str | None = None,
+    offload_staging_mb: float = 48.0,
 ) -> Estimate:
-    """All stages for a parameter count or a model spec (see `model_info`)."""
+    """All stages for a parameter count or a model spec (see `model_info`); with
+    ``offload_optimizer``, stages 1-3 offload (DDP's row stays as it is)."""
     shapes = None
     largest = None
     if model is not None:
@@ -563,6 +594,8 @@ def estimate(
             bucket_mb=bucket_mb,
             max_inflight_buckets=max_inflight_buckets,
             largest_param=max((math.prod(x) for x in shapes), default=0) if shapes else None,
+            offload_optimizer=offload_optimizer if s else None,
+            offload_staging_mb=offload_staging_mb,
         )
         for s in stages
     ]

@@ -180,6 +180,19 @@ def _build_parser() -> argparse.ArgumentParser:
         help="ZeroOptimizer bucket size in MiB, for stage 2's comm buffers "
         "(default 25, as ZeroOptimizer)",
     )
+    e.add_argument(
+        "--offload-optimizer",
+        choices=["nvme"],
+        default=None,
+        help="stages 1-3 with the Adam moments on disk (ZeroOptimizer(offload_optimizer='nvme')):"
+        " RAM, disk and I/O per step per rank",
+    )
+    e.add_argument(
+        "--offload-staging-mb",
+        type=_positive_float("offload-staging-mb"),
+        default=48.0,
+        help="the staging buffers' MiB with --offload-optimizer (default 48, as ZeroOptimizer)",
+    )
     e.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     b = sub.add_parser(
@@ -239,6 +252,8 @@ def _cmd_estimate(args) -> int:
         prefetch=args.prefetch,
         gpu_mem=gpu_mem,
         bucket_mb=bucket_mb,
+        offload_optimizer=args.offload_optimizer,
+        offload_staging_mb=args.offload_staging_mb,
     )
     if args.nodes is not None:
         cross = est.cross_node(
@@ -298,6 +313,13 @@ def _cmd_estimate(args) -> int:
                 f"{'buffers':<8}stage {s.stage}: + {f(s.comm_buffer_bytes)} of comm buffers "
                 f"(<= 2 in-flight buckets of {e.bucket_mb:g} MiB, fp32 grads), not in the "
                 "totals above"
+            )
+    for s in e.stages:
+        if s.offload_disk_bytes:
+            print(
+                f"{'offload':<8}stage {s.stage}: Adam moments on disk, {f(s.offload_disk_bytes)}"
+                f" per rank (out of optim; {f(s.offload_staging_bytes)} of staging in the "
+                f"total), {f(s.offload_io_bytes)} read + written per step"
             )
     grad_only = "autograd's largest gradient"  # DDP: no receive buffers of ours
     what = "receive buffers" + (
