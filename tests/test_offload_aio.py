@@ -115,7 +115,7 @@ def test_aligned_empty():
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_round_trip_parallel(disk_dir, backend, direct):
-    # requests of many sizes (one page to 3.5 MiB: split into chunks) at non-overlapping offsets,
+    # requests of many sizes (one page to 3.5 MiB: split into 1 MiB chunks) at disjoint offsets,
     # all in flight at once, from two submitting threads; then read back the same way
     sizes = [ALIGN, 3 * ALIGN, MiB, MiB + ALIGN, 3 * MiB + 8 * ALIGN, 17 * ALIGN, 2 * MiB] * 3
     offsets, off = [], 0
@@ -124,7 +124,7 @@ def test_round_trip_parallel(disk_dir, backend, direct):
         offsets.append(off)
         off += n
     path = os.path.join(disk_dir, "rt.bin")
-    f = AioFile(path, off + 123, direct=direct, threads=3, **kw(backend))
+    f = AioFile(path, off + 123, direct=direct, threads=3, chunk_bytes=MiB, **kw(backend))
     assert f.size == aio._round_up(off + 123) and os.path.getsize(path) == f.size
     assert f.direct == direct and f.backend == kw(backend)["backend"]
     if backend != "python":
