@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <chrono>
 #include <climits>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <stdexcept>
@@ -406,8 +407,11 @@ AioEngine::AioEngine(int fd, int queue_depth, size_t chunk_bytes, bool direct,
   if (backend != "auto" && backend != "io_uring" && backend != "threads") {
     throw std::invalid_argument("backend must be auto, io_uring or threads, got " + backend);
   }
+  const char* env = std::getenv("ZERO_KERNELS_IO_URING");
   if (backend == "threads") {
     reason_ = "backend='threads' requested";
+  } else if (backend == "auto" && env != nullptr && std::string(env) == "0") {
+    reason_ = "ZERO_KERNELS_IO_URING=0";
   } else {
 #ifdef ZK_AIO_URING
     try {

@@ -11,7 +11,8 @@
 //   threads   ``queue_depth`` worker threads doing pread/pwrite, each until its chunk is done.
 //
 // "auto" takes io_uring when io_uring_setup works (Linux >= 5.6; containers often refuse it with
-// ENOSYS or EPERM) and the thread pool otherwise; fallback_reason() says why. With ``direct``
+// ENOSYS or EPERM) and the thread pool otherwise, or when ZERO_KERNELS_IO_URING=0 is set;
+// fallback_reason() says why. With ``direct``
 // (an O_DIRECT descriptor) the buffer address, the offset and the length must be multiples of
 // kAioAlign, checked at submit. A request completes with the first errno of its chunks (0 if
 // none) and the bytes moved: fewer than asked with no errno is a short transfer (end of file).

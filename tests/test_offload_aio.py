@@ -251,6 +251,33 @@ def test_exit_removes_open_files(disk_dir):
     assert not os.path.exists(p)
 
 
+def test_failed_io_raises_oserror_with_errno(disk_dir, monkeypatch):
+    def full(fd, bufs, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    path = os.path.join(disk_dir, "full.bin")
+    f = AioFile(path, 8 * MiB, backend="python", chunk_bytes=MiB)
+    monkeypatch.setattr(aio.os, "pwritev", full)
+    h = f.write_async(aligned_empty(3 * MiB, torch.uint8), 4 * MiB)
+    what = re.escape(f"write of '{path}' at offset=4194304, nbytes=3145728 failed: No space")
+    with pytest.raises(OSError, match=what) as e:
+        h.wait()
+    assert e.value.errno == errno.ENOSPC and f.bytes_written == 0
+    f.close()
+
+
+@no_native
+def test_native_auto_falls_back_to_threads(disk_dir, monkeypatch):
+    monkeypatch.setenv("ZERO_KERNELS_IO_URING", "0")
+    f = AioFile(os.path.join(disk_dir, "t.bin"), MiB, backend="native")
+    assert f.engine == "threads" and f.engine_reason == "ZERO_KERNELS_IO_URING=0"
+    x = aligned_empty(MiB, torch.uint8).fill_(3)
+    f.write(x, 0)
+    f.close()
+    with pytest.raises(ValueError, match="engine='aio'"):
+        AioFile(os.path.join(disk_dir, "t.bin"), MiB, engine="aio")
+
+
 def test_backend_choice():
     with pytest.raises(ValueError, match="backend='fast'"):
         AioFile("/nonexistent/x", 1, backend="fast")

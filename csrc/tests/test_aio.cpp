@@ -230,6 +230,18 @@ int main(int argc, char** argv) {
                 probe.fallback_reason().c_str());
     expect(std::string(probe.backend()) == backends.back(), "auto picks io_uring when it works");
   }
+  {  // the fallback path of auto, forced: the thread pool, saying why
+    setenv("ZERO_KERNELS_IO_URING", "0", 1);
+    zk::AioEngine forced(0, 1, A, false, "auto");
+    unsetenv("ZERO_KERNELS_IO_URING");
+    expect(std::string(forced.backend()) == "threads", "ZERO_KERNELS_IO_URING=0: threads");
+    expect(forced.fallback_reason() == "ZERO_KERNELS_IO_URING=0", "the reason is the variable");
+    try {
+      zk::AioEngine bad(0, 1, A, false, "aio");
+      expect(false, "backend='aio' accepted");
+    } catch (const std::invalid_argument&) {
+    }
+  }
   for (const std::string& b : backends) {
     test_patterns(dir, b);
     test_errors(dir, b);
