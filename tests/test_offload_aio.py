@@ -6,6 +6,7 @@ directory under the repository's build/ (or /var/tmp) and checks that it takes a
 
 import ctypes
 import errno
+import gc
 import mmap
 import os
 import re
@@ -152,6 +153,20 @@ def test_round_trip_parallel(disk_dir, backend, direct):
     f.close()
     assert not os.path.exists(path)
     assert f.bytes_written == sum(sizes) + MiB  # counters survive close
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dropped_handle_keeps_its_tensor_alive(disk_dir, backend):
+    path = os.path.join(disk_dir, "d.bin")
+    f = AioFile(path, 16 * MiB, chunk_bytes=MiB, **kw(backend))
+    for i in range(4):  # neither the handle nor the tensor is kept by the caller
+        f.write_async(aligned_empty(4 * MiB, torch.uint8).fill_(i + 1), i * 4 * MiB)
+    gc.collect()
+    f.close(remove=False)  # waits for them
+    with open(path, "rb") as g:
+        out = torch.frombuffer(bytearray(g.read()), dtype=torch.uint8)
+    os.unlink(path)
+    assert all(torch.all(out.view(4, -1)[i] == i + 1) for i in range(4))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -150,7 +150,6 @@ class Handle:
         self.nbytes = nbytes
         self._futures: list[Future] = []
         self._native = None
-        self._waited = False
 
     def done(self) -> bool:
         if self._native is not None:
@@ -167,8 +166,6 @@ class Handle:
                 e, n = f.result()
                 got += n
                 err = err or e
-        if not self._waited:
-            self._waited = True
         self._tensor = None
         what = f"{self._op} of {self._file_path!r} at offset={self.offset}, nbytes={self.nbytes}"
         if err:
@@ -227,6 +224,7 @@ class AioFile:
         self.chunk_bytes = chunk_bytes
         self._lock = threading.Lock()
         self._bytes = {"read": 0, "write": 0}
+        self._pending: list[Handle] = []  # requests not seen done: they keep their tensors alive
         self._fd, self.direct, self.direct_reason = _open(self.path, direct)
         try:
             os.ftruncate(self._fd, self.size)
@@ -292,12 +290,17 @@ class AioFile:
         h = Handle(self, op, t, offset, nbytes)
         if self.backend == "native":
             h._native = self._engine.submit(op == "write", t.data_ptr(), nbytes, offset)
-            return h
-        ptr = t.data_ptr()
-        step = self.chunk_bytes
-        for start in range(0, nbytes, step):
-            n = min(step, nbytes - start)
-            h._futures.append(self._engine.submit(self._chunk, op, ptr + start, n, offset + start))
+        else:
+            ptr = t.data_ptr()
+            step = self.chunk_bytes
+            for start in range(0, nbytes, step):
+                n = min(step, nbytes - start)
+                fut = self._engine.submit(self._chunk, op, ptr + start, n, offset + start)
+                h._futures.append(fut)
+        # a caller may drop the handle (and its last reference to t) before the I/O is done
+        with self._lock:
+            self._pending = [p for p in self._pending if not p.done()]
+            self._pending.append(h)
         return h
 
     def _chunk(self, op: str, ptr: int, n: int, offset: int) -> tuple[int, int]:
@@ -343,6 +346,7 @@ class AioFile:
             self._bytes = {"read": self._engine.bytes_read(), "write": self._engine.bytes_written()}
         else:
             self._engine.shutdown(wait=True)
+        self._pending = []
         os.close(self._fd)
         if remove:
             try:
