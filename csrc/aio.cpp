@@ -413,7 +413,7 @@ bool aio_uring_supported(std::string* why) {
 
 AioEngine::AioEngine(int fd, int queue_depth, size_t chunk_bytes, bool direct,
                      const std::string& backend)
-    : fd_(fd), chunk_(chunk_bytes), direct_(direct) {
+    : fd_(fd), pid_(static_cast<int>(::getpid())), chunk_(chunk_bytes), direct_(direct) {
   if (fd < 0) throw std::invalid_argument("fd must be >= 0, got " + std::to_string(fd));
   if (queue_depth < 1 || queue_depth > 4096) {
     throw std::invalid_argument("queue_depth must be in [1, 4096], got " +
@@ -497,11 +497,15 @@ void AioEngine::close() {
   std::lock_guard<std::mutex> l(mu_);
   if (closed_) return;
   closed_ = true;
+  if (static_cast<int>(::getpid()) != pid_) {
+    (void)impl_.release();  // a forked child: the threads are the parent's (never joined here)
+    return;
+  }
   impl_->drain_and_stop();
 }
 
-const char* AioEngine::backend() const { return impl_->name(); }
-uint64_t AioEngine::bytes_read() const { return impl_->read.load(); }
-uint64_t AioEngine::bytes_written() const { return impl_->written.load(); }
+const char* AioEngine::backend() const { return impl_ ? impl_->name() : "closed in a child"; }
+uint64_t AioEngine::bytes_read() const { return impl_ ? impl_->read.load() : 0; }
+uint64_t AioEngine::bytes_written() const { return impl_ ? impl_->written.load() : 0; }
 
 }  // namespace zk

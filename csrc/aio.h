@@ -71,7 +71,9 @@ class AioEngine {
   // the request is done.
   std::shared_ptr<AioRequest> submit(AioOp op, void* buf, size_t nbytes, uint64_t offset);
 
-  // Waits for every request in flight, then stops the backend's threads. Idempotent.
+  // Waits for every request in flight, then stops the backend's threads. Idempotent. In a
+  // forked child (whose copy has no threads) it only marks the engine closed and leaks the
+  // backend: joining the parent's threads there would never return.
   void close();
 
   const char* backend() const;                                    // "io_uring" or "threads"
@@ -82,6 +84,7 @@ class AioEngine {
  private:
   std::mutex mu_;  // close() against submit()
   int fd_;
+  int pid_;  // the process that made the engine (fork: see close)
   size_t chunk_;
   bool direct_;
   bool closed_ = false;

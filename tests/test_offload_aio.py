@@ -254,6 +254,29 @@ def test_close_removes_and_is_idempotent(disk_dir, backend):
     assert not os.path.exists(gc_path)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_forked_child_leaves_the_parents_file(disk_dir, backend):
+    p = os.path.join(disk_dir, "fork.bin")
+    f = AioFile(p, MiB, **kw(backend))
+    f.write(aligned_empty(MiB, torch.uint8).fill_(9), 0)
+    pid = os.fork()
+    if pid == 0:  # the child: close (and exit) must neither remove the file nor hang
+        try:
+            f.close()
+            f._engine = None  # the native engine's destructor runs here, in the child
+            gc.collect()
+            os._exit(0 if os.path.exists(p) else 3)
+        except BaseException:
+            os._exit(4)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0 and os.path.exists(p)
+    out = aligned_empty(MiB, torch.uint8)
+    f.read(out, 0)  # the parent's engine still works
+    assert torch.all(out == 9)
+    f.close()
+    assert not os.path.exists(p)
+
+
 def test_exit_removes_open_files(disk_dir):
     p = os.path.join(disk_dir, "exit.bin")
     code = (

@@ -19,7 +19,8 @@
   GIL). ``auto`` takes the native one when the extension has it, else the Python one with one
   logged line saying why.
 - The file is removed on `AioFile.close` (by default), on garbage collection and at exit: a run
-  that died must not leave files a resume could take for its own.
+  that died must not leave files a resume could take for its own. A forked child's close (or
+  exit) only closes its descriptor: the file and the engine's threads are the parent's.
 """
 
 from __future__ import annotations
@@ -241,6 +242,7 @@ class AioFile:
             os.close(self._fd)
             os.unlink(self.path)
             raise
+        self._pid = os.getpid()
         self._closed = False
         _open_files.add(self)
 
@@ -341,6 +343,10 @@ class AioFile:
             return
         self._closed = True
         _open_files.discard(self)
+        if os.getpid() != self._pid:
+            # a forked child (its copy of the engine has no threads): the file is the parent's
+            os.close(self._fd)
+            return
         if self.backend == "native":
             self._engine.close()
             self._bytes = {"read": self._engine.bytes_read(), "write": self._engine.bytes_written()}
