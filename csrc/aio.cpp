@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <chrono>
 #include <climits>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <stdexcept>
@@ -218,16 +219,18 @@ class UringBackend final : public AioBackend {
   }
 
   void enqueue(AioChunk c) override {
+    std::vector<std::pair<AioChunk*, int>> failed;
     {
       std::lock_guard<std::mutex> l(mu_);
       if (inflight_ < depth_) {
         push_sqe(new AioChunk(std::move(c)));
-        submit_locked();
+        submit_locked(&failed);
       } else {
         waiting_.push_back(std::move(c));
       }
     }
     cv_.notify_one();
+    finish_all(failed);
   }
 
   void drain_and_stop() override {
@@ -277,18 +280,38 @@ class UringBackend final : public AioBackend {
     ++unsubmitted_;
   }
 
-  void submit_locked() {
+  // mu_ held. Enters the SQEs not yet entered. Should io_uring_enter fail for another reason
+  // than a transient one, the SQEs it did not take are taken back from the ring (the kernel
+  // reads them only inside io_uring_enter) and their chunks go to ``failed`` with its errno.
+  void submit_locked(std::vector<std::pair<AioChunk*, int>>* failed) {
     while (unsubmitted_ > 0) {
       int r = uring_enter(ring_fd_, unsubmitted_, 0, 0);
-      if (r < 0) {
-        if (errno == EINTR || errno == EAGAIN || errno == EBUSY) {
-          std::this_thread::yield();
-          continue;
-        }
-        throw std::runtime_error(errno_text("io_uring_enter (submit)", errno));
+      if (r >= 0) {
+        unsubmitted_ -= static_cast<unsigned>(r);
+        continue;
       }
-      unsubmitted_ -= static_cast<unsigned>(r);
+      const int e = errno;
+      if (e == EINTR || e == EAGAIN || e == EBUSY) {
+        std::this_thread::yield();
+        continue;
+      }
+      unsigned tail = *sq_tail_;
+      for (unsigned k = unsubmitted_; k > 0; --k) {
+        const io_uring_sqe& q = sqes_[(tail - k) & sq_mask_];
+        failed->emplace_back(reinterpret_cast<AioChunk*>(q.user_data), e);
+      }
+      __atomic_store_n(sq_tail_, tail - unsubmitted_, __ATOMIC_RELEASE);
+      inflight_ -= unsubmitted_;
+      unsubmitted_ = 0;
     }
+  }
+
+  void finish_all(std::vector<std::pair<AioChunk*, int>>& chunks) {
+    for (auto& [c, err] : chunks) {  // outside mu_: waiters wake at once
+      finish(*c, err);
+      delete c;
+    }
+    chunks.clear();
   }
 
   void reap() {
@@ -313,7 +336,6 @@ class UringBackend final : public AioBackend {
       }
       __atomic_store_n(cq_head_, head, __ATOMIC_RELEASE);
       if (got.empty()) continue;
-      done.clear();
       {
         std::lock_guard<std::mutex> l(mu_);
         for (auto& [c, res] : got) {
@@ -328,16 +350,17 @@ class UringBackend final : public AioBackend {
             done.emplace_back(c, res < 0 ? -res : 0);  // res == 0: end of file, short
           }
         }
-        while (inflight_ < depth_ && !waiting_.empty()) {
-          push_sqe(new AioChunk(std::move(waiting_.front())));
-          waiting_.pop_front();
-        }
-        submit_locked();
+        // refill; a failed submit lowers inflight_ again: go on until waiting_ is empty or the
+        // ring full (so that waiting_ is empty whenever inflight_ < depth_)
+        do {
+          while (inflight_ < depth_ && !waiting_.empty()) {
+            push_sqe(new AioChunk(std::move(waiting_.front())));
+            waiting_.pop_front();
+          }
+          submit_locked(&done);
+        } while (inflight_ < depth_ && !waiting_.empty());
       }
-      for (auto& [c, err] : done) {  // outside mu_: waiters wake at once
-        finish(*c, err);
-        delete c;
-      }
+      finish_all(done);
     }
   }
 
@@ -390,7 +413,7 @@ bool aio_uring_supported(std::string* why) {
 
 AioEngine::AioEngine(int fd, int queue_depth, size_t chunk_bytes, bool direct,
                      const std::string& backend)
-    : fd_(fd), chunk_(chunk_bytes), direct_(direct) {
+    : fd_(fd), pid_(static_cast<int>(::getpid())), chunk_(chunk_bytes), direct_(direct) {
   if (fd < 0) throw std::invalid_argument("fd must be >= 0, got " + std::to_string(fd));
   if (queue_depth < 1 || queue_depth > 4096) {
     throw std::invalid_argument("queue_depth must be in [1, 4096], got " +
@@ -406,8 +429,11 @@ AioEngine::AioEngine(int fd, int queue_depth, size_t chunk_bytes, bool direct,
   if (backend != "auto" && backend != "io_uring" && backend != "threads") {
     throw std::invalid_argument("backend must be auto, io_uring or threads, got " + backend);
   }
+  const char* env = std::getenv("ZERO_KERNELS_IO_URING");
   if (backend == "threads") {
     reason_ = "backend='threads' requested";
+  } else if (backend == "auto" && env != nullptr && std::string(env) == "0") {
+    reason_ = "ZERO_KERNELS_IO_URING=0";
   } else {
 #ifdef ZK_AIO_URING
     try {
@@ -471,11 +497,15 @@ void AioEngine::close() {
   std::lock_guard<std::mutex> l(mu_);
   if (closed_) return;
   closed_ = true;
+  if (static_cast<int>(::getpid()) != pid_) {
+    (void)impl_.release();  // a forked child: the threads are the parent's (never joined here)
+    return;
+  }
   impl_->drain_and_stop();
 }
 
-const char* AioEngine::backend() const { return impl_->name(); }
-uint64_t AioEngine::bytes_read() const { return impl_->read.load(); }
-uint64_t AioEngine::bytes_written() const { return impl_->written.load(); }
+const char* AioEngine::backend() const { return impl_ ? impl_->name() : "closed in a child"; }
+uint64_t AioEngine::bytes_read() const { return impl_ ? impl_->read.load() : 0; }
+uint64_t AioEngine::bytes_written() const { return impl_ ? impl_->written.load() : 0; }
 
 }  // namespace zk

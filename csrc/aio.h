@@ -11,7 +11,8 @@
 //   threads   ``queue_depth`` worker threads doing pread/pwrite, each until its chunk is done.
 //
 // "auto" takes io_uring when io_uring_setup works (Linux >= 5.6; containers often refuse it with
-// ENOSYS or EPERM) and the thread pool otherwise; fallback_reason() says why. With ``direct``
+// ENOSYS or EPERM) and the thread pool otherwise, or when ZERO_KERNELS_IO_URING=0 is set;
+// fallback_reason() says why. With ``direct``
 // (an O_DIRECT descriptor) the buffer address, the offset and the length must be multiples of
 // kAioAlign, checked at submit. A request completes with the first errno of its chunks (0 if
 // none) and the bytes moved: fewer than asked with no errno is a short transfer (end of file).
@@ -70,7 +71,9 @@ class AioEngine {
   // the request is done.
   std::shared_ptr<AioRequest> submit(AioOp op, void* buf, size_t nbytes, uint64_t offset);
 
-  // Waits for every request in flight, then stops the backend's threads. Idempotent.
+  // Waits for every request in flight, then stops the backend's threads. Idempotent. In a
+  // forked child (whose copy has no threads) it only marks the engine closed and leaks the
+  // backend: joining the parent's threads there would never return.
   void close();
 
   const char* backend() const;                                    // "io_uring" or "threads"
@@ -81,6 +84,7 @@ class AioEngine {
  private:
   std::mutex mu_;  // close() against submit()
   int fd_;
+  int pid_;  // the process that made the engine (fork: see close)
   size_t chunk_;
   bool direct_;
   bool closed_ = false;

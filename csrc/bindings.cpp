@@ -508,22 +508,43 @@ bool host_cache_owns(const at::Tensor& t) {
 }
 
 // The I/O engine (aio.h) takes raw addresses: the caller (zero_kernels.offload.aio) checks the
-// tensor and keeps it alive until the request is done.
-std::shared_ptr<zk::AioRequest> aio_submit(zk::AioEngine& e, bool write, uint64_t ptr,
-                                           int64_t nbytes, int64_t offset) {
-  TORCH_CHECK_VALUE(nbytes >= 0, "nbytes must be >= 0, got ", nbytes);
-  TORCH_CHECK_VALUE(offset >= 0, "offset must be >= 0, got ", offset);
-  return e.submit(write ? zk::AioOp::kWrite : zk::AioOp::kRead, reinterpret_cast<void*>(ptr),
-                  static_cast<size_t>(nbytes), static_cast<uint64_t>(offset));
-}
-
-py::tuple aio_wait(const zk::AioRequest& r) {
-  {
-    py::gil_scoped_release release;
-    r.wait();
+// tensor and keeps it alive until the request is done. The bound types are local wrappers:
+// pybind11's own types are hidden, a bound zk:: type (default visibility) would warn.
+struct AioRequestRef {
+  std::shared_ptr<zk::AioRequest> r;
+  bool done() const { return r->done(); }
+  py::tuple wait() const {
+    {
+      py::gil_scoped_release release;
+      r->wait();
+    }
+    return py::make_tuple(r->error(), r->bytes_done());
   }
-  return py::make_tuple(r.error(), r.bytes_done());
-}
+};
+
+struct AioEngineRef {
+  AioEngineRef(int fd, int queue_depth, int64_t chunk_bytes, bool direct,
+               const std::string& backend) {
+    TORCH_CHECK_VALUE(chunk_bytes > 0, "chunk_bytes must be > 0, got ", chunk_bytes);
+    e = std::make_unique<zk::AioEngine>(fd, queue_depth, static_cast<size_t>(chunk_bytes), direct,
+                                        backend);
+  }
+  AioRequestRef submit(bool write, uint64_t ptr, int64_t nbytes, int64_t offset) {
+    TORCH_CHECK_VALUE(nbytes >= 0, "nbytes must be >= 0, got ", nbytes);
+    TORCH_CHECK_VALUE(offset >= 0, "offset must be >= 0, got ", offset);
+    return {e->submit(write ? zk::AioOp::kWrite : zk::AioOp::kRead, reinterpret_cast<void*>(ptr),
+                      static_cast<size_t>(nbytes), static_cast<uint64_t>(offset))};
+  }
+  void close() {
+    py::gil_scoped_release release;
+    e->close();
+  }
+  std::string backend() const { return e->backend(); }
+  std::string fallback_reason() const { return e->fallback_reason(); }
+  uint64_t bytes_read() const { return e->bytes_read(); }
+  uint64_t bytes_written() const { return e->bytes_written(); }
+  std::unique_ptr<zk::AioEngine> e;
+};
 
 py::tuple aio_uring_supported() {
   std::string why;
@@ -597,20 +618,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("host_cache_reset_stats", &zk::block_cache_reset_stats, "Peaks to now, counters to 0");
   m.def("host_cache_owns", &host_cache_owns, "Whether a tensor's storage is a cached block",
         py::arg("tensor"));
-  py::class_<zk::AioRequest, std::shared_ptr<zk::AioRequest>>(m, "AioRequest")
-      .def("done", &zk::AioRequest::done, "Whether every chunk has completed")
-      .def("wait", &aio_wait, "Wait (GIL released); (errno or 0, bytes moved)");
-  py::class_<zk::AioEngine>(m, "AioEngine")
-      .def(py::init<int, int, size_t, bool, const std::string&>(), py::arg("fd"),
+  py::class_<AioRequestRef>(m, "AioRequest")
+      .def("done", &AioRequestRef::done, "Whether every chunk has completed")
+      .def("wait", &AioRequestRef::wait, "Wait (GIL released); (errno or 0, bytes moved)");
+  py::class_<AioEngineRef>(m, "AioEngine")
+      .def(py::init<int, int, int64_t, bool, const std::string&>(), py::arg("fd"),
            py::arg("queue_depth"), py::arg("chunk_bytes"), py::arg("direct"),
            py::arg("backend") = "auto")
-      .def("submit", &aio_submit, "Start reading/writing nbytes at offset from address ptr",
-           py::arg("write"), py::arg("ptr"), py::arg("nbytes"), py::arg("offset"))
-      .def("close", &zk::AioEngine::close, py::call_guard<py::gil_scoped_release>(),
+      .def("submit", &AioEngineRef::submit,
+           "Start reading/writing nbytes at offset from address ptr", py::arg("write"),
+           py::arg("ptr"), py::arg("nbytes"), py::arg("offset"))
+      .def("close", &AioEngineRef::close,
            "Wait for the requests in flight, stop the threads (idempotent)")
-      .def("backend", &zk::AioEngine::backend, "io_uring or threads")
-      .def("fallback_reason", &zk::AioEngine::fallback_reason, "Why not io_uring")
-      .def("bytes_read", &zk::AioEngine::bytes_read)
-      .def("bytes_written", &zk::AioEngine::bytes_written);
+      .def("backend", &AioEngineRef::backend, "io_uring or threads")
+      .def("fallback_reason", &AioEngineRef::fallback_reason, "Why not io_uring")
+      .def("bytes_read", &AioEngineRef::bytes_read)
+      .def("bytes_written", &AioEngineRef::bytes_written);
   m.def("aio_uring_supported", &aio_uring_supported, "(io_uring works here, why not)");
 }

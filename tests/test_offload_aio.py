@@ -6,6 +6,7 @@ directory under the repository's build/ (or /var/tmp) and checks that it takes a
 
 import ctypes
 import errno
+import gc
 import mmap
 import os
 import re
@@ -115,7 +116,7 @@ def test_aligned_empty():
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_round_trip_parallel(disk_dir, backend, direct):
-    # requests of many sizes (one page to 3.5 MiB: split into chunks) at non-overlapping offsets,
+    # requests of many sizes (one page to 3.5 MiB: split into 1 MiB chunks) at disjoint offsets,
     # all in flight at once, from two submitting threads; then read back the same way
     sizes = [ALIGN, 3 * ALIGN, MiB, MiB + ALIGN, 3 * MiB + 8 * ALIGN, 17 * ALIGN, 2 * MiB] * 3
     offsets, off = [], 0
@@ -124,7 +125,7 @@ def test_round_trip_parallel(disk_dir, backend, direct):
         offsets.append(off)
         off += n
     path = os.path.join(disk_dir, "rt.bin")
-    f = AioFile(path, off + 123, direct=direct, threads=3, **kw(backend))
+    f = AioFile(path, off + 123, direct=direct, threads=3, chunk_bytes=MiB, **kw(backend))
     assert f.size == aio._round_up(off + 123) and os.path.getsize(path) == f.size
     assert f.direct == direct and f.backend == kw(backend)["backend"]
     if backend != "python":
@@ -152,6 +153,20 @@ def test_round_trip_parallel(disk_dir, backend, direct):
     f.close()
     assert not os.path.exists(path)
     assert f.bytes_written == sum(sizes) + MiB  # counters survive close
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dropped_handle_keeps_its_tensor_alive(disk_dir, backend):
+    path = os.path.join(disk_dir, "d.bin")
+    f = AioFile(path, 16 * MiB, chunk_bytes=MiB, **kw(backend))
+    for i in range(4):  # neither the handle nor the tensor is kept by the caller
+        f.write_async(aligned_empty(4 * MiB, torch.uint8).fill_(i + 1), i * 4 * MiB)
+    gc.collect()
+    f.close(remove=False)  # waits for them
+    with open(path, "rb") as g:
+        out = torch.frombuffer(bytearray(g.read()), dtype=torch.uint8)
+    os.unlink(path)
+    assert all(torch.all(out.view(4, -1)[i] == i + 1) for i in range(4))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -239,6 +254,29 @@ def test_close_removes_and_is_idempotent(disk_dir, backend):
     assert not os.path.exists(gc_path)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_forked_child_leaves_the_parents_file(disk_dir, backend):
+    p = os.path.join(disk_dir, "fork.bin")
+    f = AioFile(p, MiB, **kw(backend))
+    f.write(aligned_empty(MiB, torch.uint8).fill_(9), 0)
+    pid = os.fork()
+    if pid == 0:  # the child: close (and exit) must neither remove the file nor hang
+        try:
+            f.close()
+            f._engine = None  # the native engine's destructor runs here, in the child
+            gc.collect()
+            os._exit(0 if os.path.exists(p) else 3)
+        except BaseException:
+            os._exit(4)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0 and os.path.exists(p)
+    out = aligned_empty(MiB, torch.uint8)
+    f.read(out, 0)  # the parent's engine still works
+    assert torch.all(out == 9)
+    f.close()
+    assert not os.path.exists(p)
+
+
 def test_exit_removes_open_files(disk_dir):
     p = os.path.join(disk_dir, "exit.bin")
     code = (
@@ -249,6 +287,33 @@ def test_exit_removes_open_files(disk_dir):
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=60)
     assert not os.path.exists(p)
+
+
+def test_failed_io_raises_oserror_with_errno(disk_dir, monkeypatch):
+    def full(fd, bufs, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    path = os.path.join(disk_dir, "full.bin")
+    f = AioFile(path, 8 * MiB, backend="python", chunk_bytes=MiB)
+    monkeypatch.setattr(aio.os, "pwritev", full)
+    h = f.write_async(aligned_empty(3 * MiB, torch.uint8), 4 * MiB)
+    what = re.escape(f"write of '{path}' at offset=4194304, nbytes=3145728 failed: No space")
+    with pytest.raises(OSError, match=what) as e:
+        h.wait()
+    assert e.value.errno == errno.ENOSPC and f.bytes_written == 0
+    f.close()
+
+
+@no_native
+def test_native_auto_falls_back_to_threads(disk_dir, monkeypatch):
+    monkeypatch.setenv("ZERO_KERNELS_IO_URING", "0")
+    f = AioFile(os.path.join(disk_dir, "t.bin"), MiB, backend="native")
+    assert f.engine == "threads" and f.engine_reason == "ZERO_KERNELS_IO_URING=0"
+    x = aligned_empty(MiB, torch.uint8).fill_(3)
+    f.write(x, 0)
+    f.close()
+    with pytest.raises(ValueError, match="engine='aio'"):
+        AioFile(os.path.join(disk_dir, "t.bin"), MiB, engine="aio")
 
 
 def test_backend_choice():

@@ -2,11 +2,12 @@
 // io_uring_setup works here): write then read patterns of many sizes and offsets in flight at
 // once, misaligned requests refused naming the value, a short read at the end of the file, an
 // errno from the kernel (write on a read-only descriptor), four submitting threads, close with
-// requests in flight, counters. Files go in the directory given as argv[1] (default: the current
-// one, a real disk under ctest; /tmp may be tmpfs), O_DIRECT where it is taken. Exits non-zero
-// on failure.
+// requests in flight, counters, a forked child's copy. Files go in the directory given as argv[1]
+// (default: the current one, a real disk under ctest; /tmp may be tmpfs), O_DIRECT where it is
+// taken. Exits non-zero on failure.
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -213,6 +214,29 @@ void test_concurrency(const std::string& dir, const std::string& backend) {
   expect(e.bytes_written() == 9 * src.n, tag + "written counter");
 }
 
+// A forked child that destroys its copy of an engine must not hang (its copy has no threads)
+// nor touch the parent's requests; the parent's engine goes on working.
+void test_fork(const std::string& dir, const std::string& backend) {
+  const std::string tag = "[" + backend + "] ";
+  File f(dir + "/zk_test_aio_fork.bin", MiB);
+  Buf b(MiB);
+  fill(b, 5);
+  auto e = std::make_unique<zk::AioEngine>(f.fd, 2, 256 * 1024, f.direct, backend);
+  e->submit(zk::AioOp::kWrite, b.p, MiB, 0)->wait();
+  pid_t pid = fork();
+  if (pid == 0) {
+    alarm(10);  // a hang fails the test instead of blocking ctest
+    e.reset();
+    _exit(0);
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  expect(WIFEXITED(status) && WEXITSTATUS(status) == 0, tag + "child destroys its engine copy");
+  Buf r(MiB);
+  e->submit(zk::AioOp::kRead, r.p, MiB, 0)->wait();
+  expect(std::memcmp(r.p, b.p, MiB) == 0, tag + "the parent's engine works after the fork");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -230,10 +254,23 @@ int main(int argc, char** argv) {
                 probe.fallback_reason().c_str());
     expect(std::string(probe.backend()) == backends.back(), "auto picks io_uring when it works");
   }
+  {  // the fallback path of auto, forced: the thread pool, saying why
+    setenv("ZERO_KERNELS_IO_URING", "0", 1);
+    zk::AioEngine forced(0, 1, A, false, "auto");
+    unsetenv("ZERO_KERNELS_IO_URING");
+    expect(std::string(forced.backend()) == "threads", "ZERO_KERNELS_IO_URING=0: threads");
+    expect(forced.fallback_reason() == "ZERO_KERNELS_IO_URING=0", "the reason is the variable");
+    try {
+      zk::AioEngine bad(0, 1, A, false, "aio");
+      expect(false, "backend='aio' accepted");
+    } catch (const std::invalid_argument&) {
+    }
+  }
   for (const std::string& b : backends) {
     test_patterns(dir, b);
     test_errors(dir, b);
     test_concurrency(dir, b);
+    test_fork(dir, b);
   }
   if (failures != 0) {
     std::printf("%d failure(s)\n", failures.load());
