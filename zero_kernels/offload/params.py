@@ -1,0 +1,320 @@
+"""`ParamSwapper`: stage 3's param shards on disk between uses (``offload_params="nvme"``).
+
+[Note: param offload]
+At stage 3 a rank's param shard of a bucket is needed at three moments only: as the input of the
+bucket's all-gathers (before the unit's forward and again before its backward), when the step
+updates it (fp32 params: the shard *is* what the optimizer steps; bf16/fp16: the fp32 master
+steps and is cast into it), and when whole-state readers look at it (state dicts, checkpoints,
+``full_param``, a load). Between those moments it lives in one file per rank under
+``offload_dir``:
+
+- every offloaded bucket's shard has a *record* in the file (its bytes padded to `aio.ALIGN`, at
+  an aligned offset) and, in RAM, an anonymous memory mapping of the same padded size of its
+  own; `ParamStore.shard` returns the mapping's tensor. The mapping is the shard's storage for
+  the optimizer's life, so every view of it stays valid: the inner optimizer's params (pieces of
+  the fp32 shards, see [Note: modes] in `zero_kernels.partition.runner`) keep pointing at the
+  same storage whether or not its values are in RAM; only its *pages* come and go. Evicting a
+  shard is ``madvise(MADV_DONTNEED)`` on its mapping (its resident memory drops at once, as the
+  gathered buckets' do, [Note: gathered memory] in `zero_kernels.buffers`); fetching it is one
+  ``O_DIRECT`` read into the mapping (page-aligned: no staging copy, no page cache). A pool of
+  staging buffers with copies in and out would also work, but would need every view of the
+  shard (the pieces, the grads' partners) re-pointed on each use; the mappings need nothing;
+- a shard is in RAM while it is *acquired* (a reference count: the all-gathers of its unit, a
+  bucket's step, a `resident` context) and while a read-ahead or a write-behind of it is in
+  flight. Releasing the last reference with ``dirty`` (the step changed it) starts its write and
+  evicts it once the write is done (at most ``WRITES`` writes in flight; the oldest is waited
+  for before another starts); a clean release evicts at once. So RAM holds the shards of the
+  buckets being gathered or stepped, the reads ahead and the writes behind, a bounded pool
+  whatever the model's size;
+- reads ahead: every step acquires the shards in the same order (the forward's units, the
+  backward's, the step's buckets: each pass repeats the last one's), so the swapper learns it:
+  each acquire records which shard followed the one acquired before it, and starts reading the
+  shards that followed it last time, up to ``ahead_bytes`` (the largest unit's shards: one unit
+  ahead of the one whose all-gathers start, which with the scheduler's prefetch is two units
+  ahead of the one computing). The reads overlap the compute before their use without the
+  scheduler saying anything; a read ahead that no acquire takes (a pass that went elsewhere) is
+  dropped, oldest first, when the reads ahead would exceed ``ahead_bytes``;
+- an all-gather's input must stay in place until the all-gather is waited for, so
+  `ShardRunner.gather` acquires the shard and `release_after` wraps its handle: the shard is
+  released when the handle is waited for, not when the unit is freed;
+- the shards of the params kept whole between uses (``persist_below``, the persistent unit) are
+  *pinned*: in RAM always, never written (they are small by definition);
+- every other reader or writer (``state_dict``, checkpoints, ``full_param``/``set_full_param``,
+  ``load_masters`` after ``model.load_state_dict``, ``gathered_params`` edits, the refresh after
+  a load) runs inside `ShardRunner.resident`, which acquires every shard for the duration and
+  writes them all back after (as the offloaded moments are read in: [Note: offload] in
+  `zero_kernels.offload.swap`);
+- the file's name carries the host, the pid and a random token; it is removed at ``close()``,
+  when the optimizer is collected and at exit, as the moments' file is.
+
+Results are bitwise those of the run without offload: the same values go through the same
+all-gathers and the same kernel; only where the shard's bytes wait between uses changes. Left
+to do: the fp32 masters of bf16/fp16 params stay in RAM (4 bytes per param of the rank's
+shard); GPU params (a pinned host staging pool) raise NotImplementedError.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import secrets
+import socket
+import weakref
+from collections import deque
+
+import torch
+
+from . import aio
+
+__all__ = ["ParamSwapper"]
+
+
+class _Record:
+    """One bucket's shard: its place in the file, its mapping and where its bytes are now."""
+
+    __slots__ = (
+        "offset", "nbytes", "map", "raw", "tensor", "count", "resident", "read", "write",
+        "dirty", "pinned",
+    )  # fmt: skip
+
+    def __init__(self, offset: int, numel: int, dtype: torch.dtype, pinned: bool):
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        self.offset = offset
+        self.nbytes = max(aio.ALIGN, -(-numel * itemsize // aio.ALIGN) * aio.ALIGN)
+        self.map = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.raw = torch.frombuffer(self.map, dtype=torch.uint8)  # page-aligned, padded
+        self.tensor = self.raw[: numel * itemsize].view(dtype)
+        self.count = 0  # references held (acquire/release)
+        self.resident = False  # its pages hold its values (a new file reads as zeros)
+        self.read = None  # aio.Handle of a read into it in flight
+        self.write = None  # aio.Handle of its write in flight
+        self.dirty = False  # changed since it was last written
+        self.pinned = pinned  # kept whole between uses: never evicted
+
+
+class ParamSwapper:
+    """The param shards of stage 3's buckets in one file (see [Note: param offload]): ``units``,
+    per unit the ``(buffer, bucket)`` of its buckets; ``pinned``: the buckets kept in RAM (params
+    kept whole)."""
+
+    WRITES = 2  # writes in flight at most (write behind)
+
+    def __init__(self, layout, rank: int, units, pinned, directory: str):
+        if not os.path.isdir(directory):
+            raise ValueError(
+                f"offload_dir={directory!r} is not a directory (create it on the disk to use)"
+            )
+        from ..buffers import dtype_of
+
+        self.layout, self.rank = layout, rank
+        self.records: dict[tuple[int, int], _Record] = {}
+        off = 0
+        for i, b in [k for ks in units for k in ks] + sorted(pinned):
+            buf = layout.buffers[i]
+            rec = _Record(off, buf.buckets[b].shard_numel, dtype_of(buf.dtype), (i, b) in pinned)
+            self.records[(i, b)] = rec
+            if rec.pinned:
+                rec.resident = True
+            else:
+                off += rec.nbytes
+        self.nbytes = off  # on disk
+        tag = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+        self.path = os.path.join(directory, f"zero_kernels-params-r{rank}-{tag}.bin")
+        self.file = aio.AioFile(self.path, max(off, aio.ALIGN), direct=True)
+        self._writing: deque = deque()  # keys whose write is in flight, oldest first
+        self._ahead: dict[tuple[int, int], None] = {}  # read ahead, not acquired: oldest first
+        # read ahead at most the largest unit's shards
+        self.ahead_bytes = max((sum(self.records[k].nbytes for k in ks) for ks in units), default=0)
+        self._next: dict[tuple[int, int], tuple[int, int]] = {}  # the acquire after each one
+        self._last: tuple[int, int] | None = None
+        self._learn = True  # off inside `resident` (its order is not a pass's)
+        self.peak_ram = self.ram_bytes()
+        self._finalizer = weakref.finalize(self, _close_file, self.file)
+
+    # ---------------------------------------------------------------- one shard
+    def tensor(self, key: tuple[int, int]) -> torch.Tensor:
+        """The shard's tensor (its values valid only while acquired)."""
+        return self.records[key].tensor
+
+    def __contains__(self, key) -> bool:
+        return key in self.records
+
+    def prefetch(self, key: tuple[int, int]) -> None:
+        """Start reading the shard into RAM unless it is there or on its way (a read ahead);
+        the oldest reads ahead not taken are dropped to stay within ``ahead_bytes``."""
+        r = self.records.get(key)
+        if r is None or r.pinned or r.resident or r.read is not None:
+            return
+        held = sum(self.records[k].nbytes for k in self._ahead)
+        while self._ahead and held + r.nbytes > self.ahead_bytes:
+            old = next(iter(self._ahead))
+            held -= self.records[old].nbytes
+            self._drop(old)
+        r.read = self.file.read_async(r.raw, r.offset)
+        self._ahead[key] = None
+        self._peak()
+
+    def _drop(self, key) -> None:
+        """A read ahead no acquire took: finished and evicted."""
+        del self._ahead[key]
+        r = self.records[key]
+        r.read.wait()
+        r.read = None
+        r.resident = True
+        if r.count == 0:
+            self._evict(key)
+
+    def acquire(self, key: tuple[int, int], fresh: bool = False) -> None:
+        """The shard's values in RAM until the matching `release`; ``fresh``: the caller
+        overwrites all of it (nothing is read)."""
+        r = self.records[key]
+        if r.pinned:
+            return
+        self._ahead.pop(key, None)
+        if r.read is not None:
+            r.read.wait()
+            r.read, r.resident = None, True
+        elif not r.resident:
+            if not fresh:
+                self.file.read(r.raw, r.offset)
+            r.resident = True
+        r.count += 1
+        if self._learn and not fresh:
+            if self._last is not None and self._last != key:
+                self._next[self._last] = key
+            self._last = key
+            self._read_ahead(key)
+        self._peak()
+
+    def _read_ahead(self, key) -> None:
+        """Read the shards that followed ``key`` last time, up to ``ahead_bytes``."""
+        k, total, seen = self._next.get(key), 0, {key}
+        while k is not None and k not in seen and total < self.ahead_bytes:
+            seen.add(k)
+            total += self.records[k].nbytes
+            self.prefetch(k)
+            k = self._next.get(k)
+
+    def release_after(self, key: tuple[int, int], handle):
+        """``handle`` (a collective reading the shard), releasing the shard once waited for."""
+        return _Releasing(handle, self, key)
+
+    def release(self, key: tuple[int, int], dirty: bool = False) -> None:
+        """Drop one reference; at the last, write the shard back if it changed (behind, at most
+        `WRITES` in flight) and evict it."""
+        r = self.records[key]
+        if r.pinned:
+            return
+        assert r.count > 0, f"shard {key} released more often than acquired"
+        r.count -= 1
+        r.dirty |= dirty
+        if r.count:
+            return
+        if not r.dirty:
+            self._evict(key)
+            return
+        if r.write is not None:  # an older write of it: done before the new one
+            r.write.wait()
+            r.write = None
+            self._writing.remove(key)
+        while len(self._writing) >= self.WRITES:
+            self._finish_write(self._writing.popleft())
+        r.write = self.file.write_async(r.raw, r.offset)
+        r.dirty = False
+        self._writing.append(key)
+
+    def _finish_write(self, key) -> None:
+        r = self.records[key]
+        r.write.wait()
+        r.write = None
+        if r.count == 0:
+            self._evict(key)
+
+    def _evict(self, key) -> None:
+        r = self.records[key]
+        if r.write is not None:
+            self._finish_write(key)
+            self._writing.remove(key)
+            return
+        r.map.madvise(mmap.MADV_DONTNEED)
+        r.resident = False
+
+    def flush(self) -> None:
+        """Every write in flight finished (and its shard evicted unless acquired again)."""
+        while self._writing:
+            self._finish_write(self._writing.popleft())
+
+    @contextlib.contextmanager
+    def using(self, key: tuple[int, int], dirty: bool = False, fresh: bool = False):
+        """The shard acquired for the block (``dirty``: written back after)."""
+        self.acquire(key, fresh=fresh)
+        try:
+            yield self.records[key].tensor
+        finally:
+            self.release(key, dirty)
+
+    @contextlib.contextmanager
+    def resident(self):
+        """Every shard in RAM for the block, all written back after (whole-state readers and
+        writers: see [Note: param offload]). Reentrant."""
+        keys = [k for k, r in self.records.items() if not r.pinned]
+        done, learn = [], self._learn
+        self._learn = False
+        try:
+            for k in keys:
+                self.acquire(k)
+                done.append(k)
+            yield
+        finally:
+            self._learn = learn
+            for k in done:
+                self.release(k, dirty=True)
+            self.flush()
+
+    # ---------------------------------------------------------------- accounting
+    def ram_bytes(self) -> int:
+        """Bytes of shards in RAM now (acquired, read ahead, being written, pinned)."""
+        return sum(
+            r.nbytes
+            for r in self.records.values()
+            if r.pinned or r.resident or r.read is not None or r.count
+        )
+
+    def _peak(self) -> None:
+        self.peak_ram = max(self.peak_ram, self.ram_bytes())
+
+    @property
+    def bytes_read(self) -> int:
+        return self.file.bytes_read
+
+    @property
+    def bytes_written(self) -> int:
+        return self.file.bytes_written
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+class _Releasing:
+    """A collective's handle whose first ``wait`` releases the shard it read from."""
+
+    def __init__(self, handle, swapper: ParamSwapper, key):
+        self._handle, self._swapper, self._key = handle, swapper, key
+
+    def wait(self, *args, **kwargs):
+        out = self._handle.wait(*args, **kwargs)
+        if self._swapper is not None:
+            sw, self._swapper = self._swapper, None
+            sw.release(self._key)
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._handle, name)
+
+
+def _close_file(f) -> None:
+    try:
+        f.close(remove=True)
+    except OSError:
+        pass
