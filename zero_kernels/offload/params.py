@@ -129,6 +129,7 @@ class ParamSwapper:
         self._next: dict[tuple[int, int], tuple[int, int]] = {}  # the acquire after each one
         self._last: tuple[int, int] | None = None
         self._learn = True  # off inside `resident` (its order is not a pass's)
+        self.ahead_hits = 0  # acquires that found their shard read ahead
         self.peak_ram = self.ram_bytes()
         self._finalizer = weakref.finalize(self, _close_file, self.file)
 
@@ -175,6 +176,7 @@ class ParamSwapper:
         if r.read is not None:
             r.read.wait()
             r.read, r.resident = None, True
+            self.ahead_hits += 1
         elif not r.resident:
             if not fresh:
                 self.file.read(r.raw, r.offset)
