@@ -465,7 +465,7 @@ class ParamStore:
     def nbytes(self) -> int:
         """Bytes held between uses: the flat buffers, or the persistent shards."""
         if self.tier is not None:
-            return self.tier.ram_bytes()  # in RAM now; the rest is on disk
+            return self.tier.ram_bytes(master=False)  # in RAM now; the rest is on disk
         ts = self.flats if not self.sharded else self.shards
         return sum(t.numel() * t.element_size() for t in ts)
 

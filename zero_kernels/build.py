@@ -242,7 +242,12 @@ def _param_swapper(core: Core, by_unit: dict, persistent: int):
 
     pinned = set(by_unit.get(persistent, []))
     units = [ks for u, ks in sorted(by_unit.items()) if u != persistent]
-    return ParamSwapper(core.layout, core.rank, units, pinned, off.offload_dir)
+    masters = {  # the buffers with fp32 masters (see [Note: modes] in partition.runner)
+        i
+        for i, buf in enumerate(core.layout.buffers)
+        if dtype_of(buf.dtype) not in (torch.float32, torch.float64)
+    }
+    return ParamSwapper(core.layout, core.rank, units, pinned, off.offload_dir, masters)
 
 
 def communication(core: Core) -> None:

@@ -37,6 +37,12 @@ steps and is cast into it), and when whole-state readers look at it (state dicts
 - an all-gather's input must stay in place until the all-gather is waited for, so
   `ShardRunner.gather` acquires the shard and `release_after` wraps its handle: the shard is
   released when the handle is waited for, not when the unit is freed;
+- the fp32 masters of bf16/fp16 params (4 bytes per param of the shard, twice the shard's
+  own) go to the file too: the runner's master shard of a flat buffer stays one tensor (its
+  state dicts' format, its pieces' views), backed by one mapping, and each bucket's record is
+  the pages wholly inside the bucket's range, read with the shard in the step (and in
+  `load_masters`/`write_params`), evicted after. The pages two neighbouring buckets share (at
+  most two per bucket) stay in RAM (``fixed_bytes``);
 - the shards of the params kept whole between uses (``persist_below``, the persistent unit) are
   *pinned*: in RAM always, never written (they are small by definition);
 - every other reader or writer (``state_dict``, checkpoints, ``full_param``/``set_full_param``,
@@ -48,9 +54,10 @@ steps and is cast into it), and when whole-state readers look at it (state dicts
   when the optimizer is collected and at exit, as the moments' file is.
 
 Results are bitwise those of the run without offload: the same values go through the same
-all-gathers and the same kernel; only where the shard's bytes wait between uses changes. Left
-to do: the fp32 masters of bf16/fp16 params stay in RAM (4 bytes per param of the rank's
-shard); GPU params (a pinned host staging pool) raise NotImplementedError.
+all-gathers and the same kernel; only where the shard's bytes wait between uses changes
+(tests/test_offload_params.py). Left to do: GPU params (a pinned host staging pool) raise
+NotImplementedError; the whole-state readers (checkpoints) take every shard into RAM at once
+instead of streaming them bucket by bucket.
 """
 
 from __future__ import annotations
@@ -70,37 +77,52 @@ from . import aio
 __all__ = ["ParamSwapper"]
 
 
+_PAGE = max(aio.ALIGN, mmap.PAGESIZE)  # what O_DIRECT and madvise both take
+
+
+def _mapping(nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
+    """An anonymous private mapping of ``nbytes`` rounded up to pages, and its bytes."""
+    m = mmap.mmap(-1, max(_PAGE, -(-nbytes // _PAGE) * _PAGE), flags=mmap.MAP_PRIVATE)
+    return m, torch.frombuffer(m, dtype=torch.uint8)
+
+
 class _Record:
-    """One bucket's shard: its place in the file, its mapping and where its bytes are now."""
+    """One bucket's shard (or the pages of its fp32 master): its place in the file, the range
+    of a mapping it is read into and evicted from, and where its bytes are now."""
 
     __slots__ = (
-        "offset", "nbytes", "map", "raw", "tensor", "count", "resident", "read", "write",
-        "dirty", "pinned",
+        "offset", "nbytes", "map", "start", "raw", "tensor", "count", "resident", "read",
+        "write", "dirty", "pinned", "master",
     )  # fmt: skip
 
-    def __init__(self, offset: int, numel: int, dtype: torch.dtype, pinned: bool):
-        itemsize = torch.empty((), dtype=dtype).element_size()
+    def __init__(self, offset, mapping, start, nbytes, tensor, pinned, master=False):
         self.offset = offset
-        self.nbytes = max(aio.ALIGN, -(-numel * itemsize // aio.ALIGN) * aio.ALIGN)
-        self.map = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        self.raw = torch.frombuffer(self.map, dtype=torch.uint8)  # page-aligned, padded
-        self.tensor = self.raw[: numel * itemsize].view(dtype)
+        self.map, self.start, self.nbytes = mapping, start, nbytes  # page-aligned range
+        self.raw = torch.frombuffer(mapping, dtype=torch.uint8)[start : start + nbytes]
+        self.tensor = tensor  # the values (a view of the mapping)
         self.count = 0  # references held (acquire/release)
-        self.resident = False  # its pages hold its values (a new file reads as zeros)
+        self.resident = pinned  # its pages hold its values (a new file reads as zeros)
         self.read = None  # aio.Handle of a read into it in flight
         self.write = None  # aio.Handle of its write in flight
         self.dirty = False  # changed since it was last written
-        self.pinned = pinned  # kept whole between uses: never evicted
+        self.pinned = pinned  # kept whole between uses (or no whole page): never evicted
+        self.master = master
+
+    def evict(self) -> None:
+        self.map.madvise(mmap.MADV_DONTNEED, self.start, self.nbytes)
+        self.resident = False
 
 
 class ParamSwapper:
     """The param shards of stage 3's buckets in one file (see [Note: param offload]): ``units``,
     per unit the ``(buffer, bucket)`` of its buckets; ``pinned``: the buckets kept in RAM (params
-    kept whole)."""
+    kept whole); ``masters``: the buffers whose fp32 masters go to the file too (bf16/fp16
+    params), whole per buffer in `masters` (``masters[i]``, the runner's master shard), each
+    bucket's whole pages a record keyed ``(i, b, "master")``."""
 
     WRITES = 2  # writes in flight at most (write behind)
 
-    def __init__(self, layout, rank: int, units, pinned, directory: str):
+    def __init__(self, layout, rank: int, units, pinned, directory: str, masters=()):
         if not os.path.isdir(directory):
             raise ValueError(
                 f"offload_dir={directory!r} is not a directory (create it on the disk to use)"
@@ -108,40 +130,69 @@ class ParamSwapper:
         from ..buffers import dtype_of
 
         self.layout, self.rank = layout, rank
-        self.records: dict[tuple[int, int], _Record] = {}
+        self.records: dict[tuple, _Record] = {}
         off = 0
         for i, b in [k for ks in units for k in ks] + sorted(pinned):
             buf = layout.buffers[i]
-            rec = _Record(off, buf.buckets[b].shard_numel, dtype_of(buf.dtype), (i, b) in pinned)
+            dt = dtype_of(buf.dtype)
+            n = buf.buckets[b].shard_numel * dt.itemsize
+            m, raw = _mapping(n)
+            rec = _Record(off, m, 0, len(m), raw[:n].view(dt), (i, b) in pinned)
             self.records[(i, b)] = rec
-            if rec.pinned:
-                rec.resident = True
-            else:
-                off += rec.nbytes
+            off += 0 if rec.pinned else rec.nbytes
+        # fp32 masters: one mapping per buffer (the runner's whole master shard, its state
+        # dicts' format); a bucket's record is the pages wholly inside its range, the pages
+        # it shares with a neighbour stay in RAM (at most two per bucket)
+        self.masters: dict[int, torch.Tensor] = {}
+        self.fixed_bytes = 0  # bytes of master pages never evicted
+        for i in sorted(masters):
+            buf = layout.buffers[i]
+            numel = buf.shard_numel(layout.world_size)
+            m, raw = _mapping(numel * 4)
+            whole = raw[: numel * 4].view(torch.float32)
+            self.masters[i] = whole
+            self.fixed_bytes += len(m)
+            for bk in buf.buckets:
+                lo = bk.start // layout.world_size * 4
+                hi = lo + bk.shard_numel * 4
+                a, z = -(-lo // _PAGE) * _PAGE, hi // _PAGE * _PAGE
+                pin = (i, bk.index) in pinned or z <= a
+                t = whole[lo // 4 : hi // 4]
+                rec = _Record(off, m, a, max(0, z - a), t, pin, master=True)
+                self.records[(i, bk.index, "master")] = rec
+                if not pin:
+                    off += rec.nbytes
+                    self.fixed_bytes -= rec.nbytes
         self.nbytes = off  # on disk
         tag = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
         self.path = os.path.join(directory, f"zero_kernels-params-r{rank}-{tag}.bin")
         self.file = aio.AioFile(self.path, max(off, aio.ALIGN), direct=True)
         self._writing: deque = deque()  # keys whose write is in flight, oldest first
-        self._ahead: dict[tuple[int, int], None] = {}  # read ahead, not acquired: oldest first
-        # read ahead at most the largest unit's shards
-        self.ahead_bytes = max((sum(self.records[k].nbytes for k in ks) for ks in units), default=0)
-        self._next: dict[tuple[int, int], tuple[int, int]] = {}  # the acquire after each one
-        self._last: tuple[int, int] | None = None
+        self._ahead: dict[tuple, None] = {}  # read ahead, not acquired: oldest first
+        # read ahead at most the largest unit's shards (and masters)
+        self.ahead_bytes = max(
+            (
+                sum(self.records[k].nbytes for b in ks for k in (b, (*b, "master")) if k in self)
+                for ks in units
+            ),
+            default=0,
+        )
+        self._next: dict[tuple, tuple] = {}  # the acquire after each one
+        self._last: tuple | None = None
         self._learn = True  # off inside `resident` (its order is not a pass's)
         self.ahead_hits = 0  # acquires that found their shard read ahead
         self.peak_ram = self.ram_bytes()
         self._finalizer = weakref.finalize(self, _close_file, self.file)
 
     # ---------------------------------------------------------------- one shard
-    def tensor(self, key: tuple[int, int]) -> torch.Tensor:
+    def tensor(self, key: tuple) -> torch.Tensor:
         """The shard's tensor (its values valid only while acquired)."""
         return self.records[key].tensor
 
     def __contains__(self, key) -> bool:
         return key in self.records
 
-    def prefetch(self, key: tuple[int, int]) -> None:
+    def prefetch(self, key: tuple) -> None:
         """Start reading the shard into RAM unless it is there or on its way (a read ahead);
         the oldest reads ahead not taken are dropped to stay within ``ahead_bytes``."""
         r = self.records.get(key)
@@ -166,7 +217,7 @@ class ParamSwapper:
         if r.count == 0:
             self._evict(key)
 
-    def acquire(self, key: tuple[int, int], fresh: bool = False) -> None:
+    def acquire(self, key: tuple, fresh: bool = False) -> None:
         """The shard's values in RAM until the matching `release`; ``fresh``: the caller
         overwrites all of it (nothing is read)."""
         r = self.records[key]
@@ -198,11 +249,11 @@ class ParamSwapper:
             self.prefetch(k)
             k = self._next.get(k)
 
-    def release_after(self, key: tuple[int, int], handle):
+    def release_after(self, key: tuple, handle):
         """``handle`` (a collective reading the shard), releasing the shard once waited for."""
         return _Releasing(handle, self, key)
 
-    def release(self, key: tuple[int, int], dirty: bool = False) -> None:
+    def release(self, key: tuple, dirty: bool = False) -> None:
         """Drop one reference; at the last, write the shard back if it changed (behind, at most
         `WRITES` in flight) and evict it."""
         r = self.records[key]
@@ -239,8 +290,7 @@ class ParamSwapper:
             self._finish_write(key)
             self._writing.remove(key)
             return
-        r.map.madvise(mmap.MADV_DONTNEED)
-        r.resident = False
+        r.evict()
 
     def flush(self) -> None:
         """Every write in flight finished (and its shard evicted unless acquired again)."""
@@ -248,7 +298,7 @@ class ParamSwapper:
             self._finish_write(self._writing.popleft())
 
     @contextlib.contextmanager
-    def using(self, key: tuple[int, int], dirty: bool = False, fresh: bool = False):
+    def using(self, key: tuple, dirty: bool = False, fresh: bool = False):
         """The shard acquired for the block (``dirty``: written back after)."""
         self.acquire(key, fresh=fresh)
         try:
@@ -275,13 +325,17 @@ class ParamSwapper:
             self.flush()
 
     # ---------------------------------------------------------------- accounting
-    def ram_bytes(self) -> int:
-        """Bytes of shards in RAM now (acquired, read ahead, being written, pinned)."""
-        return sum(
+    def ram_bytes(self, master: bool | None = None) -> int:
+        """Bytes in RAM now (acquired, read ahead, being written, pinned) of the param shards
+        (``master=False``), the fp32 masters (True) or both (None)."""
+        held = sum(
             r.nbytes
             for r in self.records.values()
-            if r.pinned or r.resident or r.read is not None or r.count
+            if (master is None or r.master == master)
+            and not (r.pinned and r.master)  # inside the masters' fixed pages
+            and (r.pinned or r.resident or r.read is not None or r.count)
         )
+        return held + (self.fixed_bytes if master is not False else 0)
 
     def _peak(self) -> None:
         self.peak_ram = max(self.peak_ram, self.ram_bytes())

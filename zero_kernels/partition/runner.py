@@ -70,11 +70,16 @@ class ShardRunner:
         n = layout.world_size
         # fp32 master shard per flat buffer; None for fp32/fp64 params (see [Note: modes])
         self.masters: list[torch.Tensor | None] = []
+        tier = store.tier  # offload_params: masters in its mappings ([Note: param offload])
         for i, buf in enumerate(layout.buffers):
             if dtypes[i] in (torch.float32, torch.float64):
                 self.masters.append(None)
-                continue
-            self.masters.append(torch.empty(buf.shard_numel(n), dtype=torch.float32, device=dev))
+            elif tier is not None and i in tier.masters:
+                self.masters.append(tier.masters[i])
+            else:
+                self.masters.append(
+                    torch.empty(buf.shard_numel(n), dtype=torch.float32, device=dev)
+                )
         self.load_masters(keep=False)
         self.pieces: tuple[tuple[Piece, ...], ...] = pieces(layout, rank)
         # per buffer: the inner params (one per piece) and their gradient views
@@ -124,13 +129,25 @@ class ShardRunner:
         for i, buf in enumerate(self.layout.buffers):
             if self.masters[i] is not None:
                 for b in buf.buckets:
-                    with self.store.using(i, b.index):  # offloaded shard: read, then evicted
+                    # offloaded: the shard read, the master read (or, new, written) and back
+                    with (
+                        self.store.using(i, b.index),
+                        self._master_using(i, b.index, dirty=True, fresh=not keep),
+                    ):
                         m = self.masters[i][self._slice(i, b.index)]
                         s = self.store.shard(i, b.index)
                         if keep:
                             m.copy_(torch.where(m.to(s.dtype) == s, m, s.to(m.dtype)))
                         else:
                             m.copy_(s)
+
+    def _master_using(self, i: int, b: int, dirty: bool = False, fresh: bool = False):
+        """A context in which bucket ``b``'s fp32 master holds its values (offloaded with the
+        params: [Note: param offload]; else nothing to do)."""
+        t = self.store.tier
+        if t is None or (i, b, "master") not in t:
+            return contextlib.nullcontext()
+        return t.using((i, b, "master"), dirty=dirty, fresh=fresh)
 
     def master_view(self, i: int, b: int) -> torch.Tensor:
         """The values the optimizer steps for this rank's shard of bucket ``b`` of buffer ``i``:
@@ -143,7 +160,10 @@ class ShardRunner:
         for i, buf in enumerate(self.layout.buffers):
             if self.masters[i] is not None:
                 for b in buf.buckets:
-                    with self.store.using(i, b.index, dirty=True, fresh=True):
+                    with (
+                        self._master_using(i, b.index),
+                        self.store.using(i, b.index, dirty=True, fresh=True),
+                    ):
                         self.store.shard(i, b.index).copy_(self.masters[i][self._slice(i, b.index)])
 
     def all_pieces(self):
@@ -246,7 +266,8 @@ class ShardRunner:
             src = self.swap.stream([(i, b) for i, b in order if self.fused[i]])
         try:
             for i, b in order:
-                with self.store.using(i, b, dirty=True):  # offloaded: written back behind
+                # offloaded: the shard and its master read (ahead), written back behind
+                with self.store.using(i, b, dirty=True), self._master_using(i, b, dirty=True):
                     self._step_bucket(i, b, active, grad_scale, src, log, group, handles)
             if src is not None:
                 next(src, None)  # the last bucket's write, then every write finished
@@ -547,4 +568,10 @@ class ShardRunner:
 
     def master_bytes(self) -> int:
         """Bytes of separate fp32 master shards (0 for fp32 params: they are stepped in place)."""
-        return sum(m.numel() * m.element_size() for m in self.masters if m is not None)
+        t = self.store.tier
+        off = t.ram_bytes(master=True) if t is not None and t.masters else 0  # in RAM now
+        return off + sum(
+            m.numel() * m.element_size()
+            for i, m in enumerate(self.masters)
+            if m is not None and (t is None or i not in t.masters)
+        )
