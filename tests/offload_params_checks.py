@@ -223,6 +223,30 @@ def whole_param_access(rank, world):
     return {}
 
 
+def add_group(rank, world):
+    """add_param_group (the optimizer built again over the offloaded state): the same as
+    without offload, and the first build's file gone."""
+    runs = []
+    for params in (False, True):
+        m = model(torch.bfloat16, 96)
+        body = [p for n, p in m.named_parameters() if not n.startswith("head.")]
+        extra = {"offload_params": "nvme", "offload_dir": DIR} if params else {}
+        o = zero_kernels.ZeroOptimizer(
+            [{"params": body}], torch.optim.AdamW, stage=3, module=m, lr=1e-2,
+            bucket_size_mb=0.1, **extra,
+        )  # fmt: skip
+        train(m, o, 2, rank)
+        first = o.parts.core.store.tier.path if params else None
+        o.add_param_group({"params": m.head.parameters(), "lr": 5e-3})
+        train(m, o, 2, rank, start=2)
+        runs.append(snapshot(m, o))
+        if params:
+            assert not os.path.exists(first), "the first build's file outlived it"
+        o.close()
+    assert same(*runs), "add_param_group with offload_params differs"
+    return {}
+
+
 def file_lifetime(rank, world):
     m = model()
     o = build(m)
@@ -275,6 +299,7 @@ CHECKS = [
     memory_counts,
     checkpoints,
     whole_param_access,
+    add_group,
     file_lifetime,
     refusals,
 ]
