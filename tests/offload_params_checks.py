@@ -146,7 +146,8 @@ def memory_counts(rank, world):
                 assert rep["offload_param_ram_peak_bytes"] < tier.nbytes
             opt.close()
         without, with_ = reps
-        assert with_["param_bytes"] < without["param_bytes"] / 2, (without, with_)
+        # between steps: the reads ahead for the next forward (up to ahead_bytes) only
+        assert with_["param_bytes"] < without["param_bytes"], (without, with_)
         if dtype == torch.bfloat16:
             assert with_["master_bytes"] < without["master_bytes"] / 2, (without, with_)
         out[str(dtype)[6:]] = {

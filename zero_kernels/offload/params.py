@@ -26,14 +26,24 @@ steps and is cast into it), and when whole-state readers look at it (state dicts
   for before another starts); a clean release evicts at once. So RAM holds the shards of the
   buckets being gathered or stepped, the reads ahead and the writes behind, a bounded pool
   whatever the model's size;
-- reads ahead: every step acquires the shards in the same order (the forward's units, the
-  backward's, the step's buckets: each pass repeats the last one's), so the swapper learns it:
-  each acquire records which shard followed the one acquired before it, and starts reading the
-  shards that followed it last time, up to ``ahead_bytes`` (the largest unit's shards: one unit
-  ahead of the one whose all-gathers start, which with the scheduler's prefetch is two units
-  ahead of the one computing). The reads overlap the compute before their use without the
-  scheduler saying anything; a read ahead that no acquire takes (a pass that went elsewhere) is
-  dropped, oldest first, when the reads ahead would exceed ``ahead_bytes``;
+- reads ahead: every training step acquires the shards in the same order (the forward's units,
+  the backward's in reverse, the step's buckets), so the swapper records each step's acquires
+  (`end_step` closes the record) and, at each acquire, finds it in the last step's record
+  (where this step has got to, else anywhere) and starts reading the shards that followed it
+  there, up to ``ahead_bytes`` (the largest unit's shards: one unit ahead of the one whose
+  all-gathers start, which with the scheduler's prefetch is two units ahead of the one
+  computing). The reads overlap the compute before their use without the scheduler saying
+  anything. A step that goes elsewhere (an eval forward, a skipped branch) only misses: a read
+  ahead that no acquire takes is dropped, oldest first, when the reads ahead would exceed
+  ``ahead_bytes``. (A successor per shard is not enough: the backward runs the units the
+  other way, so each shard has two successors a step);
+- a timeline (units U1..U3, the scheduler's prefetch=1; the step in reverse bucket order):
+
+      forward  U1 pre: AG U1 waited, U1's shards evicted | AG U2 started, read of U3 ahead
+               U1 compute ................................ | U3's read in flight
+               U2 pre: AG U2 waited, U2 evicted | AG U3 started (its shards already in RAM)
+      step     bucket b stepped (shard + master in RAM) | b+1 read ahead | b-1 written behind
+
 - an all-gather's input must stay in place until the all-gather is waited for, so
   `ShardRunner.gather` acquires the shard and `release_after` wraps its handle: the shard is
   released when the handle is waited for, not when the unit is freed;
@@ -177,8 +187,10 @@ class ParamSwapper:
             ),
             default=0,
         )
-        self._next: dict[tuple, tuple] = {}  # the acquire after each one
-        self._last: tuple | None = None
+        self._seq: list[tuple] = []  # this step's acquires, in order
+        self._prev: list[tuple] = []  # the last step's
+        self._pos = 0  # where this step is in ``_prev``
+        self._soon: set[tuple] = set()  # the keys the last acquire predicted (read ahead)
         self._learn = True  # off inside `resident` (its order is not a pass's)
         self.ahead_hits = 0  # acquires that found their shard read ahead
         self.peak_ram = self.ram_bytes()
@@ -198,21 +210,31 @@ class ParamSwapper:
         r = self.records.get(key)
         if r is None or r.pinned or r.resident or r.read is not None:
             return
-        held = sum(self.records[k].nbytes for k in self._ahead)
-        while self._ahead and held + r.nbytes > self.ahead_bytes:
-            old = next(iter(self._ahead))
-            held -= self.records[old].nbytes
-            self._drop(old)
+        self._make_room(r.nbytes)
         r.read = self.file.read_async(r.raw, r.offset)
         self._ahead[key] = None
         self._peak()
 
+    def _keep_ahead(self, key) -> None:
+        """A released shard kept in RAM as if read ahead (it is predicted again soon)."""
+        self._make_room(self.records[key].nbytes)
+        self._ahead[key] = None
+
+    def _make_room(self, nbytes: int) -> None:
+        """Drop the oldest reads ahead until ``nbytes`` more fit in ``ahead_bytes``."""
+        held = sum(self.records[k].nbytes for k in self._ahead)
+        while self._ahead and held + nbytes > self.ahead_bytes:
+            old = next(iter(self._ahead))
+            held -= self.records[old].nbytes
+            self._drop(old)
+
     def _drop(self, key) -> None:
-        """A read ahead no acquire took: finished and evicted."""
+        """A read ahead (or a shard kept) no acquire took: finished and evicted."""
         del self._ahead[key]
         r = self.records[key]
-        r.read.wait()
-        r.read = None
+        if r.read is not None:
+            r.read.wait()
+            r.read = None
         r.resident = True
         if r.count == 0:
             self._evict(key)
@@ -223,10 +245,12 @@ class ParamSwapper:
         r = self.records[key]
         if r.pinned:
             return
-        self._ahead.pop(key, None)
+        kept = self._ahead.pop(key, 0) is None
         if r.read is not None:
             r.read.wait()
             r.read, r.resident = None, True
+            self.ahead_hits += 1
+        elif kept:  # released while predicted again soon: kept, nothing to read
             self.ahead_hits += 1
         elif not r.resident:
             if not fresh:
@@ -234,20 +258,42 @@ class ParamSwapper:
             r.resident = True
         r.count += 1
         if self._learn and not fresh:
-            if self._last is not None and self._last != key:
-                self._next[self._last] = key
-            self._last = key
+            self._seq.append(key)
             self._read_ahead(key)
         self._peak()
 
     def _read_ahead(self, key) -> None:
-        """Read the shards that followed ``key`` last time, up to ``ahead_bytes``."""
-        k, total, seen = self._next.get(key), 0, {key}
-        while k is not None and k not in seen and total < self.ahead_bytes:
-            seen.add(k)
-            total += self.records[k].nbytes
-            self.prefetch(k)
-            k = self._next.get(k)
+        """Find ``key`` in the last step's acquires (from where this step is, else anywhere)
+        and read the ones that followed it there, up to ``ahead_bytes``."""
+        prev, at = self._prev, None
+        if self._pos < len(prev) and prev[self._pos] == key:
+            at = self._pos
+        else:
+            for lo, hi in ((self._pos, len(prev)), (0, self._pos)):
+                try:
+                    at = prev.index(key, lo, hi)
+                    break
+                except ValueError:
+                    pass
+        if at is None:
+            return
+        self._pos = at + 1
+        total, soon = 0, set()
+        for k in prev[at + 1 :] + prev:  # past the end: the next step starts as this one did
+            if total >= self.ahead_bytes:
+                break
+            if k not in soon:
+                soon.add(k)
+                total += self.records[k].nbytes
+                self.prefetch(k)
+        self._soon = soon
+
+    def end_step(self) -> None:
+        """The optimizer step is over: its writes finished, and the acquires of the step
+        that ends here are the order the next one reads ahead by."""
+        self.flush()
+        if self._seq:
+            self._prev, self._seq, self._pos = self._seq, [], 0
 
     def release_after(self, key: tuple, handle):
         """``handle`` (a collective reading the shard), releasing the shard once waited for."""
@@ -263,6 +309,9 @@ class ParamSwapper:
         r.count -= 1
         r.dirty |= dirty
         if r.count:
+            return
+        if not r.dirty and key in self._soon and r.write is None:
+            self._keep_ahead(key)  # wanted again soon (the backward of the forward's last unit)
             return
         if not r.dirty:
             self._evict(key)

@@ -275,7 +275,7 @@ class ShardRunner:
             if src is not None:
                 src.close()
             if self.store.tier is not None:
-                self.store.tier.flush()
+                self.store.tier.end_step()  # writes finished; the order to read ahead by
         for _, _, _, p, _ in self.all_pieces():
             p.grad = None
         return handles
