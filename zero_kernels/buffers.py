@@ -44,6 +44,7 @@ resized.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 
@@ -309,9 +310,19 @@ class ParamStore:
     """
 
     def __init__(
-        self, layout: Layout, params: dict[int, torch.Tensor], device, *, rank: int, sharded: bool
+        self,
+        layout: Layout,
+        params: dict[int, torch.Tensor],
+        device,
+        *,
+        rank: int,
+        sharded: bool,
+        tier=None,
     ):
         self.layout, self.device, self.sharded, self._rank = layout, device, sharded, rank
+        # sharded, offload_params="nvme": `zero_kernels.offload.params.ParamSwapper` holds the
+        # shards (their values in RAM only while acquired, [Note: param offload])
+        self.tier = tier
         n = layout.world_size
         self.flats: list[torch.Tensor] = []  # whole params: the flat buffers
         self.shards: list[torch.Tensor] = []  # sharded params: the persistent shards
@@ -325,7 +336,8 @@ class ParamStore:
             if not sharded:
                 self.flats.append(flatten_params(buf, params, device))
                 continue
-            self.shards.append(torch.zeros(buf.shard_numel(n), dtype=dt, device=device))
+            k = 0 if tier is not None else buf.shard_numel(n)  # offloaded: the tier's mappings
+            self.shards.append(torch.zeros(k, dtype=dt, device=device))
             full, raw, maps = [], [], []
             for bk in buf.buckets:
                 if _maps_memory(device):
@@ -392,9 +404,33 @@ class ParamStore:
         buf = self.layout.buffers[i]
         if not self.sharded:
             return shard_view(self.flats[i], self.layout, buf, self._rank, b)[0]
+        if self.tier is not None:
+            return self.tier.tensor((i, b))
         bk = buf.buckets[b]
         off = bk.start // self.layout.world_size
         return self.shards[i][off : off + bk.shard_numel]
+
+    # ---- offloaded shards ([Note: param offload]); each a no-op without a tier
+    def using(self, i: int, b: int, dirty: bool = False, fresh: bool = False):
+        """A context in which bucket ``b``'s shard holds its values (``dirty``: written back
+        after; ``fresh``: all of it is overwritten, nothing read)."""
+        if self.tier is None:
+            return contextlib.nullcontext()
+        return self.tier.using((i, b), dirty=dirty, fresh=fresh)
+
+    def resident(self):
+        """A context in which every shard holds its values, all written back after."""
+        return contextlib.nullcontext() if self.tier is None else self.tier.resident()
+
+    def acquire_shard(self, i: int, b: int) -> None:
+        """Before an all-gather of bucket ``b``: its shard read in (`release_after` follows)."""
+        if self.tier is not None:
+            self.tier.acquire((i, b))
+
+    def release_after(self, i: int, b: int, handle):
+        """``handle`` of the all-gather from bucket ``b``'s shard, made to release the shard
+        once waited for (offloaded; else ``handle`` itself)."""
+        return handle if self.tier is None else self.tier.release_after((i, b), handle)
 
     def full(self, i: int, b: int) -> torch.Tensor:
         """The bucket's whole range (to write into: `raw` at stage 3)."""
@@ -428,6 +464,8 @@ class ParamStore:
 
     def nbytes(self) -> int:
         """Bytes held between uses: the flat buffers, or the persistent shards."""
+        if self.tier is not None:
+            return self.tier.ram_bytes(master=False)  # in RAM now; the rest is on disk
         ts = self.flats if not self.sharded else self.shards
         return sum(t.numel() * t.element_size() for t in ts)
 

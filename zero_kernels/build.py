@@ -194,19 +194,20 @@ def store(core: Core, *, meta: bool, init_fn, seed: int) -> ParamStore:
     group, module, params, layout = core.group, core.module, core.params, core.layout
     if meta and not sharded:  # whole params anyway
         materialize_modules_(module.named_modules(), core.device, seed, init_fn)
-    st = ParamStore(layout, params, core.device, rank=core.rank, sharded=sharded)
+    by_unit: dict[int, list[tuple[int, int]]] = {}
+    for i, buf in enumerate(layout.buffers):
+        for b in buf.buckets:
+            u = core.unit_index(buf.slots[b.slots[0]].index) if b.slots and sharded else 0
+            by_unit.setdefault(u, []).append((i, b.index))
+    persistent = len(core.unit_modules) + 1  # small params kept whole (persist_below)
+    tier = _param_swapper(core, by_unit, persistent) if sharded else None
+    st = ParamStore(layout, params, core.device, rank=core.rank, sharded=sharded, tier=tier)
     if not sharded:
         if not meta:
             for f in st.flats:
                 comm.broadcast(f, 0, group=group)
         return st
     members = unit_members(module, core.unit_modules) if meta else None
-    by_unit: dict[int, list[tuple[int, int]]] = {}
-    for i, buf in enumerate(layout.buffers):
-        for b in buf.buckets:
-            u = core.unit_index(buf.slots[b.slots[0]].index) if b.slots else 0
-            by_unit.setdefault(u, []).append((i, b.index))
-    persistent = len(core.unit_modules) + 1  # small params kept whole (persist_below)
     for u in range(persistent + 1):
         if members is not None and u < persistent:
             into: dict[int, torch.Tensor] = {}  # the unit's params: straight into its buckets
@@ -217,12 +218,36 @@ def store(core: Core, *, meta: bool, init_fn, seed: int) -> ParamStore:
             st.adopt(i, b, params)
             if not meta:
                 comm.broadcast(st.raw[i][b], 0, group=group)
-            st.take_shard(i, b)
+            with st.using(i, b, dirty=True, fresh=True):  # offloaded: written, then evicted
+                st.take_shard(i, b)
             if u != persistent:
                 st.free(i, b)
     if members is not None:  # frozen params and buffers outside any trained unit
         materialize_modules_(module.named_modules(), core.device, seed, init_fn)
     return st
+
+
+def _param_swapper(core: Core, by_unit: dict, persistent: int):
+    """offload_params="nvme" (stage 3): the param shards in a file between uses, those of
+    the params kept whole pinned in RAM ([Note: param offload]); else None."""
+    off = core.policy.offload
+    if off.offload_params != "nvme":
+        return None
+    if core.device.type != "cpu":
+        raise NotImplementedError(
+            f"offload_params='nvme' with params on {core.device}: the tier reads shards into "
+            "host memory mappings; GPU params (a pinned staging pool) are not built yet"
+        )
+    from .offload.params import ParamSwapper
+
+    pinned = set(by_unit.get(persistent, []))
+    units = [ks for u, ks in sorted(by_unit.items()) if u != persistent]
+    masters = {  # the buffers with fp32 masters (see [Note: modes] in partition.runner)
+        i
+        for i, buf in enumerate(core.layout.buffers)
+        if dtype_of(buf.dtype) not in (torch.float32, torch.float64)
+    }
+    return ParamSwapper(core.layout, core.rank, units, pinned, off.offload_dir, masters)
 
 
 def communication(core: Core) -> None:

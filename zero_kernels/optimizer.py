@@ -134,7 +134,10 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
             step's moments in a file under ``offload_dir``, streamed chunk by chunk through
             staging buffers of ``offload_staging_mb`` MiB in all ([Note: offload] in
             `zero_kernels.offload.swap`); results are bitwise those without offload.
-            offload_params: not built yet.
+            offload_params: ``"nvme"`` (stage 3) keeps each bucket's param shard in a file
+            under ``offload_dir`` between its uses, read ahead of its all-gathers and its step
+            and written behind the step ([Note: param offload] in
+            `zero_kernels.offload.params`); results are bitwise those without offload.
         **defaults: passed to ``optimizer_class``.
 
     Gradients: after backward, ``param.grad`` is a `ShardedGrad` (this rank's piece of the
@@ -426,6 +429,9 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
                 sched.free(u)
                 for q, t in whole:
                     q.data = t
+        tier = core.store.tier if core is not None and core.store is not None else None
+        if tier is not None:
+            tier.close()  # the params' offload file too, once they are handed back
         if parts is not None:
             parts.grads.views.closed = True
         for p in params.values():
@@ -633,7 +639,7 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
         grad = g.nbytes()
         state = core.runner.state_bytes()  # in RAM: offloaded moments count on disk
         master = core.runner.master_bytes()
-        sw = core.runner.swap
+        sw, tier = core.runner.swap, core.store.tier
         staging = sw.staging_bytes if sw is not None else 0
         model = pb + grad + master + state + staging
         comm_now = g.comm_nbytes()
@@ -656,6 +662,13 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
             offload_disk_bytes=sw.nbytes if sw is not None else 0,
             offload_read_bytes=sw.bytes_read if sw is not None else 0,
             offload_written_bytes=sw.bytes_written if sw is not None else 0,
+            # offload_params="nvme": the shards' bytes on disk, in RAM now (in param_bytes:
+            # acquired, read ahead, written behind, pinned) and at most, bytes moved
+            offload_param_disk_bytes=tier.nbytes if tier is not None else 0,
+            offload_param_ram_bytes=tier.ram_bytes() if tier is not None else 0,
+            offload_param_ram_peak_bytes=tier.peak_ram if tier is not None else 0,
+            offload_param_read_bytes=tier.bytes_read if tier is not None else 0,
+            offload_param_written_bytes=tier.bytes_written if tier is not None else 0,
         )
 
     @property

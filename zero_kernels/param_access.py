@@ -68,14 +68,15 @@ class ParamAccess:
     @torch.no_grad()
     def take_edits(self, src: int, buckets) -> None:
         """Whole params edited on rank ``src`` become every rank's values (shards, masters)."""
-        if self.core.store.sharded:
-            for i, b in buckets:
-                comm.broadcast(self.core.store.raw[i][b], src, group=self.core.group)
-                self.core.store.take_shard(i, b)
-        else:
-            for f in self.core.store.flats:
-                comm.broadcast(f, src, group=self.core.group)
-        self.core.runner.load_masters()
+        with self.core.runner.resident():  # offloaded shards: read in, written back
+            if self.core.store.sharded:
+                for i, b in buckets:
+                    comm.broadcast(self.core.store.raw[i][b], src, group=self.core.group)
+                    self.core.store.take_shard(i, b)
+            else:
+                for f in self.core.store.flats:
+                    comm.broadcast(f, src, group=self.core.group)
+            self.core.runner.load_masters()
 
     def state_dict_hook(self, module, state_dict, prefix, local_metadata):
         """Stage 3: ``model.state_dict()`` gets whole tensors, gathered unit by unit."""
@@ -112,11 +113,12 @@ class ParamAccess:
         if sched is None:
             self.core.runner.load_masters()
             return
-        for u in sched.all_units:
-            for i, b in u.buckets:
-                self.core.store.take_shard(i, b)
-            sched.free(u)
-        self.core.runner.load_masters()
+        with self.core.runner.resident():  # offloaded shards: read in, written back
+            for u in sched.all_units:
+                for i, b in u.buckets:
+                    self.core.store.take_shard(i, b)
+                sched.free(u)
+            self.core.runner.load_masters()
 
     def skip_unit(self, unit) -> None:
         """Stage 3: this rank's backward skipped ``unit`` (see [Note: backward gathers]): the

@@ -14,7 +14,8 @@ The user's options map once, at construction, to these objects; the parts below 
                      dtype, with fp32 masters where they are lower (see [Note: modes])
     CommPolicy       bucket size, overlap, buffers in flight, the collectives' timeout, and the
                      group the state is sharded over (room for hierarchy: "world" only today)
-    OffloadPolicy    offload tiers: offload_optimizer='nvme' (the Adam moments on disk)
+    OffloadPolicy    offload tiers: offload_optimizer='nvme' (the Adam moments on disk),
+                     offload_params='nvme' (stage 3's param shards on disk)
     ZeroPolicy       the five together
 
 ``stage=1|2|3`` stays the shorthand: ``ZeroPolicy.resolve(stage=2, ...)`` builds the same as
@@ -213,8 +214,10 @@ class OffloadPolicy:
     exp_avg_sq, max_exp_avg_sq) in a file under ``offload_dir``, read chunk by chunk ahead of the
     step and written behind it, through staging buffers of ``offload_staging_mb`` MiB in all
     (three: stepping, reading ahead, writing behind; at least 0.1 MiB); ``"cpu"`` is the tier for
-    GPU runs (not built yet: NotImplementedError). offload_params (stage 3, params between
-    uses): not built yet."""
+    GPU runs (not built yet: NotImplementedError). offload_params (stage 3 only): ``"nvme"``
+    keeps each bucket's param shard in a file under ``offload_dir`` between its uses (its
+    all-gathers and its step), read ahead of them and written behind the step ([Note: param
+    offload] in `zero_kernels.offload.params`); ``"cpu"``: GPU runs, not built yet."""
 
     offload_optimizer: str | None = None
     offload_params: str | None = None
@@ -230,19 +233,24 @@ class OffloadPolicy:
                 "offload_optimizer='cpu' (GPU runs: state in pinned host memory) is not built "
                 "yet; on CPU params the state is in host memory already: use 'nvme' or None"
             )
-        if self.offload_params is not None:
+        q = self.offload_params
+        if q not in (None, "cpu", "nvme"):
+            raise ValueError(f"offload_params must be None, 'cpu' or 'nvme', got {q!r}")
+        if q == "cpu":
             raise NotImplementedError(
-                f"offload_params={self.offload_params!r}: offloading stage-3 params is not "
-                "built yet (offload_optimizer='nvme' is)"
+                "offload_params='cpu' (GPU runs: shards in pinned host memory) is not built "
+                "yet; on CPU params the shards are in host memory already: use 'nvme' or None"
             )
-        if v == "nvme" and not self.offload_dir:
+        for name, w in (("offload_optimizer", v), ("offload_params", q)):
+            if w == "nvme" and not self.offload_dir:
+                raise ValueError(
+                    f"{name}='nvme' needs offload_dir= (a folder on the disk to use; "
+                    f"got offload_dir={self.offload_dir!r})"
+                )
+        if v is None and q is None and self.offload_dir is not None:
             raise ValueError(
-                "offload_optimizer='nvme' needs offload_dir= (a folder on the disk to use; "
-                f"got offload_dir={self.offload_dir!r})"
-            )
-        if v is None and self.offload_dir is not None:
-            raise ValueError(
-                f"offload_dir={self.offload_dir!r} given without offload_optimizer='nvme'"
+                f"offload_dir={self.offload_dir!r} given without offload_optimizer='nvme' or "
+                "offload_params='nvme'"
             )
         k = self.offload_staging_mb
         if isinstance(k, bool) or not isinstance(k, (int, float)) or not k >= 0.1:
@@ -283,6 +291,11 @@ class ZeroPolicy:
             raise ValueError(
                 "overlap_param_gather=True is a stage 1/2 option (stage 3 gathers at use "
                 "anyway); got stage=3"
+            )
+        if whole and self.offload.offload_params is not None:
+            raise ValueError(
+                f"offload_params={self.offload.offload_params!r} is a stage-3 option (params "
+                f"are whole between uses at stages 1/2); got stage={s.stage}"
             )
         if whole and self.comm.quantize_weights is not None:
             raise ValueError(

@@ -89,9 +89,10 @@ class FullState:
         """The whole parameter at full precision: the fp32 master (bf16/fp16 params) or the
         param itself; a new tensor on every rank. Collective: call it on every rank."""
         i = self.core.index_of(param, "full_param")
-        parts = self._piece_list(i, None)
         dt = torch.float64 if param.dtype == torch.float64 else torch.float32
-        return self._gather_full(i, parts, dt, "ZeroOptimizer.full_param()")
+        with self.core.runner.resident():  # offloaded param shards: read in
+            parts = self._piece_list(i, None)
+            return self._gather_full(i, parts, dt, "ZeroOptimizer.full_param()")
 
     @torch.no_grad()
     def set_full_param(self, param: torch.Tensor, value: torch.Tensor) -> None:
@@ -102,9 +103,10 @@ class FullState:
         if value.shape != param.shape:
             raise ValueError(f"set_full_param: {value.shape=} differs from {param.shape=}")
         flat = value.reshape(-1)
-        for ip, off in self._piece_list(i, None):
-            ip.copy_(flat[off : off + ip.numel()].view(ip.shape))
-        self.core.runner.write_params()
+        with self.core.runner.resident():  # offloaded param shards: read in, written back
+            for ip, off in self._piece_list(i, None):
+                ip.copy_(flat[off : off + ip.numel()].view(ip.shape))
+            self.core.runner.write_params()
         live = self.core.store.live
         if not self.core.store.sharded or any(  # whole here: stages 1/2, or gathered now
             (k, s.bucket) in live

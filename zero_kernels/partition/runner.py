@@ -70,11 +70,16 @@ class ShardRunner:
         n = layout.world_size
         # fp32 master shard per flat buffer; None for fp32/fp64 params (see [Note: modes])
         self.masters: list[torch.Tensor | None] = []
+        tier = store.tier  # offload_params: masters in its mappings ([Note: param offload])
         for i, buf in enumerate(layout.buffers):
             if dtypes[i] in (torch.float32, torch.float64):
                 self.masters.append(None)
-                continue
-            self.masters.append(torch.empty(buf.shard_numel(n), dtype=torch.float32, device=dev))
+            elif tier is not None and i in tier.masters:
+                self.masters.append(tier.masters[i])
+            else:
+                self.masters.append(
+                    torch.empty(buf.shard_numel(n), dtype=torch.float32, device=dev)
+                )
         self.load_masters(keep=False)
         self.pieces: tuple[tuple[Piece, ...], ...] = pieces(layout, rank)
         # per buffer: the inner params (one per piece) and their gradient views
@@ -124,11 +129,25 @@ class ShardRunner:
         for i, buf in enumerate(self.layout.buffers):
             if self.masters[i] is not None:
                 for b in buf.buckets:
-                    m, s = self.masters[i][self._slice(i, b.index)], self.store.shard(i, b.index)
-                    if keep:
-                        m.copy_(torch.where(m.to(s.dtype) == s, m, s.to(m.dtype)))
-                    else:
-                        m.copy_(s)
+                    # offloaded: the shard read, the master read (or, new, written) and back
+                    with (
+                        self.store.using(i, b.index),
+                        self._master_using(i, b.index, dirty=True, fresh=not keep),
+                    ):
+                        m = self.masters[i][self._slice(i, b.index)]
+                        s = self.store.shard(i, b.index)
+                        if keep:
+                            m.copy_(torch.where(m.to(s.dtype) == s, m, s.to(m.dtype)))
+                        else:
+                            m.copy_(s)
+
+    def _master_using(self, i: int, b: int, dirty: bool = False, fresh: bool = False):
+        """A context in which bucket ``b``'s fp32 master holds its values (offloaded with the
+        params: [Note: param offload]; else nothing to do)."""
+        t = self.store.tier
+        if t is None or (i, b, "master") not in t:
+            return contextlib.nullcontext()
+        return t.using((i, b, "master"), dirty=dirty, fresh=fresh)
 
     def master_view(self, i: int, b: int) -> torch.Tensor:
         """The values the optimizer steps for this rank's shard of bucket ``b`` of buffer ``i``:
@@ -141,7 +160,11 @@ class ShardRunner:
         for i, buf in enumerate(self.layout.buffers):
             if self.masters[i] is not None:
                 for b in buf.buckets:
-                    self.store.shard(i, b.index).copy_(self.masters[i][self._slice(i, b.index)])
+                    with (
+                        self._master_using(i, b.index),
+                        self.store.using(i, b.index, dirty=True, fresh=True),
+                    ):
+                        self.store.shard(i, b.index).copy_(self.masters[i][self._slice(i, b.index)])
 
     def all_pieces(self):
         """``(buffer, position, piece, inner param, grad view)`` for every piece of this rank."""
@@ -228,7 +251,8 @@ class ShardRunner:
             p.grad = g if pc.index in active and not self.fused[i] else None
         if not all(self.fused):
             assert grad_scale == 1.0, "unfused steps take gradients already scaled"
-            self.inner.step(**(step_kwargs or {}))
+            with self.store.resident():  # offloaded param shards: all in RAM for torch's step
+                self.inner.step(**(step_kwargs or {}))
         else:
             assert not step_kwargs, "the fused kernel takes no step keywords"
         handles: list[tuple[tuple[int, int], comm.Handle]] = []
@@ -242,32 +266,40 @@ class ShardRunner:
             src = self.swap.stream([(i, b) for i, b in order if self.fused[i]])
         try:
             for i, b in order:
-                m = self.masters[i]
-                lowp = m is not None
-                dst = self.store.shard(i, b)
-                if self.fused[i] and src is None:
-                    self._fused_bucket(i, b, active, grad_scale, dst if lowp else None)
-                elif self.fused[i]:  # chunk by chunk through the staging buffers
-                    plan = self._bucket_runs(i, b, active)
-                    for lo, hi in self.swap.chunks(i, b):
-                        key, span, flat, done = next(src)
-                        assert key == (i, b) and span == (lo, hi), (key, span, i, b, lo, hi)
-                        stepped = plan is not None and self._adam_runs(
-                            i, b, plan, grad_scale, dst if lowp else None, flat, lo, hi
-                        )
-                        done(stepped)
-                if m is not None and not (self.fused[i] and lowp):
-                    dst.copy_(m[self._slice(i, b)])
-                if not self.store.sharded:  # stage 3 gathers at the next use instead
-                    handles.append(((i, b), self.gather(i, b, log, group)))
+                # offloaded: the shard and its master read (ahead), written back behind
+                with self.store.using(i, b, dirty=True), self._master_using(i, b, dirty=True):
+                    self._step_bucket(i, b, active, grad_scale, src, log, group, handles)
             if src is not None:
                 next(src, None)  # the last bucket's write, then every write finished
         finally:
             if src is not None:
                 src.close()
+            if self.store.tier is not None:
+                self.store.tier.end_step()  # writes finished; the order to read ahead by
         for _, _, _, p, _ in self.all_pieces():
             p.grad = None
         return handles
+
+    def _step_bucket(self, i, b, active, grad_scale, src, log, group, handles) -> None:
+        """`step` of bucket ``b`` of buffer ``i`` (``src``: the moments' stream, or None)."""
+        m = self.masters[i]
+        lowp = m is not None
+        dst = self.store.shard(i, b)
+        if self.fused[i] and src is None:
+            self._fused_bucket(i, b, active, grad_scale, dst if lowp else None)
+        elif self.fused[i]:  # chunk by chunk through the staging buffers
+            plan = self._bucket_runs(i, b, active)
+            for lo, hi in self.swap.chunks(i, b):
+                key, span, flat, done = next(src)
+                assert key == (i, b) and span == (lo, hi), (key, span, i, b, lo, hi)
+                stepped = plan is not None and self._adam_runs(
+                    i, b, plan, grad_scale, dst if lowp else None, flat, lo, hi
+                )
+                done(stepped)
+        if m is not None and not (self.fused[i] and lowp):
+            dst.copy_(m[self._slice(i, b)])
+        if not self.store.sharded:  # stage 3 gathers at the next use instead
+            handles.append(((i, b), self.gather(i, b, log, group)))
 
     def _fused_bucket(self, i: int, b: int, active, grad_scale: float, out_lowp) -> bool:
         """Adam/AdamW on bucket ``b``'s shard: one kernel call when its pieces agree, else one
@@ -427,8 +459,15 @@ class ShardRunner:
 
     @contextlib.contextmanager
     def resident(self):
-        """The offloaded moments in RAM for the duration (state dicts, checkpoints, full_state,
-        loads), written back to the file after; nothing to do without offload. Reentrant."""
+        """The offloaded state in RAM for the duration (state dicts, checkpoints, full_state,
+        loads), written back to the files after: the moments ([Note: offload]) and the param
+        shards ([Note: param offload] in `zero_kernels.offload.params`); nothing to do without
+        offload. Reentrant."""
+        with self.store.resident(), self._moments_resident():
+            yield
+
+    @contextlib.contextmanager
+    def _moments_resident(self):
         if self.swap is None or self._resident:
             self._resident += self.swap is not None
             try:
@@ -473,13 +512,16 @@ class ShardRunner:
         (stage 3: the bucket must be allocated); ``bound``: `comm.all_gather`'s launch bounds.
         With ``quantize`` set (stage 3's quantize_weights) and outside `exact`, the other
         ranks' chunks come quantized ([Note: quantized all-gather])."""
+        self.store.acquire_shard(i, b)  # offloaded: in RAM until the all-gather is waited for
         full, shard = self.store.full(i, b), self.store.shard(i, b)
         if self.quantize is not None and not self._exact:
             bits, block = self.quantize
-            return comm.quant.all_gather_quantized(
+            h = comm.quant.all_gather_quantized(
                 full, shard, bits=bits, block=block, group=group, log=log, **bound
             )
-        return comm.all_gather(full, shard, group=group, log=log, **bound)
+        else:
+            h = comm.all_gather(full, shard, group=group, log=log, **bound)
+        return self.store.release_after(i, b, h)
 
     @contextlib.contextmanager
     def exact(self):
@@ -526,4 +568,10 @@ class ShardRunner:
 
     def master_bytes(self) -> int:
         """Bytes of separate fp32 master shards (0 for fp32 params: they are stepped in place)."""
-        return sum(m.numel() * m.element_size() for m in self.masters if m is not None)
+        t = self.store.tier
+        off = t.ram_bytes(master=True) if t is not None and t.masters else 0  # in RAM now
+        return off + sum(
+            m.numel() * m.element_size()
+            for i, m in enumerate(self.masters)
+            if m is not None and (t is None or i not in t.masters)
+        )
