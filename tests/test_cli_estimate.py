@@ -365,3 +365,20 @@ def test_offload_optimizer(capsys):
     out = capsys.readouterr().out
     assert "offload stage 3: Adam moments on disk, 2 GB per rank" in out, out
     assert "4 GB read + written per step" in out
+
+
+def test_offload_params():
+    """--offload-params nvme (stage 3): param shards and fp32 masters on disk as well; a step
+    reads each shard three times and writes it once, the masters once each way."""
+    psi, n = 10**9, 4
+    base = est.estimate_stage(3, psi, n, precision="mixed", offload_optimizer="nvme")
+    both = est.estimate_stage(
+        3, psi, n, precision="mixed", offload_optimizer="nvme", offload_params="nvme"
+    )
+    shard, masters = 2 * psi / n, 4 * psi / n
+    assert both.params_bytes == 0 and base.params_bytes == shard
+    assert both.optim_bytes == base.optim_bytes - masters == 0
+    assert both.offload_disk_bytes == base.offload_disk_bytes + shard + masters
+    assert both.offload_io_bytes == base.offload_io_bytes + 4 * shard + 2 * masters
+    with pytest.raises(ValueError, match="stage-3 option"):
+        est.estimate_stage(2, psi, n, offload_params="nvme")

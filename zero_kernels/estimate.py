@@ -419,6 +419,7 @@ def estimate_stage(
     comm_scratch: str = "pairwise",
     offload_optimizer: str | None = None,
     offload_staging_mb: float = 48.0,
+    offload_params: str | None = None,
 ) -> StageEstimate:
     """Per-rank model-state bytes, comm buffers and per-step communication of one stage (see
     the Note above); ``bucket_mb`` / ``max_inflight_buckets`` / ``reshard_after_forward`` as
@@ -432,7 +433,15 @@ def estimate_stage(
     "pairwise+shm" (both: the probe chose per size class, some each way).
     ``offload_optimizer="nvme"`` (stages 1-3, adam): the fp32 moments (8 bytes per param) leave
     ``optim_bytes`` for ``offload_disk_bytes``, the staging buffers join the total, and every
-    step reads and writes them once (``offload_io_bytes``; [Note: offload])."""
+    step reads and writes them once (``offload_io_bytes``; [Note: offload]).
+    ``offload_params="nvme"`` (stage 3): the param shards and the fp32 masters go to disk too
+    (the gathered window stays in ``live_bytes``); a step reads each shard three times (the
+    forward's and the backward's all-gathers, the step) and writes it once, and reads and
+    writes the masters once ([Note: param offload])."""
+    if offload_params not in (None, "nvme"):
+        raise ValueError(f"--offload-params must be nvme; got {offload_params!r}")
+    if offload_params and stage != 3:
+        raise ValueError(f"--offload-params is a stage-3 option; got stage {stage}")
     if offload_optimizer not in (None, "nvme"):
         raise ValueError(f"--offload-optimizer must be nvme; got {offload_optimizer!r}")
     if offload_optimizer and stage == 0:
@@ -486,6 +495,11 @@ def estimate_stage(
         ob -= disk
         staging = offload_staging_mb * 2**20
         io = 2 * disk
+    if offload_params:
+        masters = prec.master_bytes * psi / n
+        disk += pb + masters
+        io += 4 * pb + 2 * masters
+        pb, ob = 0.0, ob - masters
     total = pb + gb + ob + live + staging
     comm_bytes = 2 * ar + rs + ag  # an all-reduce is a reduce-scatter plus an all-gather
     buffers = 0.0
@@ -566,9 +580,11 @@ def estimate(
     max_inflight_buckets: int = 2,
     offload_optimizer: str | None = None,
     offload_staging_mb: float = 48.0,
+    offload_params: str | None = None,
 ) -> Estimate:
     """All stages for a parameter count or a model spec (see `model_info`); with
-    ``offload_optimizer``, stages 1-3 offload (DDP's row stays as it is)."""
+    ``offload_optimizer``, stages 1-3 offload (DDP's row stays as it is); with
+    ``offload_params``, stage 3's params and masters too."""
     shapes = None
     largest = None
     if model is not None:
@@ -596,6 +612,7 @@ def estimate(
             largest_param=max((math.prod(x) for x in shapes), default=0) if shapes else None,
             offload_optimizer=offload_optimizer if s else None,
             offload_staging_mb=offload_staging_mb,
+            offload_params=offload_params if s == 3 else None,
         )
         for s in stages
     ]

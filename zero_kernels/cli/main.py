@@ -188,6 +188,13 @@ def _build_parser() -> argparse.ArgumentParser:
         " RAM, disk and I/O per step per rank",
     )
     e.add_argument(
+        "--offload-params",
+        choices=["nvme"],
+        default=None,
+        help="stage 3 with the param shards and fp32 masters on disk too "
+        "(ZeroOptimizer(offload_params='nvme'))",
+    )
+    e.add_argument(
         "--offload-staging-mb",
         type=_positive_float("offload-staging-mb"),
         default=48.0,
@@ -254,6 +261,7 @@ def _cmd_estimate(args) -> int:
         bucket_mb=bucket_mb,
         offload_optimizer=args.offload_optimizer,
         offload_staging_mb=args.offload_staging_mb,
+        offload_params=args.offload_params,
     )
     if args.nodes is not None:
         cross = est.cross_node(
@@ -316,9 +324,12 @@ def _cmd_estimate(args) -> int:
             )
     for s in e.stages:
         if s.offload_disk_bytes:
+            what = "Adam moments" if s.offload_staging_bytes else ""
+            if s.stage == 3 and args.offload_params:
+                what = (what + ", " if what else "") + "param shards and masters"
             print(
-                f"{'offload':<8}stage {s.stage}: Adam moments on disk, {f(s.offload_disk_bytes)}"
-                f" per rank (out of optim; {f(s.offload_staging_bytes)} of staging in the "
+                f"{'offload':<8}stage {s.stage}: {what} on disk, {f(s.offload_disk_bytes)}"
+                f" per rank ({f(s.offload_staging_bytes)} of staging in the "
                 f"total), {f(s.offload_io_bytes)} read + written per step"
             )
     grad_only = "autograd's largest gradient"  # DDP: no receive buffers of ours
