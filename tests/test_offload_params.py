@@ -5,8 +5,6 @@ stage, whole-param access, memory counts, the file's lifetime, refusals. One spa
 (tests/offload_params_checks.py)."""
 
 import os
-import shutil
-import tempfile
 
 import offload_params_checks
 import pytest
@@ -15,17 +13,7 @@ from dist_utils import SharedRun
 RUN = SharedRun(offload_params_checks.worker, timeout=400)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _offload_dir():
-    # a disk, not tmpfs, where there is one: O_DIRECT is what the tier uses
-    base = "/var/tmp" if os.path.isdir("/var/tmp") else None
-    d = tempfile.mkdtemp(prefix="zk-offp-", dir=base)
-    os.environ["ZK_TEST_OFFLOAD_DIR"] = d  # read by the spawned ranks at import
-    yield
-    os.environ.pop("ZK_TEST_OFFLOAD_DIR", None)
-    left = os.listdir(d)
-    shutil.rmtree(d, ignore_errors=True)
-    assert not left, f"offload files left behind: {left}"
+pytestmark = pytest.mark.usefixtures("offload_dir")  # tests/conftest.py
 
 
 @pytest.mark.distributed

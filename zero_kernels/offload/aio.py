@@ -30,6 +30,8 @@ import ctypes
 import errno as _errno
 import logging
 import os
+import secrets
+import socket
 import threading
 import time
 import uuid
@@ -375,6 +377,40 @@ class AioFile:
             f"AioFile({self.path!r}, size={self.size}, direct={self.direct}, "
             f"backend={self.backend!r}, engine={self.engine!r}, threads={self.threads})"
         )
+
+
+class RunFile:
+    """Base of the offload tiers' swappers: the one file of this rank in ``directory`` (checked
+    first), named by what it holds, the host, the pid and a random token, so that no later run
+    can take it for its own; removed at `close`, when the owner is collected, and at exit."""
+
+    def _open_run_file(self, directory: str, what: str, rank: int, nbytes: int) -> None:
+        if not os.path.isdir(directory):
+            raise ValueError(
+                f"offload_dir={directory!r} is not a directory (create it on the disk to use)"
+            )
+        tag = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+        self.path = os.path.join(directory, f"zero_kernels-{what}-r{rank}-{tag}.bin")
+        self.file = AioFile(self.path, max(nbytes, ALIGN), direct=True)
+        self._finalizer = weakref.finalize(self, _close_quietly, self.file)
+
+    @property
+    def bytes_read(self) -> int:
+        return self.file.bytes_read
+
+    @property
+    def bytes_written(self) -> int:
+        return self.file.bytes_written
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _close_quietly(f: AioFile) -> None:
+    try:
+        f.close(remove=True)
+    except OSError:
+        pass
 
 
 def probe_disk(

@@ -75,9 +75,6 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import secrets
-import socket
-import weakref
 from collections import deque
 
 import torch
@@ -123,7 +120,7 @@ class _Record:
         self.resident = False
 
 
-class ParamSwapper:
+class ParamSwapper(aio.RunFile):
     """The param shards of stage 3's buckets in one file (see [Note: param offload]): ``units``,
     per unit the ``(buffer, bucket)`` of its buckets; ``pinned``: the buckets kept in RAM (params
     kept whole); ``masters``: the buffers whose fp32 masters go to the file too (bf16/fp16
@@ -133,7 +130,7 @@ class ParamSwapper:
     WRITES = 2  # writes in flight at most (write behind)
 
     def __init__(self, layout, rank: int, units, pinned, directory: str, masters=()):
-        if not os.path.isdir(directory):
+        if not os.path.isdir(directory):  # before the mappings are made
             raise ValueError(
                 f"offload_dir={directory!r} is not a directory (create it on the disk to use)"
             )
@@ -174,9 +171,7 @@ class ParamSwapper:
                     off += rec.nbytes
                     self.fixed_bytes -= rec.nbytes
         self.nbytes = off  # on disk
-        tag = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
-        self.path = os.path.join(directory, f"zero_kernels-params-r{rank}-{tag}.bin")
-        self.file = aio.AioFile(self.path, max(off, aio.ALIGN), direct=True)
+        self._open_run_file(directory, "params", rank, off)
         self._writing: deque = deque()  # keys whose write is in flight, oldest first
         self._ahead: dict[tuple, None] = {}  # read ahead, not acquired: oldest first
         # read ahead at most the largest unit's shards (and masters)
@@ -194,7 +189,6 @@ class ParamSwapper:
         self._learn = True  # off inside `resident` (its order is not a pass's)
         self.ahead_hits = 0  # acquires that found their shard read ahead
         self.peak_ram = self.ram_bytes()
-        self._finalizer = weakref.finalize(self, _close_file, self.file)
 
     # ---------------------------------------------------------------- one shard
     def tensor(self, key: tuple) -> torch.Tensor:
@@ -389,17 +383,6 @@ class ParamSwapper:
     def _peak(self) -> None:
         self.peak_ram = max(self.peak_ram, self.ram_bytes())
 
-    @property
-    def bytes_read(self) -> int:
-        return self.file.bytes_read
-
-    @property
-    def bytes_written(self) -> int:
-        return self.file.bytes_written
-
-    def close(self) -> None:
-        self._finalizer()
-
 
 class _Releasing:
     """A collective's handle whose first ``wait`` releases the shard it read from."""
@@ -416,10 +399,3 @@ class _Releasing:
 
     def __getattr__(self, name):
         return getattr(self._handle, name)
-
-
-def _close_file(f) -> None:
-    try:
-        f.close(remove=True)
-    except OSError:
-        pass

@@ -31,10 +31,6 @@ values, only where they live between steps changes.
 
 from __future__ import annotations
 
-import os
-import secrets
-import socket
-import weakref
 from collections import deque
 
 import torch
@@ -50,7 +46,7 @@ def _pad(numel: int) -> int:
     return -(-numel // per) * per
 
 
-class StateSwapper:
+class StateSwapper(aio.RunFile):
     """The moments ``names[i]`` of every fused buffer ``i`` of a runner, in one file, chunk by
     chunk (see [Note: offload]); ``staging_mb``: the RAM of the three staging buffers."""
 
@@ -64,10 +60,6 @@ class StateSwapper:
         directory: str,
         staging_mb: float = 48.0,
     ):
-        if not os.path.isdir(directory):
-            raise ValueError(
-                f"offload_dir={directory!r} is not a directory (create it on the disk to use)"
-            )
         self.layout, self.rank, self.names = layout, rank, names
         most = max(len(n) for n in names.values())
         per = aio.ALIGN // 4
@@ -86,13 +78,10 @@ class StateSwapper:
                     off += stride * len(nm) * 4
                 self.records[(i, bk.index)] = chunks
         self.nbytes = off
-        tag = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
-        self.path = os.path.join(directory, f"zero_kernels-optstate-r{rank}-{tag}.bin")
-        self.file = aio.AioFile(self.path, max(off, aio.ALIGN), direct=True)
+        self._open_run_file(directory, "optstate", rank, off)
         self.slots = [aio.aligned_empty(self.chunk * most) for _ in range(self.SLOTS)]
         self.staging_bytes = sum(s.numel() * 4 for s in self.slots)
         self._writes: list = [None] * self.SLOTS  # per slot: its write in flight
-        self._finalizer = weakref.finalize(self, _close_file, self.file)
 
     def chunks(self, i: int, b: int) -> list[tuple[int, int]]:
         """``(lo, hi)`` of each chunk of bucket ``b`` of buffer ``i``, in the order streamed."""
@@ -184,21 +173,3 @@ class StateSwapper:
             for (i, _), rs in self.records.items()
             for _, lo, hi, _ in rs
         )
-
-    @property
-    def bytes_read(self) -> int:
-        return self.file.bytes_read
-
-    @property
-    def bytes_written(self) -> int:
-        return self.file.bytes_written
-
-    def close(self) -> None:
-        self._finalizer()
-
-
-def _close_file(f) -> None:
-    try:
-        f.close(remove=True)
-    except OSError:
-        pass
