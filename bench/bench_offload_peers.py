@@ -27,15 +27,10 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import machine, markdown_table, status_bytes, write_results  # noqa: E402
+
 CANDIDATES = ["ours_ram", "ours_nvme_opt", "ds_cpu", "ds_nvme_opt", "ds_nvme"]
-
-
-def _hwm() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def worker(a) -> None:
@@ -93,7 +88,10 @@ def worker(a) -> None:
         if s >= 2:
             ts.append(time.perf_counter() - t0)
     rank = int(os.environ.get("RANK", 0))
-    print("RESULT " + json.dumps({"rank": rank, "steps": ts, "hwm": _hwm()}), flush=True)
+    print(
+        "RESULT " + json.dumps({"rank": rank, "steps": ts, "hwm": status_bytes("VmHWM")}),
+        flush=True,
+    )
 
 
 def run(name: str, a, work: str) -> dict:
@@ -142,9 +140,6 @@ def main() -> None:
     a = ap.parse_args()
     if a.worker:
         return worker(a)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from harness import machine, markdown_table, write_results
-
     work = tempfile.mkdtemp(prefix="zk-offload-peers-", dir=a.dir)
     got: dict[str, list] = {c: [] for c in CANDIDATES}
     try:
