@@ -235,6 +235,29 @@ def given_optimizer(rank, world):
     return {"micro_batches": len(losses)}
 
 
+def given_scheduler(rank, world):
+    """optimizers=(torch optimizer, a scheduler over it): the scheduler drives the
+    ZeroOptimizer's lr, as it drives the torch optimizer's under Trainer's DDP."""
+    from transformers import Trainer
+
+    from zero_kernels.integrations.transformers import ZeroTrainer
+
+    def run(cls, name, **kw):
+        model = gpt2()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 3 * s))
+        tr, losses = train(cls, f"{TMP}/{name}", model=model, optimizers=(opt, sched), **kw)
+        return tr, losses
+
+    _, want = run(Trainer, "sched_ddp")
+    tr, got = run(ZeroTrainer, "sched_z2", zero={"stage": 2})
+    lr = tr.zero_optimizer.param_groups[0]["lr"]
+    assert abs(lr - 1e-3 / (1 + 3 * 6)) < 1e-12, lr  # six steps of the schedule
+    gap = rel(got, want)
+    assert gap <= 1e-5, (gap, got, want)
+    return {"loss_rel": gap}
+
+
 def refusals(rank, world):
     from transformers import Trainer, TrainingArguments
 
@@ -272,6 +295,7 @@ CHECKS = [
     resume_stage1_into_stage3,
     save_model_stage3,
     given_optimizer,
+    given_scheduler,
     refusals,
 ]
 

@@ -11,7 +11,9 @@ same class over the same groups: each group's constructor arguments are kept (ke
 again; other keys, a group's "name", ride along) and the class's defaults become the
 ZeroOptimizer's ``**defaults``. An optimizer that has
 already stepped (non-empty ``state``) is refused: its state would be dropped without a word. A
-`ZeroOptimizer` given as the optimizer is kept as it is, if it holds the model's params.
+`ZeroOptimizer` given as the optimizer is kept as it is, if it holds the model's params. The
+torch optimizer's ``param_groups`` become the ZeroOptimizer's (the same list of dicts), so an LR
+scheduler built over it drives the ZeroOptimizer, wherever the scheduler is kept.
 """
 
 from __future__ import annotations
@@ -139,4 +141,10 @@ def from_torch_optimizer(model: nn.Module, optimizer, zero: dict, where: str):
     # key of a group (a "name", say) rides along, as torch.optim keeps it
     derived = {k for k in optimizer.defaults if k not in args}
     groups = [{k: v for k, v in g.items() if k not in derived} for g in optimizer.param_groups]
-    return ZeroOptimizer(groups, cls, module=model, **{**defaults, **zero})
+    z = ZeroOptimizer(groups, cls, module=model, **{**defaults, **zero})
+    # an LR scheduler built over the torch optimizer (Trainer(optimizers=(opt, sched)), a
+    # user's own) keeps writing its groups: they become the ZeroOptimizer's, so its lr is the
+    # one the ZeroOptimizer steps with, not a dead copy's
+    optimizer.param_groups = z.param_groups
+    optimizer._opt_called = True  # the scheduler's "step before optimizer.step" check
+    return z
