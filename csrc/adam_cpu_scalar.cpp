@@ -4,6 +4,7 @@
 
 #include "adam_cpu.h"
 #include "adam_cpu_impl.h"
+#include "adam_lowbit_impl.h"
 
 namespace zk {
 
@@ -16,6 +17,24 @@ void stream_probe_scalar(float* p, const float* g, float* m, float* v, int64_t b
 }
 bool finite_range_scalar(const void* g, DType d, float scale, int64_t begin, int64_t end) {
   return finite_range<ScalarTraits>(g, d, scale, begin, end);
+}
+
+void adam_lowbit_range_scalar(const AdamArgs& a, const AdamLowbitBuffers& b, int64_t b0,
+                              int64_t b1) {
+  lowbit_range<ScalarLowbit>(a, b, b0, b1);
+}
+
+void adam_lowbit_cpu(const AdamArgs& a, const AdamLowbitBuffers& b, int64_t b0, int64_t b1,
+                     int isa) {
+  if (b.block <= 0 || b.block > kMaxLowbitBlock || b0 < 0 || b0 > b1 ||
+      b1 > (b.n + b.block - 1) / b.block) {
+    throw std::out_of_range("adam_lowbit_cpu: block range outside the buffer");
+  }
+#if defined(__x86_64__)
+  if (isa == int(CpuIsa::kAVX512)) return adam_lowbit_range_avx512(a, b, b0, b1);
+  if (isa == int(CpuIsa::kAVX2)) return adam_lowbit_range_avx2(a, b, b0, b1);
+#endif
+  adam_lowbit_range_scalar(a, b, b0, b1);
 }
 
 CpuIsa cpu_isa_best() {

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "adam_cpu.h"
+#include "adam_lowbit.h"
 #include "aio.h"
 #include "block_cache.h"
 #include "flat_copy.h"
@@ -298,6 +299,74 @@ void check_quant_tensor(const at::Tensor& t, const at::Tensor& ref, const char* 
 
 int64_t quant_grain(int64_t block) { return std::max<int64_t>(1, kGrain / block); }
 
+// ---- low-bit moments (zero_kernels/ops/lowbit.py [Note: low-bit state]) ----
+void adam_step_lowbit(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m,
+                      const at::Tensor& v, const c10::optional<at::Tensor>& m_scale,
+                      const c10::optional<at::Tensor>& v_scale,
+                      const c10::optional<at::Tensor>& out,
+                      const c10::optional<at::Tensor>& found_inf, bool check_finite, int64_t block,
+                      double lr, double beta1, double beta2, double eps, double weight_decay,
+                      double step_size, double bc2_sqrt, double grad_scale, bool adamw,
+                      bool maximize) {
+  TORCH_CHECK_TYPE(p.scalar_type() == at::kFloat, "param must be float32 (the master), got ",
+                   p.scalar_type());
+  TORCH_CHECK(p.is_contiguous(), "param must be contiguous, got stride ", p.strides());
+  check_like(g, p, "grad");
+  check_like(m, p, "exp_avg");
+  check_like(v, p, "exp_avg_sq");
+  TORCH_CHECK_VALUE(block >= 64 && block <= zk::kMaxLowbitBlock && block % 64 == 0,
+                    "block must be a multiple of 64 in [64, ", zk::kMaxLowbitBlock, "], got ",
+                    block);
+  zk::AdamLowbitBuffers b{};
+  b.p = p.data_ptr<float>();
+  b.g = g.data_ptr();
+  b.grad = to_dtype(g, "grad");
+  b.m = m.data_ptr();
+  b.v = v.data_ptr();
+  b.n = p.numel();
+  b.block = block;
+  const int64_t nb = (b.n + block - 1) / block;
+  if (m.scalar_type() == at::kBFloat16) {
+    TORCH_CHECK_TYPE(v.scalar_type() == at::kBFloat16, "exp_avg is bfloat16, exp_avg_sq is ",
+                     v.scalar_type());
+    b.fmt = zk::MomentFormat::kBF16;
+  } else {
+    TORCH_CHECK_TYPE(m.scalar_type() == at::kChar && v.scalar_type() == at::kByte,
+                     "exp_avg/exp_avg_sq must be bfloat16/bfloat16 or int8/uint8, got ",
+                     m.scalar_type(), "/", v.scalar_type());
+    TORCH_CHECK(m_scale.has_value() && v_scale.has_value(),
+                "int8 moments need exp_avg_scale and exp_avg_sq_scale");
+    check_quant_tensor(*m_scale, p, "exp_avg_scale", at::kFloat, nb);
+    check_quant_tensor(*v_scale, p, "exp_avg_sq_scale", at::kFloat, nb);
+    b.m_scale = m_scale->data_ptr<float>();
+    b.v_scale = v_scale->data_ptr<float>();
+    b.fmt = zk::MomentFormat::kInt8;
+  }
+  b.out_dtype = DType::kNone;
+  if (out.has_value()) {
+    check_like(*out, p, "out_lowp");
+    b.out_dtype = to_dtype(*out, "out_lowp");
+    TORCH_CHECK_TYPE(b.out_dtype != DType::kF32, "out_lowp.dtype must be bfloat16 or float16");
+    b.out = out->data_ptr();
+  }
+  check_found_inf(found_inf, p, check_finite);
+  Scalars s{lr,       beta1,      beta2, eps,   weight_decay, step_size,
+            bc2_sqrt, grad_scale, adamw, false, maximize};
+  const zk::AdamArgs a = s.args();
+  TORCH_CHECK(p.is_cpu(),
+              "adam_step_lowbit: the native low-bit step runs on the CPU here; param "
+              "is on ",
+              p.device(), " (backend='triton' or 'reference' runs on other devices)");
+  float* flag = found_inf.has_value() ? found_inf->data_ptr<float>() : nullptr;
+  if (flag != nullptr && *flag != 0.0f) return;
+  if (check_finite && !all_finite_range(b.g, b.grad, a.grad_scale, b.n)) {
+    *flag = 1.0f;
+    return;
+  }
+  at::parallel_for(0, nb, quant_grain(block),
+                   [&](int64_t b0, int64_t b1) { zk::adam_lowbit_cpu(a, b, b0, b1, int(g_isa)); });
+}
+
 void quantize_blockwise(const at::Tensor& x, const c10::optional<at::Tensor>& error,
                         const at::Tensor& q, const at::Tensor& scales, int64_t bits,
                         int64_t block) {
@@ -573,6 +642,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weight_decay"), py::arg("step_size"), py::arg("bc2_sqrt"), py::arg("grad_scale"),
         py::arg("adamw"), py::arg("amsgrad"), py::arg("maximize"));
   m.def("adam_step_multi", &adam_step_multi, "The fused step over lists of tensors");
+  m.def("adam_step_lowbit", &adam_step_lowbit,
+        "One Adam/AdamW step with bf16 or blockwise int8 moments over a fp32 master (in place)");
   m.def("all_finite", &all_finite, "True when every grad * scale is finite (CPU)", py::arg("grad"),
         py::arg("scale") = 1.0);
   m.def("flat_copy", &flat_copy, "Copy tensors into (to_flat) or out of a flat buffer",
