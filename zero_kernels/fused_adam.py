@@ -8,6 +8,12 @@ bf16/fp16 params keep their state in the param dtype (as torch does) and are ste
 math, like ``torch.optim.AdamW(fused=True)``. Non-contiguous params whose grads and states share
 their strides are stepped in place over their storage; any other layout is stepped through
 contiguous copies that are written back.
+
+``state_dtype="bf16" | "int8"`` keeps exp_avg/exp_avg_sq of fp32 params in that format
+(`zero_kernels.ops.lowbit` [Note: low-bit state]); params below ``min_lowbit_numel`` elements
+and params of other dtypes keep torch's state. Such a ``state_dict`` holds the low-bit tensors
+and their scales (it loads back here bit for bit); `fp32_state_dict` gives torch's format for a
+plain torch optimizer, and a torch-format state loads here (encoded into ``state_dtype``).
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from collections import defaultdict
 import torch
 
 from . import ops
-from .ops import AdamHyper
+from .ops import AdamHyper, lowbit
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -67,6 +73,9 @@ class FusedAdam(torch.optim.Optimizer):
         fused: bool | None = None,
         decoupled_weight_decay: bool | None = None,
         backend: str = "auto",
+        state_dtype: str = "fp32",
+        state_block: int = lowbit.DEFAULT_STATE_BLOCK,
+        min_lowbit_numel: int = lowbit.MIN_LOWBIT_NUMEL,
     ) -> None:
         if isinstance(lr, torch.Tensor) and lr.numel() != 1:
             raise ValueError(f"Tensor lr must be 1-element, got lr.shape={tuple(lr.shape)}")
@@ -87,9 +96,20 @@ class FusedAdam(torch.optim.Optimizer):
             )
         if backend not in ops.BACKENDS:
             raise ValueError(f"backend must be one of {ops.BACKENDS}, got backend={backend!r}")
+        lowbit.check_state_dtype(state_dtype, state_block, type(self).__name__)
+        if state_dtype != "fp32" and amsgrad:
+            raise ValueError(
+                f"{type(self).__name__}: amsgrad=True keeps max_exp_avg_sq, which has no low-bit "
+                f"format; use state_dtype='fp32' with amsgrad, got state_dtype={state_dtype!r}"
+            )
+        if not isinstance(min_lowbit_numel, int) or min_lowbit_numel < 0:
+            raise ValueError(f"min_lowbit_numel must be an int >= 0, got {min_lowbit_numel!r}")
         if decoupled_weight_decay is None:
             decoupled_weight_decay = self._decoupled_default
         self.backend = backend
+        self.state_dtype = state_dtype
+        self.state_block = state_block
+        self.min_lowbit_numel = min_lowbit_numel
         defaults = dict(
             lr=lr,
             betas=betas,
@@ -113,10 +133,26 @@ class FusedAdam(torch.optim.Optimizer):
             group.setdefault("decoupled_weight_decay", self._decoupled_default)
         if not hasattr(self, "backend"):
             self.backend = "auto"
+        if not hasattr(self, "state_dtype"):
+            self.state_dtype, self.state_block = "fp32", lowbit.DEFAULT_STATE_BLOCK
+            self.min_lowbit_numel = lowbit.MIN_LOWBIT_NUMEL
+
+    def _lowbit(self, p: torch.Tensor) -> bool:
+        """Whether ``p``'s moments are kept in ``state_dtype`` (fp32 masters above the size)."""
+        return (
+            self.state_dtype != "fp32"
+            and p.dtype == torch.float32
+            and p.numel() >= self.min_lowbit_numel
+        )
 
     def _init_state(self, p: torch.Tensor, amsgrad: bool) -> dict:
         state = self.state[p]
-        if len(state) == 0:
+        if len(state) == 0 and self._lowbit(p):
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state.update(lowbit.new_state(p.numel(), self.state_dtype, self.state_block, p.device))
+            if self.state_dtype == "int8":
+                state["state_block"] = self.state_block
+        elif len(state) == 0:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -176,7 +212,71 @@ class FusedAdam(torch.optim.Optimizer):
                 amsgrad=amsgrad,
                 maximize=group["maximize"],
             )
-            self._run(items, hyper, amsgrad)
+            low = [it for it in items if self._lowbit(it[0])]
+            if low:
+                self._run_lowbit(low, hyper)
+                items = [it for it in items if not self._lowbit(it[0])]
+            if items:
+                self._run(items, hyper, amsgrad)
+
+    def _run_lowbit(self, items: list, hyper: AdamHyper) -> None:
+        for p, g, state in items:
+            flat_p = p.view(-1) if p.is_contiguous() else p.detach().contiguous().view(-1)
+            flat_g = g.reshape(-1) if g.is_contiguous() else g.contiguous().view(-1)
+            lowbit.adam_step_lowbit(
+                flat_p,
+                flat_g,
+                state,
+                hyper,
+                state_dtype=self.state_dtype,
+                block=self.state_block,
+                backend=self.backend,
+            )
+            if flat_p.data_ptr() != p.data_ptr():
+                p.copy_(flat_p.view_as(p))
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's load, then each low-bit param's state back in ``state_dtype``: torch casts
+        floating state to the param's dtype (bf16 moments arrive fp32), and a torch-format state
+        (fp32 exp_avg/exp_avg_sq of the param's shape) is encoded."""
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state.get(p)
+                if state and self._lowbit(p):
+                    self._to_lowbit(p, state)
+
+    def _to_lowbit(self, p: torch.Tensor, state: dict) -> None:
+        fmt, block = self.state_dtype, self.state_block
+        saved_block = state.get("state_block", block)
+        if "exp_avg_scale" in state:  # saved int8: same block stays as it is, else decoded
+            if fmt == "int8" and saved_block == block:
+                return
+            m, v = lowbit.decode_state(state, "int8", saved_block)
+        else:  # torch's format, or bf16 moments that torch's load cast to fp32 (exact)
+            m = state["exp_avg"].reshape(-1).float()
+            v = state["exp_avg_sq"].reshape(-1).float()
+        for k in ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale", "max_exp_avg_sq"):
+            state.pop(k, None)
+        want = lowbit.new_state(p.numel(), fmt, block, p.device)
+        lowbit.encode_state(m.to(p.device), v.to(p.device), fmt, block, want)
+        state.update(want)
+        if fmt == "int8":
+            state["state_block"] = block
+
+    def fp32_state_dict(self) -> dict:
+        """``state_dict()`` in torch's format: every param's exp_avg/exp_avg_sq decoded to fp32
+        tensors of its shape, loadable by ``torch.optim.Adam``/``AdamW``."""
+        sd = self.state_dict()
+        params = [p for g in self.param_groups for p in g["params"]]
+        for idx, st in sd["state"].items():
+            p = params[idx]
+            if "exp_avg_scale" in st or st["exp_avg"].dtype == torch.bfloat16:
+                fmt = "int8" if "exp_avg_scale" in st else "bf16"
+                m, v = lowbit.decode_state(st, fmt, st.get("state_block", self.state_block))
+                st = {"step": st["step"], "exp_avg": m.view_as(p), "exp_avg_sq": v.view_as(p)}
+                sd["state"][idx] = st
+        return sd
 
     def _run(self, items: list, hyper: AdamHyper, amsgrad: bool) -> None:
         flat: list[list[torch.Tensor]] = [[], [], [], [], []]
