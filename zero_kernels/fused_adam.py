@@ -237,19 +237,33 @@ class FusedAdam(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's load, then each low-bit param's state back in ``state_dtype``: torch casts
-        floating state to the param's dtype (bf16 moments arrive fp32), and a torch-format state
-        (fp32 exp_avg/exp_avg_sq of the param's shape) is encoded."""
+        every state tensor to the param's dtype (bf16 moments and int8 codes arrive fp32, exact),
+        and a torch-format state (fp32 exp_avg/exp_avg_sq of the param's shape) is encoded."""
         super().load_state_dict(state_dict)
         for group in self.param_groups:
             for p in group["params"]:
                 state = self.state.get(p)
                 if state and self._lowbit(p):
                     self._to_lowbit(p, state)
+                elif state and "exp_avg_scale" in state:  # saved int8, kept fp32 here
+                    state["exp_avg"] = state["exp_avg"].to(torch.int8)
+                    state["exp_avg_sq"] = state["exp_avg_sq"].to(torch.uint8)
+                    m, v = lowbit.decode_state(state, "int8", state.pop("state_block"))
+                    for k in ("exp_avg_scale", "exp_avg_sq_scale"):
+                        del state[k]
+                    state["exp_avg"], state["exp_avg_sq"] = m.view_as(p), v.view_as(p)
+                elif state and "exp_avg" in state and state["exp_avg"].shape != p.shape:
+                    state["exp_avg"] = state["exp_avg"].view_as(p)  # saved bf16 (flat)
+                    state["exp_avg_sq"] = state["exp_avg_sq"].view_as(p)
 
     def _to_lowbit(self, p: torch.Tensor, state: dict) -> None:
         fmt, block = self.state_dtype, self.state_block
         saved_block = state.get("state_block", block)
         if "exp_avg_scale" in state:  # saved int8: same block stays as it is, else decoded
+            # torch's load casts every state tensor to the param's dtype: codes arrive as fp32
+            # integers, exact, and go back to their own dtypes
+            state["exp_avg"] = state["exp_avg"].to(torch.int8)
+            state["exp_avg_sq"] = state["exp_avg_sq"].to(torch.uint8)
             if fmt == "int8" and saved_block == block:
                 return
             m, v = lowbit.decode_state(state, "int8", saved_block)
