@@ -293,11 +293,37 @@ def runner(core: Core, optimizer_class, user_groups, defaults, fused_adam, kerne
         defaults,
         fused=fusable,
         backend=kernel_backend,
+        state_dtype=core.policy.precision.state_dtype,
     )
+    _check_state_dtype(core, r, optimizer_class, group_opts, defaults)
     off = core.policy.offload
     if off.offload_optimizer == "nvme":
         r.swap = _swapper(core, r, optimizer_class, group_opts, defaults, off)
     return r
+
+
+def _check_state_dtype(core: Core, r, optimizer_class, group_opts, defaults) -> None:
+    """state_dtype other than fp32: only the fused step has that format; refuse what would
+    keep fp32 state unsaid."""
+    sd = core.policy.precision.state_dtype
+    if sd == "fp32":
+        return
+    if not all(r.fused):
+        raise ValueError(
+            f"state_dtype={sd!r} is the fused Adam step's format; {optimizer_class.__name__} "
+            "here is not stepped by it everywhere (fused_adam=False, an option the kernel does "
+            "not take, whole mode, or float64 params): use state_dtype='fp32'"
+        )
+    if any(g.get("amsgrad", defaults.get("amsgrad", False)) for g in group_opts):
+        raise ValueError(
+            f"state_dtype={sd!r} with amsgrad=True: max_exp_avg_sq has no low-bit format; use "
+            "state_dtype='fp32' with amsgrad"
+        )
+    if core.policy.offload.offload_optimizer is not None:
+        raise NotImplementedError(
+            f"state_dtype={sd!r} with offload_optimizer: the offload file holds fp32 moments; "
+            "not built yet"
+        )
 
 
 def _swapper(core: Core, r, optimizer_class, group_opts, defaults, off):

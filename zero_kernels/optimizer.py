@@ -91,6 +91,10 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
         reduce_dtype: stages 2 and 3: the dtype gradients are accumulated in during backward and
             reduce-scattered in (default fp32); ``torch.bfloat16`` halves the bytes, the result
             is added into the fp32 gradient shard (the accuracy cost is in bench/README.md).
+        state_dtype: "fp32" or "bf16": how the fused Adam step keeps exp_avg/exp_avg_sq (bf16:
+            8 instead of 16 bytes of moments per param, 20 instead of 28 bytes moved by the
+            step; fp32 masters and math). Needs the fused step (Adam/AdamW, flat mode, no
+            amsgrad); checkpoints hold the bf16 moments and load into either dtype.
         max_inflight_buckets: stages 2/3: most bucket buffers held at once (being filled or
             reduce-scattered); when a bucket needs one beyond it, the oldest reduce-scatter is
             waited for and its buffer reused. Bounds the communication buffers to this many
@@ -196,6 +200,7 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
         persist_below: int = 0,
         check_order: str | None = None,
         reduce_dtype: torch.dtype | None = None,
+        state_dtype: str = "fp32",
         overlap_param_gather: bool = False,
         init_fn=None,
         seed: int = 0,
@@ -235,6 +240,7 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
             persist_below=persist_below,
             check_order=check_order,
             reduce_dtype=reduce_dtype,
+            state_dtype=state_dtype,
             overlap_param_gather=overlap_param_gather,
             loss_scale=loss_scale,
             shard_group=shard_group,

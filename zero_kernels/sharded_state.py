@@ -125,9 +125,9 @@ class ShardedState:
             and v.device.type == "cpu"
         ):
             return v.detach().view(-1)
-        if r.fused[i] and dtype == torch.float32 and key in _FUSED_KEYS:
+        if r.fused[i] and key in _FUSED_KEYS:
             views = r.piece_flat_state(i, k)
-            if key in views:
+            if key in views and views[key].dtype == dtype:  # else read, then cast in install
                 return views[key]
         return torch.empty(pc.numel, dtype=dtype)
 

@@ -41,6 +41,7 @@ from .. import comm
 from ..buffers import GradStore, ParamStore, dtype_of
 from ..layout import Layout, Piece, pieces
 from ..ops import AdamHyper, adam_step
+from ..ops.lowbit import adam_step_lowbit
 
 __all__ = ["ShardRunner", "FUSED_ADAM_CLASSES"]
 
@@ -62,6 +63,7 @@ class ShardRunner:
         *,
         fused: bool,
         backend: str = "auto",
+        state_dtype: str = "fp32",
     ):
         self.layout, self.store, self.grads, self.rank = layout, store, grads, rank
         dtypes = [dtype_of(b.dtype) for b in layout.buffers]
@@ -108,6 +110,7 @@ class ShardRunner:
             for i in range(len(layout.buffers))
         ]
         self.backend = backend
+        self.state_dtype = state_dtype  # the fused step's moments ([Note: low-bit state])
         self.flat_state: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # fused: per bucket
         # fused: per (buffer, state name), the whole shard's state; `flat_state` holds views
         self._state_whole: dict[tuple[int, str], torch.Tensor] = {}
@@ -366,6 +369,19 @@ class ShardRunner:
                     "amsgrad at construction"
                 )
             a, z = lo - clo, hi - clo
+            if self.state_dtype != "fp32":
+                st = {"exp_avg": flat["exp_avg"][a:z], "exp_avg_sq": flat["exp_avg_sq"][a:z]}
+                out = None if out_lowp is None else out_lowp[lo:hi]
+                adam_step_lowbit(
+                    master[lo:hi],
+                    grad[lo:hi],
+                    st,
+                    hyper,
+                    state_dtype=self.state_dtype,
+                    out_lowp=out,
+                    backend=self.backend,
+                )
+                continue
             adam_step(
                 master[lo:hi],
                 grad[lo:hi],
@@ -407,7 +423,8 @@ class ShardRunner:
         whole = self._state_whole.get(key)
         if whole is None:
             n = self.layout.buffers[i].shard_numel(self.layout.world_size)
-            whole = torch.zeros(n, dtype=torch.float32, device=self.store.device)
+            dt = torch.bfloat16 if self.state_dtype == "bf16" else torch.float32
+            whole = torch.zeros(n, dtype=dt, device=self.store.device)
             self._state_whole[key] = whole
         return whole[self._slice(i, b)]
 

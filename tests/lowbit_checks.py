@@ -1,0 +1,169 @@
+"""Checks run inside 2 gloo workers for tests/test_lowbit_zero.py: ZeroOptimizer(state_dtype=
+"bf16") at stages 1-3 against FusedAdamW(state_dtype="bf16") on the averaged gradients, its
+memory count, checkpoints across stage and state dtype, and the refusals."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+from dist_utils import run_checks
+from torch import nn
+
+import zero_kernels
+
+
+def model(dtype=torch.float32):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(48, 96), nn.GELU(), nn.Linear(96, 48), nn.Linear(48, 8)).to(
+        dtype
+    )
+
+
+def build(m, stage, **kw):
+    kw = {"lr": 1e-2, "weight_decay": 0.1, "bucket_size_mb": 0.01, "state_dtype": "bf16"} | kw
+    return zero_kernels.ZeroOptimizer(m, torch.optim.AdamW, stage=stage, **kw)
+
+
+def batch(step, rank, dtype):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(6, 48, generator=g).to(dtype)
+
+
+def train(m, opt, steps, rank, start=0):
+    dtype = next(m.parameters()).dtype
+    for s in range(start, start + steps):
+        opt.zero_grad()
+        m(batch(s, rank, dtype)).float().square().mean().backward()
+        opt.step()
+
+
+def _parity(stage, dtype):
+    def check(rank, world):
+        m = model(dtype)
+        opt = build(m, stage)
+        train(m, opt, 4, rank)
+        rep = opt.memory_report()
+        got = {k: v.detach().float().clone() for k, v in m.state_dict().items()}
+        states = [opt.full_state(p) for p in m.parameters()]
+        opt.close()
+        # the same steps, one process: the mean of both ranks' losses, FusedAdamW with bf16
+        # moments on fp32 masters (bf16 params: masters kept here, cast after each step)
+        ref = model(dtype)
+        masters = [p.detach().float().clone().requires_grad_() for p in ref.parameters()]
+        fo = zero_kernels.FusedAdamW(
+            masters, lr=1e-2, weight_decay=0.1, state_dtype="bf16", min_lowbit_numel=0
+        )
+        for s in range(4):
+            for p in ref.parameters():
+                p.grad = None
+            loss = sum(ref(batch(s, r, dtype)).float().square().mean() for r in range(world))
+            (loss / world).backward()
+            for mp, p in zip(masters, ref.parameters()):
+                mp.grad = p.grad.float()
+            fo.step()
+            with torch.no_grad():
+                for mp, p in zip(masters, ref.parameters()):
+                    p.copy_(mp)
+        tol = 1e-6 if dtype == torch.float32 else 1e-2
+        for (k, v), p in zip(got.items(), ref.parameters()):
+            assert torch.allclose(v, p.detach().float(), rtol=tol, atol=tol), (stage, dtype, k)
+        for st, mp in zip(states, masters):
+            assert st["exp_avg"].dtype == torch.bfloat16, st["exp_avg"].dtype
+            want = fo.state[mp]["exp_avg"].view_as(st["exp_avg"])
+            w = want.float()
+            # fp32 params: one bf16 rounding apart at most; bf16 params: their grads are
+            # reduced in another order than one process's backward, a few bf16 ulps
+            rel, floor = (2**-7, 1e-6) if dtype == torch.float32 else (0.05, 1e-2 * w.abs().max())
+            ok = (st["exp_avg"].float() - w).abs() <= rel * w.abs() + floor
+            assert bool(ok.all()), (stage, dtype)
+        n = sum(p.numel() for p in m.parameters())
+        shard = rep["optim_state_bytes"]
+        # bf16 moments: 4 bytes per element of this rank's shard (+ padding, + 0-dim steps)
+        assert 4 * n / world <= shard <= 4 * n / world + 4096, (shard, n)
+        return {"optim_state_bytes": shard}
+
+    check.__name__ = f"parity_stage{stage}_{str(dtype)[6:]}"
+    return check
+
+
+def _full(m, opt):
+    return [
+        {k: v.clone() for k, v in opt.full_state(p).items() if torch.is_tensor(v)}
+        for p in m.parameters()
+    ]
+
+
+def checkpoints(rank, world):
+    """Saved with bf16 state at stage 3, loaded at stage 2 (bf16): the next steps equal an
+    uninterrupted run's, bitwise; loaded with fp32 state: the moments are the bf16 ones,
+    exactly; an fp32-state checkpoint loads into bf16 state rounded to nearest."""
+    d = os.path.join(tempfile.gettempdir(), f"zk-lowbit-ckpt-{os.getppid()}")
+    m0 = model()
+    o0 = build(m0, 2)
+    train(m0, o0, 5, rank)
+    want = {k: v.clone() for k, v in m0.state_dict().items()}
+    o0.close()
+    m = model()
+    o = build(m, 3)
+    train(m, o, 3, rank)
+    saved = _full(m, o)
+    path = zero_kernels.save_checkpoint(d, m, o, extra={"step": 3})
+    o.close()
+    m2 = model()
+    o2 = build(m2, 2)
+    zero_kernels.load_checkpoint(path, m2, o2)
+    train(m2, o2, 2, rank, start=3)
+    assert all(torch.equal(v, want[k]) for k, v in m2.state_dict().items()), "resume differs"
+    o2.close()
+    m3 = model()
+    o3 = build(m3, 2, state_dtype="fp32")
+    zero_kernels.load_checkpoint(path, m3, o3)
+    for a, b in zip(_full(m3, o3), saved):
+        assert a["exp_avg"].dtype == torch.float32
+        assert torch.equal(a["exp_avg"], b["exp_avg"].float()), "bf16 -> fp32 not exact"
+    train(m3, o3, 1, rank, start=3)
+    path32 = zero_kernels.save_checkpoint(d + "-32", m3, o3, extra={"step": 4})
+    s32 = _full(m3, o3)
+    o3.close()
+    m4 = model()
+    o4 = build(m4, 1)
+    zero_kernels.load_checkpoint(path32, m4, o4)
+    for a, b in zip(_full(m4, o4), s32):
+        assert a["exp_avg"].dtype == torch.bfloat16
+        assert torch.equal(a["exp_avg"], b["exp_avg"].bfloat16()), "fp32 -> bf16 not rounded"
+    o4.close()
+    torch.distributed.barrier()
+    if rank == 0:
+        import shutil
+
+        for p in (d, d + "-32"):
+            shutil.rmtree(p, ignore_errors=True)
+    return {}
+
+
+def refusals(rank, world):
+    for kw, exc, match in (
+        ({"state_dtype": "int8"}, NotImplementedError, "int8"),
+        ({"state_dtype": "fp16"}, ValueError, "state_dtype must be one of"),
+        ({"amsgrad": True}, ValueError, "amsgrad"),
+        ({"fused_adam": False}, ValueError, "fused Adam step's format"),
+    ):
+        with pytest.raises(exc, match=match):
+            build(model(), 2, **kw)
+    return {}
+
+
+CHECKS = [
+    _parity(1, torch.float32),
+    _parity(2, torch.bfloat16),
+    _parity(3, torch.float32),
+    checkpoints,
+    refusals,
+]
+
+
+def worker(rank, world):
+    return run_checks(rank, world, CHECKS)
