@@ -26,8 +26,8 @@ void adam_lowbit_range_scalar(const AdamArgs& a, const AdamLowbitBuffers& b, int
 
 void adam_lowbit_cpu(const AdamArgs& a, const AdamLowbitBuffers& b, int64_t b0, int64_t b1,
                      int isa) {
-  if (b.block <= 0 || b.block > kMaxLowbitBlock || b0 < 0 || b0 > b1 ||
-      b1 > (b.n + b.block - 1) / b.block) {
+  if (b.block <= 0 || b.block > kMaxLowbitBlock || b0 < 0 || b0 > b1 || b1 > lowbit_num_blocks(b) ||
+      (b.starts != nullptr && b.fmt != MomentFormat::kInt8)) {
     throw std::out_of_range("adam_lowbit_cpu: block range outside the buffer");
   }
 #if defined(__x86_64__)

@@ -21,10 +21,15 @@ struct AdamLowbitBuffers {
   void* m;
   void* v;
   float* m_scale;  // kInt8: ceil(n / block) scales of m, else nullptr
-  float* v_scale;  // kInt8: ceil(n / block) scales of u = sqrt(v), else nullptr
+  float* v_scale;  // kInt8: one scale of u = sqrt(v) per block, else nullptr
   void* out;       // nullptr when no low-precision copy-out
   int64_t n;
   int64_t block;  // elements per block (kInt8: a multiple of 64, at most kMaxLowbitBlock)
+  // kInt8, optional: block k covers [starts[k], starts[k + 1]) (nblocks + 1 ascending entries,
+  // starts[0] = 0, starts[nblocks] = n, each block at most `block` long): the blocks of a sharded
+  // step follow its pieces. nullptr: block k covers [k * block, min((k + 1) * block, n)).
+  const int64_t* starts;
+  int64_t nblocks;
   DType grad;
   DType out_dtype;
   MomentFormat fmt;
@@ -104,6 +109,18 @@ ZK_HD void adam_math_u(const AdamArgs& a, V& p, V g, V& m, V& v, V& u) {
 }
 
 }  // namespace ZK_ISA_NS
+
+inline int64_t lowbit_num_blocks(const AdamLowbitBuffers& b) {
+  return b.starts != nullptr ? b.nblocks : (b.n + b.block - 1) / b.block;
+}
+inline int64_t lowbit_block_begin(const AdamLowbitBuffers& b, int64_t k) {
+  return b.starts != nullptr ? b.starts[k] : k * b.block;
+}
+inline int64_t lowbit_block_end(const AdamLowbitBuffers& b, int64_t k) {
+  if (b.starts != nullptr) return b.starts[k + 1];
+  const int64_t e = (k + 1) * b.block;
+  return e < b.n ? e : b.n;
+}
 
 // CPU: blocks [b0, b1) of one tensor (kBF16: `block`-element chunks), single-threaded.
 void adam_lowbit_cpu(const AdamArgs& a, const AdamLowbitBuffers& b, int64_t b0, int64_t b1,

@@ -86,8 +86,8 @@ template <class LT, DType G, DType O>
 void lowbit_block_i8(const AdamArgs& a, const AdamLowbitBuffers& b, int64_t blk) {
   alignas(64) float tm[kMaxLowbitBlock];
   alignas(64) float tu[kMaxLowbitBlock];
-  const int64_t begin = blk * b.block;
-  const int64_t end = std::min(begin + b.block, b.n);
+  const int64_t begin = lowbit_block_begin(b, blk);
+  const int64_t end = lowbit_block_end(b, blk);
   const float sm = b.m_scale[blk], sv = b.v_scale[blk];
   const BlockFold f1 = lowbit_update<LT, G, O>(a, b, begin, end, sm, sv, tm, tu, begin);
   const BlockFold f2 = lowbit_update<ScalarLowbit, G, O>(a, b, f1.i, end, sm, sv, tm, tu, begin);

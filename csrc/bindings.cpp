@@ -305,9 +305,9 @@ void adam_step_lowbit(const at::Tensor& p, const at::Tensor& g, const at::Tensor
                       const c10::optional<at::Tensor>& v_scale,
                       const c10::optional<at::Tensor>& out,
                       const c10::optional<at::Tensor>& found_inf, bool check_finite, int64_t block,
-                      double lr, double beta1, double beta2, double eps, double weight_decay,
-                      double step_size, double bc2_sqrt, double grad_scale, bool adamw,
-                      bool maximize) {
+                      const c10::optional<at::Tensor>& starts, double lr, double beta1,
+                      double beta2, double eps, double weight_decay, double step_size,
+                      double bc2_sqrt, double grad_scale, bool adamw, bool maximize) {
   TORCH_CHECK_TYPE(p.scalar_type() == at::kFloat, "param must be float32 (the master), got ",
                    p.scalar_type());
   TORCH_CHECK(p.is_contiguous(), "param must be contiguous, got stride ", p.strides());
@@ -325,8 +325,26 @@ void adam_step_lowbit(const at::Tensor& p, const at::Tensor& g, const at::Tensor
   b.v = v.data_ptr();
   b.n = p.numel();
   b.block = block;
-  const int64_t nb = (b.n + block - 1) / block;
+  int64_t nb = (b.n + block - 1) / block;
+  if (starts.has_value()) {  // the blocks of a sharded step follow its pieces
+    TORCH_CHECK(
+        starts->scalar_type() == at::kLong && starts->dim() == 1 && starts->is_contiguous() &&
+            starts->device() == p.device() && starts->numel() >= 2,
+        "block_starts must be a contiguous 1-D int64 tensor of >= 2 entries on ", p.device());
+    const int64_t* st = starts->data_ptr<int64_t>();
+    nb = starts->numel() - 1;
+    TORCH_CHECK_VALUE(st[0] == 0 && st[nb] == b.n, "block_starts must run from 0 to ", b.n,
+                      ", got ", st[0], " to ", st[nb]);
+    for (int64_t k = 0; k < nb; ++k) {
+      TORCH_CHECK_VALUE(st[k + 1] > st[k] && st[k + 1] - st[k] <= block, "block_starts[", k + 1,
+                        "] - block_starts[", k, "] = ", st[k + 1] - st[k],
+                        " must be in [1, block=", block, "]");
+    }
+    b.starts = st;
+    b.nblocks = nb;
+  }
   if (m.scalar_type() == at::kBFloat16) {
+    TORCH_CHECK(!starts.has_value(), "block_starts is for int8 moments; exp_avg is bfloat16");
     TORCH_CHECK_TYPE(v.scalar_type() == at::kBFloat16, "exp_avg is bfloat16, exp_avg_sq is ",
                      v.scalar_type());
     b.fmt = zk::MomentFormat::kBF16;

@@ -107,64 +107,75 @@ def new_state(n: int, state_dtype: str, block: int, device) -> dict[str, torch.T
     }
 
 
-def _per_element(scale: torch.Tensor, n: int, block: int) -> torch.Tensor:
-    return scale.repeat_interleave(block)[:n]
+def block_index(n: int, block: int, starts: torch.Tensor | None = None) -> torch.Tensor:
+    """The block of each of ``n`` elements: ``i // block``, or by ``starts`` (int64, nb + 1)."""
+    if starts is None:
+        return torch.arange(n) // block
+    return torch.repeat_interleave(torch.arange(starts.numel() - 1), starts.diff())
 
 
-def decode_state(state: dict, state_dtype: str, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_state(
+    state: dict, state_dtype: str, block: int, starts: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 (m, v) of flat stored state (new tensors)."""
     if state_dtype != "int8":
         return state["exp_avg"].float(), state["exp_avg_sq"].float()
     qm = state["exp_avg"].float()
     qv = state["exp_avg_sq"].float()
-    n = qm.numel()
-    m = (qm * qm.abs()) * _per_element(state["exp_avg_scale"], n, block)
-    u = (qv * qv) * _per_element(state["exp_avg_sq_scale"], n, block)
+    idx = block_index(qm.numel(), block, starts).to(qm.device)
+    m = (qm * qm.abs()) * state["exp_avg_scale"][idx]
+    u = (qv * qv) * state["exp_avg_sq_scale"][idx]
     return m, u * u
 
 
-def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
-    """``x`` (flat fp32) padded with zeros to whole blocks, one row per block."""
-    n = x.numel()
-    pad = num_blocks(n, block) * block - n
-    return torch.nn.functional.pad(x, (0, pad)).view(-1, block)
-
-
-def _encode(x: torch.Tensor, block: int, codes: float, signed: bool):
-    """(codes as fp32, scales) of flat fp32 ``x`` (``x`` >= 0 unless ``signed``)."""
-    rows = _blocks(x, block)
-    finite = torch.isfinite(rows).all(dim=1)
-    amax = rows.abs().amax(dim=1)
+def _encode(x: torch.Tensor, idx: torch.Tensor, nb: int, codes: float, signed: bool):
+    """(codes as fp32, scales) of flat fp32 ``x`` (``x`` >= 0 unless ``signed``), element i in
+    block ``idx[i]`` of ``nb``."""
+    ok = torch.isfinite(x).float()
+    finite = torch.ones(nb, device=x.device).scatter_reduce(0, idx, ok, "amin") > 0
+    amax = torch.zeros(nb, device=x.device).scatter_reduce(
+        0, idx, torch.where(ok > 0, x.abs(), torch.zeros_like(x)), "amax"
+    )
     c2 = codes * codes
     scale = torch.where(finite, amax / c2, torch.full_like(amax, float("nan")))
     inv = torch.clamp(torch.full_like(amax, c2) / amax, max=_FLT_MAX)
     inv = torch.where(finite, inv, torch.zeros_like(inv))
-    t = torch.sqrt(rows.abs() * inv[:, None]).clamp(max=codes)
+    t = torch.sqrt(x.abs() * inv[idx]).clamp(max=codes)
     q = torch.round(t)  # half to even
     if signed:
-        q = torch.where(rows < 0, -q, q)
+        q = torch.where(x < 0, -q, q)
     else:
-        q = torch.where((rows > 0) & (q == 0), torch.ones_like(q), q)
-    q = torch.where(finite[:, None], q, torch.zeros_like(q))
-    return q.reshape(-1)[: x.numel()], scale
+        q = torch.where((x > 0) & (q == 0), torch.ones_like(q), q)
+    q = torch.where(finite[idx], q, torch.zeros_like(q))
+    return q, scale
 
 
-def encode_state(m: torch.Tensor, v: torch.Tensor, state_dtype: str, block: int, out: dict) -> None:
+def encode_state(
+    m: torch.Tensor,
+    v: torch.Tensor,
+    state_dtype: str,
+    block: int,
+    out: dict,
+    starts: torch.Tensor | None = None,
+) -> None:
     """Write fp32 (m, v) into the stored state ``out`` (its tensors, in place)."""
     if state_dtype != "int8":
         out["exp_avg"].copy_(m.view_as(out["exp_avg"]))
         out["exp_avg_sq"].copy_(v.view_as(out["exp_avg_sq"]))
         return
-    qm, sm = _encode(m.reshape(-1).float(), block, _M_CODES, signed=True)
-    qv, sv = _encode(torch.sqrt(v.reshape(-1).float()), block, _V_CODES, signed=False)
+    m = m.reshape(-1).float()
+    idx = block_index(m.numel(), block, starts).to(m.device)
+    nb = out["exp_avg_scale"].numel()
+    qm, sm = _encode(m, idx, nb, _M_CODES, signed=True)
+    qv, sv = _encode(torch.sqrt(v.reshape(-1).float()), idx, nb, _V_CODES, signed=False)
     out["exp_avg"].copy_(qm.to(torch.int8))
     out["exp_avg_sq"].copy_(qv.to(torch.uint8))
     out["exp_avg_scale"].copy_(sm)
     out["exp_avg_sq_scale"].copy_(sv)
 
 
-def _reference_step(p, g, state, hyper: AdamHyper, state_dtype, block, out_lowp):
-    m, v = decode_state(state, state_dtype, block)
+def _reference_step(p, g, state, hyper: AdamHyper, state_dtype, block, out_lowp, starts=None):
+    m, v = decode_state(state, state_dtype, block, starts)
     gf = g.reshape(-1).float() * hyper.grad_scale
     if hyper.maximize:
         gf = -gf
@@ -178,12 +189,12 @@ def _reference_step(p, g, state, hyper: AdamHyper, state_dtype, block, out_lowp)
     v = hyper.beta2 * v + (1.0 - hyper.beta2) * (gf * gf)
     denom = v.sqrt() / hyper.bias_correction2_sqrt + hyper.eps
     pf.sub_(hyper.step_size * (m / denom))
-    encode_state(m, v, state_dtype, block, state)
+    encode_state(m, v, state_dtype, block, state, starts)
     if out_lowp is not None:
         out_lowp.copy_(pf.view_as(out_lowp))
 
 
-def _check(p, g, state, state_dtype, block, out_lowp, hyper) -> None:
+def _check(p, g, state, state_dtype, block, out_lowp, hyper, starts) -> None:
     if hyper.amsgrad:
         raise ValueError(
             "adam_step_lowbit: amsgrad needs max_exp_avg_sq, kept in fp32 only; "
@@ -199,10 +210,28 @@ def _check(p, g, state, state_dtype, block, out_lowp, hyper) -> None:
             f"got {g.numel()} of {g.dtype}"
         )
     n = p.numel()
+    nb = num_blocks(n, block)
+    if starts is not None:
+        if state_dtype != "int8":
+            raise ValueError("adam_step_lowbit: block_starts is for state_dtype='int8'")
+        d = starts.diff()
+        if not (
+            starts.dtype == torch.int64
+            and starts.dim() == 1
+            and starts.numel() >= 2
+            and int(starts[0]) == 0
+            and int(starts[-1]) == n
+            and bool(((d >= 1) & (d <= block)).all())
+        ):
+            raise ValueError(
+                f"adam_step_lowbit: block_starts must be int64 from 0 to {n} with steps in "
+                f"[1, block={block}], got {starts.tolist()[:8]}..."
+            )
+        nb = starts.numel() - 1
     want = new_state(0, state_dtype, block, "meta")
     for k in STATE_KEYS[state_dtype]:
         t = state.get(k)
-        size = num_blocks(n, block) if k.endswith("_scale") else n
+        size = nb if k.endswith("_scale") else n
         if t is None or t.dtype != want[k].dtype or t.numel() != size or not t.is_contiguous():
             got = None if t is None else (t.dtype, t.numel())
             raise ValueError(
@@ -227,6 +256,7 @@ def adam_step_lowbit(
     *,
     state_dtype: str,
     block: int = DEFAULT_STATE_BLOCK,
+    block_starts: torch.Tensor | None = None,
     out_lowp: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
     check_finite: bool = False,
@@ -234,14 +264,18 @@ def adam_step_lowbit(
 ) -> torch.Tensor | None:
     """One Adam/AdamW step with m, v stored as ``state_dtype`` ("bf16" or "int8"), in place.
 
-    ``state`` holds the tensors of `new_state` (flat, ``param.numel()`` elements). ``found_inf``
-    and ``check_finite`` as in `zero_kernels.ops.adam_step`: a non-zero ``found_inf`` skips the
-    step; with ``check_finite`` a non-finite grad sets it and nothing is written.
+    ``state`` holds the tensors of `new_state` (flat, ``param.numel()`` elements).
+    ``block_starts`` (int8, optional): int64 ``[0, ..., n]``, block k covering
+    ``[block_starts[k], block_starts[k + 1])``, each at most ``block`` long; the scales then
+    have ``len(block_starts) - 1`` entries (a sharded step's blocks follow its pieces).
+    ``found_inf`` and ``check_finite`` as in `zero_kernels.ops.adam_step`: a non-zero
+    ``found_inf`` skips the step; with ``check_finite`` a non-finite grad sets it and nothing
+    is written.
     """
     check_state_dtype(state_dtype, block, "adam_step_lowbit")
     if state_dtype == "fp32":
         raise ValueError("adam_step_lowbit: state_dtype='fp32' runs zero_kernels.ops.adam_step")
-    _check(param, grad, state, state_dtype, block, out_lowp, hyper)
+    _check(param, grad, state, state_dtype, block, out_lowp, hyper, block_starts)
     if check_finite and found_inf is None:
         found_inf = torch.zeros(1, dtype=torch.float32, device=param.device)
     if param.numel() == 0:
@@ -262,6 +296,7 @@ def adam_step_lowbit(
             found_inf,
             check_finite,
             block,
+            block_starts,
             hyper.lr,
             hyper.beta1,
             hyper.beta2,
@@ -282,7 +317,9 @@ def adam_step_lowbit(
     if name == "triton":
         from . import triton_lowbit
 
+        if block_starts is not None:
+            raise NotImplementedError("adam_step_lowbit: block_starts on the Triton backend")
         triton_lowbit.adam_step_lowbit(param, grad, state, hyper, state_dtype, block, out_lowp)
     else:
-        _reference_step(param, grad, state, hyper, state_dtype, block, out_lowp)
+        _reference_step(param, grad, state, hyper, state_dtype, block, out_lowp, block_starts)
     return found_inf
