@@ -294,6 +294,7 @@ def runner(core: Core, optimizer_class, user_groups, defaults, fused_adam, kerne
         fused=fusable,
         backend=kernel_backend,
         state_dtype=core.policy.precision.state_dtype,
+        state_block=core.policy.precision.state_block,
     )
     _check_state_dtype(core, r, optimizer_class, group_opts, defaults)
     off = core.policy.offload

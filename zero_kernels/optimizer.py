@@ -91,10 +91,12 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
         reduce_dtype: stages 2 and 3: the dtype gradients are accumulated in during backward and
             reduce-scattered in (default fp32); ``torch.bfloat16`` halves the bytes, the result
             is added into the fp32 gradient shard (the accuracy cost is in bench/README.md).
-        state_dtype: "fp32" or "bf16": how the fused Adam step keeps exp_avg/exp_avg_sq (bf16:
-            8 instead of 16 bytes of moments per param, 20 instead of 28 bytes moved by the
-            step; fp32 masters and math). Needs the fused step (Adam/AdamW, flat mode, no
-            amsgrad); checkpoints hold the bf16 moments and load into either dtype.
+        state_dtype: "fp32", "bf16" or "int8": how the fused Adam step keeps exp_avg/exp_avg_sq
+            (bytes of moments per param 8 / 4 / 2 + 8/state_block; bytes moved by the step 28 /
+            20 / 16; fp32 masters and math). Needs the fused step (Adam/AdamW, flat mode, no
+            amsgrad). Checkpoints hold bf16 moments as they are and int8 ones decoded to fp32
+            ([Note: int8 shard state]); each loads into any state_dtype.
+        state_block: int8: elements per quantization block (a multiple of 64 up to 4096).
         max_inflight_buckets: stages 2/3: most bucket buffers held at once (being filled or
             reduce-scattered); when a bucket needs one beyond it, the oldest reduce-scatter is
             waited for and its buffer reused. Bounds the communication buffers to this many
@@ -201,6 +203,7 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
         check_order: str | None = None,
         reduce_dtype: torch.dtype | None = None,
         state_dtype: str = "fp32",
+        state_block: int = 256,
         overlap_param_gather: bool = False,
         init_fn=None,
         seed: int = 0,
@@ -241,6 +244,7 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
             check_order=check_order,
             reduce_dtype=reduce_dtype,
             state_dtype=state_dtype,
+            state_block=state_block,
             overlap_param_gather=overlap_param_gather,
             loss_scale=loss_scale,
             shard_group=shard_group,

@@ -125,27 +125,20 @@ class PrecisionPolicy:
     """reduce_dtype: stages 2/3: the dtype gradients are accumulated and reduce-scattered in
     (None: fp32; float64 params: float64). loss_scale: None, a positive number (static),
     "dynamic", or "auto" (dynamic with fp16 params, else none). state_dtype: how the fused
-    Adam step stores exp_avg/exp_avg_sq: "fp32" (torch's), "bf16" (half the bytes; fp32
-    masters and math: `zero_kernels.ops.lowbit` [Note: low-bit state]); "int8" runs in
-    `FusedAdamW` and is not built into the sharded step yet (raises)."""
+    Adam step stores exp_avg/exp_avg_sq: "fp32" (torch's), "bf16" (half the bytes) or "int8"
+    (blockwise, ``state_block`` elements per block, a quarter: [Note: int8 shard state] in
+    `zero_kernels.partition.lowbit_state`); fp32 masters and math in every case
+    (`zero_kernels.ops.lowbit` [Note: low-bit state])."""
 
     reduce_dtype: torch.dtype | None = None
     loss_scale: float | str | None = "auto"
     state_dtype: str = "fp32"
+    state_block: int = 256
 
     def __post_init__(self):
-        from .ops.lowbit import STATE_DTYPES
+        from .ops.lowbit import check_state_dtype
 
-        if self.state_dtype not in STATE_DTYPES:
-            raise ValueError(
-                f"state_dtype must be one of {STATE_DTYPES}, got state_dtype={self.state_dtype!r}"
-            )
-        if self.state_dtype == "int8":
-            raise NotImplementedError(
-                "state_dtype='int8' in the sharded step is not built yet (its blocks must follow "
-                "the pieces of each shard and reshard at load); it runs in "
-                "zero_kernels.FusedAdamW(state_dtype='int8'); use 'bf16' or 'fp32' here"
-            )
+        check_state_dtype(self.state_dtype, self.state_block)
         if self.reduce_dtype not in _REDUCE_DTYPES:
             raise ValueError(
                 "reduce_dtype must be None, torch.float32, torch.bfloat16 or torch.float16, "

@@ -41,7 +41,8 @@ from .. import comm
 from ..buffers import GradStore, ParamStore, dtype_of
 from ..layout import Layout, Piece, pieces
 from ..ops import AdamHyper, adam_step
-from ..ops.lowbit import adam_step_lowbit
+from ..ops.lowbit import DEFAULT_STATE_BLOCK, adam_step_lowbit
+from .lowbit_state import INT8_KEYS, Int8ShardState
 
 __all__ = ["ShardRunner", "FUSED_ADAM_CLASSES"]
 
@@ -64,6 +65,7 @@ class ShardRunner:
         fused: bool,
         backend: str = "auto",
         state_dtype: str = "fp32",
+        state_block: int = DEFAULT_STATE_BLOCK,
     ):
         self.layout, self.store, self.grads, self.rank = layout, store, grads, rank
         dtypes = [dtype_of(b.dtype) for b in layout.buffers]
@@ -116,6 +118,11 @@ class ShardRunner:
         self._state_whole: dict[tuple[int, str], torch.Tensor] = {}
         self.swap = None  # zero_kernels.offload.StateSwapper: the moments on disk ([Note: offload])
         self._resident = 0  # depth of `resident` (the moments read into RAM)
+        # state_dtype="int8": codes and scales on piece-aligned blocks ([Note: int8 shard state])
+        self.int8 = None
+        if state_dtype == "int8":
+            self.int8 = Int8ShardState(layout, rank, self.pieces, self.fused, state_block, dev)
+        self._decoded = 0  # depth of `resident` for int8 state (decoded to fp32 meanwhile)
 
     def _slice(self, i: int, b: int) -> slice:
         """Bucket ``b``'s shard inside the rank's shard of buffer ``i``."""
@@ -369,6 +376,11 @@ class ShardRunner:
                     "amsgrad at construction"
                 )
             a, z = lo - clo, hi - clo
+            if self.int8 is not None:
+                assert not self._decoded, "a step inside ShardRunner.resident()"
+                out = None if out_lowp is None else out_lowp[lo:hi]
+                self.int8.step(i, b, lo, hi, master[lo:hi], grad[lo:hi], hyper, out, self.backend)
+                continue
             if self.state_dtype != "fp32":
                 st = {"exp_avg": flat["exp_avg"][a:z], "exp_avg_sq": flat["exp_avg_sq"][a:z]}
                 out = None if out_lowp is None else out_lowp[lo:hi]
@@ -404,6 +416,8 @@ class ShardRunner:
         key = (i, b)
         if key not in self.flat_state:
             names = _ADAM_KEYS if g.get("amsgrad", False) else _ADAM_KEYS[:2]
+            if self.int8 is not None and not self._decoded:
+                names = INT8_KEYS
             self.flat_state[key] = {k: self._state_view(i, b, k) for k in names}
         return self.flat_state[key]
 
@@ -419,6 +433,10 @@ class ShardRunner:
         gathered bucket, one Adam state tensor per buffer"). A tensor
         the size of the rank's shard is above any threshold glibc sets, so it is a mapping of
         its own, and its zero pages are touched only when stepped."""
+        if self.int8 is not None:
+            if self._decoded:
+                return self.int8.decoded_view(i, b, name)
+            return self.int8.view(i, b, name)
         key = (i, name)
         whole = self._state_whole.get(key)
         if whole is None:
@@ -436,7 +454,9 @@ class ShardRunner:
             pc = self.pieces[i][k]
             lo = pc.start - self.layout.buffers[i].buckets[pc.bucket].shard_start(self.rank)
             st["step"] = torch.tensor(0.0, dtype=torch.float32)
-            if self.swap is None or self._resident:  # offloaded: views only while resident
+            if self.int8 is not None and not self._decoded:
+                st.update(self.int8.piece_views(i, k, pc, lo))
+            elif self.swap is None or self._resident:  # offloaded: views only while resident
                 for name, t in flat.items():
                     st[name] = t[lo : lo + pc.numel].view(p.shape)
         return st
@@ -446,6 +466,7 @@ class ShardRunner:
         state (``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq`` with amsgrad), 1-D views to read
         or write in place (checkpoint loads); created (zeros) if the bucket has none yet."""
         assert self.fused[i], f"buffer {i} is not stepped by the fused Adam kernel"
+        assert self.int8 is None or self._decoded, "int8 state: element-wise only while resident"
         pc = self.pieces[i][k]
         flat = self._flat_state(i, pc.bucket, self.inner.param_groups[i])
         lo = pc.start - self.layout.buffers[i].buckets[pc.bucket].shard_start(self.rank)
@@ -480,8 +501,48 @@ class ShardRunner:
         loads), written back to the files after: the moments ([Note: offload]) and the param
         shards ([Note: param offload] in `zero_kernels.offload.params`); nothing to do without
         offload. Reentrant."""
-        with self.store.resident(), self._moments_resident():
+        with self.store.resident(), self._moments_resident(), self._int8_decoded():
             yield
+
+    @contextlib.contextmanager
+    def _int8_decoded(self):
+        """int8 state: decoded to fp32 views in torch's format for the duration, encoded back
+        where it changed ([Note: int8 shard state])."""
+        if self.int8 is None or self._decoded:
+            self._decoded += self.int8 is not None
+            try:
+                yield
+            finally:
+                self._decoded -= self.int8 is not None
+            return
+        self._decoded = 1
+        self.flat_state.clear()
+        try:
+            self._repoint(decoded=True)
+            yield
+        finally:
+            self._decoded = 0
+            try:
+                self.int8.leave_resident()
+            finally:
+                self.flat_state.clear()
+                self._repoint(decoded=False)
+
+    def _repoint(self, decoded: bool) -> None:
+        """The int8 pieces' state entries: fp32 views (decoded) or codes and scales."""
+        for i, k, pc, p, _ in self.all_pieces():
+            st = self.inner.state.get(p)
+            if not (self.fused[i] and st):
+                continue
+            for name in (*INT8_KEYS, "state_block", "max_exp_avg_sq"):
+                st.pop(name, None)
+            lo = pc.start - self.layout.buffers[i].buckets[pc.bucket].shard_start(self.rank)
+            if decoded:
+                flat = self._flat_state(i, pc.bucket, self.inner.param_groups[i])
+                for name, t in flat.items():
+                    st[name] = t[lo : lo + pc.numel].view(p.shape)
+            else:
+                st.update(self.int8.piece_views(i, k, pc, lo))
 
     @contextlib.contextmanager
     def _moments_resident(self):

@@ -1,0 +1,197 @@
+"""The fused step's moments in int8 (``state_dtype="int8"``) on a rank's shard.
+
+[Note: int8 shard state]
+Codes and scales follow `zero_kernels.ops.lowbit` [Note: low-bit state]; what is particular to a
+shard is where the blocks lie. Each bucket's shard is cut into segments, one per piece (the part
+of one param in this shard) and one per gap (padding), and every segment into blocks of at most
+``block`` elements from its own start: a block never spans two params, so a piece's codes and
+scales are the same as those of the piece stepped alone (`FusedAdamW`'s format for a tensor of
+that size), and a run of consecutive pieces (the kernel's unit when pieces disagree in ``step``)
+is a whole number of blocks. Per buffer: one int8 tensor of codes for exp_avg, one uint8 for
+exp_avg_sq (the shard's size), and one fp32 scale tensor for each (the buffer's blocks, bucket
+after bucket); each piece's inner state holds views of them (``exp_avg``, ``exp_avg_sq``,
+``exp_avg_scale``, ``exp_avg_sq_scale``) and ``state_block``.
+
+Everything that reads or writes state from outside the step (state dicts, ``full_state``,
+checkpoints, loads) runs inside `ShardRunner.resident`, which here *decodes* every bucket into
+fp32 tensors for its duration (the pieces' state becoming fp32 views in torch's format: what
+checkpoints save, so they reshard to any world size and stage, and load into fp32, bf16 or
+int8 state) and, leaving it, encodes back each bucket whose values changed (a bucket left as it
+was keeps its codes and scales bit for bit; a loaded one gets the same codes, scales within an
+ulp of the saved run's: the checkpoint holds the decoded moments, 8 bytes per element).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..layout import Layout, Piece
+from ..ops import lowbit
+
+__all__ = ["Int8ShardState", "INT8_KEYS"]
+
+INT8_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
+_DTYPES = {
+    "exp_avg": torch.int8,
+    "exp_avg_sq": torch.uint8,
+    "exp_avg_scale": torch.float32,
+    "exp_avg_sq_scale": torch.float32,
+}
+
+
+class Int8ShardState:
+    """The block tables, codes and scales of one rank's fused buffers (see the Note)."""
+
+    def __init__(self, layout: Layout, rank: int, pcs, fused: list[bool], block: int, device):
+        self.layout, self.rank, self.block, self.device = layout, rank, block, device
+        self.starts: dict[tuple[int, int], torch.Tensor] = {}  # bucket-shard relative, nb + 1
+        self.first_block: dict[tuple[int, int], int] = {}  # the bucket's first block in buffer
+        self.nblocks: dict[int, int] = {}
+        self.piece_blocks: dict[tuple[int, int], tuple[int, int]] = {}  # (buffer, k) -> range
+        self._runs: dict[tuple, tuple] = {}
+        for i, buf in enumerate(layout.buffers):
+            if not fused[i]:
+                continue
+            total = 0
+            for b in buf.buckets:
+                lo0 = b.shard_start(rank)
+                segs = sorted(
+                    (pc.start - lo0, pc.numel, k)
+                    for k, pc in enumerate(pcs[i])
+                    if pc.bucket == b.index and pc.numel > 0
+                )
+                starts, at = [0], 0
+                for lo, num, k in segs + [(b.shard_numel, 0, None)]:
+                    if lo > at:  # padding (or a gap) before this piece: its own segment
+                        starts += _cut(at, lo, block)
+                    if k is not None:
+                        kb0 = len(starts) - 1
+                        starts += _cut(lo, lo + num, block)
+                        self.piece_blocks[(i, k)] = (total + kb0, total + len(starts) - 1)
+                    at = max(at, lo + num)
+                self.starts[(i, b.index)] = torch.tensor(starts, dtype=torch.int64)
+                self.first_block[(i, b.index)] = total
+                total += len(starts) - 1
+            self.nblocks[i] = total
+        self.whole: dict[tuple[int, str], torch.Tensor] = {}  # codes and scales, per buffer
+        self.decoded: dict[tuple[int, str], torch.Tensor] = {}  # fp32, while resident
+        self._entry: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # decoded at entry
+
+    # ---- codes and scales
+    def _whole(self, i: int, name: str) -> torch.Tensor:
+        t = self.whole.get((i, name))
+        if t is None:
+            n = self.nblocks[i] if name.endswith("_scale") else self._shard_numel(i)
+            t = torch.zeros(n, dtype=_DTYPES[name], device=self.device)
+            self.whole[(i, name)] = t
+        return t
+
+    def _shard_numel(self, i: int) -> int:
+        return self.layout.buffers[i].shard_numel(self.layout.world_size)
+
+    def _elems(self, i: int, b: int) -> slice:
+        bk = self.layout.buffers[i].buckets[b]
+        off = bk.start // self.layout.world_size
+        return slice(off, off + bk.shard_numel)
+
+    def _blocks(self, i: int, b: int) -> slice:
+        f = self.first_block[(i, b)]
+        return slice(f, f + self.starts[(i, b)].numel() - 1)
+
+    def view(self, i: int, b: int, name: str) -> torch.Tensor:
+        """Bucket ``b``'s part of buffer ``i``'s ``name`` (codes: elements; scales: blocks)."""
+        sl = self._blocks(i, b) if name.endswith("_scale") else self._elems(i, b)
+        return self._whole(i, name)[sl]
+
+    def piece_views(self, i: int, k: int, pc: Piece, lo: int) -> dict:
+        """Piece ``k``'s state entries (1-D views; ``lo``: its first element in the bucket)."""
+        kb0, kb1 = self.piece_blocks.get((i, k), (0, 0))
+        out = {}
+        for name in INT8_KEYS:
+            w = self._whole(i, name)
+            if name.endswith("_scale"):
+                out[name] = w[kb0:kb1]
+            else:
+                out[name] = self.view(i, pc.bucket, name)[lo : lo + pc.numel]
+        out["state_block"] = self.block
+        return out
+
+    def step(self, i, b, lo, hi, master, grad, hyper, out_lowp, backend) -> None:
+        """The kernel on elements ``[lo, hi)`` of bucket ``b``'s shard (whole blocks)."""
+        key = (i, b, lo, hi)
+        run = self._runs.get(key)
+        if run is None:
+            st = self.starts[(i, b)]
+            kb0 = int(torch.searchsorted(st, lo))
+            kb1 = int(torch.searchsorted(st, hi))
+            assert int(st[kb0]) == lo and int(st[kb1]) == hi, (lo, hi, "not on block bounds")
+            f = self.first_block[(i, b)]
+            run = (f + kb0, f + kb1, (st[kb0 : kb1 + 1] - lo).contiguous())
+            self._runs[key] = run
+        g0, g1, starts = run
+        state = {
+            "exp_avg": self.view(i, b, "exp_avg")[lo:hi],
+            "exp_avg_sq": self.view(i, b, "exp_avg_sq")[lo:hi],
+            "exp_avg_scale": self._whole(i, "exp_avg_scale")[g0:g1],
+            "exp_avg_sq_scale": self._whole(i, "exp_avg_sq_scale")[g0:g1],
+        }
+        lowbit.adam_step_lowbit(
+            master,
+            grad,
+            state,
+            hyper,
+            state_dtype="int8",
+            block=self.block,
+            block_starts=starts,
+            out_lowp=out_lowp,
+            backend=backend,
+        )
+
+    # ---- resident: decoded to fp32 for the state's readers and writers
+    def decoded_view(self, i: int, b: int, name: str) -> torch.Tensor:
+        """While resident: bucket ``b``'s fp32 ``name`` (exp_avg or exp_avg_sq), decoded from
+        the buffer's codes at first use (zeros where it has none yet)."""
+        t = self.decoded.get((i, name))
+        if t is None:
+            if (i, "exp_avg") in self.whole:
+                m, v = self._decode(i)
+                self._entry[i] = (m, v)
+                self.decoded[(i, "exp_avg")], self.decoded[(i, "exp_avg_sq")] = m.clone(), v.clone()
+            else:
+                for nm in ("exp_avg", "exp_avg_sq"):
+                    self.decoded[(i, nm)] = torch.zeros(self._shard_numel(i), device=self.device)
+            t = self.decoded[(i, name)]
+        return t[self._elems(i, b)]
+
+    def _decode(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        m = torch.empty(self._shard_numel(i), device=self.device)
+        v = torch.empty_like(m)
+        for b in self.layout.buffers[i].buckets:
+            st = {k: self.view(i, b.index, k) for k in INT8_KEYS}
+            bm, bv = lowbit.decode_state(st, "int8", self.block, self.starts[(i, b.index)])
+            m[self._elems(i, b.index)], v[self._elems(i, b.index)] = bm, bv
+        return m, v
+
+    def leave_resident(self) -> None:
+        """Encode back every bucket whose decoded values differ from those at entry."""
+        try:
+            for i in {i for i, _ in self.decoded}:
+                m, v = self.decoded[(i, "exp_avg")], self.decoded[(i, "exp_avg_sq")]
+                was = self._entry.get(i)
+                for b in self.layout.buffers[i].buckets:
+                    el = self._elems(i, b.index)
+                    if was is not None and torch.equal(m[el], was[0][el]):
+                        if torch.equal(v[el], was[1][el]):
+                            continue  # unchanged: its codes and scales stay as they are
+                    out = {k: self.view(i, b.index, k) for k in INT8_KEYS}
+                    lowbit.encode_state(
+                        m[el], v[el], "int8", self.block, out, self.starts[(i, b.index)]
+                    )
+        finally:
+            self.decoded.clear()
+            self._entry.clear()
+
+
+def _cut(lo: int, hi: int, block: int) -> list[int]:
+    """The ends of the blocks of segment ``[lo, hi)`` (each at most ``block`` long)."""
+    return list(range(lo + block, hi, block)) + [hi]
