@@ -382,3 +382,22 @@ def test_offload_params():
     assert both.offload_io_bytes == base.offload_io_bytes + 4 * shard + 2 * masters
     with pytest.raises(ValueError, match="stage-3 option"):
         est.estimate_stage(2, psi, n, offload_params="nvme")
+
+
+def test_state_dtype():
+    """--state-dtype: stages 1-3 count the fused step's moments at 4 (bf16) or 2 + 8/block
+    (int8) bytes per param instead of 8, masters as they are; DDP's row unchanged; the
+    measured ZeroOptimizer agrees (tests/lowbit_checks.py asserts its memory_report)."""
+    plain = est.estimate(10**9, 4, precision="mixed")
+    for sd, per in (("bf16", 4.0), ("int8", 2 + 8 / 256)):
+        low = est.estimate(10**9, 4, precision="mixed", state_dtype=sd)
+        assert low.stages[0] == plain.stages[0]
+        for a, b in zip(plain.stages[1:], low.stages[1:]):
+            assert b.optim_bytes == pytest.approx(a.optim_bytes - (8 - per) * 10**9 / 4)
+    fp32 = est.estimate(10**9, 4, precision="fp32", state_dtype="int8", stages=[3])
+    assert fp32.stages[0].optim_bytes == pytest.approx((2 + 8 / 256) * 10**9 / 4)  # no master
+    with pytest.raises(ValueError, match="fused Adam step's format"):
+        est.estimate(10**9, 4, optimizer="sgd-momentum", state_dtype="int8")
+    with pytest.raises(ValueError, match="offload"):
+        est.estimate(10**9, 4, state_dtype="bf16", offload_optimizer="nvme")
+    assert main(["estimate", "--params", "1B", "-n", "4", "--state-dtype", "int8"]) == 0

@@ -354,16 +354,33 @@ def optimizer_state_bytes(
     precision: str | Precision,
     n_params: int,
     shapes: Sequence[tuple[int, ...]] | None = None,
+    state_dtype: str = "fp32",
+    state_block: int = 256,
 ) -> float:
     """Bytes of optimizer state (master copy included) for the whole model, unsharded.
 
     Adafactor keeps row + column second moments for matrices and a full one for vectors, so it
     needs `shapes`; without them it is counted as factored to ~0 bytes per parameter.
+    ``state_dtype`` (adam): the fused step's moments in "bf16" (4 bytes per param) or "int8"
+    (2 + 8 / ``state_block``: codes and one fp32 scale per block for each moment), masters as
+    they are ([Note: low-bit state] in `zero_kernels.ops.lowbit`).
     """
+    from .ops.lowbit import check_state_dtype, state_bytes_per_param
+
     prec = precision if isinstance(precision, Precision) else PRECISIONS[precision]
     opt = _choice("--optimizer", optimizer, OPTIMIZERS, {"sgd_momentum": "sgd-momentum"})
     n_state = OPTIMIZERS[opt]
     master = prec.master_bytes * n_params
+    check_state_dtype(state_dtype, state_block, "--state-dtype")
+    if state_dtype != "fp32":
+        if n_state != 2:
+            raise ValueError(
+                f"--state-dtype {state_dtype} is the fused Adam step's format; "
+                f"got --optimizer {opt}"
+            )
+        if prec.state_elem_bytes != 4:
+            raise ValueError("--state-dtype needs fp32 moments to shrink (mixed or fp32 precision)")
+        return float(master + state_bytes_per_param(state_dtype, state_block) * n_params)
     if n_state == "factored":
         if shapes is None:
             return float(master)
@@ -420,6 +437,7 @@ def estimate_stage(
     offload_optimizer: str | None = None,
     offload_staging_mb: float = 48.0,
     offload_params: str | None = None,
+    state_dtype: str = "fp32",
 ) -> StageEstimate:
     """Per-rank model-state bytes, comm buffers and per-step communication of one stage (see
     the Note above); ``bucket_mb`` / ``max_inflight_buckets`` / ``reshard_after_forward`` as
@@ -440,6 +458,11 @@ def estimate_stage(
     writes the masters once ([Note: param offload])."""
     if offload_params not in (None, "nvme"):
         raise ValueError(f"--offload-params must be nvme; got {offload_params!r}")
+    if state_dtype != "fp32" and offload_optimizer:
+        raise ValueError(
+            f"--state-dtype {state_dtype} with --offload-optimizer: ZeroOptimizer offloads fp32 "
+            "moments only (not built yet)"
+        )
     if offload_params and stage != 3:
         raise ValueError(f"--offload-params is a stage-3 option; got stage {stage}")
     if offload_optimizer not in (None, "nvme"):
@@ -581,10 +604,13 @@ def estimate(
     offload_optimizer: str | None = None,
     offload_staging_mb: float = 48.0,
     offload_params: str | None = None,
+    state_dtype: str = "fp32",
+    state_block: int = 256,
 ) -> Estimate:
     """All stages for a parameter count or a model spec (see `model_info`); with
     ``offload_optimizer``, stages 1-3 offload (DDP's row stays as it is); with
-    ``offload_params``, stage 3's params and masters too."""
+    ``offload_params``, stage 3's params and masters too; with ``state_dtype`` (adam), stages
+    1-3 keep the moments in bf16 or int8 (DDP's row stays torch's fp32 state)."""
     shapes = None
     largest = None
     if model is not None:
@@ -596,6 +622,7 @@ def estimate(
     prec = _choice("--precision", precision, PRECISIONS, _PRECISION_ALIASES)
     opt = _choice("--optimizer", optimizer, OPTIMIZERS, {"sgd_momentum": "sgd-momentum"})
     k = optimizer_state_bytes(opt, prec, n_params, shapes)
+    k_low = optimizer_state_bytes(opt, prec, n_params, shapes, state_dtype, state_block)
     rows = [
         estimate_stage(
             s,
@@ -603,7 +630,7 @@ def estimate(
             world_size,
             precision=prec,
             optimizer=opt,
-            optim_bytes_total=k,
+            optim_bytes_total=k_low if s else k,
             largest_layer=largest,
             prefetch=prefetch,
             gpu_mem=gpu_mem,
@@ -613,6 +640,7 @@ def estimate(
             offload_optimizer=offload_optimizer if s else None,
             offload_staging_mb=offload_staging_mb,
             offload_params=offload_params if s == 3 else None,
+            state_dtype=state_dtype if s else "fp32",
         )
         for s in stages
     ]

@@ -200,6 +200,19 @@ def _build_parser() -> argparse.ArgumentParser:
         default=48.0,
         help="the staging buffers' MiB with --offload-optimizer (default 48, as ZeroOptimizer)",
     )
+    e.add_argument(
+        "--state-dtype",
+        choices=["fp32", "bf16", "int8"],
+        default="fp32",
+        help="stages 1-3: the fused Adam step's moments (ZeroOptimizer(state_dtype=...)): "
+        "fp32 8, bf16 4, int8 2 + 8/block bytes per param",
+    )
+    e.add_argument(
+        "--state-block",
+        type=int,
+        default=256,
+        help="int8 state: elements per quantization block (default 256, as ZeroOptimizer)",
+    )
     e.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     b = sub.add_parser(
@@ -262,6 +275,8 @@ def _cmd_estimate(args) -> int:
         offload_optimizer=args.offload_optimizer,
         offload_staging_mb=args.offload_staging_mb,
         offload_params=args.offload_params,
+        state_dtype=args.state_dtype,
+        state_block=args.state_block,
     )
     if args.nodes is not None:
         cross = est.cross_node(
