@@ -367,3 +367,32 @@ def test_peak_rss_sees_an_allocation():
     x = torch.ones(10_000_000)  # 40 MB, touched
     del x
     assert 38e6 < t.peak() < 60e6, t.peak()
+
+
+def test_state_dtypes_in_the_grid_and_predictions():
+    """--state-dtypes: each ZeRO configuration once per state dtype (DDP once); the moments'
+    bytes shrink the predicted memory by (8 - 2 - 8/256) bytes per param / N at int8, the
+    predicted step by the bytes it moves (16 of 28); the recommendation names state_dtype."""
+    from zero_kernels.cli.tune_model import ModelFacts
+
+    g1 = tune_plan.grid((2, 3), (4.0,), (1,), ("fp32",), (False,), True)
+    g2 = tune_plan.grid((2, 3), (4.0,), (1,), ("fp32",), (False,), True, ("fp32", "int8"))
+    assert len(g2) == 2 * len(g1) - 1 and sum(c.stage == 0 for c in g2) == 1
+    facts = ModelFacts(4 << 20, ((256, 256),) * 64, (1 << 18,) * 16, 0, "")
+    m = _measured()
+    for stage in (2, 3):
+        a = TrialConfig(stage, 4.0 if stage == 2 else None, "fp32", 1 if stage == 3 else None)
+        b = TrialConfig(
+            *[getattr(a, f) for f in ("stage", "bucket_mb", "reduce_dtype")],
+            a.prefetch,
+            False,
+            "int8",
+        )
+        saved = (
+            tune_plan.predict_memory(a, facts, m)["model_state_bytes"]
+            - tune_plan.predict_memory(b, facts, m)["model_state_bytes"]
+        )
+        assert saved == pytest.approx((8 - 2 - 8 / 256) * facts.n_params / 2)
+        ta = tune_plan.predict_time(a, facts, m)["optimizer_s"]
+        assert tune_plan.predict_time(b, facts, m)["optimizer_s"] == pytest.approx(ta * 16 / 28)
+        assert b.zero_kwargs()["state_dtype"] == "int8" and "int8 state" in b.label

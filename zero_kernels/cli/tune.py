@@ -68,6 +68,7 @@ class TuneConfig:
     buckets: tuple[float, ...] | None = None  # None: default_buckets(model size)
     prefetch: tuple[int, ...] = (1, 2)
     reduce_dtypes: tuple[str, ...] = ("fp32", "bf16")
+    state_dtypes: tuple[str, ...] = ("fp32",)
     overlap: tuple[bool, ...] = (False, True)
     ddp: bool = True
     steps: int = 10
@@ -127,6 +128,11 @@ def add_parser(sub, parser_class) -> None:
     t.add_argument("--buckets", default="auto", help="bucket sizes in MiB, e.g. 1,4,25 (auto)")
     t.add_argument("--prefetch", default="1,2", help="stage-3 prefetch values (default 1,2)")
     t.add_argument("--reduce-dtypes", default="fp32,bf16", help="stages 2/3 (default fp32,bf16)")
+    t.add_argument(
+        "--state-dtypes",
+        default="fp32",
+        help="the fused Adam step's moments to try: fp32, bf16, int8 (default fp32)",
+    )
     t.add_argument("--overlap", default="off,on", help="overlap_param_gather (default off,on)")
     t.add_argument("--no-ddp", dest="ddp", action="store_false", help="skip the DDP reference")
     t.add_argument("--max-trials", type=int, default=0, help="most trials run (default 0: all)")
@@ -263,6 +269,8 @@ def config_from_args(args, argv: list[str] | None = None) -> TuneConfig:
     prefetch = _list("--prefetch", args.prefetch, _one_of(pf), _words(pf))
     rd = {"fp32": "fp32", "bf16": "bf16"}
     dtypes = _list("--reduce-dtypes", args.reduce_dtypes, _one_of(rd), _words(rd))
+    sd = {"fp32": "fp32", "bf16": "bf16", "int8": "int8"}
+    state_dtypes = _list("--state-dtypes", args.state_dtypes, _one_of(sd), _words(sd))
     ov = {"off": False, "on": True}
     overlap = _list("--overlap", args.overlap, _one_of(ov), _words(ov))
     src = ModelSource(src_kind, spec, args.batch_size, args.seq_len)
@@ -279,6 +287,7 @@ def config_from_args(args, argv: list[str] | None = None) -> TuneConfig:
         buckets=buckets,
         prefetch=prefetch,
         reduce_dtypes=dtypes,
+        state_dtypes=state_dtypes,
         overlap=overlap,
         ddp=args.ddp,
         steps=args.steps,
@@ -519,7 +528,15 @@ def run_tune(cfg: TuneConfig) -> int:
     facts: ModelFacts = model_facts(cfg.source)  # ValueError (exit 2) for a model tune can't run
     if cfg.buckets is None:
         cfg = replace(cfg, buckets=default_buckets(facts.n_params))
-    configs = grid(cfg.stages, cfg.buckets, cfg.prefetch, cfg.reduce_dtypes, cfg.overlap, cfg.ddp)
+    configs = grid(
+        cfg.stages,
+        cfg.buckets,
+        cfg.prefetch,
+        cfg.reduce_dtypes,
+        cfg.overlap,
+        cfg.ddp,
+        cfg.state_dtypes,
+    )
     algorithms = ("native", "pairwise") + (("ring",) if cfg.nproc > 2 else ())
     from ..comm import shm
 

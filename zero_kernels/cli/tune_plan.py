@@ -88,6 +88,7 @@ class TrialConfig:
     reduce_dtype: str = "fp32"  # "fp32" | "bf16"
     prefetch: int | None = None  # stage 3 only
     overlap_param_gather: bool = False  # stages 1/2 only
+    state_dtype: str = "fp32"  # the fused step's moments: "fp32" | "bf16" | "int8"
 
     @property
     def label(self) -> str:
@@ -101,6 +102,8 @@ class TrialConfig:
         parts.append(f"{self.reduce_dtype} reduce")
         if self.overlap_param_gather:
             parts.append("overlap AG")
+        if self.state_dtype != "fp32":
+            parts.append(f"{self.state_dtype} state")
         return ", ".join(parts)
 
     def zero_kwargs(self) -> dict:
@@ -113,6 +116,8 @@ class TrialConfig:
             kw["prefetch"] = self.prefetch
         if self.reduce_dtype == "bf16":
             kw["reduce_dtype"] = "torch.bfloat16"
+        if self.state_dtype != "fp32":
+            kw["state_dtype"] = self.state_dtype
         return kw
 
     def as_dict(self) -> dict:
@@ -126,21 +131,23 @@ def grid(
     reduce_dtypes: tuple[str, ...],
     overlap: tuple[bool, ...],
     ddp: bool,
+    state_dtypes: tuple[str, ...] = ("fp32",),
 ) -> list[TrialConfig]:
     """Every valid combination: stage 1 reduces in fp32 only (it reduces in place), stage 3 has
     no buckets of a size (a unit is a bucket) and no overlap_param_gather (it gathers at use);
-    prefetch is a stage-3 setting."""
+    prefetch is a stage-3 setting; each ZeRO configuration once per ``state_dtypes``."""
     out = [TrialConfig(0, DDP_BUCKET_MB)] if ddp else []
-    for s in stages:
-        if s in (1, 2):
-            for b in buckets:
-                for rd in reduce_dtypes if s == 2 else ("fp32",):
-                    for ov in overlap:
-                        out.append(TrialConfig(s, b, rd, None, ov))
-        elif s == 3:
-            for p in prefetch:
-                for rd in reduce_dtypes:
-                    out.append(TrialConfig(3, None, rd, p, False))
+    for sd in state_dtypes:
+        for s in stages:
+            if s in (1, 2):
+                for b in buckets:
+                    for rd in reduce_dtypes if s == 2 else ("fp32",):
+                        for ov in overlap:
+                            out.append(TrialConfig(s, b, rd, None, ov, sd))
+            elif s == 3:
+                for p in prefetch:
+                    for rd in reduce_dtypes:
+                        out.append(TrialConfig(3, None, rd, p, False, sd))
     return list(dict.fromkeys(out))  # reduce_dtypes ("fp32",) and stage 1 may repeat
 
 
@@ -227,6 +234,10 @@ def _hidden(times: list[float], window: float, alpha: float, keep_last: bool) ->
     return edge + max(0.0, sum(times) - edge - alpha * window)
 
 
+# bytes the fused step moves per param: the measured fp32 step scaled by these (a memory stream)
+_STEP_BYTES = {"fp32": 28.0, "bf16": 20.0, "int8": 16.0}
+
+
 def predict_time(cfg: TrialConfig, facts: ModelFacts, m: Measured) -> dict:
     """Predicted seconds per step and its parts ([Note: the prediction])."""
     bw, n, a = m.bandwidth, m.world_size, m.overlap
@@ -254,7 +265,7 @@ def predict_time(cfg: TrialConfig, facts: ModelFacts, m: Measured) -> dict:
             exposed += _hidden(list(reversed(ag)), fwd, a, keep_last=False)
         else:
             exposed += sum(ag)
-        opt = m.optimizer_shard_s
+        opt = m.optimizer_shard_s * _STEP_BYTES[cfg.state_dtype] / _STEP_BYTES["fp32"]
     else:
         units = list(facts.unit_numels)
         root = t("all_gather", 4 * facts.root_numel) if facts.root_numel else 0.0
@@ -267,7 +278,7 @@ def predict_time(cfg: TrialConfig, facts: ModelFacts, m: Measured) -> dict:
             0.0, bwd_total - (rs[-1] if rs else 0.0) - a * bwd
         )
         exposed = fwd_exposed + bwd_exposed
-        opt = m.optimizer_shard_s
+        opt = m.optimizer_shard_s * _STEP_BYTES[cfg.state_dtype] / _STEP_BYTES["fp32"]
     return {
         "step_time_s": m.fwd_bwd_s + opt + exposed,
         "compute_s": m.fwd_bwd_s,
@@ -290,6 +301,10 @@ def predict_memory(cfg: TrialConfig, facts: ModelFacts, m: Measured) -> dict:
         precision="fp32",
         optimizer="adam",
         bucket_mb=cfg.bucket_mb or est.DEFAULT_BUCKET_MB,
+        optim_bytes_total=est.optimizer_state_bytes(
+            "adam", "fp32", facts.n_params, state_dtype=cfg.state_dtype
+        ),
+        state_dtype=cfg.state_dtype,
     )
     states = e.total_bytes  # no live window: largest_layer not given
     live, buffers = 0.0, 0.0

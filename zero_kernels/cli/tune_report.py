@@ -306,6 +306,7 @@ def finish(cfg, facts, measured, probe_json: dict, trials: list[dict], elapsed: 
             "buckets_mb": list(cfg.buckets or ()),
             "prefetch": list(cfg.prefetch),
             "reduce_dtypes": list(cfg.reduce_dtypes),
+            "state_dtypes": list(cfg.state_dtypes),
             "overlap_param_gather": list(cfg.overlap),
             "ddp": cfg.ddp,
             "max_trials": cfg.max_trials,
