@@ -3,15 +3,20 @@
 
 Per configuration and depth one group trains ``--steps`` steps (AdamW, fused step) and each rank
 reports its peak RSS (``VmHWM``), ``memory_report()``'s model-state bytes and the step time. The
-peak is fitted per state dtype as ``a + b * n_params`` from the two depths (the same widths and
-batch: what differs is the params and their state); the capacity at ``--budget-mib`` per rank is
-``(budget - a) / b`` params, and the table gives each dtype's capacity against fp32 state's.
+peak is fitted per state dtype as ``a + b * n_params`` over the depths by least squares (the
+same width and batch: what differs is the params and their state; with
+``--activation-checkpointing`` the saved activations barely grow with depth). The model is
+built on the meta device and materialised shard by shard (as a model larger than one rank's
+memory must be): built whole on every rank, construction's peak would hide the state's. The
+capacity at ``--budget-mib`` per rank is ``(budget - a) / b`` params, and the table gives each
+dtype's capacity against fp32 state's.
 Model-state bytes per param (params, grads, moments, masters: what the state dtype changes) are
 reported beside it, from ``memory_report``.
 
-    python bench/bench_state_capacity.py [--world 4] [--embd 384] [--layers 4,8] [--steps 3]
+    python bench/bench_state_capacity.py [--world 4] [--embd 384] [--layers 4,8,12] [--steps 3]
                                          [--budget-mib 1024] [--dtypes fp32,bf16,int8]
-                                         [--param-dtype float32|bfloat16] [--out bench/results]
+                                         [--param-dtype float32|bfloat16]
+                                         [--activation-checkpointing] [--out bench/results]
 """
 
 from __future__ import annotations
@@ -45,9 +50,15 @@ def worker(rank, world, port, cfg, q):
     init_gloo(rank, world, port)
     torch.manual_seed(0)
     gc = GPTConfig(
-        n_layer=cfg["layers"], n_head=6, n_embd=cfg["embd"], block_size=cfg["seq"], vocab_size=256
+        n_layer=cfg["layers"],
+        n_head=8,
+        n_embd=cfg["embd"],
+        block_size=cfg["seq"],
+        vocab_size=256,
+        activation_checkpointing=cfg["ckpt"],
     )
-    model = GPT(gc).to(getattr(torch, cfg["param_dtype"]))
+    with torch.device("meta"):  # materialised shard by shard: no rank holds the whole model
+        model = GPT(gc).to(getattr(torch, cfg["param_dtype"]))
     opt = zero_kernels.ZeroOptimizer(
         model,
         torch.optim.AdamW,
@@ -104,18 +115,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--embd", type=int, default=384)
-    ap.add_argument("--layers", default="4,8", help="two depths (the fit's two points)")
+    ap.add_argument("--layers", default="4,8,12", help="depths (the fit's points, >= 2)")
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--budget-mib", type=float, default=1024.0)
     ap.add_argument("--dtypes", default="fp32,bf16,int8")
     ap.add_argument("--param-dtype", default="float32")
+    ap.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="recompute blocks in backward: activations stop growing with depth, so the fit "
+        "sees the model state and not the activations",
+    )
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
     depths = [int(x) for x in args.layers.split(",")]
-    if len(depths) != 2 or depths[0] >= depths[1]:
-        raise SystemExit(f"--layers must be two increasing depths, got {args.layers!r}")
+    if len(depths) < 2 or sorted(set(depths)) != depths:
+        raise SystemExit(f"--layers must be >= 2 increasing depths, got {args.layers!r}")
     rows, raw = [], {}
     for sd in args.dtypes.split(","):
         pts = []
@@ -128,6 +145,7 @@ def main() -> None:
                 steps=args.steps,
                 state_dtype=sd,
                 param_dtype=args.param_dtype,
+                ckpt=args.activation_checkpointing,
             )
             reps = run_group(cfg, args.world)
             raw[f"{sd}/{d}"] = reps
@@ -139,9 +157,12 @@ def main() -> None:
                 f" MiB, step {statistics.median(r['step_s'] for r in reps):.3f} s",
                 flush=True,
             )
-        (n0, h0, r0), (n1, h1, r1) = pts
-        b = (h1 - h0) / (n1 - n0)  # peak bytes per param (all ranks share the state: 1/world)
-        a = h0 - b * n0
+        # least squares of peak = a + b * n over the depths (b: peak bytes per param per rank)
+        ns, hs = [p[0] for p in pts], [p[1] for p in pts]
+        nm, hm = statistics.mean(ns), statistics.mean(hs)
+        b = sum((n - nm) * (h - hm) for n, h in zip(ns, hs)) / sum((n - nm) ** 2 for n in ns)
+        a = hm - b * nm
+        n1, r1 = pts[-1][0], pts[-1][2]
         cap = (args.budget_mib * 2**20 - a) / b
         ms = statistics.mean(r["model_state_bytes"] for r in r1) * args.world / n1
         rows.append(
