@@ -67,7 +67,7 @@ if want_cuda():
     gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs if a]
     ext = CUDAExtension(
         "zero_kernels._C",
-        cpu_sources + ["csrc/adam_cuda.cu", "csrc/quant_cuda.cu"],
+        cpu_sources + ["csrc/adam_cuda.cu", "csrc/adam_lowbit_cuda.cu", "csrc/quant_cuda.cu"],
         define_macros=[("ZK_WITH_CUDA", "1")],
         extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17", *gencode]},
         extra_link_args=["-fopenmp"],

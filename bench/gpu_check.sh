@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One command for a machine with an NVIDIA GPU: build zero_kernels with CUDA (sm_80 + sm_90 by
-# default), run the CUDA and Triton tests, then the kernel benchmark against torch's fused AdamW
-# with the device's copy bandwidth measured in the same run, then ZeroOptimizer stages 1-3 at
-# world size 1 on NCCL (bench/gpu_zero_check.py: results vs torch, no host sync inside clip +
-# step). Uses the torch already installed (it never installs one). Meant to finish in under 8 minutes on an H100/H200.
+# default), run the CUDA and Triton tests (the low-bit-state step's among them), then the kernel
+# benchmark against torch's fused AdamW with the device's copy bandwidth measured in the same run,
+# a timing of the low-bit-state step (bf16 / int8 moments; CUDA, Triton), then ZeroOptimizer
+# stages 1-3 at world size 1 on NCCL (bench/gpu_zero_check.py: results vs torch, no host sync
+# inside clip + step). Uses the torch already installed (it never installs one). Meant to finish
+# in under 8 minutes on an H100/H200.
 #
 #   bash bench/gpu_check.sh [OUT_DIR]       # results in OUT_DIR (default bench/results)
 set -euo pipefail
@@ -22,11 +24,55 @@ MAX_JOBS="${MAX_JOBS:-8}" "$py" setup.py build_ext --inplace 2>&1 | tail -3
 "$py" -c "from zero_kernels import _C; assert _C.has_cuda(), 'built without CUDA kernels'; print('cuda kernels: yes')"
 
 echo "== CUDA and Triton tests"
-TRITON_INTERPRET=0 "$py" -m pytest -q -p no:cacheprovider tests/test_kernels_cuda.py tests/test_quant_cuda.py 2>&1 | tee "$out/gpu_tests.txt" | tail -5
+TRITON_INTERPRET=0 "$py" -m pytest -q -p no:cacheprovider tests/test_kernels_cuda.py tests/test_quant_cuda.py \
+  tests/test_lowbit_cuda.py tests/test_lowbit_triton.py 2>&1 | tee "$out/gpu_tests.txt" | tail -5
 
 echo "== kernel benchmark (device copy bandwidth measured in the same run)"
 "$py" bench/bench_adam.py --device cuda --sizes 1e7,1e8,5e8 --repeats 20 --no-deepspeed --out "$out" \
   2>&1 | tee "$out/gpu_bench.txt"
+
+echo "== low-bit-state step, 1e7 elements: bf16 / int8 moments (CUDA, Triton) vs the fp32 step"
+"$py" - <<'EOF' 2>&1 | tee "$out/gpu_lowbit.txt"
+import torch
+
+from zero_kernels import ops
+from zero_kernels.ops import lowbit
+from zero_kernels.ops.hyper import AdamHyper
+
+n, block, reps = 10_000_000, 256, 50
+h = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=10, adamw=True)
+p, g = torch.randn(n, device="cuda"), torch.randn(n, device="cuda")
+
+
+def per_step_ms(fn):
+    for _ in range(5):  # Triton compiles on the first call
+        fn()
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0.record()
+    for _ in range(reps):
+        fn()
+    t1.record()
+    t1.synchronize()
+    return t0.elapsed_time(t1) / reps
+
+
+def report(name, ms, bytes_per_param):
+    print(f"{name:20s} {ms * 1e3:8.1f} us/step  {bytes_per_param * n / ms / 1e6:7.1f} GB/s")
+
+
+m, v = torch.zeros(n, device="cuda"), torch.zeros(n, device="cuda")
+report("fp32 state, cuda", per_step_ms(lambda: ops.adam_step(p, g, m, v, h, backend="cuda")), 28)
+for fmt in ("bf16", "int8"):
+    for backend in ("cuda", "triton"):
+        s = lowbit.new_state(n, fmt, block, "cuda")
+        ms = per_step_ms(
+            lambda s=s, fmt=fmt, backend=backend: lowbit.adam_step_lowbit(
+                p, g, s, h, state_dtype=fmt, block=block, backend=backend
+            )
+        )
+        # p read + write, g read (fp32): 12 bytes; m and v read + write
+        report(f"{fmt} state, {backend}", ms, 12 + 2 * lowbit.state_bytes_per_param(fmt, block))
+EOF
 
 echo "== ZeroOptimizer stages 1-3, world size 1 on NCCL (no host sync inside clip + step)"
 "$py" bench/gpu_zero_check.py --device cuda --out "$out" 2>&1 | tee "$out/gpu_zero_check.txt"

@@ -23,6 +23,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include "adam_cuda.h"
+#include "adam_lowbit_cuda.h"
 #include "quant_cuda.h"
 #endif
 
@@ -371,11 +372,21 @@ void adam_step_lowbit(const at::Tensor& p, const at::Tensor& g, const at::Tensor
   Scalars s{lr,       beta1,      beta2, eps,   weight_decay, step_size,
             bc2_sqrt, grad_scale, adamw, false, maximize};
   const zk::AdamArgs a = s.args();
-  TORCH_CHECK(p.is_cpu(),
-              "adam_step_lowbit: the native low-bit step runs on the CPU here; param "
-              "is on ",
-              p.device(), " (backend='triton' or 'reference' runs on other devices)");
   float* flag = found_inf.has_value() ? found_inf->data_ptr<float>() : nullptr;
+  if (!p.is_cpu()) {
+#ifdef ZK_WITH_CUDA
+    TORCH_CHECK(p.is_cuda(), "adam_step_lowbit: param must be a CPU or CUDA tensor, got ",
+                p.device());
+    c10::cuda::CUDAGuard guard(p.device());
+    void* stream = c10::cuda::getCurrentCUDAStream().stream();
+    cuda_ok(zk::adam_lowbit_cuda(a, b, flag, check_finite, stream), "adam_lowbit_cuda");
+    return;
+#else
+    TORCH_CHECK(false,
+                "adam_step_lowbit: zero_kernels._C was built without CUDA kernels; param is on ",
+                p.device(), " (backend='triton' or 'reference' runs on other devices)");
+#endif
+  }
   if (flag != nullptr && *flag != 0.0f) return;
   if (check_finite && !all_finite_range(b.g, b.grad, a.grad_scale, b.n)) {
     *flag = 1.0f;
