@@ -1,14 +1,23 @@
 """Kernel benchmark: the fused Adam/AdamW step against torch.optim (and DeepSpeed's CPU Adam).
 
-Two comparisons per size, each timed side by side in one run with the memory bandwidth measured
+Two comparisons per size, each timed side by side in one run with the streaming floor measured
 in the same run:
 
 - plain step (28 bytes/param: read p, g, m, v; write p, m, v): FusedAdamW against
   torch.optim.AdamW default, foreach=True and fused=True, and DeepSpeed's CPU Adam if installed;
+  with them the low-bit-state steps (bf16 moments, 20 bytes/param; int8 moments, block 256, 16
+  bytes/param + 16 bytes/block of scales), as FusedAdamW(state_dtype=...) and as
+  zero_kernels.ops.lowbit.adam_step_lowbit, and the best probe variant of each pattern;
 - full shard step (34 bytes/param: + the non-finite scan's read of g, + the bf16 copy-out):
   `zero_kernels.ops.adam_step(check_finite, grad_scale, out_lowp)` in one call against the best
   torch pipeline doing the same work (_amp_foreach_non_finite_check_and_unscale_, fused AdamW,
   copy to bf16).
+
+The floor ("true floor") of a pattern is the fastest variant of `_C.stream_probe_variant` (the
+pattern's exact traffic with no math; software prefetch 0-2048 elements, plain or non-temporal
+stores, 1 or all threads) swept at each size (`harness.stream_floor`), then re-timed among the
+kernels (that time is the floor); each kernel's ``floor_fraction`` = floor time / its time,
+against its own pattern.
 
     python bench/bench_adam.py [--sizes 1e6,1e7,5e7] [--quick] [--device cpu|cuda] [--out DIR]
 """
@@ -23,15 +32,20 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import (  # noqa: E402
+    PROBE_PATTERNS,
+    best_probe,
     machine,
     markdown_table,
     memory_bandwidth,
     side_by_side,
+    stream_floor,
     write_results,
 )
 
 from zero_kernels import FusedAdamW, ops  # noqa: E402
-from zero_kernels.ops import AdamHyper  # noqa: E402
+from zero_kernels.ops import AdamHyper, lowbit  # noqa: E402
+
+STATE_BLOCK = 256
 
 LR, WD = 1e-3, 1e-2
 
@@ -83,7 +97,43 @@ def plain_candidate(name: str, n: int, device: str):
     return None if opt is None else opt.step
 
 
-def plain_step(n: int, device: str, repeats: int, with_deepspeed: bool) -> dict:
+def lowbit_candidate(name: str, n: int, device: str):
+    """``step`` of a low-bit-state candidate ("FusedAdamW bf16|int8", "adam_step_lowbit
+    bf16|int8") over one fresh n-element param."""
+    backend = "cuda" if device == "cuda" else "cpu"
+    kind, sd = name.rsplit(" ", 1)
+    p = _param(n, device, 0)
+    if kind == "zero_kernels FusedAdamW":
+        opt = FusedAdamW(
+            [p], lr=LR, weight_decay=WD, backend=backend, state_dtype=sd, state_block=STATE_BLOCK
+        )
+        return opt.step
+    if kind != "zero_kernels adam_step_lowbit":
+        raise ValueError(f"lowbit_candidate: unknown candidate {name!r}")
+    state = lowbit.new_state(n, sd, STATE_BLOCK, device)
+    count = {"step": 0}
+
+    def step():
+        count["step"] += 1
+        h = AdamHyper(
+            lr=LR, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=WD, step=count["step"], adamw=True
+        )
+        lowbit.adam_step_lowbit(
+            p.data, p.grad, state, h, state_dtype=sd, block=STATE_BLOCK, backend=backend
+        )
+
+    return step
+
+
+LOWBIT_CANDIDATES = {  # name -> its probe pattern
+    "zero_kernels FusedAdamW bf16": "bf16",
+    "zero_kernels adam_step_lowbit bf16": "bf16",
+    "zero_kernels FusedAdamW int8": "int8",
+    "zero_kernels adam_step_lowbit int8": "int8",
+}
+
+
+def plain_step(n: int, device: str, repeats: int, with_deepspeed: bool, floor: dict) -> dict:
     cands = {}
     for name in PLAIN_CANDIDATES:
         if name == "DeepSpeed CPUAdam" and not with_deepspeed:
@@ -91,7 +141,18 @@ def plain_step(n: int, device: str, repeats: int, with_deepspeed: bool) -> dict:
         step = plain_candidate(name, n, device)
         if step is not None:
             cands[name] = step
+    for name in LOWBIT_CANDIDATES:
+        cands[name] = lowbit_candidate(name, n, device)
+    for pat, row in floor.get("best", {}).items():
+        cands[f"floor {pat}"] = best_probe(n, row)
     return side_by_side(cands, repeats=repeats, device=device)
+
+
+def pattern_of(name: str) -> str:
+    """The probe pattern a candidate's traffic is held against."""
+    if name.startswith("floor "):
+        return name.split(" ", 1)[1]
+    return LOWBIT_CANDIDATES.get(name, "fp32")
 
 
 def shard_candidate(name: str, n: int, device: str):
@@ -198,36 +259,62 @@ def main(argv=None) -> int:
     bw = memory_bandwidth(max(sizes) if not args.quick else 4_000_000, args.device)
     print(
         f"machine: {info['cpu']} ({info['cores']} cores, {info['torch_threads']} torch threads),"
-        f" torch {info['torch']}, isa {info.get('zero_kernels_cpu_isa')}"
+        f" torch {info['torch']}, isa {info.get('zero_kernels_cpu_isa')},"
+        f" prefetch {info.get('zero_kernels_prefetch')}"
     )
     print(
         f"bandwidth: copy {bw['copy_GBps']} GB/s, in-place rmw {bw['rmw_GBps']} GB/s, "
-        f"step pattern {bw.get('step_pattern_GBps', '-')} GB/s -> floor {bw['floor_GBps']} GB/s"
+        f"old step probe {bw.get('step_pattern_GBps', '-')} GB/s"
     )
-    rows = []
+    rows, floors = [], {}
     for n in sizes:
-        plain = plain_step(n, args.device, repeats, not args.no_deepspeed)
+        floor = stream_floor(n, repeats) if args.device == "cpu" else {}
+        floors[n] = floor
+        for pat, row in floor.get("best", {}).items():
+            print(
+                f"  n={n:,} floor {pat}: {row['GBps']} GB/s (prefetch {row['prefetch']}, "
+                f"{'nt' if row['nt'] else 'plain'} stores, {row['threads']} threads)"
+            )
+        plain = plain_step(n, args.device, repeats, not args.no_deepspeed, floor)
         shard = shard_step(n, args.device, repeats)
-        for kind, res, bytes_per_param in (("plain step", plain, 28), ("shard step", shard, 34)):
+        # a pattern's floor: its best swept variant re-timed here, among the kernels (the sweep
+        # reuses one pattern's buffers from variant to variant: at sizes that fit in the
+        # last-level cache its times are cache-warm, the kernels' are not)
+        floor_ms = {
+            name.split(" ", 1)[1]: 1e3 * r["median_s"]
+            for name, r in plain.items()
+            if name.startswith("floor ")
+        }
+        for kind, res in (("plain step", plain), ("shard step", shard)):
             for name, r in res.items():
+                pat = pattern_of(name)
+                bytes_per_param = 34 if kind == "shard step" else PROBE_PATTERNS[pat]
+                ms = 1e3 * r["median_s"]
                 gbps = bytes_per_param * n / r["median_s"] / 1e9
+                fl = floor_ms.get(pat)
                 rows.append(
                     {
                         "kind": kind,
                         "params": n,
                         "candidate": name,
-                        "median_ms": round(1e3 * r["median_s"], 3),
+                        "pattern": pat,
+                        "bytes_per_param": bytes_per_param,
+                        "median_ms": round(ms, 3),
                         "GBps": round(gbps, 2),
-                        "bw_fraction": round(gbps / bw["floor_GBps"], 3),
+                        # the floor's GB/s of this pattern / this candidate's (shard step: its
+                        # 34 bytes at the fp32 pattern's floor rate)
+                        "floor_fraction": (
+                            round(gbps / (PROBE_PATTERNS[pat] * n / fl / 1e6), 3) if fl else ""
+                        ),
                     }
                 )
-        base = {r["candidate"]: r["median_ms"] for r in rows if r["params"] == n}
+        base = {(r["kind"], r["candidate"]): r["median_ms"] for r in rows if r["params"] == n}
         for r in rows:
             if r["params"] == n:
                 ref = (
-                    base["torch AdamW fused"]
+                    base[("plain step", "torch AdamW fused")]
                     if r["kind"] == "plain step"
-                    else base["torch pipeline"]
+                    else base[("shard step", "torch pipeline")]
                 )
                 r["speedup_vs_torch_best"] = round(ref / r["median_ms"], 3)
         print(f"n={n:,} done", flush=True)
@@ -235,14 +322,16 @@ def main(argv=None) -> int:
         "kind",
         "params",
         "candidate",
+        "pattern",
         "median_ms",
         "GBps",
-        "bw_fraction",
+        "floor_fraction",
         "speedup_vs_torch_best",
     ]
     print(markdown_table(rows, keys))
     name = f"adam_{args.device}" + ("_quick" if args.quick else "")
-    j, c = write_results(args.out, name, {"machine": info, "bandwidth": bw}, rows)
+    payload = {"machine": info, "bandwidth": bw, "floor": {str(n): f for n, f in floors.items()}}
+    j, c = write_results(args.out, name, payload, rows)
     print(f"wrote {j} and {c}")
     return 0
 

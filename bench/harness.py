@@ -43,13 +43,40 @@ def machine() -> dict:
         "commit": commit,
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
     }
+    info.update(_lscpu())
     try:
         from zero_kernels import _native
 
         mod = _native.load()
         info["zero_kernels_cpu_isa"] = mod.cpu_isa() if mod is not None else None
+        if mod is not None and hasattr(mod, "prefetch_distance"):
+            info["zero_kernels_prefetch"] = mod.prefetch_distance()
     except ImportError:
         pass
+    return info
+
+
+def _lscpu() -> dict:
+    """lscpu's model name, vendor, cores and L3 (empty where lscpu is missing)."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except OSError:
+        return {}
+    fields = {}
+    for ln in out.splitlines():
+        k, _, v = ln.partition(":")
+        fields[k.strip()] = v.strip()
+    want = {
+        "Model name": "lscpu_model",
+        "Vendor ID": "lscpu_vendor",
+        "CPU(s)": "lscpu_cpus",
+        "L3 cache": "lscpu_l3",
+        "Hypervisor vendor": "lscpu_hypervisor",
+    }
+    info = {dst: fields[src] for src, dst in want.items() if src in fields}
+    flags = fields.get("Flags", "").split()
+    isa = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl")
+    info["isa_flags"] = [f for f in isa if f in flags]
     return info
 
 
@@ -115,6 +142,87 @@ def memory_bandwidth(n_floats: int = 50_000_000, device: str = "cpu", repeats: i
     out["floor_GBps"] = max(out.values())
     out["n_floats"] = n_floats
     return out
+
+
+# The step patterns of the probe (`_C.stream_probe_variant`): moment dtypes and bytes per param.
+PROBE_PATTERNS = {"fp32": 28, "bf16": 20, "int8": 16}
+PROBE_PREFETCH = (0, 256, 512, 1024, 2048)
+
+
+def probe_buffers(n: int, pattern: str) -> tuple[torch.Tensor, ...]:
+    """(p, g, m, v) of ``n`` elements for the probe's ``pattern`` (64-byte aligned: torch's CPU
+    allocator)."""
+    p, g = torch.rand(n), torch.zeros(n)
+    if pattern == "fp32":
+        return p, g, torch.rand(n), torch.rand(n)
+    if pattern == "bf16":
+        return p, g, torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
+    if pattern == "int8":
+        return p, g, torch.zeros(n, dtype=torch.int8), torch.zeros(n, dtype=torch.uint8)
+    raise ValueError(f"pattern must be one of {tuple(PROBE_PATTERNS)}, got {pattern!r}")
+
+
+def variant_name(pattern: str, prefetch: int, nt: bool, threads: int) -> str:
+    return f"probe {pattern} pf{prefetch} {'nt' if nt else 'st'} t{threads}"
+
+
+def stream_floor(n: int, repeats: int = 7, threads: tuple[int, ...] | None = None) -> dict:
+    """The true streaming floor of each step pattern at ``n`` elements, measured now.
+
+    Every variant of `_C.stream_probe_variant` (software prefetch distance x plain or
+    non-temporal stores x thread count) is timed side by side; the floor of a pattern is its
+    fastest variant. Returns {"variants": [{pattern, prefetch, nt, threads, median_ms, GBps}],
+    "best": {pattern: that row}}; {} without the native extension.
+    """
+    try:
+        from zero_kernels import _native
+
+        mod = _native.load()
+    except ImportError:
+        mod = None
+    if mod is None or not hasattr(mod, "stream_probe_variant"):
+        return {}
+    if threads is None:
+        threads = tuple(sorted({1, torch.get_num_threads()}))
+    bufs = {pat: probe_buffers(n, pat) for pat in PROBE_PATTERNS}
+    cands, meta = {}, {}
+    for pat, (p, g, m, v) in bufs.items():
+        for pf in PROBE_PREFETCH:
+            for nt in (False, True):
+                for t in threads:
+                    name = variant_name(pat, pf, nt, t)
+                    cands[name] = lambda p=p, g=g, m=m, v=v, pf=pf, nt=nt, t=t: (
+                        mod.stream_probe_variant(p, g, m, v, pf, nt, t)
+                    )
+                    meta[name] = {"pattern": pat, "prefetch": pf, "nt": nt, "threads": t}
+    res = side_by_side(cands, repeats=repeats)
+    rows = []
+    for name, r in res.items():
+        b = PROBE_PATTERNS[meta[name]["pattern"]]
+        rows.append(
+            {
+                **meta[name],
+                "median_ms": round(1e3 * r["median_s"], 4),
+                "GBps": round(b * n / r["median_s"] / 1e9, 2),
+            }
+        )
+    best = {}
+    for row in rows:
+        cur = best.get(row["pattern"])
+        if cur is None or row["median_ms"] < cur["median_ms"]:
+            best[row["pattern"]] = row
+    return {"variants": rows, "best": best}
+
+
+def best_probe(n: int, best_row: dict):
+    """A callable running the probe variant ``best_row`` (from `stream_floor`) over fresh
+    buffers of ``n`` elements: the floor re-timed next to the kernels."""
+    from zero_kernels import _native
+
+    mod = _native.load()
+    p, g, m, v = probe_buffers(n, best_row["pattern"])
+    pf, nt, t = best_row["prefetch"], best_row["nt"], best_row["threads"]
+    return lambda: mod.stream_probe_variant(p, g, m, v, pf, nt, t)
 
 
 def write_results(out_dir: str, name: str, payload: dict, rows: list[dict]) -> tuple[str, str]:

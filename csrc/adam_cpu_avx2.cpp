@@ -14,6 +14,7 @@
 #include "adam_cpu_impl.h"
 #include "adam_lowbit_impl.h"
 #include "cpu_vec_avx2.h"
+#include "stream_probe_impl.h"
 
 namespace zk {
 inline namespace avx2 {
@@ -77,6 +78,9 @@ void adam_range_avx2(const AdamArgs& a, const AdamBuffers& b, int64_t begin, int
 }
 void stream_probe_avx2(float* p, const float* g, float* m, float* v, int64_t b, int64_t e) {
   stream_probe_range<Avx2Traits>(p, g, m, v, b, e);
+}
+void probe_variant_avx2(const ProbeBuffers& b, int64_t begin, int64_t end) {
+  probe_range<Avx2Traits>(b, begin, end);
 }
 bool finite_range_avx2(const void* g, DType d, float scale, int64_t begin, int64_t end) {
   return finite_range<Avx2Traits>(g, d, scale, begin, end);

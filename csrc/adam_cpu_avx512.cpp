@@ -17,6 +17,7 @@
 #include "adam_cpu_impl.h"
 #include "adam_lowbit_impl.h"
 #include "cpu_vec_avx512.h"
+#include "stream_probe_impl.h"
 
 namespace zk {
 inline namespace avx512 {
@@ -69,6 +70,9 @@ void adam_range_avx512(const AdamArgs& a, const AdamBuffers& b, int64_t begin, i
 }
 void stream_probe_avx512(float* p, const float* g, float* m, float* v, int64_t b, int64_t e) {
   stream_probe_range<Avx512Traits>(p, g, m, v, b, e);
+}
+void probe_variant_avx512(const ProbeBuffers& b, int64_t begin, int64_t end) {
+  probe_range<Avx512Traits>(b, begin, end);
 }
 bool finite_range_avx512(const void* g, DType d, float scale, int64_t begin, int64_t end) {
   return finite_range<Avx512Traits>(g, d, scale, begin, end);

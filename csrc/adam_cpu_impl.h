@@ -8,6 +8,7 @@
 #pragma once
 #include <stdexcept>
 
+#include "adam_cpu.h"
 #include "adam_math.h"
 #include "cpu_vec.h"
 
@@ -22,38 +23,41 @@ struct ScalarTraits {
   static V load_bf16(const uint16_t* p) { return Scalar(bf16_to_float(*p)); }
   static V load_f16(const uint16_t* p) { return Scalar(f16_to_float(*p)); }
   static void store(float* p, V v) { *p = v.x; }
+  static void store_nt(float* p, V v) { *p = v.x; }  // one lane: a plain store
   static void store_bf16(uint16_t* p, V v) { *p = float_to_bf16(v.x); }
   static void store_f16(uint16_t* p, V v) { *p = float_to_f16(v.x); }
   static V finite_acc(V acc, V x) { return acc + (x - x); }
   static bool all_zero(V acc) { return acc.x == 0.0f; }
 };
 
-// Software prefetch kPrefetch elements ahead on every stream. The hardware prefetchers alone
-// leave the step at ~84% of the bandwidth of the same access pattern without the math (the
-// sqrt/div chain holds loads back); 512 elements ahead (2 KB of fp32 per stream) brings it to
-// ~100% on the 2-core Xeon this was tuned on (bench/README.md). A prefetch past the end of a
-// buffer is harmless (no fault, no architectural effect).
-constexpr int64_t kPrefetch = 512;
-
+// Software prefetch prefetch_distance() elements ahead on every stream (0: none), a runtime
+// setting read once per call (adam_cpu.h; default 512). The hardware prefetchers alone leave
+// the step short of the bandwidth of the same access pattern without the math (the sqrt/div
+// chain holds loads back; each core's outstanding misses bound its bandwidth): on the 2-core
+// Xeon this was tuned on, ~84% of it, and 512 elements ahead (2 KB of fp32 per stream) ~100%;
+// on the 2-core AMD EPYC 512 is also the fastest distance measured (bench/README.md, "The
+// bandwidth floor"). A prefetch past the end of a buffer is harmless (no fault, no
+// architectural effect).
 template <DType D>
 inline const char* elem_ptr(const void* base, int64_t i) {
   return static_cast<const char*>(base) + i * (D == DType::kF32 ? 4 : 2);
 }
 
 template <DType S, DType G>
-inline void prefetch_ahead(const AdamBuffers& b, int64_t i) {
-  __builtin_prefetch(elem_ptr<S>(b.p, i + kPrefetch), 1, 3);
-  __builtin_prefetch(elem_ptr<S>(b.m, i + kPrefetch), 1, 3);
-  __builtin_prefetch(elem_ptr<S>(b.v, i + kPrefetch), 1, 3);
-  __builtin_prefetch(elem_ptr<G>(b.g, i + kPrefetch), 0, 3);
+inline void prefetch_at(const AdamBuffers& b, int64_t j) {
+  __builtin_prefetch(elem_ptr<S>(b.p, j), 1, 3);
+  __builtin_prefetch(elem_ptr<S>(b.m, j), 1, 3);
+  __builtin_prefetch(elem_ptr<S>(b.v, j), 1, 3);
+  __builtin_prefetch(elem_ptr<G>(b.g, j), 0, 3);
 }
 
 // Elements [i, end) with VT's lanes; returns where the full-width part stopped.
 template <class VT, DType S, DType G, DType O>
 int64_t adam_lanes(const AdamArgs& a, const AdamBuffers& b, int64_t i, int64_t end) {
   using V = typename VT::V;
+  const int64_t pf = VT::W > 1 ? prefetch_distance() : 0;
   for (; i + VT::W <= end; i += VT::W) {
-    if constexpr (VT::W > 1) prefetch_ahead<S, G>(b, i);
+    if (pf > 0) prefetch_at<S, G>(b, i + pf);
     V p = vload<VT, S>(b.p, i), m = vload<VT, S>(b.m, i), v = vload<VT, S>(b.v, i);
     V vm = a.amsgrad ? vload<VT, S>(b.vmax, i) : V(0.0f);
     adam_math(a, p, vload<VT, G>(b.g, i), m, v, &vm);

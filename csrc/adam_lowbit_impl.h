@@ -48,10 +48,11 @@ BlockFold lowbit_update(const AdamArgs& a, const AdamLowbitBuffers& b, int64_t i
   const auto* qm = static_cast<const int8_t*>(b.m);
   const auto* qv = static_cast<const uint8_t*>(b.v);
   V am(0.0f), au(0.0f), fin(0.0f);
+  const int64_t pf = LT::W > 1 ? prefetch_distance() : 0;
   for (; i + LT::W <= end; i += LT::W) {
-    if constexpr (LT::W > 1) {
-      __builtin_prefetch(b.p + i + kPrefetch, 1, 3);
-      __builtin_prefetch(elem_ptr<G>(b.g, i + kPrefetch), 0, 3);
+    if (pf > 0) {
+      __builtin_prefetch(b.p + i + pf, 1, 3);
+      __builtin_prefetch(elem_ptr<G>(b.g, i + pf), 0, 3);
     }
     V p = LT::load(b.p + i);
     V m = LT::dec_m(qm + i, sm);
@@ -109,12 +110,13 @@ void lowbit_block_i8(const AdamArgs& a, const AdamLowbitBuffers& b, int64_t blk)
 template <class LT, DType G, DType O>
 int64_t lowbit_bf16_lanes(const AdamArgs& a, const AdamLowbitBuffers& b, int64_t i, int64_t end) {
   using V = typename LT::V;
+  const int64_t pf = LT::W > 1 ? prefetch_distance() : 0;
   for (; i + LT::W <= end; i += LT::W) {
-    if constexpr (LT::W > 1) {
-      __builtin_prefetch(b.p + i + kPrefetch, 1, 3);
-      __builtin_prefetch(elem_ptr<DType::kBF16>(b.m, i + kPrefetch), 1, 3);
-      __builtin_prefetch(elem_ptr<DType::kBF16>(b.v, i + kPrefetch), 1, 3);
-      __builtin_prefetch(elem_ptr<G>(b.g, i + kPrefetch), 0, 3);
+    if (pf > 0) {
+      __builtin_prefetch(b.p + i + pf, 1, 3);
+      __builtin_prefetch(elem_ptr<DType::kBF16>(b.m, i + pf), 1, 3);
+      __builtin_prefetch(elem_ptr<DType::kBF16>(b.v, i + pf), 1, 3);
+      __builtin_prefetch(elem_ptr<G>(b.g, i + pf), 0, 3);
     }
     V p = LT::load(b.p + i);
     V m = vload<LT, DType::kBF16>(b.m, i), v = vload<LT, DType::kBF16>(b.v, i), u(0.0f);

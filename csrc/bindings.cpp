@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -278,6 +279,53 @@ void stream_probe(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m,
   at::parallel_for(0, p.numel(), kGrain, [&](int64_t s, int64_t e) {
     zk::stream_probe_cpu(pp, gp, mp, vp, s, e, g_isa);
   });
+}
+
+// The step's access pattern with no math, in one variant (adam_cpu.h: stream_probe_variant_cpu):
+// m, v float32 (the fp32 step, 28 bytes per element), bfloat16 (the bf16-state step, 20) or int8,
+// uint8 (the int8-state step, 16). `threads` > 0: at most that many tasks (0: torch's intra-op
+// threads). Returns the seconds of the parallel region (steady clock).
+double stream_probe_variant(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m,
+                            const at::Tensor& v, int64_t prefetch, bool nt, int64_t threads) {
+  TORCH_CHECK(p.is_cpu() && p.scalar_type() == at::kFloat && p.is_contiguous(),
+              "stream_probe_variant: p must be a contiguous float32 CPU tensor");
+  check_like(g, p, "g");
+  check_like(m, p, "m");
+  check_like(v, p, "v");
+  TORCH_CHECK(g.scalar_type() == at::kFloat, "stream_probe_variant: g must be float32");
+  zk::ProbePattern pattern = zk::ProbePattern::kInt8;
+  if (m.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat) {
+    pattern = zk::ProbePattern::kStep;
+  } else if (m.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16) {
+    pattern = zk::ProbePattern::kBF16;
+  } else {
+    TORCH_CHECK(m.scalar_type() == at::kChar && v.scalar_type() == at::kByte,
+                "stream_probe_variant: m, v must be float32, bfloat16, or int8 and uint8, got ",
+                m.scalar_type(), ", ", v.scalar_type());
+  }
+  TORCH_CHECK(prefetch >= 0, "stream_probe_variant: prefetch must be >= 0, got ", prefetch);
+  TORCH_CHECK(threads >= 0, "stream_probe_variant: threads must be >= 0, got ", threads);
+  if (nt) {
+    for (const at::Tensor* t : {&p, &m, &v}) {
+      TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 64 == 0,
+                  "stream_probe_variant: nt=True needs 64-byte aligned p, m, v");
+    }
+  }
+  const zk::ProbeBuffers b{
+      p.data_ptr<float>(), g.data_ptr<float>(), m.data_ptr(), v.data_ptr(), pattern, prefetch, nt};
+  const int64_t n = p.numel();
+  const int64_t grain = threads > 0 ? std::max<int64_t>(1, (n + threads - 1) / threads) : kGrain;
+  const auto t0 = std::chrono::steady_clock::now();
+  at::parallel_for(0, n, grain,
+                   [&](int64_t s, int64_t e) { zk::stream_probe_variant_cpu(b, s, e, g_isa); });
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+int64_t prefetch_distance() { return zk::prefetch_distance(); }
+
+void set_prefetch_distance(int64_t elems) {
+  TORCH_CHECK_VALUE(elems >= 0, "set_prefetch_distance: elems must be >= 0, got ", elems);
+  zk::set_prefetch_distance(elems);
 }
 
 // ---- blockwise quantization (zero_kernels/ops/quant.py [Note: quantized bytes]) ----
@@ -686,6 +734,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scales"), py::arg("out"), py::arg("bits"), py::arg("block"),
         py::arg("accumulate"));
   m.def("stream_probe", &stream_probe, "p += g, m += g, v += g (bandwidth floor of the step)");
+  m.def("stream_probe_variant", &stream_probe_variant,
+        "The traffic of the step (fp32, bf16 or int8 moments) in one variant; seconds taken",
+        py::arg("p"), py::arg("g"), py::arg("m"), py::arg("v"), py::arg("prefetch") = 0,
+        py::arg("nt") = false, py::arg("threads") = 0);
+  m.def("prefetch_distance", &prefetch_distance, "Software prefetch distance of the CPU step");
+  m.def("set_prefetch_distance", &set_prefetch_distance,
+        "Set the CPU step's software prefetch distance (elements; 0: none)", py::arg("elems"));
+  m.def("default_prefetch_distance", &zk::default_prefetch_distance,
+        "This CPU's default software prefetch distance");
   m.def("cpu_isa", &cpu_isa, "Instruction set the CPU kernels use now");
   m.def("set_cpu_isa", &set_cpu_isa, "Force the CPU kernels' instruction set (tests)");
   m.def("has_cuda", &has_cuda, "Whether the CUDA kernels were compiled in");

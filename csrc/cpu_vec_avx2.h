@@ -39,6 +39,7 @@ struct Avx2Traits {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
   static void store(float* p, V v) { _mm256_storeu_ps(p, v.x); }
+  static void store_nt(float* p, V v) { _mm256_stream_ps(p, v.x); }  // p 32-byte aligned
   static void store_bf16(uint16_t* p, V v) {
     __m256i u = _mm256_castps_si256(v.x);
     __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));

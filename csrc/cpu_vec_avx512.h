@@ -39,6 +39,7 @@ struct Avx512Traits {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
   static void store(float* p, V v) { _mm512_storeu_ps(p, v.x); }
+  static void store_nt(float* p, V v) { _mm512_stream_ps(p, v.x); }  // p 64-byte aligned
   static void store_bf16(uint16_t* p, V v) {
     __m512i u = _mm512_castps_si512(v.x);
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));

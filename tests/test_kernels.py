@@ -344,3 +344,69 @@ def test_reference_is_the_documented_formula():
     vv = 0.99 * 0.2 + 0.01 * gg * gg
     pp -= (0.1 / (1 - 0.9**2)) * mm / (math.sqrt(vv) / math.sqrt(1 - 0.99**2) + 1e-8)
     assert abs(p.item() - pp) < 1e-6 and abs(m.item() - mm) < 1e-7 and abs(v.item() - vv) < 1e-7
+
+
+@needs_native
+@pytest.mark.parametrize("isa", cpu_isas(), indirect=True)
+def test_stream_probe_variants_touch_every_element_once(isa):
+    """Each variant of the probe (prefetch, streaming stores, threads), each pattern: one add per
+    element of every stream, heads and tails included; a time comes back."""
+    n = 3 * 64 * 7 + 45
+    for mdt, vdt, view in (
+        (torch.float32, torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16, torch.int16),
+        (torch.int8, torch.uint8, None),
+    ):
+        for pf, nt, threads in itertools.product((0, 512), (False, True), (0, 1, 2)):
+            p, g = torch.zeros(n), torch.ones(n)
+            m, v = torch.zeros(n, dtype=mdt), torch.zeros(n, dtype=vdt)
+            t = _C.stream_probe_variant(p, g, m, v, prefetch=pf, nt=nt, threads=threads)
+            assert isinstance(t, float) and t >= 0.0
+            what = f"{isa} {mdt} pf={pf} nt={nt} threads={threads}"
+            assert torch.equal(p, torch.ones(n)), what
+            for x in (m, v):
+                x = x.view(view) if view is not None else x
+                assert torch.equal(x, torch.ones(n, dtype=x.dtype)), what
+    with pytest.raises(RuntimeError, match="m, v must be"):
+        _C.stream_probe_variant(p, g, torch.zeros(n, dtype=torch.int8), torch.zeros(n))
+
+
+@needs_native
+@pytest.mark.parametrize("isa", cpu_isas(), indirect=True)
+def test_prefetch_distance_changes_no_result(isa):
+    """Software prefetch is a hint: the fp32, bf16 and int8 steps are bitwise equal at distance
+    0, the default and an odd one."""
+    from zero_kernels.ops import lowbit
+
+    assert _C.prefetch_distance() == _C.default_prefetch_distance()
+    n = 70001
+    h = hyper_for(True, False, False, 0.01)
+    results = []
+    try:
+        for dist in (0, _C.default_prefetch_distance(), 1000):
+            _C.set_prefetch_distance(dist)
+            state = make_state(n, torch.float32, torch.float32, seed=3)
+            out = [run("cpu", h, state, torch.bfloat16)]
+            for fmt in ("bf16", "int8"):
+                gen = torch.Generator().manual_seed(4)
+                p, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 1e-2
+                st = lowbit.new_state(n, fmt, 256, "cpu")
+                for step in (1, 2):
+                    lowbit.adam_step_lowbit(
+                        p,
+                        g,
+                        st,
+                        AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.01, step, True),
+                        state_dtype=fmt,
+                        backend="cpu",
+                    )
+                out.append((p, *st.values()))
+            results.append(out)
+    finally:
+        _C.set_prefetch_distance(_C.default_prefetch_distance())
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            for x, y in zip(a, b):
+                assert (x is None and y is None) or torch.equal(x, y)
+    with pytest.raises(ValueError, match="elems must be >= 0"):
+        _C.set_prefetch_distance(-1)
