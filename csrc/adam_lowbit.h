@@ -110,13 +110,14 @@ ZK_HD void adam_math_u(const AdamArgs& a, V& p, V g, V& m, V& v, V& u) {
 
 }  // namespace ZK_ISA_NS
 
-inline int64_t lowbit_num_blocks(const AdamLowbitBuffers& b) {
+// (`starts` is a host pointer for the CPU kernels and a device pointer for the CUDA kernel.)
+ZK_HD int64_t lowbit_num_blocks(const AdamLowbitBuffers& b) {
   return b.starts != nullptr ? b.nblocks : (b.n + b.block - 1) / b.block;
 }
-inline int64_t lowbit_block_begin(const AdamLowbitBuffers& b, int64_t k) {
+ZK_HD int64_t lowbit_block_begin(const AdamLowbitBuffers& b, int64_t k) {
   return b.starts != nullptr ? b.starts[k] : k * b.block;
 }
-inline int64_t lowbit_block_end(const AdamLowbitBuffers& b, int64_t k) {
+ZK_HD int64_t lowbit_block_end(const AdamLowbitBuffers& b, int64_t k) {
   if (b.starts != nullptr) return b.starts[k + 1];
   const int64_t e = (k + 1) * b.block;
   return e < b.n ? e : b.n;

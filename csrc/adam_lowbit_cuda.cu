@@ -76,8 +76,8 @@ __global__ void __launch_bounds__(kThreads)
   const int t = threadIdx.x, nt = blockDim.x, lane = t & 31, warp = t >> 5, nwarps = nt >> 5;
   // the loop bound is the same for every thread of the block: each barrier sees all of them
   for (int64_t blk = blockIdx.x; blk < nblocks; blk += gridDim.x) {
-    const int64_t begin = blk * b.block;
-    const int len = int(b.n - begin < b.block ? b.n - begin : b.block);
+    const int64_t begin = lowbit_block_begin(b, blk);  // block_starts, or blk * b.block
+    const int len = int(lowbit_block_end(b, blk) - begin);
     const float sm = b.m_scale[blk], sv = b.v_scale[blk];
     float am = 0.0f, au = 0.0f;
     bool fin = true;
@@ -151,7 +151,7 @@ struct Launch {
     }
     // an int8 block of up to 256 elements: one element per thread; larger: 256 threads
     const int threads = b.block < kThreads ? int(b.block) : kThreads;
-    const int64_t nblocks = (b.n + b.block - 1) / b.block;
+    const int64_t nblocks = lowbit_num_blocks(b);
     const size_t smem = size_t(2 * b.block) * sizeof(float);  // at most 32 KiB: no opt-in
     lowbit_i8_kernel<G, O><<<grid_of(nblocks, 1), threads, smem, st>>>(a, b, nblocks, found_inf);
     return int(cudaGetLastError());

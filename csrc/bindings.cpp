@@ -376,10 +376,9 @@ void adam_step_lowbit(const at::Tensor& p, const at::Tensor& g, const at::Tensor
   b.block = block;
   int64_t nb = (b.n + block - 1) / block;
   if (starts.has_value()) {  // the blocks of a sharded step follow its pieces
-    TORCH_CHECK(
-        starts->scalar_type() == at::kLong && starts->dim() == 1 && starts->is_contiguous() &&
-            starts->device() == p.device() && starts->numel() >= 2,
-        "block_starts must be a contiguous 1-D int64 tensor of >= 2 entries on ", p.device());
+    TORCH_CHECK(starts->scalar_type() == at::kLong && starts->dim() == 1 &&
+                    starts->is_contiguous() && starts->is_cpu() && starts->numel() >= 2,
+                "block_starts must be a contiguous 1-D int64 CPU tensor of >= 2 entries");
     const int64_t* st = starts->data_ptr<int64_t>();
     nb = starts->numel() - 1;
     TORCH_CHECK_VALUE(st[0] == 0 && st[nb] == b.n, "block_starts must run from 0 to ", b.n,
@@ -427,6 +426,11 @@ void adam_step_lowbit(const at::Tensor& p, const at::Tensor& g, const at::Tensor
                 p.device());
     c10::cuda::CUDAGuard guard(p.device());
     void* stream = c10::cuda::getCurrentCUDAStream().stream();
+    at::Tensor dev_starts;  // checked on the host above; the kernel reads a device copy
+    if (starts.has_value()) {
+      dev_starts = starts->to(p.device(), /*non_blocking=*/true);
+      b.starts = dev_starts.data_ptr<int64_t>();
+    }
     cuda_ok(zk::adam_lowbit_cuda(a, b, flag, check_finite, stream), "adam_lowbit_cuda");
     return;
 #else

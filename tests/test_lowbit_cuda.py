@@ -120,3 +120,35 @@ def test_cuda_nan_block_and_side_stream():
         not s["exp_avg"][block : 2 * block].any() and not s["exp_avg_sq"][block : 2 * block].any()
     )
     assert (s["exp_avg_sq"][:block] > 0).all()
+
+
+def test_cuda_block_starts_match_cpu():
+    """Blocks given by a table (a sharded step's pieces; the table stays on the CPU): the CUDA
+    kernel's codes and scales equal the CPU kernel's but for rounding-boundary neighbours."""
+    sizes, block = [300, 64, 1000, 5], 256
+    starts = [0]
+    for s in sizes:
+        for off in range(0, s, block):
+            starts.append(starts[-1] + min(block, s - off))
+    starts = torch.tensor(starts, dtype=torch.int64)
+    n, nb = sum(sizes), starts.numel() - 1
+    gen = torch.Generator().manual_seed(5)
+    p = torch.randn(n, generator=gen)
+    st = {
+        "exp_avg": torch.zeros(n, dtype=torch.int8),
+        "exp_avg_sq": torch.zeros(n, dtype=torch.uint8),
+        "exp_avg_scale": torch.zeros(nb),
+        "exp_avg_sq_scale": torch.zeros(nb),
+    }
+    pc, stc = p.cuda(), {k: t.cuda() for k, t in st.items()}
+    for step in range(1, 4):
+        g = torch.randn(n, generator=gen) * 1e-2
+        kw = dict(state_dtype="int8", block=block, block_starts=starts)
+        h = hyper(step, adamw=True, wd=0.01, maximize=False, grad_scale=1.0)
+        lowbit.adam_step_lowbit(p, g, st, h, backend="cpu", **kw)
+        lowbit.adam_step_lowbit(pc, g.cuda(), stc, h, backend="cuda", **kw)
+    torch.cuda.synchronize()
+    assert (pc.cpu() - p).abs().max().item() < 1e-5
+    for k in st:
+        d = (stc[k].cpu().float() - st[k].float()).abs()
+        assert d.max().item() <= (1.0 if not k.endswith("_scale") else 1e-5 * st[k].abs().max())

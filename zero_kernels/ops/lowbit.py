@@ -111,6 +111,7 @@ def block_index(n: int, block: int, starts: torch.Tensor | None = None) -> torch
     """The block of each of ``n`` elements: ``i // block``, or by ``starts`` (int64, nb + 1)."""
     if starts is None:
         return torch.arange(n) // block
+    starts = starts.cpu()
     return torch.repeat_interleave(torch.arange(starts.numel() - 1), starts.diff())
 
 
@@ -216,7 +217,8 @@ def _check(p, g, state, state_dtype, block, out_lowp, hyper, starts) -> None:
             raise ValueError("adam_step_lowbit: block_starts is for state_dtype='int8'")
         d = starts.diff()
         if not (
-            starts.dtype == torch.int64
+            starts.device.type == "cpu"
+            and starts.dtype == torch.int64
             and starts.dim() == 1
             and starts.numel() >= 2
             and int(starts[0]) == 0
@@ -265,8 +267,9 @@ def adam_step_lowbit(
     """One Adam/AdamW step with m, v stored as ``state_dtype`` ("bf16" or "int8"), in place.
 
     ``state`` holds the tensors of `new_state` (flat, ``param.numel()`` elements).
-    ``block_starts`` (int8, optional): int64 ``[0, ..., n]``, block k covering
-    ``[block_starts[k], block_starts[k + 1])``, each at most ``block`` long; the scales then
+    ``block_starts`` (int8, optional; a CPU tensor whatever the device): int64 ``[0, ..., n]``,
+    block k covering ``[block_starts[k], block_starts[k + 1])``, each at most ``block`` long; the
+    scales then
     have ``len(block_starts) - 1`` entries (a sharded step's blocks follow its pieces).
     ``found_inf`` and ``check_finite`` as in `zero_kernels.ops.adam_step`: a non-zero
     ``found_inf`` skips the step; with ``check_finite`` a non-finite grad sets it and nothing
