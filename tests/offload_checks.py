@@ -106,6 +106,27 @@ def io_per_step(rank, world):
     return {"record_bytes": record, "needed_bytes": need, "o_direct": direct}
 
 
+def bf16_moments(rank, world):
+    """state_dtype="bf16" with offload: the file holds bf16 moments, each step reads and writes
+    half the bytes of fp32's; int8 state with offload is refused by name."""
+    got = {}
+    for sd in ("fp32", "bf16"):
+        m = model()
+        opt = build(m, 2, True, state_dtype=sd)
+        sw = opt.parts.core.runner.swap
+        train(m, opt, 2, rank)
+        got[sd] = (sw.itemsize, sw.moment_bytes(), sw.bytes_read)
+        opt.close()
+    assert got["bf16"][0] == 2 and got["fp32"][0] == 4, got
+    assert 2 * got["bf16"][1] == got["fp32"][1], got
+    assert got["bf16"][2] < got["fp32"][2], got
+    import pytest
+
+    with pytest.raises(NotImplementedError, match="int8"):
+        build(model(), 2, True, state_dtype="int8")
+    return {"bytes_read": {k: v[2] for k, v in got.items()}}
+
+
 def checkpoints(rank, world):
     """Saved with offload at stage 3, loaded without it at stage 2 and the other way round:
     the next steps equal an uninterrupted run's."""
@@ -205,7 +226,9 @@ CHECKS = [
     _bitwise(3, torch.float32),
     _bitwise(3, torch.bfloat16, bucket_mb=0.1),
     _bitwise(2, torch.float32, amsgrad=True, bucket_mb=0.1),
+    _bitwise(3, torch.float32, state_dtype="bf16", bucket_mb=0.1),
     io_per_step,
+    bf16_moments,
     checkpoints,
     state_dict_round_trip,
     file_lifetime,

@@ -399,5 +399,7 @@ def test_state_dtype():
     with pytest.raises(ValueError, match="fused Adam step's format"):
         est.estimate(10**9, 4, optimizer="sgd-momentum", state_dtype="int8")
     with pytest.raises(ValueError, match="offload"):
-        est.estimate(10**9, 4, state_dtype="bf16", offload_optimizer="nvme")
+        est.estimate(10**9, 4, state_dtype="int8", offload_optimizer="nvme")
+    off = est.estimate(10**9, 4, state_dtype="bf16", offload_optimizer="nvme")
+    assert off.stages[1].offload_disk_bytes == 4 * 10**9 / 4  # bf16 moments: half the file
     assert main(["estimate", "--params", "1B", "-n", "4", "--state-dtype", "int8"]) == 0

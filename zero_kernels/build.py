@@ -320,10 +320,11 @@ def _check_state_dtype(core: Core, r, optimizer_class, group_opts, defaults) -> 
             f"state_dtype={sd!r} with amsgrad=True: max_exp_avg_sq has no low-bit format; use "
             "state_dtype='fp32' with amsgrad"
         )
-    if core.policy.offload.offload_optimizer is not None:
+    if core.policy.offload.offload_optimizer is not None and sd == "int8":
         raise NotImplementedError(
-            f"state_dtype={sd!r} with offload_optimizer: the offload file holds fp32 moments; "
-            "not built yet"
+            "state_dtype='int8' with offload_optimizer: the offload file holds fp32 or bf16 "
+            "moments (int8 chunks would have to follow the blocks, with their scales); not "
+            "built yet: use state_dtype='bf16' with offload"
         )
 
 
@@ -346,8 +347,14 @@ def _swapper(core: Core, r, optimizer_class, group_opts, defaults, off):
     for i, buf in enumerate(core.layout.buffers):
         ams = group_opts[buf.group].get("amsgrad", defaults.get("amsgrad", False))
         names[i] = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if ams else ())
+    bf16 = core.policy.precision.state_dtype == "bf16"
     return StateSwapper(
-        core.layout, core.rank, names, off.offload_dir, staging_mb=off.offload_staging_mb
+        core.layout,
+        core.rank,
+        names,
+        off.offload_dir,
+        staging_mb=off.offload_staging_mb,
+        dtype=torch.bfloat16 if bf16 else torch.float32,
     )
 
 

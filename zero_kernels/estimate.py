@@ -458,10 +458,10 @@ def estimate_stage(
     writes the masters once ([Note: param offload])."""
     if offload_params not in (None, "nvme"):
         raise ValueError(f"--offload-params must be nvme; got {offload_params!r}")
-    if state_dtype != "fp32" and offload_optimizer:
+    if state_dtype == "int8" and offload_optimizer:
         raise ValueError(
-            f"--state-dtype {state_dtype} with --offload-optimizer: ZeroOptimizer offloads fp32 "
-            "moments only (not built yet)"
+            "--state-dtype int8 with --offload-optimizer: ZeroOptimizer offloads fp32 or bf16 "
+            "moments (not built yet for int8)"
         )
     if offload_params and stage != 3:
         raise ValueError(f"--offload-params is a stage-3 option; got stage {stage}")
@@ -514,7 +514,7 @@ def estimate_stage(
         wire = ring * (g + 2 * p)
     disk = staging = io = 0.0
     if offload_optimizer:
-        disk = 2 * 4 * psi / n  # exp_avg + exp_avg_sq, fp32, this rank's shard
+        disk = 2 * (2 if state_dtype == "bf16" else 4) * psi / n  # exp_avg + exp_avg_sq, shard
         ob -= disk
         staging = offload_staging_mb * 2**20
         io = 2 * disk

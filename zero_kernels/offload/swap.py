@@ -3,8 +3,8 @@
 [Note: offload]
 ``offload_optimizer="nvme"`` keeps what the fused Adam step reads and writes besides the params
 and gradients, its moments (``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq`` with amsgrad: 8-12
-bytes per param, half or more of a rank's model states at stage 3), in one file per rank under
-``offload_dir`` instead of RAM:
+bytes per param, half or more of a rank's model states at stage 3; 4 with
+``state_dtype="bf16"``), in one file per rank under ``offload_dir`` instead of RAM:
 
 - the file holds, for each bucket of each fused buffer, this rank's shard of it cut into
   *chunks*; a chunk's record is its range of every moment, each padded to `aio.ALIGN` bytes, so
@@ -40,15 +40,16 @@ from . import aio
 __all__ = ["StateSwapper"]
 
 
-def _pad(numel: int) -> int:
-    """fp32 elements of ``numel`` rounded up to whole `aio.ALIGN` blocks."""
-    per = aio.ALIGN // 4
+def _pad(numel: int, itemsize: int = 4) -> int:
+    """Elements of ``numel`` (``itemsize`` bytes each) rounded up to whole `aio.ALIGN` blocks."""
+    per = aio.ALIGN // itemsize
     return -(-numel // per) * per
 
 
 class StateSwapper(aio.RunFile):
     """The moments ``names[i]`` of every fused buffer ``i`` of a runner, in one file, chunk by
-    chunk (see [Note: offload]); ``staging_mb``: the RAM of the three staging buffers."""
+    chunk (see [Note: offload]); ``staging_mb``: the RAM of the three staging buffers;
+    ``dtype``: the moments' (fp32, or bf16 with ``state_dtype="bf16"``: half the file and I/O)."""
 
     SLOTS = 3  # stepping, reading ahead, writing behind
 
@@ -59,11 +60,14 @@ class StateSwapper(aio.RunFile):
         names: dict[int, tuple[str, ...]],
         directory: str,
         staging_mb: float = 48.0,
+        dtype: torch.dtype = torch.float32,
     ):
         self.layout, self.rank, self.names = layout, rank, names
+        self.dtype = dtype
+        self.itemsize = isz = torch.empty((), dtype=dtype).element_size()
         most = max(len(n) for n in names.values())
-        per = aio.ALIGN // 4
-        slot_elems = int(staging_mb * 2**20 / self.SLOTS / 4)
+        per = aio.ALIGN // isz
+        slot_elems = int(staging_mb * 2**20 / self.SLOTS / isz)
         self.chunk = max(per, slot_elems // most // per * per)  # elements of one moment per chunk
         # (i, b) -> [(offset in the file, lo, hi in the bucket's shard, stride)]
         self.records: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
@@ -73,14 +77,14 @@ class StateSwapper(aio.RunFile):
                 chunks = []
                 for lo in range(0, max(bk.shard_numel, 1), self.chunk):
                     hi = min(lo + self.chunk, bk.shard_numel)
-                    stride = _pad(hi - lo)
+                    stride = _pad(hi - lo, isz)
                     chunks.append((off, lo, hi, stride))
-                    off += stride * len(nm) * 4
+                    off += stride * len(nm) * isz
                 self.records[(i, bk.index)] = chunks
         self.nbytes = off
         self._open_run_file(directory, "optstate", rank, off)
-        self.slots = [aio.aligned_empty(self.chunk * most) for _ in range(self.SLOTS)]
-        self.staging_bytes = sum(s.numel() * 4 for s in self.slots)
+        self.slots = [aio.aligned_empty(self.chunk * most, dtype) for _ in range(self.SLOTS)]
+        self.staging_bytes = sum(s.numel() * isz for s in self.slots)
         self._writes: list = [None] * self.SLOTS  # per slot: its write in flight
 
     def chunks(self, i: int, b: int) -> list[tuple[int, int]]:
@@ -163,13 +167,15 @@ class StateSwapper(aio.RunFile):
     def record_bytes(self) -> int:
         """Bytes one step reads (and writes) when every chunk is stepped."""
         return sum(
-            st * len(self.names[i]) * 4 for (i, _), rs in self.records.items() for _, _, _, st in rs
+            st * len(self.names[i]) * self.itemsize
+            for (i, _), rs in self.records.items()
+            for _, _, _, st in rs
         )
 
     def moment_bytes(self) -> int:
         """Bytes of the moments themselves (without the padding)."""
         return sum(
-            (hi - lo) * len(self.names[i]) * 4
+            (hi - lo) * len(self.names[i]) * self.itemsize
             for (i, _), rs in self.records.items()
             for _, lo, hi, _ in rs
         )
