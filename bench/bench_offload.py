@@ -2,10 +2,11 @@
 bound, bytes moved, RSS per rank, memory_report's counts.
 
 Configurations (``--configs``, default all): ``ram``; ``opt`` (offload_optimizer="nvme"),
-``params`` (offload_params="nvme", stage 3), ``both``. Each round spawns one group per
-configuration in turn, each rank training ``--layers`` units of Linear(d, d) + Tanh (an
-``nn.ModuleList``: one stage-3 unit per layer; fused AdamW, clipping) for ``--steps`` timed steps
-after 2 warm-up steps. Per rank and step: the whole step and ``opt.step()`` alone (wall), the
+``params`` (offload_params="nvme", stage 3), ``both``; ``ram_bf16`` and ``opt_bf16``: the same
+with ``state_dtype="bf16"`` (bf16 moments: half the offload file and its I/O). Each round
+spawns one group per configuration in turn, each rank training ``--layers`` units of
+Linear(d, d) + Tanh (an ``nn.ModuleList``: one stage-3 unit per layer; fused AdamW, clipping)
+for ``--steps`` timed steps after 2 warm-up steps. Per rank and step: the whole step and ``opt.step()`` alone (wall), the
 bytes the offload files read and wrote, and the bytes the process read from and wrote to the
 block device (``/proc/self/io`` read_bytes/write_bytes, which O_DIRECT I/O counts and the page
 cache does not hide); RSS is ``VmHWM`` (peak) and ``VmRSS`` after the last step. The disk is
@@ -47,6 +48,8 @@ CONFIGS = {
     "opt": {"offload_optimizer": "nvme"},
     "params": {"offload_params": "nvme"},
     "both": {"offload_params": "nvme", "offload_optimizer": "nvme"},
+    "ram_bf16": {"state_dtype": "bf16"},  # bf16 moments (state_dtype): half the file and I/O
+    "opt_bf16": {"offload_optimizer": "nvme", "state_dtype": "bf16"},
 }
 
 
@@ -88,7 +91,7 @@ def worker(rank, world, port, cfg, q):
     dtype = getattr(torch, cfg["dtype"])
     model = Net(cfg["d"], cfg["layers"]).to(dtype)
     kw = dict(CONFIGS[cfg["name"]])
-    if kw:
+    if any(k.startswith("offload_") for k in kw):
         kw["offload_dir"] = cfg["dir"]
     opt = zero_kernels.ZeroOptimizer(
         model,
