@@ -245,6 +245,7 @@ def int8_checkpoints(rank, world):
 def refusals(rank, world):
     for kw, exc, match in (
         ({"state_dtype": "int8", "state_block": 100}, ValueError, "multiple of 64"),
+        ({"state_dtype": "int8", "kernel_backend": "triton"}, NotImplementedError, "Triton"),
         ({"state_dtype": "fp16"}, ValueError, "state_dtype must be one of"),
         ({"amsgrad": True}, ValueError, "amsgrad"),
         ({"fused_adam": False}, ValueError, "fused Adam step's format"),

@@ -25,6 +25,7 @@ from .core import Core
 from .groups import param_groups
 from .layout import ParamSpec, build_layout
 from .materialize import materialize_modules_
+from .ops.backends import resolve_backend
 from .partition import FUSED_ADAM_CLASSES, Reducer, ShardRunner, choose_mode
 from .partition.order import SequenceCheck
 from .partition.units import (
@@ -296,19 +297,25 @@ def runner(core: Core, optimizer_class, user_groups, defaults, fused_adam, kerne
         state_dtype=core.policy.precision.state_dtype,
         state_block=core.policy.precision.state_block,
     )
-    _check_state_dtype(core, r, optimizer_class, group_opts, defaults)
+    _check_state_dtype(core, r, optimizer_class, group_opts, defaults, kernel_backend)
     off = core.policy.offload
     if off.offload_optimizer == "nvme":
         r.swap = _swapper(core, r, optimizer_class, group_opts, defaults, off)
     return r
 
 
-def _check_state_dtype(core: Core, r, optimizer_class, group_opts, defaults) -> None:
+def _check_state_dtype(core: Core, r, optimizer_class, group_opts, defaults, backend) -> None:
     """state_dtype other than fp32: only the fused step has that format; refuse what would
     keep fp32 state unsaid."""
     sd = core.policy.precision.state_dtype
     if sd == "fp32":
         return
+    if sd == "int8" and resolve_backend(backend, core.device) == "triton":
+        raise NotImplementedError(
+            "state_dtype='int8' on the Triton backend: its kernel takes no block table (the "
+            "sharded step's blocks follow its pieces); use kernel_backend='cuda' or 'reference', "
+            "or state_dtype='bf16'"
+        )
     if not all(r.fused):
         raise ValueError(
             f"state_dtype={sd!r} is the fused Adam step's format; {optimizer_class.__name__} "
