@@ -242,6 +242,52 @@ def int8_checkpoints(rank, world):
     return {}
 
 
+def int8_state_paths(rank, world):
+    """int8 state through every other door: consolidated_state_dict is torch's format (a plain
+    AdamW loads it) and loads back at another stage; set_full_state writes through (decoded,
+    re-encoded); add_param_group rebuilds with the state kept; all near the fp32 values."""
+    kw = {"state_dtype": "int8", "state_block": 64}
+    m = model()
+    o = build(m, 2, **kw)
+    train(m, o, 3, rank)
+    full = o.consolidated_state_dict(to=0)
+    before = _full(m, o)
+    if rank == 0:
+        plain = torch.optim.AdamW(model().parameters(), lr=1e-2)
+        plain.load_state_dict(full)
+        st0 = plain.state[plain.param_groups[0]["params"][0]]
+        assert st0["exp_avg"].dtype == torch.float32
+        assert torch.equal(st0["exp_avg"], before[0]["exp_avg"]), "consolidated != full_state"
+    full = [full]
+    torch.distributed.broadcast_object_list(full, src=0)
+    m2 = model()
+    with torch.no_grad():
+        for a, b in zip(m2.parameters(), m.parameters()):
+            a.copy_(b)
+    o2 = build(m2, 3, **kw)
+    o2.load_state_dict(full[0])
+    for a, b in zip(_full(m2, o2), before):
+        tol = 0.02 * b["exp_avg"].abs().max()
+        assert torch.allclose(a["exp_avg"], b["exp_avg"], rtol=0, atol=tol), "reloaded"
+    o2.close()
+    p0 = next(m.parameters())
+    want = torch.full_like(before[0]["exp_avg"], 1e-3)
+    o.set_full_state(p0, "exp_avg", want)
+    got = o.full_state(p0)["exp_avg"]
+    assert torch.allclose(got, want, rtol=1e-2, atol=0), "set_full_state"
+    extra = nn.Linear(8, 8)
+    o.add_param_group({"params": list(extra.parameters())})
+    after = _full(m, o)
+    assert torch.allclose(after[0]["exp_avg"], want, rtol=1e-2, atol=0), "add_param_group"
+    for a, b in zip(after[1:], before[1:]):
+        tol = 0.02 * b["exp_avg"].abs().max()
+        assert torch.allclose(a["exp_avg"], b["exp_avg"], rtol=0, atol=tol), "add_param_group"
+    train(m, o, 1, rank, start=3)
+    assert all(torch.isfinite(v).all() for v in m.state_dict().values())
+    o.close()
+    return {}
+
+
 def refusals(rank, world):
     for kw, exc, match in (
         ({"state_dtype": "int8", "state_block": 100}, ValueError, "multiple of 64"),
@@ -263,6 +309,7 @@ CHECKS = [
     _int8_parity(3, torch.bfloat16),
     checkpoints,
     int8_checkpoints,
+    int8_state_paths,
     refusals,
 ]
 
