@@ -124,6 +124,7 @@ def test_nonfinite_rules_and_skips():
         p2, st2 = before[0].clone(), {k: t.clone() for k, t in before[1].items()}
         lowbit.adam_step_lowbit(p2, bad, st2, hyper(2), state_dtype="int8", backend=backend)
         assert math.isnan(st2["exp_avg_scale"][1].item()), backend
+        assert math.isnan(st2["exp_avg_sq_scale"][1].item()), backend  # both, as one block
         assert math.isfinite(st2["exp_avg_scale"][0].item()), backend
         assert bool((st2["exp_avg"][256:] == 0).all()), backend
         m, _ = lowbit.decode_state(st2, "int8", block)

@@ -24,7 +24,8 @@ masters and the math is fp32 in every backend (`zero_kernels.ops.hyper` [Note: o
   "Memory Efficient Optimizers with 4-bit States", NeurIPS 2023: a v that rounds to 0 makes the
   update m / eps). Rounding a tiny v up only shrinks that element's step. A block whose new m or
   v holds a NaN or an inf stores scale NaN and q 0, so the state stays non-finite as fp32 state
-  would (with ``check_finite`` such a step is skipped before anything is written).
+  would (with ``check_finite`` such a step is skipped before anything is written); both
+  moments' scales of such a block are NaN, whichever of them overflowed.
 
 Each step decodes the stored state, updates p from the fp32 m and v of this step (as torch
 would from fp32 state), then encodes the new m and v: the quantization error enters the next
@@ -129,11 +130,11 @@ def decode_state(
     return m, u * u
 
 
-def _encode(x: torch.Tensor, idx: torch.Tensor, nb: int, codes: float, signed: bool):
+def _encode(x: torch.Tensor, idx: torch.Tensor, finite: torch.Tensor, codes: float, signed: bool):
     """(codes as fp32, scales) of flat fp32 ``x`` (``x`` >= 0 unless ``signed``), element i in
-    block ``idx[i]`` of ``nb``."""
+    block ``idx[i]``; ``finite``: per block, whether its m and u are all finite."""
+    nb = finite.numel()
     ok = torch.isfinite(x).float()
-    finite = torch.ones(nb, device=x.device).scatter_reduce(0, idx, ok, "amin") > 0
     amax = torch.zeros(nb, device=x.device).scatter_reduce(
         0, idx, torch.where(ok > 0, x.abs(), torch.zeros_like(x)), "amax"
     )
@@ -167,8 +168,11 @@ def encode_state(
     m = m.reshape(-1).float()
     idx = block_index(m.numel(), block, starts).to(m.device)
     nb = out["exp_avg_scale"].numel()
-    qm, sm = _encode(m, idx, nb, _M_CODES, signed=True)
-    qv, sv = _encode(torch.sqrt(v.reshape(-1).float()), idx, nb, _V_CODES, signed=False)
+    u = torch.sqrt(v.reshape(-1).float())
+    ok = (torch.isfinite(m) & torch.isfinite(u)).float()  # a block is finite in both or neither
+    finite = torch.ones(nb, device=m.device).scatter_reduce(0, idx, ok, "amin") > 0
+    qm, sm = _encode(m, idx, finite, _M_CODES, signed=True)
+    qv, sv = _encode(u, idx, finite, _V_CODES, signed=False)
     out["exp_avg"].copy_(qm.to(torch.int8))
     out["exp_avg_sq"].copy_(qv.to(torch.uint8))
     out["exp_avg_scale"].copy_(sm)
