@@ -3,13 +3,14 @@ bound, bytes moved, RSS per rank, memory_report's counts.
 
 Configurations (``--configs``, default all): ``ram``; ``opt`` (offload_optimizer="nvme"),
 ``params`` (offload_params="nvme", stage 3), ``both``; ``ram_bf16`` and ``opt_bf16``: the same
-with ``state_dtype="bf16"`` (bf16 moments: half the offload file and its I/O). Each round
-spawns one group per configuration in turn, each rank training ``--layers`` units of
-Linear(d, d) + Tanh (an ``nn.ModuleList``: one stage-3 unit per layer; fused AdamW, clipping)
-for ``--steps`` timed steps after 2 warm-up steps. Per rank and step: the whole step and ``opt.step()`` alone (wall), the
-bytes the offload files read and wrote, and the bytes the process read from and wrote to the
-block device (``/proc/self/io`` read_bytes/write_bytes, which O_DIRECT I/O counts and the page
-cache does not hide); RSS is ``VmHWM`` (peak) and ``VmRSS`` after the last step. The disk is
+with ``state_dtype="bf16"`` (bf16 moments: half the offload file and its I/O); ``ram_int8`` and
+``opt_int8`` with ``"int8"`` (codes and scales: a quarter). Each round spawns one group per
+configuration in turn, each rank training ``--layers`` units of Linear(d, d) + Tanh (an
+``nn.ModuleList``: one stage-3 unit per layer; fused AdamW, clipping) for ``--steps`` timed
+steps after 2 warm-up steps. Per rank and step: the whole step and ``opt.step()`` alone (wall),
+the bytes the offload files read and wrote, and the bytes the process read from and wrote to
+the block device (``/proc/self/io`` read_bytes/write_bytes, which O_DIRECT I/O counts and the
+page cache does not hide); RSS is ``VmHWM`` (peak) and ``VmRSS`` after the last step. The disk is
 measured in the same run with `zero_kernels.offload.probe_disk` (O_DIRECT, the directory used)
 before and after the groups; the I/O bound of the optimizer step is (bytes it reads / read
 bandwidth + bytes it writes / write bandwidth) summed over the ranks, which share the disk
@@ -50,6 +51,8 @@ CONFIGS = {
     "both": {"offload_params": "nvme", "offload_optimizer": "nvme"},
     "ram_bf16": {"state_dtype": "bf16"},  # bf16 moments (state_dtype): half the file and I/O
     "opt_bf16": {"offload_optimizer": "nvme", "state_dtype": "bf16"},
+    "ram_int8": {"state_dtype": "int8"},  # int8 codes + scales: a quarter
+    "opt_int8": {"offload_optimizer": "nvme", "state_dtype": "int8"},
 }
 
 

@@ -36,8 +36,7 @@ def build(m, stage, off, bucket_mb=0.004, **kw):
         lr=1e-2,
         weight_decay=0.1,
         bucket_size_mb=bucket_mb,
-        **extra,
-        **kw,
+        **(extra | kw),
     )
 
 
@@ -64,11 +63,11 @@ def same(a, b) -> bool:
     )
 
 
-def _bitwise(stage, dtype, **kw):
+def _bitwise(stage, dtype, width=None, **kw):
     def check(rank, world):
         runs = []
         for off in (False, True):
-            m = model(dtype, 128 if kw.get("bucket_mb") else 48)
+            m = model(dtype, width or (128 if kw.get("bucket_mb") else 48))
             opt = build(m, stage, off, **kw)
             train(m, opt, 4, rank)
             runs.append(snapshot(m, opt))
@@ -106,25 +105,26 @@ def io_per_step(rank, world):
     return {"record_bytes": record, "needed_bytes": need, "o_direct": direct}
 
 
-def bf16_moments(rank, world):
-    """state_dtype="bf16" with offload: the file holds bf16 moments, each step reads and writes
-    half the bytes of fp32's; int8 state with offload is refused by name."""
+def lowbit_moments(rank, world):
+    """state_dtype="bf16" / "int8" with offload: the file holds bf16 moments (half fp32's
+    bytes) or int8 codes with their blocks' scales (a quarter, + 8 bytes per block), each step
+    reads and writes them once."""
     got = {}
-    for sd in ("fp32", "bf16"):
-        m = model()
-        opt = build(m, 2, True, state_dtype=sd)
+    for sd in ("fp32", "bf16", "int8"):
+        m = model(width=384)  # buckets of ~0.1M elements: the records' padding is small
+        opt = build(
+            m, 2, True, bucket_mb=1.0, offload_staging_mb=4.0, state_dtype=sd, state_block=64
+        )
         sw = opt.parts.core.runner.swap
         train(m, opt, 2, rank)
-        got[sd] = (sw.itemsize, sw.moment_bytes(), sw.bytes_read)
+        got[sd] = (sw.moment_bytes(), sw.bytes_read, sw.record_bytes())
+        assert sw.bytes_read == sw.bytes_written == 2 * sw.record_bytes(), (sd, got[sd])
         opt.close()
-    assert got["bf16"][0] == 2 and got["fp32"][0] == 4, got
-    assert 2 * got["bf16"][1] == got["fp32"][1], got
-    assert got["bf16"][2] < got["fp32"][2], got
-    import pytest
-
-    with pytest.raises(NotImplementedError, match="int8"):
-        build(model(), 2, True, state_dtype="int8")
-    return {"bytes_read": {k: v[2] for k, v in got.items()}}
+    n = got["fp32"][0] // 8  # elements of this rank's shards
+    assert 2 * got["bf16"][0] == got["fp32"][0], got
+    assert 2 * n <= got["int8"][0] <= (2 + 8 / 64) * n + 8 * 64, (got, n)
+    assert 3.5 * got["int8"][1] < got["fp32"][1] and 1.9 * got["bf16"][1] < got["fp32"][1], got
+    return {"bytes_read": {k: v[1] for k, v in got.items()}}
 
 
 def checkpoints(rank, world):
@@ -227,8 +227,11 @@ CHECKS = [
     _bitwise(3, torch.bfloat16, bucket_mb=0.1),
     _bitwise(2, torch.float32, amsgrad=True, bucket_mb=0.1),
     _bitwise(3, torch.float32, state_dtype="bf16", bucket_mb=0.1),
+    # int8 records are a quarter of fp32's: a wider model for several chunks per unit
+    _bitwise(3, torch.float32, width=384, state_dtype="int8", state_block=64, bucket_mb=0.1),
+    _bitwise(2, torch.bfloat16, state_dtype="int8", state_block=64),
     io_per_step,
-    bf16_moments,
+    lowbit_moments,
     checkpoints,
     state_dict_round_trip,
     file_lifetime,

@@ -327,17 +327,12 @@ def _check_state_dtype(core: Core, r, optimizer_class, group_opts, defaults, bac
             f"state_dtype={sd!r} with amsgrad=True: max_exp_avg_sq has no low-bit format; use "
             "state_dtype='fp32' with amsgrad"
         )
-    if core.policy.offload.offload_optimizer is not None and sd == "int8":
-        raise NotImplementedError(
-            "state_dtype='int8' with offload_optimizer: the offload file holds fp32 or bf16 "
-            "moments (int8 chunks would have to follow the blocks, with their scales); not "
-            "built yet: use state_dtype='bf16' with offload"
-        )
 
 
 def _swapper(core: Core, r, optimizer_class, group_opts, defaults, off):
     """offload_optimizer="nvme": the fused step's moments in a file ([Note: offload])."""
     from .offload.swap import StateSwapper
+    from .partition.lowbit_state import INT8_KEYS
 
     if not any(r.fused):
         raise NotImplementedError(
@@ -354,6 +349,8 @@ def _swapper(core: Core, r, optimizer_class, group_opts, defaults, off):
     for i, buf in enumerate(core.layout.buffers):
         ams = group_opts[buf.group].get("amsgrad", defaults.get("amsgrad", False))
         names[i] = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if ams else ())
+        if r.int8 is not None:  # codes and their blocks' scales ([Note: int8 shard state])
+            names[i] = INT8_KEYS
     bf16 = core.policy.precision.state_dtype == "bf16"
     return StateSwapper(
         core.layout,
@@ -362,6 +359,7 @@ def _swapper(core: Core, r, optimizer_class, group_opts, defaults, off):
         off.offload_dir,
         staging_mb=off.offload_staging_mb,
         dtype=torch.bfloat16 if bf16 else torch.float32,
+        int8=r.int8,
     )
 
 

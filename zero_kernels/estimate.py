@@ -458,11 +458,7 @@ def estimate_stage(
     writes the masters once ([Note: param offload])."""
     if offload_params not in (None, "nvme"):
         raise ValueError(f"--offload-params must be nvme; got {offload_params!r}")
-    if state_dtype == "int8" and offload_optimizer:
-        raise ValueError(
-            "--state-dtype int8 with --offload-optimizer: ZeroOptimizer offloads fp32 or bf16 "
-            "moments (not built yet for int8)"
-        )
+
     if offload_params and stage != 3:
         raise ValueError(f"--offload-params is a stage-3 option; got stage {stage}")
     if offload_optimizer not in (None, "nvme"):
@@ -514,7 +510,8 @@ def estimate_stage(
         wire = ring * (g + 2 * p)
     disk = staging = io = 0.0
     if offload_optimizer:
-        disk = 2 * (2 if state_dtype == "bf16" else 4) * psi / n  # exp_avg + exp_avg_sq, shard
+        moments = {"fp32": 8.0, "bf16": 4.0}.get(state_dtype, 2 + 8 / 256)  # per param
+        disk = moments * psi / n  # exp_avg + exp_avg_sq (+ int8 scales), this rank's shard
         ob -= disk
         staging = offload_staging_mb * 2**20
         io = 2 * disk

@@ -94,7 +94,8 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
         state_dtype: "fp32", "bf16" or "int8": how the fused Adam step keeps exp_avg/exp_avg_sq
             (bytes of moments per param 8 / 4 / 2 + 8/state_block; bytes moved by the step 28 /
             20 / 16; fp32 masters and math). Needs the fused step (Adam/AdamW, flat mode, no
-            amsgrad); offload_optimizer takes bf16 state (half the file and I/O), not int8.
+            amsgrad); with offload_optimizer the file holds them as they are (a half or a
+            quarter of fp32's bytes and I/O).
             Checkpoints hold bf16 moments as they are and int8 ones decoded to fp32
             ([Note: int8 shard state]); each loads into any state_dtype.
         state_block: int8: elements per quantization block (a multiple of 64 up to 4096).

@@ -4,7 +4,8 @@
 ``offload_optimizer="nvme"`` keeps what the fused Adam step reads and writes besides the params
 and gradients, its moments (``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq`` with amsgrad: 8-12
 bytes per param, half or more of a rank's model states at stage 3; 4 with
-``state_dtype="bf16"``), in one file per rank under ``offload_dir`` instead of RAM:
+``state_dtype="bf16"``, 2 + 8/block with ``"int8"``: codes and scales, each chunk a whole number
+of blocks), in one file per rank under ``offload_dir`` instead of RAM:
 
 - the file holds, for each bucket of each fused buffer, this rank's shard of it cut into
   *chunks*; a chunk's record is its range of every moment, each padded to `aio.ALIGN` bytes, so
@@ -46,10 +47,20 @@ def _pad(numel: int, itemsize: int = 4) -> int:
     return -(-numel // per) * per
 
 
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
 class StateSwapper(aio.RunFile):
     """The moments ``names[i]`` of every fused buffer ``i`` of a runner, in one file, chunk by
     chunk (see [Note: offload]); ``staging_mb``: the RAM of the three staging buffers;
-    ``dtype``: the moments' (fp32, or bf16 with ``state_dtype="bf16"``: half the file and I/O)."""
+    ``dtype``: the moments' (fp32, or bf16 with ``state_dtype="bf16"``: half the file and I/O).
+    ``int8`` (an `Int8ShardState`, ``state_dtype="int8"``): the chunks end on its blocks' bounds
+    and each record holds the chunk's codes and its blocks' scales (a quarter of fp32's bytes).
+
+    A record is the chunk's segments one after the other, each padded to `aio.ALIGN` bytes:
+    ``(name, byte offset in the record, dtype, count, first, end)`` with ``[first, end)`` the
+    range of the bucket's tensor ``name`` it holds (elements; blocks for int8 scales)."""
 
     SLOTS = 3  # stepping, reading ahead, writing behind
 
@@ -61,45 +72,79 @@ class StateSwapper(aio.RunFile):
         directory: str,
         staging_mb: float = 48.0,
         dtype: torch.dtype = torch.float32,
+        int8=None,
     ):
         self.layout, self.rank, self.names = layout, rank, names
-        self.dtype = dtype
+        self.dtype, self.int8 = dtype, int8
         self.itemsize = isz = torch.empty((), dtype=dtype).element_size()
         most = max(len(n) for n in names.values())
-        per = aio.ALIGN // isz
-        slot_elems = int(staging_mb * 2**20 / self.SLOTS / isz)
-        self.chunk = max(per, slot_elems // most // per * per)  # elements of one moment per chunk
-        # (i, b) -> [(offset in the file, lo, hi in the bucket's shard, stride)]
-        self.records: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
-        off = 0
+        slot_bytes = int(staging_mb * 2**20 / self.SLOTS)
+        if int8 is not None:  # codes 2 bytes per element, 8 per block of scales, the padding
+            per_elem = 2 + 8 / int8.block
+            self.chunk = max(int8.block, int((slot_bytes - 4 * aio.ALIGN) / per_elem))
+        else:
+            per = aio.ALIGN // isz
+            self.chunk = max(per, slot_bytes // isz // most // per * per)  # one moment's
+        # (i, b) -> [(offset in the file, lo, hi in the bucket's shard, record bytes, segments)]
+        self.records: dict[tuple[int, int], list[tuple]] = {}
+        off = biggest = 0
         for i, nm in sorted(names.items()):
             for bk in layout.buffers[i].buckets:
                 chunks = []
-                for lo in range(0, max(bk.shard_numel, 1), self.chunk):
-                    hi = min(lo + self.chunk, bk.shard_numel)
-                    stride = _pad(hi - lo, isz)
-                    chunks.append((off, lo, hi, stride))
-                    off += stride * len(nm) * isz
+                for lo, hi, segs in self._cut(i, bk, nm):
+                    nbytes = segs[-1][1] + _pad(segs[-1][3] * _size(segs[-1][2]), 1)
+                    chunks.append((off, lo, hi, nbytes, segs))
+                    off += nbytes
+                    biggest = max(biggest, nbytes)
                 self.records[(i, bk.index)] = chunks
         self.nbytes = off
         self._open_run_file(directory, "optstate", rank, off)
-        self.slots = [aio.aligned_empty(self.chunk * most, dtype) for _ in range(self.SLOTS)]
-        self.staging_bytes = sum(s.numel() * isz for s in self.slots)
+        if int8 is None:  # a whole chunk of every moment, as the staging size was divided
+            biggest = max(biggest, self.chunk * most * isz)
+        self.slots = [aio.aligned_empty(biggest, torch.uint8) for _ in range(self.SLOTS)]
+        self.staging_bytes = sum(s.numel() for s in self.slots)
         self._writes: list = [None] * self.SLOTS  # per slot: its write in flight
+
+    def _cut(self, i: int, bk, nm):
+        """``(lo, hi, segments)`` of each chunk of bucket ``bk`` of buffer ``i``."""
+        if self.int8 is None or i not in self.int8.nblocks:
+            for lo in range(0, max(bk.shard_numel, 1), self.chunk):
+                hi = min(lo + self.chunk, bk.shard_numel)
+                stride = _pad(hi - lo, self.itemsize) * self.itemsize
+                yield (
+                    lo,
+                    hi,
+                    tuple((n, k * stride, self.dtype, hi - lo, lo, hi) for k, n in enumerate(nm)),
+                )
+            return
+        starts = self.int8.starts[(i, bk.index)].tolist()
+        kb = 0
+        while kb < len(starts) - 1:
+            ke = kb + 1  # whole blocks up to `chunk` elements (at least one)
+            while ke < len(starts) - 1 and starts[ke + 1] - starts[kb] <= self.chunk:
+                ke += 1
+            lo, hi = starts[kb], starts[ke]
+            segs, at = [], 0
+            for n in nm:
+                scale = n.endswith("_scale")
+                dt = torch.float32 if scale else (torch.int8 if n == "exp_avg" else torch.uint8)
+                count, first, end = (ke - kb, kb, ke) if scale else (hi - lo, lo, hi)
+                segs.append((n, at, dt, count, first, end))
+                at += _pad(count * _size(dt), 1)
+            yield lo, hi, tuple(segs)
+            kb = ke
 
     def chunks(self, i: int, b: int) -> list[tuple[int, int]]:
         """``(lo, hi)`` of each chunk of bucket ``b`` of buffer ``i``, in the order streamed."""
-        return [(lo, hi) for _, lo, hi, _ in self.records[(i, b)]]
+        return [(lo, hi) for _, lo, hi, _, _ in self.records[(i, b)]]
 
     # ---- one chunk's views in a staging buffer
     def _views(self, slot: int, i: int, rec) -> dict[str, torch.Tensor]:
-        _, lo, hi, stride = rec
         buf = self.slots[slot]
-        return {n: buf[k * stride : k * stride + hi - lo] for k, n in enumerate(self.names[i])}
+        return {n: buf[at : at + count * _size(dt)].view(dt) for n, at, dt, count, _, _ in rec[4]}
 
     def _span(self, slot: int, i: int, rec) -> tuple[torch.Tensor, int]:
-        off, _, _, stride = rec
-        return self.slots[slot][: stride * len(self.names[i])], off
+        return self.slots[slot][: rec[3]], rec[0]
 
     def _read(self, slot: int, i: int, rec):
         w = self._writes[slot]
@@ -151,31 +196,28 @@ class StateSwapper(aio.RunFile):
         for rec in self.records[(i, b)]:
             t, off = self._span(0, i, rec)
             self.file.read(t, off)
-            lo, hi = rec[1:3]
-            for n, v in self._views(0, i, rec).items():
-                out[n][lo:hi].copy_(v)
+            views = self._views(0, i, rec)
+            for n, _, _, _, first, end in rec[4]:
+                out[n][first:end].copy_(views[n])
 
     def write_from(self, i: int, b: int, src: dict[str, torch.Tensor]) -> None:
         self.flush()
         for rec in self.records[(i, b)]:
-            lo, hi = rec[1:3]
-            for n, v in self._views(0, i, rec).items():
-                v.copy_(src[n][lo:hi])
+            views = self._views(0, i, rec)
+            for n, _, _, _, first, end in rec[4]:
+                views[n].copy_(src[n][first:end])
             t, off = self._span(0, i, rec)
             self.file.write(t, off)
 
     def record_bytes(self) -> int:
         """Bytes one step reads (and writes) when every chunk is stepped."""
-        return sum(
-            st * len(self.names[i]) * self.itemsize
-            for (i, _), rs in self.records.items()
-            for _, _, _, st in rs
-        )
+        return sum(rec[3] for rs in self.records.values() for rec in rs)
 
     def moment_bytes(self) -> int:
         """Bytes of the moments themselves (without the padding)."""
         return sum(
-            (hi - lo) * len(self.names[i]) * self.itemsize
-            for (i, _), rs in self.records.items()
-            for _, lo, hi, _ in rs
+            count * _size(dt)
+            for rs in self.records.values()
+            for rec in rs
+            for _, _, dt, count, _, _ in rec[4]
         )

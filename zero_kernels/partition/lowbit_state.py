@@ -116,25 +116,42 @@ class Int8ShardState:
         out["state_block"] = self.block
         return out
 
-    def step(self, i, b, lo, hi, master, grad, hyper, out_lowp, backend) -> None:
-        """The kernel on elements ``[lo, hi)`` of bucket ``b``'s shard (whole blocks)."""
+    def block_of(self, i: int, b: int, at: int) -> int:
+        """The bucket-relative block that starts at element ``at`` of bucket ``b``'s shard."""
+        st = self.starts[(i, b)]
+        k = int(torch.searchsorted(st, at))
+        assert int(st[k]) == at, (at, "not on a block bound")
+        return k
+
+    def step(self, i, b, lo, hi, master, grad, hyper, out_lowp, backend, staged=None) -> None:
+        """The kernel on elements ``[lo, hi)`` of bucket ``b``'s shard (whole blocks), on the
+        buffer's codes and scales, or on ``staged``: ``(views, clo)``, a staging chunk's
+        (offload: [Note: offload]) starting at element ``clo`` (a block bound)."""
         key = (i, b, lo, hi)
         run = self._runs.get(key)
         if run is None:
-            st = self.starts[(i, b)]
-            kb0 = int(torch.searchsorted(st, lo))
-            kb1 = int(torch.searchsorted(st, hi))
-            assert int(st[kb0]) == lo and int(st[kb1]) == hi, (lo, hi, "not on block bounds")
-            f = self.first_block[(i, b)]
-            run = (f + kb0, f + kb1, (st[kb0 : kb1 + 1] - lo).contiguous())
+            kb0, kb1 = self.block_of(i, b, lo), self.block_of(i, b, hi)
+            starts = (self.starts[(i, b)][kb0 : kb1 + 1] - lo).contiguous()
+            run = (kb0, kb1, starts)
             self._runs[key] = run
-        g0, g1, starts = run
-        state = {
-            "exp_avg": self.view(i, b, "exp_avg")[lo:hi],
-            "exp_avg_sq": self.view(i, b, "exp_avg_sq")[lo:hi],
-            "exp_avg_scale": self._whole(i, "exp_avg_scale")[g0:g1],
-            "exp_avg_sq_scale": self._whole(i, "exp_avg_sq_scale")[g0:g1],
-        }
+        kb0, kb1, starts = run
+        if staged is None:
+            f = self.first_block[(i, b)]
+            state = {
+                "exp_avg": self.view(i, b, "exp_avg")[lo:hi],
+                "exp_avg_sq": self.view(i, b, "exp_avg_sq")[lo:hi],
+                "exp_avg_scale": self._whole(i, "exp_avg_scale")[f + kb0 : f + kb1],
+                "exp_avg_sq_scale": self._whole(i, "exp_avg_sq_scale")[f + kb0 : f + kb1],
+            }
+        else:
+            views, clo = staged
+            c0 = self.block_of(i, b, clo)
+            state = {
+                "exp_avg": views["exp_avg"][lo - clo : hi - clo],
+                "exp_avg_sq": views["exp_avg_sq"][lo - clo : hi - clo],
+                "exp_avg_scale": views["exp_avg_scale"][kb0 - c0 : kb1 - c0],
+                "exp_avg_sq_scale": views["exp_avg_sq_scale"][kb0 - c0 : kb1 - c0],
+            }
         lowbit.adam_step_lowbit(
             master,
             grad,

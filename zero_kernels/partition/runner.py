@@ -379,7 +379,10 @@ class ShardRunner:
             if self.int8 is not None:
                 assert not self._decoded, "a step inside ShardRunner.resident()"
                 out = None if out_lowp is None else out_lowp[lo:hi]
-                self.int8.step(i, b, lo, hi, master[lo:hi], grad[lo:hi], hyper, out, self.backend)
+                staged = (flat, clo) if self.swap is not None and not self._resident else None
+                self.int8.step(
+                    i, b, lo, hi, master[lo:hi], grad[lo:hi], hyper, out, self.backend, staged
+                )
                 continue
             if self.state_dtype != "fp32":
                 st = {"exp_avg": flat["exp_avg"][a:z], "exp_avg_sq": flat["exp_avg_sq"][a:z]}
@@ -455,7 +458,8 @@ class ShardRunner:
             lo = pc.start - self.layout.buffers[i].buckets[pc.bucket].shard_start(self.rank)
             st["step"] = torch.tensor(0.0, dtype=torch.float32)
             if self.int8 is not None and not self._decoded:
-                st.update(self.int8.piece_views(i, k, pc, lo))
+                if self.swap is None or self._resident:  # offloaded: views only while resident
+                    st.update(self.int8.piece_views(i, k, pc, lo))
             elif self.swap is None or self._resident:  # offloaded: views only while resident
                 for name, t in flat.items():
                     st[name] = t[lo : lo + pc.numel].view(p.shape)
@@ -558,11 +562,14 @@ class ShardRunner:
         try:
             for i, b in sw.records:
                 sw.read_into(i, b, {n: self._state_view(i, b, n) for n in sw.names[i]})
-            for i, _k, pc, p, _ in self.all_pieces():  # pieces with state: their views again
+            for i, k, pc, p, _ in self.all_pieces():  # pieces with state: their views again
                 st = self.inner.state.get(p)
                 if self.fused[i] and st:
-                    flat = self._flat_state(i, pc.bucket, self.inner.param_groups[i])
                     lo = pc.start - self.layout.buffers[i].buckets[pc.bucket].shard_start(self.rank)
+                    if self.int8 is not None:  # codes and scales ([Note: int8 shard state])
+                        st.update(self.int8.piece_views(i, k, pc, lo))
+                        continue
+                    flat = self._flat_state(i, pc.bucket, self.inner.param_groups[i])
                     for name, t in flat.items():
                         st[name] = t[lo : lo + pc.numel].view(p.shape)
             yield
@@ -579,10 +586,12 @@ class ShardRunner:
             self._resident = 0
             self._state_whole.clear()
             self.flat_state.clear()
+            if self.int8 is not None:  # the codes and scales back on disk only
+                self.int8.whole.clear()
             for i, _k, _pc, p, _ in self.all_pieces():
                 st = self.inner.state.get(p)
                 if self.fused[i] and st:
-                    for name in _ADAM_KEYS:
+                    for name in (*_ADAM_KEYS, *INT8_KEYS, "state_block"):
                         st.pop(name, None)
 
     def gather(self, i: int, b: int, log, group, **bound) -> comm.Handle:
