@@ -18,7 +18,9 @@ fp32 tensors for its duration (the pieces' state becoming fp32 views in torch's 
 checkpoints save, so they reshard to any world size and stage, and load into fp32, bf16 or
 int8 state) and, leaving it, encodes back each bucket whose values changed (a bucket left as it
 was keeps its codes and scales bit for bit; a loaded one gets the same codes, scales within an
-ulp of the saved run's: the checkpoint holds the decoded moments, 8 bytes per element).
+ulp of the saved run's: the checkpoint holds the decoded moments, 8 bytes per element). The
+decoded copy of the rank's shard (8 bytes per element) is the RAM that costs for the duration;
+whether a bucket changed is found by decoding its codes again, a bucket at a time.
 """
 
 from __future__ import annotations
@@ -75,7 +77,6 @@ class Int8ShardState:
             self.nblocks[i] = total
         self.whole: dict[tuple[int, str], torch.Tensor] = {}  # codes and scales, per buffer
         self.decoded: dict[tuple[int, str], torch.Tensor] = {}  # fp32, while resident
-        self._entry: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # decoded at entry
 
     # ---- codes and scales
     def _whole(self, i: int, name: str) -> torch.Tensor:
@@ -171,34 +172,34 @@ class Int8ShardState:
         t = self.decoded.get((i, name))
         if t is None:
             if (i, "exp_avg") in self.whole:
-                m, v = self._decode(i)
-                self._entry[i] = (m, v)
-                self.decoded[(i, "exp_avg")], self.decoded[(i, "exp_avg_sq")] = m.clone(), v.clone()
+                m = torch.empty(self._shard_numel(i), device=self.device)
+                v = torch.empty_like(m)
+                for bk in self.layout.buffers[i].buckets:
+                    el = self._elems(i, bk.index)
+                    m[el], v[el] = self._decode_bucket(i, bk.index)
+                self.decoded[(i, "exp_avg")], self.decoded[(i, "exp_avg_sq")] = m, v
             else:
                 for nm in ("exp_avg", "exp_avg_sq"):
                     self.decoded[(i, nm)] = torch.zeros(self._shard_numel(i), device=self.device)
             t = self.decoded[(i, name)]
         return t[self._elems(i, b)]
 
-    def _decode(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        m = torch.empty(self._shard_numel(i), device=self.device)
-        v = torch.empty_like(m)
-        for b in self.layout.buffers[i].buckets:
-            st = {k: self.view(i, b.index, k) for k in INT8_KEYS}
-            bm, bv = lowbit.decode_state(st, "int8", self.block, self.starts[(i, b.index)])
-            m[self._elems(i, b.index)], v[self._elems(i, b.index)] = bm, bv
-        return m, v
+    def _decode_bucket(self, i: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        st = {k: self.view(i, b, k) for k in INT8_KEYS}
+        return lowbit.decode_state(st, "int8", self.block, self.starts[(i, b)])
 
     def leave_resident(self) -> None:
-        """Encode back every bucket whose decoded values differ from those at entry."""
+        """Encode back every bucket whose decoded values differ from its codes' (decoded again,
+        bucket by bucket: the whole shard is decoded once at a time, 8 bytes per element)."""
         try:
             for i in {i for i, _ in self.decoded}:
                 m, v = self.decoded[(i, "exp_avg")], self.decoded[(i, "exp_avg_sq")]
-                was = self._entry.get(i)
+                had = (i, "exp_avg") in self.whole
                 for b in self.layout.buffers[i].buckets:
                     el = self._elems(i, b.index)
-                    if was is not None and torch.equal(m[el], was[0][el]):
-                        if torch.equal(v[el], was[1][el]):
+                    if had:
+                        m0, v0 = self._decode_bucket(i, b.index)
+                        if torch.equal(m[el], m0) and torch.equal(v[el], v0):
                             continue  # unchanged: its codes and scales stay as they are
                     out = {k: self.view(i, b.index, k) for k in INT8_KEYS}
                     lowbit.encode_state(
@@ -206,7 +207,6 @@ class Int8ShardState:
                     )
         finally:
             self.decoded.clear()
-            self._entry.clear()
 
 
 def _cut(lo: int, hi: int, block: int) -> list[int]:
