@@ -32,14 +32,13 @@ import tempfile
 import time
 
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import (  # noqa: E402
-    free_port,
     init_gloo,
     machine,
     markdown_table,
+    run_group,
     status_bytes,
     write_results,
 )
@@ -146,21 +145,6 @@ def worker(rank, world, port, cfg, q):
     dist.destroy_process_group()
 
 
-def run_group(world, cfg) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    ps = [ctx.Process(target=worker, args=(r, world, port, cfg, q)) for r in range(world)]
-    for p in ps:
-        p.start()
-    got = dict(q.get(timeout=1800) for _ in ps)
-    for p in ps:
-        p.join(60)
-        if p.exitcode not in (0, None):
-            raise RuntimeError(f"rank exited with {p.exitcode}")
-    return [got[r] for r in range(world)]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dir", default="/var/tmp")
@@ -188,7 +172,7 @@ def main() -> None:
     res: dict[str, list] = {n: [] for n in names}
     for _ in range(a.rounds):
         for name in names:
-            res[name].append(run_group(a.world, {**base, "name": name}))
+            res[name].append(run_group(worker, a.world, {**base, "name": name}))
     disk.append(probe_disk(work, mb=256))
     os.rmdir(work)  # the files were removed by close()
     rd = statistics.mean(x["read_gbps"] for x in disk) * 1e9

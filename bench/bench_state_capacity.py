@@ -28,14 +28,13 @@ import sys
 import time
 
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import (  # noqa: E402
-    free_port,
     init_gloo,
     machine,
     markdown_table,
+    run_group,
     status_bytes,
     write_results,
 )
@@ -96,21 +95,6 @@ def worker(rank, world, port, cfg, q):
     dist.destroy_process_group()
 
 
-def run_group(cfg: dict, world: int) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, world, port, cfg, q)) for r in range(world)]
-    for p in procs:
-        p.start()
-    out = dict(q.get(timeout=900) for _ in range(world))
-    for p in procs:
-        p.join(timeout=60)
-        if p.exitcode not in (0, None):
-            raise RuntimeError(f"a rank exited with {p.exitcode}")
-    return [out[r] for r in range(world)]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--world", type=int, default=4)
@@ -147,7 +131,7 @@ def main() -> None:
                 param_dtype=args.param_dtype,
                 ckpt=args.activation_checkpointing,
             )
-            reps = run_group(cfg, args.world)
+            reps = run_group(worker, args.world, cfg, timeout=900)
             raw[f"{sd}/{d}"] = reps
             hwm = max(r["hwm"] for r in reps)
             n = reps[0]["params"]

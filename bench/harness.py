@@ -335,6 +335,26 @@ def status_bytes(key: str) -> int:
     return 0
 
 
+def run_group(worker, world: int, cfg, timeout: float = 1800.0) -> list:
+    """``worker(rank, world, port, cfg, q)`` on ``world`` spawned ranks of one gloo group; each
+    puts ``(rank, result)`` on ``q``. The results in rank order; a rank that exits with an
+    error raises."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    ps = [ctx.Process(target=worker, args=(r, world, port, cfg, q)) for r in range(world)]
+    for p in ps:
+        p.start()
+    got = dict(q.get(timeout=timeout) for _ in ps)
+    for p in ps:
+        p.join(60)
+        if p.exitcode not in (0, None):
+            raise RuntimeError(f"a rank exited with {p.exitcode}")
+    return [got[r] for r in range(world)]
+
+
 def init_gloo(rank: int, world: int, port: int) -> None:
     """A gloo process group on 127.0.0.1, 1 torch thread, library warnings silenced."""
     import logging

@@ -1,12 +1,14 @@
 // Adam/AdamW with low-bit moments (bf16, or blockwise int8 with a square-law map) over a fp32
 // master, torch-free: the buffers of one call and the per-element formulas, shared by the CPU
 // paths and the CUDA kernel. Format, maps and rounding rules: zero_kernels/ops/lowbit.py
-// [Note: low-bit state]. The update is adam_math.h's, on the fp32 m and v of this step.
+// [Note: low-bit state]. The update is adam_math.h's (which returns u = sqrt(v)), on the fp32 m and
+// v of this step.
 #pragma once
 #include <cmath>
 #include <cstdint>
 
 #include "adam_math.h"
+#include "quant_math.h"  // q_rne: the codes round as the quantizer's do
 #include "zk_convert.h"
 
 namespace zk {
@@ -62,51 +64,21 @@ ZK_HD LowbitScale lowbit_scale(float amax, float codes, bool finite) {
   return s;
 }
 
-// Round to nearest, ties to even, of 0 <= t <= 255 (1.5 * 2^23 leaves no fraction bits).
-ZK_HD float lowbit_rne(float t) {
-#if defined(__CUDA_ARCH__)
-  return rintf(t);
-#else
-  const float magic = 12582912.0f;
-  return (t + magic) - magic;  // no -ffast-math: both round, in this order
-#endif
-}
-
 // Codes of one element (scalar formulas; the vector paths compute the same operations).
 ZK_HD int encode_m(float m, float inv) {
   float t = vsqrt(Scalar(fabsf(m) * inv)).x;
   t = t < kMCodes ? t : kMCodes;
-  const int q = int(lowbit_rne(t));
+  const int q = q_rne(t);
   return m < 0.0f ? -q : q;
 }
 ZK_HD int encode_u(float u, float inv) {
   float t = vsqrt(Scalar(u * inv)).x;
   t = t < kVCodes ? t : kVCodes;
-  int q = int(lowbit_rne(t));
+  int q = q_rne(t);
   return (q == 0 && u > 0.0f) ? 1 : q;
 }
 ZK_HD float decode_m(int q, float s) { return (float(q) * float(q < 0 ? -q : q)) * s; }
 ZK_HD float decode_u(int q, float s) { return (float(q) * float(q)) * s; }
-
-// The update of one element, exposing sqrt(v) (the int8 format stores it): adam_math.h's
-// sequence without amsgrad.
-template <typename V>
-ZK_HD void adam_math_u(const AdamArgs& a, V& p, V g, V& m, V& v, V& u) {
-  g = g * V(a.grad_scale);
-  if (a.maximize) g = V(0.0f) - g;
-  if (a.weight_decay != 0.0f) {
-    if (a.adamw) {
-      p = p * V(a.decay);
-    } else {
-      g = fma(p, V(a.weight_decay), g);
-    }
-  }
-  m = fma(m, V(a.beta1), g * V(a.one_minus_beta1));
-  v = fma(v, V(a.beta2), (g * g) * V(a.one_minus_beta2));
-  u = vsqrt(v);
-  V denom = fma(u, V(a.inv_bc2_sqrt), V(a.eps));
-  p = p - V(a.step_size) * (m / denom);
-}
 
 }  // namespace ZK_ISA_NS
 

@@ -85,7 +85,7 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t i = begin + j;
       Scalar p(b.p[i]), m(decode_m(qm[i], sm)), u(decode_u(qv[i], sv));
       Scalar v = u * u;
-      adam_math_u(a, p, Scalar(load_g<G>(b.g, i)), m, v, u);
+      u = adam_math(a, p, Scalar(load_g<G>(b.g, i)), m, v, static_cast<Scalar*>(nullptr));
       b.p[i] = p.x;
       store_out<O>(b.out, i, p.x);
       tm[j] = m.x;
@@ -129,7 +129,7 @@ __global__ void lowbit_bf16_kernel(AdamArgs a, AdamLowbitBuffers b, const float*
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < b.n;
        i += int64_t(gridDim.x) * blockDim.x) {
     Scalar p(b.p[i]), m(bf16_to_float(bm[i])), v(bf16_to_float(bv[i])), u(0.0f);
-    adam_math_u(a, p, Scalar(load_g<G>(b.g, i)), m, v, u);
+    u = adam_math(a, p, Scalar(load_g<G>(b.g, i)), m, v, static_cast<Scalar*>(nullptr));
     b.p[i] = p.x;
     bm[i] = float_to_bf16(m.x);
     bv[i] = float_to_bf16(v.x);

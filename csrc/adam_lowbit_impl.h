@@ -58,7 +58,7 @@ BlockFold lowbit_update(const AdamArgs& a, const AdamLowbitBuffers& b, int64_t i
     V m = LT::dec_m(qm + i, sm);
     V u = LT::dec_u(qv + i, sv);
     V v = u * u;
-    adam_math_u(a, p, vload<LT, G>(b.g, i), m, v, u);
+    u = adam_math(a, p, vload<LT, G>(b.g, i), m, v, static_cast<V*>(nullptr));
     LT::store(b.p + i, p);
     if constexpr (O != DType::kNone) vstore<LT, O>(b.out, i, p);
     LT::store(tm + (i - base), m);
@@ -120,7 +120,7 @@ int64_t lowbit_bf16_lanes(const AdamArgs& a, const AdamLowbitBuffers& b, int64_t
     }
     V p = LT::load(b.p + i);
     V m = vload<LT, DType::kBF16>(b.m, i), v = vload<LT, DType::kBF16>(b.v, i), u(0.0f);
-    adam_math_u(a, p, vload<LT, G>(b.g, i), m, v, u);
+    u = adam_math(a, p, vload<LT, G>(b.g, i), m, v, static_cast<V*>(nullptr));
     LT::store(b.p + i, p);
     vstore<LT, DType::kBF16>(b.m, i, m);
     vstore<LT, DType::kBF16>(b.v, i, v);

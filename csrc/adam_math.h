@@ -9,6 +9,7 @@
 //   v  = beta2*v + (1-beta2)*g*g
 //   vm = max(vm, v)                 (amsgrad)
 //   p  = p - step_size * m / (sqrt(vm or v) * inv_bc2_sqrt + eps)
+// Returns sqrt(vm or v), which the low-bit state stores (adam_lowbit.h: u = sqrt(v)).
 #pragma once
 #include "zk_convert.h"
 
@@ -16,7 +17,7 @@ namespace zk {
 inline namespace ZK_ISA_NS {
 
 template <typename V>
-ZK_HD void adam_math(const AdamArgs& a, V& p, V g, V& m, V& v, V* vmax) {
+ZK_HD V adam_math(const AdamArgs& a, V& p, V g, V& m, V& v, V* vmax) {
   g = g * V(a.grad_scale);
   if (a.maximize) g = V(0.0f) - g;
   if (a.weight_decay != 0.0f) {
@@ -33,8 +34,10 @@ ZK_HD void adam_math(const AdamArgs& a, V& p, V g, V& m, V& v, V* vmax) {
     *vmax = vmax_of(*vmax, v);
     src = *vmax;
   }
-  V denom = fma(vsqrt(src), V(a.inv_bc2_sqrt), V(a.eps));
+  const V root = vsqrt(src);
+  V denom = fma(root, V(a.inv_bc2_sqrt), V(a.eps));
   p = p - V(a.step_size) * (m / denom);
+  return root;
 }
 
 // Scalar "vector": plain float.

@@ -214,6 +214,24 @@ def test_fused_adamw_state_dtype_trains_and_round_trips():
         assert torch.equal(st4["exp_avg"], ref_m), fmt
 
 
+def piece_blocks(sizes: list[int], block: int) -> tuple[torch.Tensor, dict]:
+    """The block table of consecutive pieces of ``sizes`` (blocks from each piece's start, as
+    a sharded step lays them) and zero int8 state over it."""
+    starts = [0]
+    for s in sizes:
+        for off in range(0, s, block):
+            starts.append(starts[-1] + min(block, s - off))
+    starts = torch.tensor(starts, dtype=torch.int64)
+    n, nb = sum(sizes), starts.numel() - 1
+    st = {
+        "exp_avg": torch.zeros(n, dtype=torch.int8),
+        "exp_avg_sq": torch.zeros(n, dtype=torch.uint8),
+        "exp_avg_scale": torch.zeros(nb),
+        "exp_avg_sq_scale": torch.zeros(nb),
+    }
+    return starts, st
+
+
 @needs_native
 def test_block_starts_follow_pieces():
     """Blocks given by a table (a sharded step's pieces): the native step equals the reference
@@ -221,20 +239,10 @@ def test_block_starts_follow_pieces():
     (blocks never span two pieces)."""
     sizes = [300, 64, 1000, 5]
     block = 256
-    starts = [0]
-    for s in sizes:
-        for off in range(0, s, block):
-            starts.append(starts[-1] + min(block, s - off))
-    starts = torch.tensor(starts, dtype=torch.int64)
-    n, nb = sum(sizes), starts.numel() - 1
+    starts, st = piece_blocks(sizes, block)
+    n = sum(sizes)
     gen = torch.Generator().manual_seed(3)
     p = torch.randn(n, generator=gen)
-    st = {
-        "exp_avg": torch.zeros(n, dtype=torch.int8),
-        "exp_avg_sq": torch.zeros(n, dtype=torch.uint8),
-        "exp_avg_scale": torch.zeros(nb),
-        "exp_avg_sq_scale": torch.zeros(nb),
-    }
     p_ref, st_ref = p.clone(), {k: t.clone() for k, t in st.items()}
     alone = [
         (p[a : a + s].clone(), lowbit.new_state(s, "int8", block, "cpu"))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_lowbit import piece_blocks
 from test_lowbit_triton import VARIANTS, clone_state, compare, hyper, make_grad, run_steps
 
 from zero_kernels import _native
@@ -126,20 +127,10 @@ def test_cuda_block_starts_match_cpu():
     """Blocks given by a table (a sharded step's pieces; the table stays on the CPU): the CUDA
     kernel's codes and scales equal the CPU kernel's but for rounding-boundary neighbours."""
     sizes, block = [300, 64, 1000, 5], 256
-    starts = [0]
-    for s in sizes:
-        for off in range(0, s, block):
-            starts.append(starts[-1] + min(block, s - off))
-    starts = torch.tensor(starts, dtype=torch.int64)
-    n, nb = sum(sizes), starts.numel() - 1
+    starts, st = piece_blocks(sizes, block)
+    n = sum(sizes)
     gen = torch.Generator().manual_seed(5)
     p = torch.randn(n, generator=gen)
-    st = {
-        "exp_avg": torch.zeros(n, dtype=torch.int8),
-        "exp_avg_sq": torch.zeros(n, dtype=torch.uint8),
-        "exp_avg_scale": torch.zeros(nb),
-        "exp_avg_sq_scale": torch.zeros(nb),
-    }
     pc, stc = p.cuda(), {k: t.cuda() for k, t in st.items()}
     for step in range(1, 4):
         g = torch.randn(n, generator=gen) * 1e-2

@@ -40,6 +40,7 @@ from __future__ import annotations
 import torch
 
 from .. import _native
+from . import reference
 from .backends import resolve_backend
 from .hyper import AdamHyper
 
@@ -180,23 +181,11 @@ def encode_state(
 
 
 def _reference_step(p, g, state, hyper: AdamHyper, state_dtype, block, out_lowp, starts=None):
+    """Decode, the fp32 reference step (`zero_kernels.ops.reference`), encode."""
     m, v = decode_state(state, state_dtype, block, starts)
-    gf = g.reshape(-1).float() * hyper.grad_scale
-    if hyper.maximize:
-        gf = -gf
-    pf = p.reshape(-1)
-    if hyper.weight_decay != 0.0:
-        if hyper.adamw:
-            pf.mul_(1.0 - hyper.lr * hyper.weight_decay)
-        else:
-            gf = gf + hyper.weight_decay * pf
-    m = hyper.beta1 * m + (1.0 - hyper.beta1) * gf
-    v = hyper.beta2 * v + (1.0 - hyper.beta2) * (gf * gf)
-    denom = v.sqrt() / hyper.bias_correction2_sqrt + hyper.eps
-    pf.sub_(hyper.step_size * (m / denom))
+    out = None if out_lowp is None else out_lowp.view(-1)
+    reference.adam_step(p.view(-1), g.reshape(-1), m, v, hyper, out_lowp=out)
     encode_state(m, v, state_dtype, block, state, starts)
-    if out_lowp is not None:
-        out_lowp.copy_(pf.view_as(out_lowp))
 
 
 def _check(p, g, state, state_dtype, block, out_lowp, hyper, starts) -> None:

@@ -1,7 +1,8 @@
 """Adam/AdamW with low-bit moments as Triton kernels (GPU; CPU only through TRITON_INTERPRET=1).
 
 Format and formulas: `zero_kernels.ops.lowbit` [Note: low-bit state]; the math is the sequence of
-csrc/adam_lowbit.h (adam_math_u), spelled out so that Triton's defaults cannot change it:
+csrc/adam_math.h (adam_math, which returns u = sqrt(v)), spelled out so that Triton's defaults
+cannot change it:
 
 - ``tl.fma`` where the native kernels fuse (m, v, the L2 term, the denominator), launches with
   ``enable_fp_fusion=False`` everywhere else; ``tl.div_rn`` and ``tl.sqrt_rn`` (Triton's ``/``
@@ -82,7 +83,7 @@ def _update(
     MAXIMIZE: tl.constexpr,
     HAS_WD: tl.constexpr,
 ):
-    """adam_math_u of csrc/adam_lowbit.h: new (p, m, v, u = sqrt(v))."""
+    """adam_math of csrc/adam_math.h: new (p, m, v, u = sqrt(v))."""
     g = g * grad_scale
     if MAXIMIZE:
         g = 0.0 - g

@@ -146,7 +146,9 @@ class Int8ShardState:
             }
         else:
             views, clo = staged
-            c0 = self.block_of(i, b, clo)
+            c0 = self._runs.get((i, b, clo))  # the chunk's first block (cached with the runs)
+            if c0 is None:
+                c0 = self._runs[(i, b, clo)] = self.block_of(i, b, clo)
             state = {
                 "exp_avg": views["exp_avg"][lo - clo : hi - clo],
                 "exp_avg_sq": views["exp_avg_sq"][lo - clo : hi - clo],

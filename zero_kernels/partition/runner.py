@@ -522,7 +522,7 @@ class ShardRunner:
         self._decoded = 1
         self.flat_state.clear()
         try:
-            self._repoint(decoded=True)
+            self._repoint()
             yield
         finally:
             self._decoded = 0
@@ -530,23 +530,28 @@ class ShardRunner:
                 self.int8.leave_resident()
             finally:
                 self.flat_state.clear()
-                self._repoint(decoded=False)
+                self._repoint()
 
-    def _repoint(self, decoded: bool) -> None:
-        """The int8 pieces' state entries: fp32 views (decoded) or codes and scales."""
+    def _repoint(self) -> None:
+        """Every fused piece with state: its entries as views of what the runner holds now
+        (int8 outside `_int8_decoded`: codes and scales; else the flat moments, fp32 decoded
+        ones for int8), the other form's entries removed."""
+        codes = self.int8 is not None and not self._decoded
         for i, k, pc, p, _ in self.all_pieces():
             st = self.inner.state.get(p)
             if not (self.fused[i] and st):
                 continue
-            for name in (*INT8_KEYS, "state_block", "max_exp_avg_sq"):
-                st.pop(name, None)
             lo = pc.start - self.layout.buffers[i].buckets[pc.bucket].shard_start(self.rank)
-            if decoded:
-                flat = self._flat_state(i, pc.bucket, self.inner.param_groups[i])
-                for name, t in flat.items():
-                    st[name] = t[lo : lo + pc.numel].view(p.shape)
-            else:
+            if codes:
+                for name in _ADAM_KEYS:
+                    st.pop(name, None)
                 st.update(self.int8.piece_views(i, k, pc, lo))
+                continue
+            for name in (*INT8_KEYS, "state_block"):
+                st.pop(name, None)
+            flat = self._flat_state(i, pc.bucket, self.inner.param_groups[i])
+            for name, t in flat.items():
+                st[name] = t[lo : lo + pc.numel].view(p.shape)
 
     @contextlib.contextmanager
     def _moments_resident(self):
@@ -562,16 +567,7 @@ class ShardRunner:
         try:
             for i, b in sw.records:
                 sw.read_into(i, b, {n: self._state_view(i, b, n) for n in sw.names[i]})
-            for i, k, pc, p, _ in self.all_pieces():  # pieces with state: their views again
-                st = self.inner.state.get(p)
-                if self.fused[i] and st:
-                    lo = pc.start - self.layout.buffers[i].buckets[pc.bucket].shard_start(self.rank)
-                    if self.int8 is not None:  # codes and scales ([Note: int8 shard state])
-                        st.update(self.int8.piece_views(i, k, pc, lo))
-                        continue
-                    flat = self._flat_state(i, pc.bucket, self.inner.param_groups[i])
-                    for name, t in flat.items():
-                        st[name] = t[lo : lo + pc.numel].view(p.shape)
+            self._repoint()  # pieces with state: their views again
             yield
             for i, b in sw.records:
                 extra = set(self.flat_state.get((i, b), {})) - set(sw.names[i])
