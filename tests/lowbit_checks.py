@@ -187,11 +187,19 @@ def _int8_parity(stage, dtype):
     return check
 
 
+def _rank_bytes(path):
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if "rank-" in f)
+
+
 def int8_checkpoints(rank, world):
-    """int8 state saved at stage 3 (decoded moments in the file): loaded at stage 3 (the same
-    blocks: the same codes, the next steps within 1e-5 of the uninterrupted run's), at stage 2
-    (other blocks: re-encoded, within a code step), into fp32 state (exactly the decoded
-    moments); saving does not change the run (bitwise)."""
+    """int8 state saved at stage 3 as codes and block scales (format 2, 2 bytes per element
+    of moments): loaded at stage 3 (the same blocks: codes taken as saved, the next steps equal
+    the uninterrupted run's bitwise), at stage 2 (decoded, re-encoded on its blocks: within a
+    code step), into fp32 state (exactly the decoded moments); saving does not change the
+    run; the fp32-state checkpoint of the same model is larger by the moments' 6 bytes."""
+    from zero_kernels.checkpoint import inspect_checkpoint, verify_checkpoint
+    from zero_kernels.checkpoint.format import read_meta
+
     d = os.path.join(tempfile.gettempdir(), f"zk-int8-ckpt-{os.getppid()}")
     kw = {"state_dtype": "int8", "state_block": 64}
     m0 = model()
@@ -207,17 +215,23 @@ def int8_checkpoints(rank, world):
     train(m, o, 2, rank, start=3)
     assert all(torch.equal(v, want[k]) for k, v in m.state_dict().items()), "a save changed it"
     o.close()
+    meta = read_meta(path)
+    assert meta["format_version"] == 2, meta["format_version"]
+    sc = meta["params"][0]["state"]
+    assert sc["elem"] == {"exp_avg": "int8", "exp_avg_sq": "uint8"}, sc["elem"]
+    assert sc["lowbit"] == {"dtype": "int8", "block": 64, "origin": "piece"}, sc
+    assert verify_checkpoint(path) == [] and inspect_checkpoint(path)["format_version"] == 2
     m2 = model()
     o2 = build(m2, 3, **kw)  # the saved layout: the same blocks
     zero_kernels.load_checkpoint(path, m2, o2)
     for a, b in zip(_full(m2, o2), saved):
-        assert torch.allclose(a["exp_avg"], b["exp_avg"], rtol=1e-6, atol=0), "codes differ"
+        assert torch.equal(a["exp_avg"], b["exp_avg"]), "codes differ"
     train(m2, o2, 2, rank, start=3)
     for k, v in m2.state_dict().items():
-        assert torch.allclose(v, want[k], rtol=0, atol=1e-5), (k, (v - want[k]).abs().max())
+        assert torch.equal(v, want[k]), (k, (v - want[k]).abs().max())
     o2.close()
     m2 = model()
-    o2 = build(m2, 2, **kw)  # another layout: re-encoded on its own blocks
+    o2 = build(m2, 2, **kw, bucket_size_mb=0.004)  # another layout: re-encoded on its blocks
     zero_kernels.load_checkpoint(path, m2, o2)
     for a, b in zip(_full(m2, o2), saved):
         tol = 0.02 * b["exp_avg"].abs().max()  # a code step near the block max, at most
@@ -233,12 +247,85 @@ def int8_checkpoints(rank, world):
         assert torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(
             a["exp_avg_sq"], b["exp_avg_sq"]
         )
+    path32 = zero_kernels.save_checkpoint(d + "-32", m3, o3, extra={"step": 3})
     o3.close()
+    n = sum(p.numel() for p in model().parameters())
+    assert read_meta(path32)["format_version"] == 1
+    grew = _rank_bytes(path32) - _rank_bytes(path)
+    # 6 bytes per element of moments, less the scales (8 bytes per block) and their headers
+    assert 0.9 * 6 * n <= grew <= 6 * n, (grew, 6 * n)
     torch.distributed.barrier()
     if rank == 0:
         import shutil
 
-        shutil.rmtree(d, ignore_errors=True)
+        for p in (d, d + "-32"):
+            shutil.rmtree(p, ignore_errors=True)
+    return {}
+
+
+def fused_lowbit_checkpoints(rank, world):
+    """A replicated model with FusedAdamW int8 and bf16 state through save_checkpoint (each
+    rank writes half of each param, codes with the scales of the blocks they touch): back into
+    FusedAdamW int8 its own state bit for bit; into torch's AdamW the decoded moments
+    (fp32_state_dict's); into ZeroOptimizer int8 at stage 2 (other blocks: re-encoded); a
+    ZeroOptimizer int8 checkpoint into FusedAdamW int8 (decoded, encoded on its blocks);
+    FusedAdamW bf16 moments into ZeroOptimizer bf16 exactly."""
+    from zero_kernels import FusedAdamW
+
+    d = os.path.join(tempfile.gettempdir(), f"zk-fused-lowbit-{os.getppid()}")
+
+    def fused(m, **kw):
+        kw = {"lr": 1e-2, "weight_decay": 0.1, "state_block": 64, "min_lowbit_numel": 0} | kw
+        return FusedAdamW(m.parameters(), **kw)
+
+    for dt in ("int8", "bf16"):
+        m = model()
+        o = fused(m, state_dtype=dt)
+        train(m, o, 3, rank=0)  # the same batches on both ranks: a replicated model
+        sd = o.state_dict()
+        path = zero_kernels.save_checkpoint(f"{d}-{dt}", m, o, extra={"step": 3})
+        m2 = model()
+        o2 = fused(m2, state_dtype=dt)
+        zero_kernels.load_checkpoint(path, m2, o2)
+        for k, st in o2.state_dict()["state"].items():
+            for key, v in st.items():
+                w = sd["state"][k][key]
+                assert (v == w) if not torch.is_tensor(v) else torch.equal(v, w), (dt, key)
+        ref = o.fp32_state_dict()["state"]
+        m3 = model()
+        o3 = torch.optim.AdamW(m3.parameters(), lr=1e-2)
+        zero_kernels.load_checkpoint(path, m3, o3)
+        for k, st in o3.state_dict()["state"].items():
+            assert torch.equal(st["exp_avg"], ref[k]["exp_avg"]), (dt, k)
+            assert torch.equal(st["exp_avg_sq"], ref[k]["exp_avg_sq"]), (dt, k)
+        m4 = model()
+        o4 = build(m4, 2, state_dtype=dt, state_block=64)
+        zero_kernels.load_checkpoint(path, m4, o4)
+        for p, k in zip(m4.parameters(), sorted(ref)):
+            got = o4.full_state(p)["exp_avg"]
+            want = ref[k]["exp_avg"].float()
+            tol = 0 if dt == "bf16" else 0.02 * want.abs().max()
+            assert torch.allclose(got.float(), want, rtol=0, atol=tol), (dt, k)
+        train(m4, o4, 1, rank, start=3)
+        zpath = zero_kernels.save_checkpoint(f"{d}-{dt}-zero", m4, o4, extra={"step": 4})
+        zs = _full(m4, o4)
+        o4.close()
+        m5 = model()
+        o5 = fused(m5, state_dtype=dt)
+        zero_kernels.load_checkpoint(zpath, m5, o5)
+        st5 = o5.fp32_state_dict()["state"]
+        for k, z in enumerate(zs):
+            got = st5[k]["exp_avg"]
+            want = z["exp_avg"].float()
+            tol = 0 if dt == "bf16" else 0.02 * want.abs().max()
+            assert torch.allclose(got, want, rtol=0, atol=tol), dt
+    torch.distributed.barrier()
+    if rank == 0:
+        import glob
+        import shutil
+
+        for p in glob.glob(f"{d}-*"):
+            shutil.rmtree(p, ignore_errors=True)
     return {}
 
 
@@ -309,6 +396,7 @@ CHECKS = [
     _int8_parity(3, torch.bfloat16),
     checkpoints,
     int8_checkpoints,
+    fused_lowbit_checkpoints,
     int8_state_paths,
     refusals,
 ]

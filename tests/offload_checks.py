@@ -129,7 +129,8 @@ def lowbit_moments(rank, world):
 
 def checkpoints(rank, world):
     """Saved with offload at stage 3, loaded without it at stage 2 and the other way round:
-    the next steps equal an uninterrupted run's."""
+    the next steps equal an uninterrupted run's; with int8 moments offloaded (saved as codes),
+    too."""
     m0 = model()
     o0 = build(m0, 2, False)
     train(m0, o0, 5, rank)
@@ -152,11 +153,30 @@ def checkpoints(rank, world):
         got = snapshot(m2, o2)
         o2.close()
         assert same(got, want), f"saved {first}, loaded {second}: differs"
+    # int8 moments offloaded: saved as codes and scales, resumed on the same blocks bitwise
+    kw = {"state_dtype": "int8", "state_block": 64}
+    runs = []
+    for steps in (5, 3):
+        m = model()
+        o = build(m, 3, True, **kw)
+        train(m, o, steps, rank)
+        runs.append(snapshot(m, o) if steps == 5 else None)
+        if steps == 3:
+            path = zero_kernels.save_checkpoint(d + "-int8", m, o, extra={"step": 3})
+        o.close()
+    m2 = model()
+    o2 = build(m2, 3, True, **kw)
+    zero_kernels.load_checkpoint(path, m2, o2)
+    train(m2, o2, 2, rank, start=3)
+    got = snapshot(m2, o2)
+    o2.close()
+    assert same(got, runs[0]), "int8 offloaded: the resume differs"
     torch.distributed.barrier()
     if rank == 0:
         import shutil
 
         shutil.rmtree(d, ignore_errors=True)
+        shutil.rmtree(d + "-int8", ignore_errors=True)
     return {}
 
 

@@ -96,8 +96,9 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
             20 / 16; fp32 masters and math). Needs the fused step (Adam/AdamW, flat mode, no
             amsgrad); with offload_optimizer the file holds them as they are (a half or a
             quarter of fp32's bytes and I/O).
-            Checkpoints hold bf16 moments as they are and int8 ones decoded to fp32
-            ([Note: int8 shard state]); each loads into any state_dtype.
+            Checkpoints hold the moments as they are (int8: codes and block scales, resumed
+            bit for bit on the same layout, [Note: int8 shard state]); each loads into any
+            state_dtype, stage and world size (decoded where the blocks differ).
         state_block: int8: elements per quantization block (a multiple of 64 up to 4096).
         max_inflight_buckets: stages 2/3: most bucket buffers held at once (being filled or
             reduce-scattered); when a bucket needs one beyond it, the oldest reduce-scatter is

@@ -21,6 +21,7 @@ import torch
 
 from .layout import Layout
 from .partition import MASTER_KEY, shard_state
+from .partition.lowbit_state import INT8_KEYS
 
 __all__ = ["Piece", "ShardedState"]
 
@@ -110,6 +111,37 @@ class ShardedState:
             st = self._runner.inner.state.get(ip) or {}
             yield Piece(pc.index, pc.offset, pc.numel, ip.detach().view(-1), tuple(ip.shape), st)
 
+    def lowbit_format(self, j: int) -> dict | None:
+        """How piece ``j``'s moments are stored where not fp32/bf16: ``{"dtype": "int8", "block":
+        B, "origin": "piece"}`` (blocks of B from the piece's own first element, [Note: int8
+        shard state]); None otherwise. The checkpoint's schema of low-bit state."""
+        q, i = self._runner.int8, self._entries[j][0]
+        if q is None or not self._runner.fused[i]:
+            return None
+        return {"dtype": "int8", "block": q.block, "origin": "piece"}
+
+    def piece_codes(self) -> list[dict | None]:
+        """Inside `resident`, int8 state: per piece (in `pieces` order) its codes and block
+        scales (``exp_avg``, ``exp_avg_sq``, ``exp_avg_scale``, ``exp_avg_sq_scale``: views),
+        every change to the decoded moments encoded first; None where a piece has no state or
+        other moments."""
+        r = self._runner
+        if r.int8 is None:
+            return [None] * len(self._entries)
+        r.int8.flush()
+        out = []
+        for j, (i, k, pc, ip, _g) in enumerate(self._entries):
+            st = r.inner.state.get(ip)
+            if not st or "exp_avg" not in st or self.lowbit_format(j) is None:
+                out.append(None)
+                continue
+            views = r.int8.piece_views(i, k, pc, self._lo(i, pc))
+            out.append({n: views[n] for n in INT8_KEYS})
+        return out
+
+    def _lo(self, i: int, pc) -> int:
+        return pc.start - self.layout.buffers[i].buckets[pc.bucket].shard_start(self.rank)
+
     def state_target(self, j: int, key: str, dtype: torch.dtype) -> torch.Tensor:
         """Where piece ``j``'s state entry ``key`` (``dtype``, flat) is best loaded: the entry
         itself where it exists with that dtype and size, fused Adam's view of its bucket's flat
@@ -134,12 +166,15 @@ class ShardedState:
     @torch.no_grad()
     def install(self, states: list, groups: list[dict], steps: int, scaler: dict) -> None:
         """Per piece (in `pieces` order) its loaded state ``{"elem": {key: flat}, "other":
-        {...}}`` or None (no state: it restarts), the param groups' hyper-parameters, the step
-        counter and the scaler's saved state; then the params are made whole from the loaded
-        values (collective)."""
+        {...}}`` (int8 on this piece's blocks: also ``"codes"``, the saved codes and scales,
+        ``elem`` their decode) or None (no state: it restarts), the param groups'
+        hyper-parameters, the step counter and the scaler's saved state; then the params are
+        made whole from the loaded values (collective)."""
         c, r = self._core, self._runner
         assert len(self._entries) == len(states)
-        for (i, _k, pc, ip, _g), st in zip(self._entries, states):
+        for (i, k, pc, ip, _g), st in zip(self._entries, states):
+            if st is not None and "codes" in st:  # int8 on the same blocks: taken as saved
+                r.int8.take_piece(i, k, pc, self._lo(i, pc), st["codes"])
             if st is not None:
                 r.inner.state[ip] = {
                     **{k: v.view(ip.shape) for k, v in st["elem"].items()},

@@ -73,6 +73,10 @@ class PieceData:
     values: torch.Tensor
     elem: dict[str, torch.Tensor] = field(default_factory=dict)
     other: dict = field(default_factory=dict)
+    # low-bit moments ([Note: low-bit state]): elem holds the codes, scales the piece's blocks'
+    # scales (``<key>_scale``), lowbit the format: {"dtype", "block", "origin"} (see load.py)
+    scales: dict[str, torch.Tensor] = field(default_factory=dict)
+    lowbit: dict | None = None
 
 
 @dataclass
@@ -185,6 +189,11 @@ class Adapter:
         """Where this rank's loaded pieces go."""
         raise NotImplementedError
 
+    def lowbit_target(self, j: int) -> dict | None:
+        """The format target ``j`` keeps low-bit moments in (as `PieceData.lowbit`), or None:
+        a checkpoint in the same format on the same blocks is taken as saved, else decoded."""
+        return None
+
     def state_buffer(self, j: int, key: str, dtype: torch.dtype) -> torch.Tensor:
         """A 1-D tensor to read element-wise state ``key`` of target ``j`` into: the tensor the
         optimizer will hold (its existing state, or fused Adam's flat storage), so a load
@@ -232,11 +241,21 @@ class ZeroAdapter(Adapter):
         return self.state.optimizer_class
 
     def my_pieces(self):
-        for pc in self.state.pieces():
+        codes = self.state.piece_codes()  # int8 moments: saved as codes and scales
+        for j, pc in enumerate(self.state.pieces()):
             st = pc.state
             elem = {k: v.detach().reshape(-1) for k, v in st.items() if elementwise(k, v, pc.shape)}
             other = {k: v for k, v in st.items() if k not in elem}
-            yield PieceData(pc.index, pc.offset, pc.numel, pc.values, elem, other)
+            pd = PieceData(pc.index, pc.offset, pc.numel, pc.values, elem, other)
+            if codes[j] is not None:
+                for k in _LOWBIT_KEYS:
+                    elem[k] = codes[j][k]
+                    pd.scales[f"{k}_scale"] = codes[j][f"{k}_scale"]
+                pd.lowbit = self.state.lowbit_format(j)
+            yield pd
+
+    def lowbit_target(self, j):
+        return self.state.lowbit_format(j)
 
     def targets(self):
         return [
@@ -315,10 +334,24 @@ class PlainAdapter(Adapter):
                 elem = {
                     k: v.detach().reshape(-1)[lo:hi]
                     for k, v in st.items()
-                    if elementwise(k, v, p.shape)
+                    if elementwise(k, v, p.shape) or _flat_moment(k, v, p)
                 }
                 other = {k: v for k, v in st.items() if k not in elem}
-                yield PieceData(pc.index, lo, pc.numel, p.detach().reshape(-1)[lo:hi], elem, other)
+                pd = PieceData(pc.index, lo, pc.numel, p.detach().reshape(-1)[lo:hi], elem, other)
+                if "exp_avg_scale" in st:  # FusedAdamW int8: blocks from the param's start
+                    b = int(other.pop("state_block"))
+                    for k in _LOWBIT_KEYS:
+                        sc = other.pop(f"{k}_scale")
+                        pd.scales[f"{k}_scale"] = sc[lo // b : (hi - 1) // b + 1]
+                    pd.lowbit = {"dtype": "int8", "block": b, "origin": "param"}
+                yield pd
+
+    def lowbit_target(self, j):
+        p = self._params[self.targets()[j].index]
+        o = self.optimizer
+        if getattr(o, "state_dtype", "fp32") != "int8" or not o._lowbit(p):
+            return None
+        return {"dtype": "int8", "block": o.state_block, "origin": "param"}
 
     def targets(self):
         if self._targets is None:
@@ -348,6 +381,9 @@ class PlainAdapter(Adapter):
                     **{k: v.view(t.shape) for k, v in st["elem"].items()},
                     **st["other"],
                 }
+                if "codes" in st:  # FusedAdamW int8 on the saved blocks: its own format
+                    state[t.index].update(st["codes"])
+                    state[t.index]["state_block"] = st["block"]
         pg = []
         for g, idx in zip(groups, self._groups):
             pg.append({**g, "params": list(idx)})
@@ -364,6 +400,21 @@ class PlainAdapter(Adapter):
             if s is not None:
                 best = max(best, int(float(s)))
         return best
+
+
+_LOWBIT_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def _flat_moment(key: str, v, p: torch.Tensor) -> bool:
+    """FusedAdamW's low-bit moments (bf16 values, int8 codes): flat, one entry per element of
+    ``p``, element-wise state."""
+    return (
+        key in _LOWBIT_KEYS
+        and isinstance(v, torch.Tensor)
+        and v.dim() == 1
+        and v.numel() == p.numel()
+        and v.dtype in (torch.bfloat16, torch.int8, torch.uint8)
+    )
 
 
 def _reusable(v, dtype: torch.dtype, numel: int) -> bool:

@@ -107,7 +107,10 @@ def verify_checkpoint(path: str | os.PathLike) -> list[str]:
                 s = p["index"]
                 st = p.get("state") or {"elem": {}, "tensor": {}}
                 for r, so, _ in src.get(s, ()):
-                    for key in [f"p/{s}/{so}"] + [f"s/{s}/{so}/{k}" for k in st["elem"]]:
+                    keys = [f"p/{s}/{so}"] + [f"s/{s}/{so}/{k}" for k in st["elem"]]
+                    if st.get("lowbit"):  # int8 moments: their block scales too
+                        keys += [f"k/{s}/{so}/{k}_scale" for k in ("exp_avg", "exp_avg_sq")]
+                    for key in keys:
                         if not rd.has(rank_file(r), key):
                             problems.append(f"{rd.path(rank_file(r))}: missing tensor {key!r}")
                     if so == 0:

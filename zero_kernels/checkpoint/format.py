@@ -23,7 +23,10 @@ element inside the (flattened) parameter:
 
     p/<index>/<offset>            the values the optimizer steps: the fp32 master for bf16/fp16
                                   params, else the param itself (its own dtype)
-    s/<index>/<offset>/<key>      element-wise optimizer state (exp_avg, momentum_buffer, ...)
+    s/<index>/<offset>/<key>      element-wise optimizer state (exp_avg, momentum_buffer, ...);
+                                  int8 moments: their codes (int8 exp_avg, uint8 exp_avg_sq)
+    k/<index>/<offset>/<key>      int8 moments: the fp32 scale of each block of the piece
+                                  (exp_avg_scale, exp_avg_sq_scale; version 2)
     o/<index>/<key>               per-tensor optimizer state tensors (step, Adafactor's row_var),
                                   once per parameter, in the file of the piece at offset 0
     rng/torch, rng/cuda/<d>,      that rank's random number generator states
@@ -47,7 +50,19 @@ Non-tensor values (hyper-parameters, scheduler state, ``extra``) go through a sm
 codec (`encode`/`decode`) that keeps tuples, non-string dict keys, non-finite floats, dtypes and
 small tensors, so they come back as they were.
 
-Version history: 1 (this one). A reader of version v loads every version <= v; a file written by
+Low-bit moments (``state_dtype="int8"``, [Note: low-bit state]) are saved as they are kept: the
+codes (2 bytes per element for both moments, not the 8 of fp32) and their blocks' scales; a
+param's schema in ``meta.json`` then has ``"lowbit": {"dtype": "int8", "block": B, "origin":
+O}``: blocks of B elements counted from each piece's own first element (``"piece"``: a
+`ZeroOptimizer`'s, [Note: int8 shard state]) or from the param's (``"param"``: `FusedAdamW`'s),
+a piece's scales covering the blocks that hold its elements. A loader on the same blocks takes
+codes and scales as saved (a resume continues bit for bit); any other decodes the saved blocks it
+overlaps into fp32 (and encodes them again in its own format). bf16 moments are saved as bf16
+element-wise state.
+
+Version history: 1; 2 adds the ``k/`` entries and the ``lowbit`` schema. A save writes the
+oldest version that holds what it saved (1 unless it has int8 moments), so an older reader loads
+every checkpoint it can. A reader of version v loads every version <= v; a file written by
 version 1 is kept in ``tests/data`` and loaded by the tests.
 """
 
@@ -81,7 +96,8 @@ __all__ = [
 ]
 
 FORMAT = "zero_kernels.checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest this code reads and writes
+LOWBIT_VERSION = 2  # the first with int8 moments (codes and block scales)
 META = "meta.json"
 LATEST = "latest"
 MODEL_FILE = "model.safetensors"

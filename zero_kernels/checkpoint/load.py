@@ -39,7 +39,7 @@ from .control import Control, control_for
 from .format import META, MODEL_FILE, CheckpointError, decode, rank_file, read_meta, resolve
 from .storage import Reader, verify_file
 
-__all__ = ["load_checkpoint", "Plan", "plan_load", "read_range"]
+__all__ = ["load_checkpoint", "Plan", "plan_load", "read_decoded", "read_range"]
 
 log = logging.getLogger("zero_kernels")
 
@@ -237,7 +237,11 @@ def _read_targets(plan: Plan, ad: Adapter, rd: Reader) -> list[dict | None]:
                 states.append(None)
                 continue
             elem = {}
+            low = sc.get("lowbit")
+            codes = _read_lowbit(plan, ad, rd, j, t, s, low, elem) if low else None
             for k, dt in sc["elem"].items():
+                if k in elem:  # low-bit moments: read above
+                    continue
                 dtype = getattr(torch, dt)
                 if dtype.is_floating_point:
                     dtype = t.values.dtype
@@ -256,7 +260,85 @@ def _read_targets(plan: Plan, ad: Adapter, rd: Reader) -> list[dict | None]:
                         v = v.to(t.values.dtype)
                 other[k] = v
             states.append({"elem": elem, "other": other})
+            if codes is not None:
+                states[-1].update(codes=codes, block=low["block"])
     return states
+
+
+# ---------------------------------------------------------------------------- 3b. int8 moments
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+_CODE_DTYPES = {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}
+
+
+def _read_lowbit(plan: Plan, ad: Adapter, rd: Reader, j: int, t, s: int, low: dict, elem: dict):
+    """Target ``j``'s int8 moments (saved as codes and block scales, see [Note: checkpoint
+    format]): decoded to fp32 into ``elem`` (the adapter's state buffers); where the target
+    keeps the same format on the same blocks, also the codes and scales as saved (returned:
+    the state takes them as they are), else None."""
+    if low.get("dtype") != "int8" or low.get("origin") not in ("piece", "param"):
+        raise CheckpointError(plan.where(), f"unknown low-bit state format {low!r}")
+    block = int(low["block"])
+    for k in _MOMENTS:
+        elem[k] = ad.state_buffer(j, k, t.values.dtype)
+    read_decoded(rd, plan, s, block, low["origin"], t.offset, t.numel, elem)
+    if ad.lowbit_target(j) != {"dtype": "int8", "block": block, "origin": low["origin"]}:
+        return None
+    src = plan.sources.get(s, ())
+    if low["origin"] == "piece":  # a ZeroOptimizer piece: the same range, the same blocks
+        same = [r for r, so, sn in src if so == t.offset and sn == t.numel]
+        if not same:
+            return None
+        f = rank_file(same[0])
+        codes = {k: rd.tensor(f, f"s/{s}/{t.offset}/{k}") for k in _MOMENTS}
+        for k in _MOMENTS:
+            codes[f"{k}_scale"] = rd.tensor(f, f"k/{s}/{t.offset}/{k}_scale")
+        return codes
+    if t.offset != 0 or t.numel != sum(sn for _, _, sn in src):
+        return None  # "param" blocks: only a whole param has them all
+    codes = {}
+    nb = (t.numel + block - 1) // block
+    for k in _MOMENTS:
+        codes[k] = torch.empty(t.numel, dtype=_CODE_DTYPES[k])
+        read_range(rd, plan, s, f"s/{k}", 0, t.numel, codes[k])
+        sc = codes[f"{k}_scale"] = torch.empty(nb, dtype=torch.float32)
+        for r, so, sn in src:  # each piece's blocks (one shared with a neighbour: equal)
+            sc[so // block : (so + sn - 1) // block + 1] = rd.tensor(
+                rank_file(r), f"k/{s}/{so}/{k}_scale"
+            )
+    return codes
+
+
+def read_decoded(
+    rd: Reader, plan: Plan, s: int, block: int, origin: str, lo: int, n: int, out: dict
+) -> None:
+    """Elements ``[lo, lo + n)`` of saved param ``s``'s int8 moments decoded to fp32 into
+    ``out["exp_avg"]``/``out["exp_avg_sq"]`` (1-D), from every saved piece that overlaps them:
+    only the blocks that hold those elements are read."""
+    from ..ops import lowbit
+
+    covered = 0
+    for r, so, sn in plan.sources.get(s, ()):
+        a, b = max(lo, so), min(lo + n, so + sn)
+        if b <= a:
+            continue
+        o = so if origin == "piece" else 0  # where the piece's block grid starts
+        k0, k1 = (a - o) // block, (b - 1 - o) // block + 1  # its blocks holding [a, b)
+        e0, e1 = max(so, o + k0 * block), min(so + sn, o + k1 * block)
+        pk = (so - o) // block  # the piece's first block
+        f = rank_file(r)
+        st = {k: rd.range(f, f"s/{s}/{so}/{k}", e0 - so, e1 - so) for k in _MOMENTS}
+        for k in _MOMENTS:
+            st[f"{k}_scale"] = rd.range(f, f"k/{s}/{so}/{k}_scale", k0 - pk, k1 - pk)
+        bounds = [e0, *(o + k * block for k in range(k0 + 1, k1)), e1]
+        starts = torch.tensor(bounds, dtype=torch.int64) - e0
+        m, v = lowbit.decode_state(st, "int8", block, starts)
+        out["exp_avg"][a - lo : b - lo].copy_(m[a - e0 : b - e0])
+        out["exp_avg_sq"][a - lo : b - lo].copy_(v[a - e0 : b - e0])
+        covered += b - a
+    if covered != n:
+        raise CheckpointError(
+            plan.where(), f"corrupt: saved pieces of param #{s} cover {covered} of {n} elements"
+        )
 
 
 # ---------------------------------------------------------------------------- 4. the rest

@@ -36,6 +36,7 @@ from .control import Control, control_for
 from .format import (
     FORMAT,
     FORMAT_VERSION,
+    LOWBIT_VERSION,
     META,
     MODEL_FILE,
     TMP_PREFIX,
@@ -110,7 +111,7 @@ def _meta(ad: Adapter, name: str, groups_json, sched_json, extra_json) -> dict:
     """meta.json's fields that rank 0 knows alone (the rest comes from every rank's files)."""
     return {
         "format": FORMAT,
-        "format_version": FORMAT_VERSION,
+        "format_version": FORMAT_VERSION,  # lowered in _commit to what the files need
         "name": name,
         "created_ns": time.time_ns(),
         "zero_kernels_version": __version__,
@@ -178,10 +179,14 @@ def _write_rank(ad: Adapter, tmp: str) -> dict:
     of the params whose first element this rank holds."""
     entries: list[Entry] = []
     schema: dict[int, dict] = {}
+    version = 1  # the oldest format that holds what this rank saves
     for pd in ad.my_pieces():
         entries.append(Entry.of(f"p/{pd.index}/{pd.offset}", pd.values))
         for k, v in pd.elem.items():
             entries.append(Entry.of(f"s/{pd.index}/{pd.offset}/{k}", v))
+        for k, v in pd.scales.items():  # low-bit moments: the piece's block scales
+            entries.append(Entry.of(f"k/{pd.index}/{pd.offset}/{k}", v))
+            version = max(version, LOWBIT_VERSION)
         if pd.offset != 0 or not (pd.elem or pd.other):
             continue
         sc = {
@@ -189,6 +194,8 @@ def _write_rank(ad: Adapter, tmp: str) -> dict:
             "tensor": {},
             "value": {},
         }
+        if pd.lowbit is not None:
+            sc["lowbit"] = dict(pd.lowbit)
         for k, v in pd.other.items():
             if isinstance(v, torch.Tensor):
                 entries.append(Entry.of(f"o/{pd.index}/{k}", v))
@@ -209,14 +216,14 @@ def _write_rank(ad: Adapter, tmp: str) -> dict:
             entries,
             {
                 "format": FORMAT,
-                "format_version": str(FORMAT_VERSION),
+                "format_version": str(version),
                 "rank": str(ad.rank),
                 "world_size": str(ad.world_size),
                 "rng": rng_meta,
             },
         ),
     }
-    out = {"files": files, "schema": schema}
+    out = {"files": files, "schema": schema, "version": version}
     if ad.rank == 0:
         tensors, values = _model_state(ad)
         files[MODEL_FILE] = {
@@ -224,7 +231,7 @@ def _write_rank(ad: Adapter, tmp: str) -> dict:
             **write_safetensors(
                 os.path.join(tmp, MODEL_FILE),
                 [Entry.of(n, t) for n, t in tensors.items()],
-                {"format": FORMAT, "format_version": str(FORMAT_VERSION)},
+                {"format": FORMAT, "format_version": "1"},
             ),
         }
         out["model"] = {
@@ -273,6 +280,8 @@ def _commit(root, name, tmp, meta, infos, keep_last) -> str:
     for _, x in infos:
         files.update(x["files"])
         schema.update(x["schema"])
+    # a checkpoint says the oldest format version that reads it (older readers load it then)
+    meta["format_version"] = max(x.get("version", 1) for _, x in infos)
     rank0 = infos[0][1]
     meta["params"] = [{**p, "state": schema.get(p["index"])} for p in rank0["params"]]
     meta["model"] = rank0["model"]

@@ -14,13 +14,15 @@ after bucket); each piece's inner state holds views of them (``exp_avg``, ``exp_
 
 Everything that reads or writes state from outside the step (state dicts, ``full_state``,
 checkpoints, loads) runs inside `ShardRunner.resident`, which here *decodes* every bucket into
-fp32 tensors for its duration (the pieces' state becoming fp32 views in torch's format: what
-checkpoints save, so they reshard to any world size and stage, and load into fp32, bf16 or
-int8 state) and, leaving it, encodes back each bucket whose values changed (a bucket left as it
-was keeps its codes and scales bit for bit; a loaded one gets the same codes, scales within an
-ulp of the saved run's: the checkpoint holds the decoded moments, 8 bytes per element). The
-decoded copy of the rank's shard (8 bytes per element) is the RAM that costs for the duration;
-whether a bucket changed is found by decoding its codes again, a bucket at a time.
+fp32 tensors for its duration (the pieces' state becoming fp32 views in torch's format) and,
+leaving it, encodes back each bucket whose values changed (`flush`: a bucket left as it was keeps
+its codes and scales bit for bit). Checkpoints save the codes and scales (`flush` first): a
+piece's blocks are its own, so each saved piece is self-contained, a load on the same layout
+takes them as saved (`take_piece`, its decoded values set to their decode: the bucket is then
+unchanged and keeps them; the resume is bitwise), any other decodes the saved blocks it
+overlaps ([Note: checkpoint format]). The decoded copy of the rank's shard (8 bytes per element)
+is the RAM that costs for the duration; whether a bucket changed is found by decoding its codes
+again, a bucket at a time.
 """
 
 from __future__ import annotations
@@ -190,25 +192,39 @@ class Int8ShardState:
         st = {k: self.view(i, b, k) for k in INT8_KEYS}
         return lowbit.decode_state(st, "int8", self.block, self.starts[(i, b)])
 
-    def leave_resident(self) -> None:
+    def flush(self) -> None:
         """Encode back every bucket whose decoded values differ from its codes' (decoded again,
-        bucket by bucket: the whole shard is decoded once at a time, 8 bytes per element)."""
+        bucket by bucket), the decoded copy kept: after it, the codes are what a reader of the
+        state sees (a checkpoint saves them)."""
+        for i in {i for i, _ in self.decoded}:
+            m, v = self.decoded[(i, "exp_avg")], self.decoded[(i, "exp_avg_sq")]
+            had = (i, "exp_avg") in self.whole
+            for b in self.layout.buffers[i].buckets:
+                el = self._elems(i, b.index)
+                if had:
+                    m0, v0 = self._decode_bucket(i, b.index)
+                    if torch.equal(m[el], m0) and torch.equal(v[el], v0):
+                        continue  # unchanged: its codes and scales stay as they are
+                out = {k: self.view(i, b.index, k) for k in INT8_KEYS}
+                lowbit.encode_state(
+                    m[el], v[el], "int8", self.block, out, self.starts[(i, b.index)]
+                )
+
+    def leave_resident(self) -> None:
+        """`flush`, then the decoded copy dropped (the whole shard is decoded once at a time,
+        8 bytes per element)."""
         try:
-            for i in {i for i, _ in self.decoded}:
-                m, v = self.decoded[(i, "exp_avg")], self.decoded[(i, "exp_avg_sq")]
-                had = (i, "exp_avg") in self.whole
-                for b in self.layout.buffers[i].buckets:
-                    el = self._elems(i, b.index)
-                    if had:
-                        m0, v0 = self._decode_bucket(i, b.index)
-                        if torch.equal(m[el], m0) and torch.equal(v[el], v0):
-                            continue  # unchanged: its codes and scales stay as they are
-                    out = {k: self.view(i, b.index, k) for k in INT8_KEYS}
-                    lowbit.encode_state(
-                        m[el], v[el], "int8", self.block, out, self.starts[(i, b.index)]
-                    )
+            self.flush()
         finally:
             self.decoded.clear()
+
+    def take_piece(self, i: int, k: int, pc: Piece, lo: int, codes: dict) -> None:
+        """Piece ``k``'s codes and scales set to ``codes`` (a checkpoint's, on the same blocks:
+        the piece's own); its decoded values must be set to their decode too, so that leaving
+        `resident` finds the bucket unchanged and keeps these codes."""
+        for name, t in self.piece_views(i, k, pc, lo).items():
+            if name in INT8_KEYS:
+                t.copy_(codes[name])
 
 
 def _cut(lo: int, hi: int, block: int) -> list[int]:
