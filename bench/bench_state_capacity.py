@@ -28,6 +28,7 @@ capacity and reports its measured peak against the budget: the target as a run, 
                                          [--offload-dir /var/tmp]
                                          [--param-dtype float32|bfloat16]
                                          [--activation-checkpointing] [--out bench/results]
+                                         [--tag NAME]
 """
 
 from __future__ import annotations
@@ -179,6 +180,7 @@ def main() -> None:
         "sees the model state and not the activations",
     )
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--tag", default="", help="results as state_capacity_<tag>.{json,csv}")
     args = ap.parse_args()
     depths = _depths(args.layers, "--layers")
     per_kind = {}
@@ -281,7 +283,8 @@ def main() -> None:
         "checks": checks,
         "budget_MiB": args.budget_mib,
     }
-    write_results(args.out, "state_capacity", payload, rows)
+    name = f"state_capacity_{args.tag}" if args.tag else "state_capacity"
+    write_results(args.out, name, payload, rows)
 
 
 if __name__ == "__main__":
