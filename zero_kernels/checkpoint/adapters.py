@@ -349,7 +349,8 @@ class PlainAdapter(Adapter):
     def lowbit_target(self, j):
         p = self._params[self.targets()[j].index]
         o = self.optimizer
-        if getattr(o, "state_dtype", "fp32") != "int8" or not o._lowbit(p):
+        low = getattr(o, "_lowbit", None)  # FusedAdam/FusedAdamW: which params are low-bit
+        if getattr(o, "state_dtype", "fp32") != "int8" or low is None or not low(p):
             return None
         return {"dtype": "int8", "block": o.state_block, "origin": "param"}
 
