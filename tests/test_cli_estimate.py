@@ -337,6 +337,15 @@ def test_cross_node_bytes_match_the_testbed(capsys):
     assert rows["stage 3"] == pytest.approx(2.25 * m)
     assert rows["stage 1-3, shard_group=node"] == pytest.approx(1.0 * m)
     assert rows["stage 3, int8 weights"] == pytest.approx(0.75 * (m + 2 * psi * (1 + 4 / 256)))
+    # int8 gradients, one hop: each node sends its 2 ranks' chunks for the other node's 2 ranks
+    q8 = psi * (1 + 4 / 256)
+    assert rows["stage 3, int8 weights + int8 grads"] == pytest.approx(0.75 * 2 * q8 + q8)
+    assert rows["stage 2, int8 grads"] == pytest.approx(0.75 * m + q8)
+    q4 = psi * (0.5 + 4 / 256)
+    assert rows["stage 3, int8 weights + int4 grads"] == pytest.approx(0.75 * 2 * q8 + q4)
+    # what the testbed's tc counted for int8 weights + int8 grads (bench/README.md, "Quantized
+    # communication on the testbed"): 20.0 MB per node per step, headers 1.047x
+    assert rows["stage 3, int8 weights + int8 grads"] * 1.047 == pytest.approx(20.0e6, rel=0.05)
     one = {r["config"]: r["bytes"] for r in est.cross_node(int(psi), 1, 4)}
     assert set(one.values()) == {0.0}  # one node: nothing crosses
     assert main(["estimate", "--params", "7.52M", "-n", "4", "--nodes", "2"]) == 0

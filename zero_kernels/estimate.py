@@ -644,14 +644,18 @@ def estimate(
     return Estimate(n_params, world_size, prec, opt, model, largest, rows, bucket_mb)
 
 
-# the configurations `cross_node` prices: (label, stage, shard_group, quantize_weights)
+# the configurations `cross_node` prices:
+# (label, stage, shard_group, quantize_weights, quantize_grads)
 CROSS_NODE_CONFIGS = (
-    ("DDP", 0, "world", None),
-    ("stage 1", 1, "world", None),
-    ("stage 2", 2, "world", None),
-    ("stage 3", 3, "world", None),
-    ("stage 3, int8 weights", 3, "world", "int8"),
-    ("stage 1-3, shard_group=node", 2, "node", None),
+    ("DDP", 0, "world", None, None),
+    ("stage 1", 1, "world", None, None),
+    ("stage 2", 2, "world", None, None),
+    ("stage 2, int8 grads", 2, "world", None, "int8"),
+    ("stage 3", 3, "world", None, None),
+    ("stage 3, int8 weights", 3, "world", "int8", None),
+    ("stage 3, int8 weights + int8 grads", 3, "world", "int8", "int8"),
+    ("stage 3, int8 weights + int4 grads", 3, "world", "int8", "int4"),
+    ("stage 1-3, shard_group=node", 2, "node", None, None),
 )
 _QUANT_BYTES = {"int8": 1 + 4 / 256, "int4": 0.5 + 4 / 256}  # per element, with the scales
 
@@ -669,8 +673,12 @@ def cross_node(
     sends (N-1)/N of a reduce-scatter's or all-gather's payload and 2 (N-1)/N of an
     all-reduce's), gradients reduced in fp32 as ZeroOptimizer does. With ``shard_group="node"``
     (any stage) only the gradient shards' all-reduce across the nodes crosses: 2 (n-1)/n of the
-    gradients per node ([Note: hierarchy] in `zero_kernels.comm.hier`). The bench
-    (bench/bench_testbed.py) measured these on its testbed within the 4.7% of headers."""
+    gradients per node ([Note: hierarchy] in `zero_kernels.comm.hier`). Quantized weights: the
+    gathers' packed bytes (1 + 4/256 per element at int8); quantized gradients (one-hop qgZ):
+    the reduce-scatter becomes an all-to-all of packed chunks, of which each rank sends the
+    ones for the ranks of other nodes, R (N - R) / N of the gradients per node (R ranks per
+    node of N). The bench (bench/bench_testbed.py) measured these on its testbed within the 4.7%
+    of headers (int4 gradients: the formula only, not measured there)."""
     if nodes < 1 or ranks_per_node < 1:
         raise ValueError(
             f"--nodes and ranks per node must be >= 1; got nodes={nodes}, "
@@ -682,17 +690,29 @@ def cross_node(
     g, p = GRAD_REDUCE_BYTES * psi, prec.param_bytes * psi
     ring = (n_all - 1) / n_all if n > 1 else 0.0
     rows = []
-    for label, stage, sg, qw in CROSS_NODE_CONFIGS:
+    r_node = ranks_per_node
+    for label, stage, sg, qw, qg in CROSS_NODE_CONFIGS:
+        gathered = _QUANT_BYTES[qw] * psi if qw else p
+        if qg:  # the all-to-all: each node sends its ranks' chunks for the other nodes' ranks
+            reduced = r_node * (n_all - r_node) / n_all * _QUANT_BYTES[qg] * psi
+        else:
+            reduced = ring * g
         if sg == "node":
             b = 2 * (n - 1) / n * g
         elif stage == 0:
             b = 2 * ring * g
         elif stage in (1, 2) or not reshard_after_forward:
-            b = ring * (g + p)
+            b = reduced + ring * gathered
         else:
-            gathered = _QUANT_BYTES[qw] * psi if qw else p
-            b = ring * (g + 2 * gathered)
+            b = reduced + ring * 2 * gathered
         rows.append(
-            {"config": label, "stage": stage, "shard_group": sg, "quantize_weights": qw, "bytes": b}
+            {
+                "config": label,
+                "stage": stage,
+                "shard_group": sg,
+                "quantize_weights": qw,
+                "quantize_grads": qg,
+                "bytes": b,
+            }
         )
     return rows

@@ -326,10 +326,10 @@ def _cmd_estimate(args) -> int:
     if cross is not None:
         print(
             f"across nodes ({args.nodes} nodes x {args.world_size // args.nodes} ranks, ring "
-            "collectives, fp32 gradient reduction), bytes per node per step:"
+            "collectives, fp32 gradient reduction unless quantized), bytes per node per step:"
         )
         for c in cross:
-            print(f"  {c['config']:<30}{f(c['bytes']):>12}")
+            print(f"  {c['config']:<36}{f(c['bytes']):>12}")
     for s in e.stages:
         if s.comm_buffer_bytes:
             print(
