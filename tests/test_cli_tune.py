@@ -6,6 +6,7 @@ import contextlib
 import inspect
 import io
 import json
+import os
 import sys
 
 import pytest
@@ -396,3 +397,61 @@ def test_state_dtypes_in_the_grid_and_predictions():
         ta = tune_plan.predict_time(a, facts, m)["optimizer_s"]
         assert tune_plan.predict_time(b, facts, m)["optimizer_s"] == pytest.approx(ta * 16 / 28)
         assert b.zero_kwargs()["state_dtype"] == "int8" and "int8 state" in b.label
+
+
+def test_offload_in_the_grid_and_predictions():
+    """--offload: each ZeRO configuration once per tier ("both" at stage 3 only); an offload
+    trial's kwargs are ZeroOptimizer's (nvme tiers, the folder); its predicted memory drops by
+    the moments (and with params, the shards), its step grows by the disk's I/O time."""
+    from zero_kernels.cli.tune_model import ModelFacts
+
+    g = tune_plan.grid(
+        (2, 3),
+        (4.0,),
+        (1,),
+        ("fp32",),
+        (False,),
+        True,
+        ("fp32",),
+        ("none", "optimizer", "both"),
+        "/tmp/zk-off",
+    )
+    assert [(c.stage, c.offload) for c in g] == [
+        (0, "none"), (2, "none"), (3, "none"), (2, "optimizer"), (3, "optimizer"), (3, "both"),
+    ]  # fmt: skip
+    both = g[-1]
+    assert both.zero_kwargs() == {
+        "stage": 3,
+        "prefetch": 1,
+        "offload_optimizer": "nvme",
+        "offload_params": "nvme",
+        "offload_dir": "/tmp/zk-off",
+    }
+    assert "offload optimizer+params (nvme)" in both.label
+    facts = ModelFacts(1 << 26, ((256, 256),) * 64, (1 << 18,) * 16, 0, "")
+    m = _measured(disk_read_bps=1e9, disk_write_bps=2e9)
+    mem = {c.offload: tune_plan.predict_memory(c, facts, m)["model_state_bytes"] for c in g[2:]}
+    n = facts.n_params
+    # the moments leave RAM, the 48 MiB of staging join it
+    assert mem["none"] - mem["optimizer"] == pytest.approx(8 * n / 2 - 48 * 2**20, rel=0.01)
+    assert mem["optimizer"] > mem["both"]
+    t = {c.offload: tune_plan.predict_time(c, facts, m) for c in g[2:]}
+    assert t["none"]["offload_io_s"] == 0
+    assert t["optimizer"]["offload_io_s"] == pytest.approx(8 * n / 1e9 + 8 * n / 2e9)
+    assert t["both"]["offload_io_s"] == pytest.approx(20 * n / 1e9 + 12 * n / 2e9)
+    assert t["both"]["step_time_s"] > t["optimizer"]["step_time_s"] > t["none"]["step_time_s"]
+
+
+@pytest.mark.distributed
+def test_offload_trials_run(tmp_path):
+    """A real run with --offload both: the disk measured, the offload trial measured beside
+    the one in RAM, its files gone after."""
+    args = ["--model-size", "tiny", "--stages", "3", "--prefetch", "1", "--reduce-dtypes"]
+    rc, _, stderr = _run(tmp_path, *args, "fp32", "--no-ddp", "--offload", "none,both")
+    assert rc == 0, stderr
+    res = json.loads((tmp_path / "tune.json").read_text())
+    assert res["disk"]["read_gbps"] > 0 and res["disk"]["direct"] in (True, False)
+    got = {t["config"]["offload"]: t for t in res["trials"]}
+    assert set(got) == {"none", "both"} and all(t["status"] == "measured" for t in got.values())
+    assert got["both"]["zero_optimizer_kwargs"]["offload_params"] == "nvme"
+    assert os.listdir(tmp_path / "offload") == []

@@ -69,6 +69,8 @@ class TuneConfig:
     prefetch: tuple[int, ...] = (1, 2)
     reduce_dtypes: tuple[str, ...] = ("fp32", "bf16")
     state_dtypes: tuple[str, ...] = ("fp32",)
+    offloads: tuple[str, ...] = ("none",)
+    offload_dir: str | None = None  # None: <out>/offload
     overlap: tuple[bool, ...] = (False, True)
     ddp: bool = True
     steps: int = 10
@@ -132,6 +134,15 @@ def add_parser(sub, parser_class) -> None:
         "--state-dtypes",
         default="fp32",
         help="the fused Adam step's moments to try: fp32, bf16, int8 (default fp32)",
+    )
+    t.add_argument(
+        "--offload",
+        default="none",
+        help="offload tiers to try: none, optimizer (offload_optimizer='nvme', stages 1-3), "
+        "both (and offload_params='nvme', stage 3); default none",
+    )
+    t.add_argument(
+        "--offload-dir", default=None, help="the offload files' folder (default OUT/offload)"
     )
     t.add_argument("--overlap", default="off,on", help="overlap_param_gather (default off,on)")
     t.add_argument("--no-ddp", dest="ddp", action="store_false", help="skip the DDP reference")
@@ -271,6 +282,10 @@ def config_from_args(args, argv: list[str] | None = None) -> TuneConfig:
     dtypes = _list("--reduce-dtypes", args.reduce_dtypes, _one_of(rd), _words(rd))
     sd = {"fp32": "fp32", "bf16": "bf16", "int8": "int8"}
     state_dtypes = _list("--state-dtypes", args.state_dtypes, _one_of(sd), _words(sd))
+    off = {"none": "none", "optimizer": "optimizer", "both": "both"}
+    offloads = _list("--offload", args.offload, _one_of(off), _words(off))
+    if "both" in offloads and 3 not in stages:
+        raise ValueError("--offload both offloads params too: it needs stage 3 in --stages")
     ov = {"off": False, "on": True}
     overlap = _list("--overlap", args.overlap, _one_of(ov), _words(ov))
     src = ModelSource(src_kind, spec, args.batch_size, args.seq_len)
@@ -288,6 +303,8 @@ def config_from_args(args, argv: list[str] | None = None) -> TuneConfig:
         prefetch=prefetch,
         reduce_dtypes=dtypes,
         state_dtypes=state_dtypes,
+        offloads=offloads,
+        offload_dir=args.offload_dir,
         overlap=overlap,
         ddp=args.ddp,
         steps=args.steps,
@@ -512,6 +529,20 @@ def _run_trials(cfg: TuneConfig, launcher: _Launcher, order: list[dict], bar, t0
             bar.advance()
 
 
+def _offload_dir(cfg: TuneConfig) -> str:
+    return cfg.offload_dir or os.path.join(cfg.out, "offload")
+
+
+def _probe_disk(directory: str, measured: Measured) -> tuple[Measured, dict]:
+    """The offload folder's O_DIRECT bandwidth, for the offload trials' predicted I/O."""
+    from ..offload import probe_disk
+
+    os.makedirs(directory, exist_ok=True)
+    d = probe_disk(directory, mb=64)
+    m = replace(measured, disk_read_bps=d["read_gbps"] * 1e9, disk_write_bps=d["write_gbps"] * 1e9)
+    return m, d
+
+
 def run_tune(cfg: TuneConfig) -> int:
     """Run everything ([Note: what tune does]); returns the exit code."""
     import torch
@@ -536,6 +567,8 @@ def run_tune(cfg: TuneConfig) -> int:
         cfg.overlap,
         cfg.ddp,
         cfg.state_dtypes,
+        cfg.offloads,
+        _offload_dir(cfg),
     )
     algorithms = ("native", "pairwise") + (("ring",) if cfg.nproc > 2 else ())
     from ..comm import shm
@@ -555,6 +588,8 @@ def run_tune(cfg: TuneConfig) -> int:
             return 1
         bar.advance()
         measured, probe_json = _measured(cfg, probe)
+        if any(c.offload != "none" for c in configs):  # the offload folder's disk, O_DIRECT
+            measured, probe_json["disk"] = _probe_disk(_offload_dir(cfg), measured)
         trials = []
         for c in configs:
             mem = predict_memory(c, facts, measured)

@@ -11,7 +11,9 @@ least promising ones.
 - compute: the measured forward + backward of one rank's batch (every rank at once, the slower
   rank's median); the forward is taken as 1/3 of it, the backward 2/3.
 - optimizer step: measured: ``torch.optim.AdamW(fused=True)`` over every parameter (DDP), the
-  fused kernel over Ψ/N elements (ZeRO stages, each rank steps its shard).
+  fused kernel over Ψ/N elements (ZeRO stages, each rank steps its shard). With offload
+  (``--offload``), plus the disk's time for the bytes the tier moves per step (`offload_io_s`,
+  at the ``O_DIRECT`` bandwidth measured in the offload folder; the ranks share the disk).
 - communication: the ZeRO paper's volumes, one collective per bucket (stages 1/2, DDP) or per
   unit (stage 3); each collective's time is read off the measured bandwidth table (piecewise
   linear in bytes between the measured sizes; below the smallest its time, the latency; above
@@ -89,6 +91,8 @@ class TrialConfig:
     prefetch: int | None = None  # stage 3 only
     overlap_param_gather: bool = False  # stages 1/2 only
     state_dtype: str = "fp32"  # the fused step's moments: "fp32" | "bf16" | "int8"
+    offload: str = "none"  # "none" | "optimizer" (NVMe) | "both" (stage 3: params too)
+    offload_dir: str | None = None  # where the offload files go (offload != "none")
 
     @property
     def label(self) -> str:
@@ -104,6 +108,8 @@ class TrialConfig:
             parts.append("overlap AG")
         if self.state_dtype != "fp32":
             parts.append(f"{self.state_dtype} state")
+        if self.offload != "none":
+            parts.append(OFFLOAD_LABELS[self.offload])
         return ", ".join(parts)
 
     def zero_kwargs(self) -> dict:
@@ -118,6 +124,11 @@ class TrialConfig:
             kw["reduce_dtype"] = "torch.bfloat16"
         if self.state_dtype != "fp32":
             kw["state_dtype"] = self.state_dtype
+        if self.offload != "none":
+            kw["offload_optimizer"] = "nvme"
+            if self.offload == "both":
+                kw["offload_params"] = "nvme"
+            kw["offload_dir"] = self.offload_dir
         return kw
 
     def as_dict(self) -> dict:
@@ -132,22 +143,27 @@ def grid(
     overlap: tuple[bool, ...],
     ddp: bool,
     state_dtypes: tuple[str, ...] = ("fp32",),
+    offloads: tuple[str, ...] = ("none",),
+    offload_dir: str | None = None,
 ) -> list[TrialConfig]:
     """Every valid combination: stage 1 reduces in fp32 only (it reduces in place), stage 3 has
     no buckets of a size (a unit is a bucket) and no overlap_param_gather (it gathers at use);
-    prefetch is a stage-3 setting; each ZeRO configuration once per ``state_dtypes``."""
+    prefetch is a stage-3 setting; each ZeRO configuration once per ``state_dtypes`` and per
+    ``offloads`` ("both", params too, at stage 3 only)."""
     out = [TrialConfig(0, DDP_BUCKET_MB)] if ddp else []
-    for sd in state_dtypes:
-        for s in stages:
-            if s in (1, 2):
-                for b in buckets:
-                    for rd in reduce_dtypes if s == 2 else ("fp32",):
-                        for ov in overlap:
-                            out.append(TrialConfig(s, b, rd, None, ov, sd))
-            elif s == 3:
-                for p in prefetch:
-                    for rd in reduce_dtypes:
-                        out.append(TrialConfig(3, None, rd, p, False, sd))
+    for off in offloads:
+        d = offload_dir if off != "none" else None
+        for sd in state_dtypes:
+            for s in stages:
+                if s in (1, 2) and off != "both":
+                    for b in buckets:
+                        for rd in reduce_dtypes if s == 2 else ("fp32",):
+                            for ov in overlap:
+                                out.append(TrialConfig(s, b, rd, None, ov, sd, off, d))
+                elif s == 3:
+                    for p in prefetch:
+                        for rd in reduce_dtypes:
+                            out.append(TrialConfig(3, None, rd, p, False, sd, off, d))
     return list(dict.fromkeys(out))  # reduce_dtypes ("fp32",) and stage 1 may repeat
 
 
@@ -178,6 +194,9 @@ class Measured:
     optimizer_shard_s: float  # the fused kernel over Ψ/N elements
     activation_bytes: float
     overlap: float  # α
+    # the offload directory's disk, O_DIRECT (offload.probe_disk), bytes/s; None: not measured
+    disk_read_bps: float | None = None
+    disk_write_bps: float | None = None
 
 
 def collective_time(points, nbytes: float) -> float:
@@ -236,6 +255,27 @@ def _hidden(times: list[float], window: float, alpha: float, keep_last: bool) ->
 
 # bytes the fused step moves per param: the measured fp32 step scaled by these (a memory stream)
 _STEP_BYTES = {"fp32": 28.0, "bf16": 20.0, "int8": 16.0}
+OFFLOAD_LABELS = {
+    "optimizer": "offload optimizer (nvme)",
+    "both": "offload optimizer+params (nvme)",
+}
+
+
+def offload_io_s(cfg: TrialConfig, n_params: int, m: Measured) -> float:
+    """Seconds of disk I/O per step of ``cfg``'s offload, every rank sharing the disk: the
+    moments read and written once by the step; with params too, each param shard (the fp32
+    master of fp32 params) read for the forward, the backward and the step and written after
+    it. 0 without offload or without a disk measurement."""
+    if cfg.offload == "none" or not m.disk_read_bps or not m.disk_write_bps:
+        return 0.0
+    from ..ops.lowbit import state_bytes_per_param
+
+    moments = state_bytes_per_param(cfg.state_dtype) * n_params
+    read, write = moments, moments
+    if cfg.offload == "both":
+        read += 3 * 4.0 * n_params
+        write += 4.0 * n_params
+    return read / m.disk_read_bps + write / m.disk_write_bps
 
 
 def predict_time(cfg: TrialConfig, facts: ModelFacts, m: Measured) -> dict:
@@ -279,8 +319,10 @@ def predict_time(cfg: TrialConfig, facts: ModelFacts, m: Measured) -> dict:
         )
         exposed = fwd_exposed + bwd_exposed
         opt = m.optimizer_shard_s * _STEP_BYTES[cfg.state_dtype] / _STEP_BYTES["fp32"]
+    io = offload_io_s(cfg, facts.n_params, m)
     return {
-        "step_time_s": m.fwd_bwd_s + opt + exposed,
+        "step_time_s": m.fwd_bwd_s + opt + exposed + io,
+        "offload_io_s": io,
         "compute_s": m.fwd_bwd_s,
         "optimizer_s": opt,
         "comm_s": comm,
@@ -305,6 +347,8 @@ def predict_memory(cfg: TrialConfig, facts: ModelFacts, m: Measured) -> dict:
             "adam", "fp32", facts.n_params, state_dtype=cfg.state_dtype
         ),
         state_dtype=cfg.state_dtype,
+        offload_optimizer="nvme" if cfg.offload != "none" else None,
+        offload_params="nvme" if cfg.offload == "both" else None,
     )
     states = e.total_bytes  # no live window: largest_layer not given
     live, buffers = 0.0, 0.0

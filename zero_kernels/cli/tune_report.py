@@ -307,6 +307,7 @@ def finish(cfg, facts, measured, probe_json: dict, trials: list[dict], elapsed: 
             "prefetch": list(cfg.prefetch),
             "reduce_dtypes": list(cfg.reduce_dtypes),
             "state_dtypes": list(cfg.state_dtypes),
+            "offloads": list(cfg.offloads),
             "overlap_param_gather": list(cfg.overlap),
             "ddp": cfg.ddp,
             "max_trials": cfg.max_trials,
@@ -319,6 +320,7 @@ def finish(cfg, facts, measured, probe_json: dict, trials: list[dict], elapsed: 
         "mem_limit_source": cfg.mem_limit_source,
         "bandwidth": probe_json["bandwidth"],
         "compute": probe_json["compute"],
+        "disk": probe_json.get("disk"),  # the offload folder's O_DIRECT bandwidth, if measured
         "prediction": {
             "overlap": measured.overlap,
             "what": "step = measured compute + measured optimizer step + exposed communication "
