@@ -397,6 +397,9 @@ def test_state_dtypes_in_the_grid_and_predictions():
         ta = tune_plan.predict_time(a, facts, m)["optimizer_s"]
         assert tune_plan.predict_time(b, facts, m)["optimizer_s"] == pytest.approx(ta * 16 / 28)
         assert b.zero_kwargs()["state_dtype"] == "int8" and "int8 state" in b.label
+        # where the probe timed the low-bit step, its time (an arithmetic-bound CPU: slower)
+        mm = _measured(optimizer_shard_s_by_dtype={"fp32": 0.005, "int8": 0.008})
+        assert tune_plan.predict_time(b, facts, mm)["optimizer_s"] == 0.008
 
 
 def test_offload_in_the_grid_and_predictions():
@@ -444,12 +447,16 @@ def test_offload_in_the_grid_and_predictions():
 
 @pytest.mark.distributed
 def test_offload_trials_run(tmp_path):
-    """A real run with --offload both: the disk measured, the offload trial measured beside
-    the one in RAM, its files gone after."""
+    """A real run with --offload both and int8 state: the disk measured, the int8 step timed
+    by the probe, the offload trial measured beside the one in RAM, its files gone after."""
     args = ["--model-size", "tiny", "--stages", "3", "--prefetch", "1", "--reduce-dtypes"]
-    rc, _, stderr = _run(tmp_path, *args, "fp32", "--no-ddp", "--offload", "none,both")
+    args += ["fp32", "--state-dtypes", "int8", "--no-ddp", "--offload", "none,both"]
+    rc, _, stderr = _run(tmp_path, *args)
     assert rc == 0, stderr
     res = json.loads((tmp_path / "tune.json").read_text())
+    steps = res["compute"]["optimizer_step_s"]
+    assert steps["fused kernel, 1/N of the params, int8 state"] > 0, steps
+    assert {t["config"]["state_dtype"] for t in res["trials"]} == {"int8"}
     assert res["disk"]["read_gbps"] > 0 and res["disk"]["direct"] in (True, False)
     got = {t["config"]["offload"]: t for t in res["trials"]}
     assert set(got) == {"none", "both"} and all(t["status"] == "measured" for t in got.values())

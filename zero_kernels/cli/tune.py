@@ -464,13 +464,19 @@ def _measured(cfg: TuneConfig, per_rank: list[dict]) -> tuple[Measured, dict]:
             }
         )
         bandwidth.setdefault((row["op"], row["algorithm"]), []).append((row["bytes"], sec))
-    worst = {k: max(r[k] for r in per_rank) for k in per_rank[0] if k != "bandwidth"}
+    skip = ("bandwidth", "optimizer_shard_s_by_dtype")
+    worst = {k: max(r[k] for r in per_rank) for k in per_rank[0] if k not in skip}
+    by_dtype = {
+        sd: max(r["optimizer_shard_s_by_dtype"][sd] for r in per_rank)
+        for sd in per_rank[0].get("optimizer_shard_s_by_dtype", {})
+    }
     m = Measured(
         world_size=cfg.nproc,
         bandwidth={k: tuple(sorted(v)) for k, v in bandwidth.items()},
         fwd_bwd_s=worst["fwd_bwd_s"],
         optimizer_full_s=worst["optimizer_full_s"],
         optimizer_shard_s=worst["optimizer_shard_s"],
+        optimizer_shard_s_by_dtype=by_dtype or None,
         activation_bytes=float(worst["activation_bytes"]),
         overlap=overlap_efficiency(cores(), cfg.nproc, cfg.threads),
     )
@@ -480,6 +486,11 @@ def _measured(cfg: TuneConfig, per_rank: list[dict]) -> tuple[Measured, dict]:
         "optimizer_step_s": {
             "AdamW(fused=True), every param (DDP)": m.optimizer_full_s,
             "fused kernel, 1/N of the params (ZeRO shard)": m.optimizer_shard_s,
+            **{
+                f"fused kernel, 1/N of the params, {sd} state": t
+                for sd, t in by_dtype.items()
+                if sd != "fp32"
+            },
         },
         "activation_bytes": m.activation_bytes,
         "what": "measured: median of the timed runs, the slower rank",
@@ -581,7 +592,11 @@ def run_tune(cfg: TuneConfig) -> int:
         bar.show("probe: bandwidth and compute")
         sizes = _probe_sizes(facts.n_params)
         try:
-            probe = launcher.run(_job(cfg, "probe", algorithms=algorithms, sizes=sizes))
+            probe = launcher.run(
+                _job(
+                    cfg, "probe", algorithms=algorithms, sizes=sizes, state_dtypes=cfg.state_dtypes
+                )
+            )
         except JobFailed as e:
             bar.close()
             print(f"zero-kernels tune: error: the probe failed: {e}", file=sys.stderr)

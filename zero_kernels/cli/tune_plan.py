@@ -11,7 +11,9 @@ least promising ones.
 - compute: the measured forward + backward of one rank's batch (every rank at once, the slower
   rank's median); the forward is taken as 1/3 of it, the backward 2/3.
 - optimizer step: measured: ``torch.optim.AdamW(fused=True)`` over every parameter (DDP), the
-  fused kernel over Ψ/N elements (ZeRO stages, each rank steps its shard). With offload
+  fused kernel over Ψ/N elements (ZeRO stages, each rank steps its shard), in each state dtype
+  of ``--state-dtypes`` (`shard_step_s`: where the CPU is arithmetic-bound int8 state is slower
+  than fp32, not the 16/28 of its bytes). With offload
   (``--offload``), plus the disk's time for the bytes the tier moves per step (`offload_io_s`,
   at the ``O_DIRECT`` bandwidth measured in the offload folder; the ranks share the disk).
 - communication: the ZeRO paper's volumes, one collective per bucket (stages 1/2, DDP) or per
@@ -194,6 +196,8 @@ class Measured:
     optimizer_shard_s: float  # the fused kernel over Ψ/N elements
     activation_bytes: float
     overlap: float  # α
+    # the fused step over the shard per state dtype (measured), None: scaled by the bytes
+    optimizer_shard_s_by_dtype: dict | None = None
     # the offload directory's disk, O_DIRECT (offload.probe_disk), bytes/s; None: not measured
     disk_read_bps: float | None = None
     disk_write_bps: float | None = None
@@ -261,6 +265,15 @@ OFFLOAD_LABELS = {
 }
 
 
+def shard_step_s(cfg: TrialConfig, m: Measured) -> float:
+    """The fused step over one rank's shard in ``cfg``'s state dtype: measured where the probe
+    timed it, else the fp32 step scaled by the bytes it moves (a memory stream)."""
+    got = (m.optimizer_shard_s_by_dtype or {}).get(cfg.state_dtype)
+    if got is not None:
+        return got
+    return m.optimizer_shard_s * _STEP_BYTES[cfg.state_dtype] / _STEP_BYTES["fp32"]
+
+
 def offload_io_s(cfg: TrialConfig, n_params: int, m: Measured) -> float:
     """Seconds of disk I/O per step of ``cfg``'s offload, every rank sharing the disk: the
     moments read and written once by the step; with params too, each param shard (the fp32
@@ -305,7 +318,7 @@ def predict_time(cfg: TrialConfig, facts: ModelFacts, m: Measured) -> dict:
             exposed += _hidden(list(reversed(ag)), fwd, a, keep_last=False)
         else:
             exposed += sum(ag)
-        opt = m.optimizer_shard_s * _STEP_BYTES[cfg.state_dtype] / _STEP_BYTES["fp32"]
+        opt = shard_step_s(cfg, m)
     else:
         units = list(facts.unit_numels)
         root = t("all_gather", 4 * facts.root_numel) if facts.root_numel else 0.0
@@ -318,7 +331,7 @@ def predict_time(cfg: TrialConfig, facts: ModelFacts, m: Measured) -> dict:
             0.0, bwd_total - (rs[-1] if rs else 0.0) - a * bwd
         )
         exposed = fwd_exposed + bwd_exposed
-        opt = m.optimizer_shard_s * _STEP_BYTES[cfg.state_dtype] / _STEP_BYTES["fp32"]
+        opt = shard_step_s(cfg, m)
     io = offload_io_s(cfg, facts.n_params, m)
     return {
         "step_time_s": m.fwd_bwd_s + opt + exposed + io,
