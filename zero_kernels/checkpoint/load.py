@@ -272,19 +272,33 @@ _CODE_DTYPES = {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}
 
 def _read_lowbit(plan: Plan, ad: Adapter, rd: Reader, j: int, t, s: int, low: dict, elem: dict):
     """Target ``j``'s int8 moments (saved as codes and block scales, see [Note: checkpoint
-    format]): decoded to fp32 into ``elem`` (the adapter's state buffers); where the target
-    keeps the same format on the same blocks, also the codes and scales as saved (returned:
-    the state takes them as they are), else None."""
+    format]) decoded to fp32 into ``elem`` (the adapter's state buffers); where the target
+    keeps the same format on the same blocks, the codes and scales as saved are returned too
+    (the state takes them as they are; ``elem`` is their decode), else None."""
     if low.get("dtype") != "int8" or low.get("origin") not in ("piece", "param"):
         raise CheckpointError(plan.where(), f"unknown low-bit state format {low!r}")
     block = int(low["block"])
     for k in _MOMENTS:
         elem[k] = ad.state_buffer(j, k, t.values.dtype)
-    read_decoded(rd, plan, s, block, low["origin"], t.offset, t.numel, elem)
-    if ad.lowbit_target(j) != {"dtype": "int8", "block": block, "origin": low["origin"]}:
+    codes = None
+    if ad.lowbit_target(j) == {"dtype": "int8", "block": block, "origin": low["origin"]}:
+        codes = _same_blocks(plan, rd, t, s, low["origin"], block)
+    if codes is None:  # other blocks: only the saved ones that overlap, decoded
+        read_decoded(rd, plan, s, block, low["origin"], t.offset, t.numel, elem)
         return None
+    from ..ops import lowbit
+
+    m, v = lowbit.decode_state(codes, "int8", block)  # the target's grid is the saved one
+    elem["exp_avg"].copy_(m)
+    elem["exp_avg_sq"].copy_(v)
+    return codes
+
+
+def _same_blocks(plan: Plan, rd: Reader, t, s: int, origin: str, block: int) -> dict | None:
+    """Target ``t``'s codes and scales as saved, where its blocks are the saved ones: the saved
+    piece of the same range (``origin="piece"``), or a whole param (``"param"``); else None."""
     src = plan.sources.get(s, ())
-    if low["origin"] == "piece":  # a ZeroOptimizer piece: the same range, the same blocks
+    if origin == "piece":  # a ZeroOptimizer piece: the same range, the same blocks
         same = [r for r, so, sn in src if so == t.offset and sn == t.numel]
         if not same:
             return None
