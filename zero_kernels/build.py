@@ -28,6 +28,7 @@ from .materialize import materialize_modules_
 from .ops.backends import resolve_backend
 from .partition import FUSED_ADAM_CLASSES, Reducer, ShardRunner, choose_mode
 from .partition.order import SequenceCheck
+from .partition.secondary import SecondaryShard
 from .partition.units import (
     Unit,
     UnitScheduler,
@@ -421,6 +422,21 @@ def units(core: Core) -> UnitScheduler | None:
         root_members=root_members,
     )
     sched.timeout = core.op_timeout
+    if gather.secondary_shard is not None:  # [Note: secondary shard]
+        sec = comm.hier.secondary_groups(core.mesh, gather.secondary_shard)
+        if sec is not None:
+            sizes = [s for s in comm_sizes(core) if s[0] == "all_gather"]
+            comm.probe_ahead(sizes, group=sec.group, device=core.device)
+            sched.secondary = SecondaryShard(sec, core.store)
+            core.runner.own_exact = False  # every rank gathers the same values
+        log.info(
+            "ZeroOptimizer: secondary_shard=%r: %s",
+            gather.secondary_shard,
+            f"blocks of {sec.size} ranks"
+            if sec is not None
+            else "the whole shard group or "
+            "single ranks: nothing to keep (the backward gathers as without it)",
+        )
     if gather.check_order != "first":
         sched.check = core.reducer.check = _sequence_check(core, sched, gather.check_order)
     core.reducer.on_bucket_ready = sched.bucket_done

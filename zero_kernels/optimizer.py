@@ -132,6 +132,14 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
             before each launch (blocking), so
             nothing is sent (1.06-1.30x step time measured). "first": the first forward only;
             a later change goes unseen.
+        secondary_shard: stage 3 (ZeRO++'s hpZ): None (default), "node" or an int K. After a
+            unit's forward each rank keeps 1/K of the gathered params (a secondary shard over
+            the K ranks of its node, or of its block of K consecutive ranks), and the unit's
+            backward all-gathers from those K ranks instead of the whole shard group: the
+            backward's gathers stay inside the node. Costs 1/K of every unit's params per rank
+            from its forward to its backward (``memory_report()["secondary_shard_bytes"]``);
+            results equal those without it (with ``quantize_weights`` every rank's gathered
+            values are then the dequantized ones, its own chunk too: [Note: secondary shard]).
         host_cache: with params on the CPU, make the host block cache torch's CPU allocator
             for blocks of 1 MiB and more (process-wide; see [Note: host block cache] in
             `zero_kernels.hostmem`): freed gradient-sized blocks are reused by size instead of
@@ -204,6 +212,7 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
         prefetch: int = 1,
         persist_below: int = 0,
         check_order: str | None = None,
+        secondary_shard=None,
         reduce_dtype: torch.dtype | None = None,
         state_dtype: str = "fp32",
         state_block: int = 256,
@@ -245,6 +254,7 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
             prefetch=prefetch,
             persist_below=persist_below,
             check_order=check_order,
+            secondary_shard=secondary_shard,
             reduce_dtype=reduce_dtype,
             state_dtype=state_dtype,
             state_block=state_block,
@@ -377,6 +387,7 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
     timeout = property(lambda self: self._core.timeout)
     comm_log = property(lambda self: self._core.comm_log)
     check_order = property(lambda self: self.policy.gather.check_order)
+    secondary_shard = property(lambda self: self.policy.gather.secondary_shard)
     reduce_dtype = property(lambda self: self.policy.precision.reduce_dtype)
     overlap_comm = property(lambda self: self.policy.comm.overlap_comm)
     overlap_param_gather = property(lambda self: self.policy.gather.overlap_param_gather)
@@ -657,6 +668,7 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
         model = pb + grad + master + state + staging
         comm_now = g.comm_nbytes()
         sharded = core.store.sharded
+        sec = core.units.secondary if core.units is not None else None
         return dict(
             param_bytes=pb,
             grad_bytes=grad,
@@ -669,6 +681,9 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
             total_bytes=model + comm_now,
             gathered_param_bytes=core.store.gathered_nbytes() if sharded else 0,
             gathered_param_peak_bytes=core.store.peak_gathered if sharded else 0,
+            # secondary_shard: the slices kept from units' forwards for their backwards
+            secondary_shard_bytes=sec.nbytes if sec is not None else 0,
+            secondary_shard_peak_bytes=sec.peak if sec is not None else 0,
             # offload_optimizer="nvme": the staging buffers (RAM, in model_state_bytes) and
             # the file (disk), bytes moved since construction
             offload_staging_bytes=staging,

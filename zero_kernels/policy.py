@@ -90,6 +90,11 @@ class GatherPolicy:
     check_order: stage 3: "pass", "every" or "first" (see ZeroOptimizer); None: "pass".
     overlap_param_gather: stages 1/2: the step's all-gathers stay in flight, each module's
         forward waits for its own buckets.
+    secondary_shard: stage 3 (ZeRO++'s hpZ): None, "node" or an int K: after a unit's forward
+        each rank keeps 1/K of its gathered params (K: the ranks of one node, or consecutive
+        blocks of K ranks of the shard group), and the unit's backward all-gathers them inside
+        those K ranks instead of across the shard group ([Note: secondary shard] in
+        `zero_kernels.partition.secondary`).
     """
 
     reshard_after_forward: bool = True
@@ -97,6 +102,7 @@ class GatherPolicy:
     persist_below: int = 0
     check_order: str | None = None
     overlap_param_gather: bool = False
+    secondary_shard: object = None
 
     def __post_init__(self):
         if not isinstance(self.reshard_after_forward, bool):
@@ -114,6 +120,17 @@ class GatherPolicy:
             raise ValueError(
                 "check_order must be 'pass', 'every' or 'first', got "
                 f"check_order={self.check_order!r}"
+            )
+        ss = self.secondary_shard
+        if ss not in (None, "node") and (isinstance(ss, bool) or not isinstance(ss, int) or ss < 1):
+            raise ValueError(
+                f"secondary_shard must be None, 'node' or an int >= 1, got secondary_shard={ss!r}"
+            )
+        if ss is not None and not self.reshard_after_forward:
+            raise ValueError(
+                f"secondary_shard={ss!r} with reshard_after_forward=False: the units stay "
+                "gathered from their forward to their backward, there is nothing to keep a "
+                "secondary shard of; drop one of them"
             )
 
 
@@ -290,7 +307,11 @@ class ZeroPolicy:
         g, s = self.gather, self.shard
         whole = s.params
         if whole:
-            for name, default in (("persist_below", 0), ("check_order", None)):
+            for name, default in (
+                ("persist_below", 0),
+                ("check_order", None),
+                ("secondary_shard", None),
+            ):
                 if getattr(g, name) != default:
                     raise ValueError(
                         f"{name}= is a stage-3 option, got stage={s.stage}, "

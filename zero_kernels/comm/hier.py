@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from .base import CommLog, Handle, Watch, rank, world_size
 
-__all__ = ["Mesh", "resolve_shard_group", "split"]
+__all__ = ["Mesh", "Secondary", "resolve_shard_group", "secondary_groups", "split"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -249,3 +249,65 @@ def split(group, shard_ranks: list[list[int]], device_mesh=None) -> Mesh:
         if me in ranks:
             replicas = pg
     return Mesh(group, shard, replicas, tuple(tuple(g) for g in shard_ranks))
+
+
+@dataclasses.dataclass(eq=False)
+class Secondary:
+    """Stage 3's secondary shard groups (hpZ, [Note: secondary shard]): ``group`` holds this
+    rank and the ``size - 1`` others of its block (ranks of one node, consecutive in the shard
+    group), ``index`` is this rank's place in it; ``blocks``: every block, as ranks of the
+    shard group."""
+
+    group: object
+    size: int
+    index: int
+    blocks: tuple
+
+
+def secondary_groups(mesh: Mesh, spec) -> Secondary | None:
+    """The secondary shard groups ``spec`` ("node" or an int K) names inside each shard group
+    of ``mesh``; None where they would be the whole shard group or single ranks (nothing to
+    gain: the backward's gathers are then those without it). Collective over ``mesh.world``."""
+    n = mesh.shard_size
+    if spec == "node":
+        from .hosts import host_groups
+
+        host_of = {r: h for h, g in enumerate(host_groups(mesh.world)) for r in g}
+        blocks, split_host = [], False
+        for sg in mesh.shard_ranks:  # world ranks, in shard-group order
+            runs: list[list[int]] = []  # positions in the shard group, by runs of one host
+            for p, r in enumerate(sg):
+                if runs and host_of[sg[runs[-1][0]]] == host_of[r]:
+                    runs[-1].append(p)
+                else:
+                    runs.append([p])
+            split_host |= len(runs) != len({host_of[r] for r in sg})
+            blocks += runs
+        sizes = sorted({len(b) for b in blocks})
+        if split_host or len(sizes) != 1:
+            raise ValueError(
+                "secondary_shard='node': the ranks of each node must be consecutive in the "
+                f"shard group and equal in number (shard groups {list(mesh.shard_ranks)}, "
+                f"runs of one node {blocks}); give secondary_shard=K"
+            )
+        size = sizes[0]
+    else:
+        if spec < 1 or n % spec:
+            raise ValueError(f"secondary_shard={spec}: must divide the shard group's size {n}")
+        size = spec
+    if size in (1, n):
+        return None
+    glob = (
+        dist.get_process_group_ranks(mesh.world)
+        if mesh.world is not None
+        else list(range(world_size()))
+    )
+    me, mine, index = rank(mesh.world), None, 0
+    blocks = tuple(tuple(range(s, s + size)) for s in range(0, n, size))
+    for sg in mesh.shard_ranks:
+        for b in blocks:
+            ranks = [sg[p] for p in b]
+            pg = dist.new_group(ranks=[glob[r] for r in ranks])
+            if me in ranks:
+                mine, index = pg, ranks.index(me)
+    return Secondary(mine, size, index, blocks)

@@ -10,6 +10,10 @@ the error a gathered param carries is at most half a quantization step of its bl
 (|x - q*scale| <= scale / 2, scale = max|x| / 127 for int8) and does not accumulate across steps
 (each use gathers again from the exact shards). Per element the wire carries 1 byte (int8) or
 1/2 (int4) plus 4 / block for the scales, against 4 (fp32) or 2 (bf16).
+With stage 3's secondary shard (``own_exact=False``) the own chunk is dequantized too, so every
+rank gathers the same values: a backward gathered from the node's secondary shards (which hold
+slices of other ranks' gathered values) then sees what its forward saw ([Note: secondary shard]
+in `zero_kernels.partition.secondary`).
 
 [Note: quantized reduce-scatter]
 ``quantize_grads`` (ZeRO++'s qgZ, one hop here): a rank quantizes the chunk of its gradient bucket
@@ -70,11 +74,11 @@ class _Unpack:
 class _Dequantize(_Unpack):
     """The all-gather of the packed chunks; the others' dequantized into the output."""
 
-    __slots__ = ("input",)
+    __slots__ = ("input", "send")
 
-    def __init__(self, inner, output, input, recv, bits, block, me, n):
+    def __init__(self, inner, output, input, recv, bits, block, me, n, send=None):
         super().__init__(inner, output, recv, bits, block, me, n)
-        self.input = input
+        self.input, self.send = input, send  # ``send``: the own chunk dequantized as well
 
     def _unpack(self) -> None:
         from ..ops.quant import dequantize_blockwise
@@ -82,7 +86,12 @@ class _Dequantize(_Unpack):
         c = self.input.numel()
         out = self.output.view(-1)
         own = out[self.me * c : (self.me + 1) * c]
-        if own.data_ptr() != self.input.data_ptr():
+        if self.send is not None:
+            qb, nq, _ = _packed(c, self.bits, self.block)
+            q, scales = self.send[:qb], self.send[nq:].view(torch.float32)
+            dequantize_blockwise(q, scales, self.bits, self.block, c, out=own)
+            self.send = None
+        elif own.data_ptr() != self.input.data_ptr():
             own.copy_(self.input.view(-1))
         for k, q, scales in self._chunks(c):
             dst = out[k * c : (k + 1) * c]
@@ -97,11 +106,13 @@ def all_gather_quantized(
     block: int,
     group=None,
     log: CommLog | None = None,
+    own_exact: bool = True,
     **bound,
 ):
     """Start ``output = cat(input of every rank)`` with the other ranks' chunks sent quantized
     ([Note: quantized all-gather]); returns a handle whose ``wait`` dequantizes. ``input`` may
-    be this rank's own chunk of ``output``."""
+    be this rank's own chunk of ``output`` (not with ``own_exact=False``, which dequantizes the
+    own chunk too, so that every rank's output is the same)."""
     from ..ops.quant import quantize_blockwise
     from . import all_gather
 
@@ -112,7 +123,7 @@ def all_gather_quantized(
             f"all_gather_quantized: input.numel() * world_size must equal output.numel(); got "
             f"{c} * {n} != {output.numel()}"
         )
-    if n == 1:
+    if n == 1 and own_exact:
         return all_gather(output, input, group=group, log=log, **bound)
     qb, nq, per = _packed(c, bits, block)
     send = torch.empty(per, dtype=torch.uint8, device=input.device)
@@ -122,7 +133,8 @@ def all_gather_quantized(
     quantize_blockwise(src, bits, block, out=(send[:qb], send[nq:].view(torch.float32)))
     recv = torch.empty(per * n, dtype=torch.uint8, device=input.device)
     inner = all_gather(recv, send, group=group, log=log, **bound)
-    return _Dequantize(inner, output, input, recv, bits, block, rank(group), n)
+    own = None if own_exact else send
+    return _Dequantize(inner, output, input, recv, bits, block, rank(group), n, own)
 
 
 class _QuantReduce(_Unpack):

@@ -105,6 +105,7 @@ class ShardRunner:
         ]
         self.inner = optimizer_class(groups, **defaults)
         self.quantize: tuple[int, int] | None = None  # (bits, block) of quantize_weights
+        self.own_exact = True  # False with a secondary shard: the own chunk dequantized too
         self._exact = False
         # fused Adam per buffer: flat mode, a dtype the kernel takes
         self.fused = [
@@ -600,11 +601,23 @@ class ShardRunner:
         if self.quantize is not None and not self._exact:
             bits, block = self.quantize
             h = comm.quant.all_gather_quantized(
-                full, shard, bits=bits, block=block, group=group, log=log, **bound
+                full,
+                shard,
+                bits=bits,
+                block=block,
+                group=group,
+                log=log,
+                own_exact=self.own_exact,
+                **bound,
             )
         else:
             h = comm.all_gather(full, shard, group=group, log=log, **bound)
         return self.store.release_after(i, b, h)
+
+    @property
+    def exact_now(self) -> bool:
+        """Whether gathers now hand params out (inside `exact`)."""
+        return self._exact
 
     @contextlib.contextmanager
     def exact(self):

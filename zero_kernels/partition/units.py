@@ -10,6 +10,8 @@ hold nothing else, so gathering a unit is one all-gather per bucket of it.
 Per unit the state is explicit (`UnitState`, asserted at each transition):
 
     SHARDED --gather()--> GATHERING --wait()--> GATHERED --free()--> SHARDED
+    (secondary_shard: GATHERED --free() after forward--> SECONDARY --gather()--> GATHERING,
+     or --dropped--> SHARDED; [Note: secondary shard] in `zero_kernels.partition.secondary`)
 
 Timeline of one training step (units U1..U3 inside the root, prefetch=1):
 
@@ -120,21 +122,24 @@ from torch.utils._pytree import tree_flatten
 
 from .. import comm
 from .external import ReadGuard, container_members, is_container, returns_own_params, under_dynamo
+from .unit_find import find_units, unit_assignment, unit_members
 
-__all__ = ["UnitState", "Unit", "UnitScheduler", "find_units"]
+__all__ = ["UnitState", "Unit", "UnitScheduler", "find_units", "unit_assignment", "unit_members"]
 
 
 class UnitState(enum.Enum):
     SHARDED = "sharded"
     GATHERING = "gathering"
     GATHERED = "gathered"
+    SECONDARY = "secondary"  # sharded, a slice kept for the backward ([Note: secondary shard])
 
 
 # a unit's transitions (asserted at each, as `zero_kernels.partition.reducer`'s buckets are)
 _UNIT_MOVES = {
     UnitState.SHARDED: (UnitState.GATHERING,),
     UnitState.GATHERING: (UnitState.GATHERED,),
-    UnitState.GATHERED: (UnitState.SHARDED,),
+    UnitState.GATHERED: (UnitState.SHARDED, UnitState.SECONDARY),
+    UnitState.SECONDARY: (UnitState.GATHERING, UnitState.SHARDED),
 }
 
 
@@ -157,63 +162,11 @@ class Unit:
 
     @property
     def sharded(self) -> bool:
-        return self.state is UnitState.SHARDED
+        """Not gathered (a kept secondary shard included)."""
+        return self.state in (UnitState.SHARDED, UnitState.SECONDARY)
 
     def __repr__(self) -> str:
         return f"Unit({self.index}, {self.name!r}, {self.state.value}, {len(self.buckets)} bkts)"
-
-
-def find_units(model: nn.Module, units=None) -> list[tuple[str, nn.Module]]:
-    """``[(name, module)]`` of the units (the root unit not included); see [Note: units].
-
-    ``units``: None (automatic), a list of module classes (every outermost instance is a unit),
-    a predicate ``f(name, module) -> bool`` (outermost matches), or a list of modules."""
-    named = list(model.named_modules())
-    if units is None:
-        best, size = None, 0
-        for name, m in named:
-            if isinstance(m, nn.ModuleList) and len(m) > 1:
-                n = sum(p.numel() for p in m.parameters())
-                if n > size:
-                    best, size = (name, m), n
-        if best is not None:
-            return [(f"{best[0]}.{k}" if best[0] else str(k), c) for k, c in enumerate(best[1])]
-        total = sum(p.numel() for p in model.parameters())
-        return [
-            (n, c)
-            for n, c in model.named_children()
-            if sum(p.numel() for p in c.parameters()) * 8 >= total and total > 0
-        ]
-    if isinstance(units, (list, tuple)) and all(isinstance(u, nn.Module) for u in units):
-        ids = {id(u) for u in units}
-        pick = [(n, m) for n, m in named if id(m) in ids and m is not model]
-        if len(pick) != len(units):
-            raise ValueError(
-                "units=: every module listed must be a submodule of the model (not the model)"
-            )
-        for a, _ in pick:
-            for b, _ in pick:
-                if a != b and b.startswith(a + "."):
-                    raise ValueError(
-                        f"units=: modules {a!r} and {b!r} overlap (one holds the other)"
-                    )
-    elif isinstance(units, (list, tuple)) and all(isinstance(u, type) for u in units):
-        classes = tuple(units)
-        pick = [(n, m) for n, m in named if isinstance(m, classes) and m is not model]
-    elif callable(units):
-        pick = [(n, m) for n, m in named if m is not model and units(n, m)]
-    else:
-        raise TypeError(
-            "units must be None, a list of module classes, a list of modules or a predicate "
-            f"(name, module) -> bool, got units={units!r}"
-        )
-    out: list[tuple[str, nn.Module]] = []  # outermost only: a unit inside a unit is not one
-    for n, m in pick:
-        if not any(n.startswith(o + ".") for o, _ in out):
-            out.append((n, m))
-    if not out:
-        raise ValueError(f"units={units!r} matched no submodule of the model")
-    return out
 
 
 class UnitScheduler:
@@ -254,6 +207,7 @@ class UnitScheduler:
         self.timeout: float | None = None  # bound on each wait (the optimizer's ``timeout``)
         self.describe = lambda: ""  # where we are, for a timeout's message
         self.check = None  # SequenceCheck: every launch compared across ranks first
+        self.secondary = None  # SecondaryShard with secondary_shard ([Note: secondary shard])
         # [Note: autocast]: saved-tensor hooks pushed in a unit's forward, (unit, hooks)
         self._recasts: list[tuple[int, _Recast]] = []
         self._fp32_ids: dict[int, set[int]] = {}
@@ -295,18 +249,24 @@ class UnitScheduler:
 
     # ---- gather / free
     def gather(self, u: Unit) -> None:
-        """Start the unit's all-gathers (SHARDED -> GATHERING); nothing if already under way."""
-        if u.state is not UnitState.SHARDED:
+        """Start the unit's all-gathers (SHARDED or SECONDARY -> GATHERING); nothing if already
+        under way. From a kept secondary shard inside its block, unless the gather hands params
+        out (exact: the copy is dropped, [Note: secondary shard])."""
+        if u.state is UnitState.SECONDARY and self.runner.exact_now:
+            self._drop(u)
+        if u.state not in (UnitState.SHARDED, UnitState.SECONDARY):
             return
         watch = self.check.watch if self.check is not None else None
         what = f"{self.describe()}: all-gather of unit {u.name}"
+        bound = dict(timeout_s=self.timeout, what=what, watch=watch)
         for i, b in u.buckets:
             if self.check is not None:
                 self.check("all_gather", i, b)
             self.store.alloc(i, b)
-            h = self.runner.gather(
-                i, b, self.log, self.group, timeout_s=self.timeout, what=what, watch=watch
-            )
+            if u.state is UnitState.SECONDARY:
+                h = self.secondary.gather((i, b), self.log, **bound)
+            else:
+                h = self.runner.gather(i, b, self.log, self.group, **bound)
             u.handles.append(h)
         u.move(UnitState.GATHERING)
 
@@ -318,23 +278,44 @@ class UnitScheduler:
                 h.wait(self.timeout, f"{self.describe()}: all-gather of unit {u.name}", watch)
             u.handles.clear()
             u.move(UnitState.GATHERED)
+            if self.secondary is not None:  # gathered from it: not needed again
+                self.secondary.drop(u.buckets)
         u.expect(UnitState.GATHERED)
 
-    def free(self, u: Unit) -> None:
-        if u.persistent or u.sharded:
+    def free(self, u: Unit, keep: bool = False) -> None:
+        """Release the unit's gathered params; ``keep``: after its forward, with a backward to
+        come: its secondary shard kept first (where one is configured)."""
+        if u.persistent or u.state in (UnitState.SHARDED, UnitState.SECONDARY):
             return
         if u.state is UnitState.GATHERING:
             self.wait(u)
+        to = UnitState.SHARDED
+        if keep and self.secondary is not None and u is not self.root:
+            self.secondary.keep(u.buckets)
+            to = UnitState.SECONDARY
         for i, b in u.buckets:
             self.store.free(i, b)
-        u.move(UnitState.SHARDED)
+        u.move(to)
+
+    def _drop(self, u: Unit) -> None:
+        if u.state is UnitState.SECONDARY:
+            self.secondary.drop(u.buckets)
+            u.move(UnitState.SHARDED)
+
+    def drop_secondary(self) -> None:
+        """Every kept secondary shard dropped (their values may be stale from here on)."""
+        if self.secondary is not None:
+            for u in self.all_units:
+                self._drop(u)
 
     def free_all(self) -> None:
         for u in self.all_units:
             self.free(u)
+        self.drop_secondary()
 
     def refresh_persistent(self) -> list:
         """After a step: all-gather the params kept whole (their shards were updated)."""
+        self.drop_secondary()
         if self.persistent is None:
             return []
         return [self.runner.gather(i, b, self.log, self.group) for i, b in self.persistent.buckets]
@@ -461,7 +442,7 @@ class UnitScheduler:
                 torch.autograd.graph.register_multi_grad_hook(ts, _pre_bwd(me, k), mode="any")
                 self.bwd_units.append(k)
             if self.reshard_after_forward and free:
-                self.free(u)
+                self.free(u, keep=bool(ts))
         elif free:
             self.free(u)
 
@@ -493,6 +474,7 @@ class UnitScheduler:
         self.pos = 0
         self.bwd_units, self.bwd_next = [], 0  # the last forward's backward is the next one
         self._entered.clear()
+        self.drop_secondary()  # of a forward whose backward did not run
         self.pop_recast()  # left by a forward that raised
         self._guard.pop()
         self.wait(self.root)
@@ -599,6 +581,7 @@ class UnitScheduler:
         self.free_all()
 
     def remove(self) -> None:
+        self.drop_secondary()
         self.pop_recast()
         self._guard.pop()
         if self.check is not None:
@@ -762,38 +745,3 @@ def _pre_bwd(me, k):
             s.pre_backward(k)
 
     return hook
-
-
-def unit_assignment(
-    unit_modules: list[tuple[str, nn.Module]],
-    params: dict[int, torch.Tensor],
-    persist_below: int = 0,
-) -> dict[int, int]:
-    """Param index -> unit (1.. for ``unit_modules``, 0 for the root unit, ``len + 1`` for the
-    params of fewer than ``persist_below`` elements, kept whole on every rank). A param found in
-    two units (tied across them) goes to the root unit, gathered for the whole step."""
-    where: dict[int, set[int]] = {}
-    for u, (_, m) in enumerate(unit_modules, start=1):
-        for p in m.parameters():
-            where.setdefault(id(p), set()).add(u)
-    out = {}
-    for i, p in params.items():
-        us = where.get(id(p), set())
-        out[i] = next(iter(us)) if len(us) == 1 else 0
-        if p.numel() < persist_below:
-            out[i] = len(unit_modules) + 1
-    return out
-
-
-def unit_members(model: nn.Module, unit_modules: list[tuple[str, nn.Module]]):
-    """Per unit (0 = root), the ``(name, module)`` pairs whose own params it materialises."""
-    out: list[list[tuple[str, nn.Module]]] = [[] for _ in range(len(unit_modules) + 1)]
-    prefixes = [(n, u) for u, (n, _) in enumerate(unit_modules, start=1)]
-    for name, m in model.named_modules():
-        u = 0
-        for n, k in prefixes:
-            if name == n or name.startswith(n + "."):
-                u = k
-                break
-        out[u].append((name, m))
-    return out
