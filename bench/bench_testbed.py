@@ -20,6 +20,9 @@ Candidates:
                    and their scales: the recorded collectives' bytes give the formula)
     ours_stage3_q8g8  the same and quantize_grads="int8" (the reduce-scatters an all-to-all of
                    int8 chunks, each rank's to each rank of the other node: R (N-R)/N of it)
+    ours_stage3_hpz, ours_stage3_q8_hpz, ours_stage3_q8g8_hpz, ours_stage3_q8g4_hpz  stage 3
+                   with secondary_shard="node" (ZeRO++'s hpZ: the backward's all-gathers inside
+                   each node), plain / with int8 weights / and int8 or int4 grads
     fsdp2_hsdp     fully_shard per block and the root on a 2D mesh (replicate across nodes x shard
                    within one) + torch AdamW(fused=True), resharding after forward
     fsdp2          fully_shard over all ranks (1D mesh) + torch AdamW(fused=True), resharding
@@ -71,6 +74,10 @@ CANDIDATES = (
     "ours_stage3_node",
     "ours_stage3_q8",
     "ours_stage3_q8g8",
+    "ours_stage3_hpz",
+    "ours_stage3_q8_hpz",
+    "ours_stage3_q8g8_hpz",
+    "ours_stage3_q8g4_hpz",
     "fsdp2_hsdp",
     "fsdp2",
 )
@@ -179,7 +186,8 @@ def _worker(args) -> None:
         stage = int(cand[len("ours_stage")])
         sg = "node" if cand.endswith("_node") else "world"
         qw = "int8" if "_q8" in cand else None
-        qg = "int8" if cand.endswith("g8") else None
+        qg = "int8" if "g8" in cand else "int4" if "g4" in cand else None
+        ss = "node" if cand.endswith("_hpz") else None
         opt = ZeroOptimizer(
             model,
             torch.optim.AdamW,
@@ -187,6 +195,7 @@ def _worker(args) -> None:
             shard_group=sg,
             quantize_weights=qw,
             quantize_grads=qg,
+            secondary_shard=ss,
             **kw,
         )
         run = model

@@ -346,6 +346,14 @@ def test_cross_node_bytes_match_the_testbed(capsys):
     # what the testbed's tc counted for int8 weights + int8 grads (bench/README.md, "Quantized
     # communication on the testbed"): 20.0 MB per node per step, headers 1.047x
     assert rows["stage 3, int8 weights + int8 grads"] * 1.047 == pytest.approx(20.0e6, rel=0.05)
+    # secondary_shard=node (hpZ): only the forward's gathers cross; what tc counted with it
+    # (bench/README.md, "The secondary shard on the testbed"): 47.3 / 14.1 / 10.1 MB
+    hpz = "stage 3, secondary_shard=node"
+    assert rows[hpz] == pytest.approx(1.5 * m)
+    assert rows[hpz + " + int8 weights + int8 grads"] == pytest.approx(0.75 * q8 + q8)
+    assert rows[hpz + " + int8 weights + int4 grads"] == pytest.approx(0.75 * q8 + q4)
+    for key, tc in ((hpz, 47.3e6), (hpz + " + int8 weights + int4 grads", 10.1e6)):
+        assert rows[key] * 1.047 == pytest.approx(tc, rel=0.05), key
     one = {r["config"]: r["bytes"] for r in est.cross_node(int(psi), 1, 4)}
     assert set(one.values()) == {0.0}  # one node: nothing crosses
     assert main(["estimate", "--params", "7.52M", "-n", "4", "--nodes", "2"]) == 0

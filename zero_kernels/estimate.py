@@ -645,17 +645,34 @@ def estimate(
 
 
 # the configurations `cross_node` prices:
-# (label, stage, shard_group, quantize_weights, quantize_grads)
+# (label, stage, shard_group, quantize_weights, quantize_grads, secondary_shard)
 CROSS_NODE_CONFIGS = (
-    ("DDP", 0, "world", None, None),
-    ("stage 1", 1, "world", None, None),
-    ("stage 2", 2, "world", None, None),
-    ("stage 2, int8 grads", 2, "world", None, "int8"),
-    ("stage 3", 3, "world", None, None),
-    ("stage 3, int8 weights", 3, "world", "int8", None),
-    ("stage 3, int8 weights + int8 grads", 3, "world", "int8", "int8"),
-    ("stage 3, int8 weights + int4 grads", 3, "world", "int8", "int4"),
-    ("stage 1-3, shard_group=node", 2, "node", None, None),
+    ("DDP", 0, "world", None, None, None),
+    ("stage 1", 1, "world", None, None, None),
+    ("stage 2", 2, "world", None, None, None),
+    ("stage 2, int8 grads", 2, "world", None, "int8", None),
+    ("stage 3", 3, "world", None, None, None),
+    ("stage 3, int8 weights", 3, "world", "int8", None, None),
+    ("stage 3, int8 weights + int8 grads", 3, "world", "int8", "int8", None),
+    ("stage 3, int8 weights + int4 grads", 3, "world", "int8", "int4", None),
+    ("stage 3, secondary_shard=node", 3, "world", None, None, "node"),
+    (
+        "stage 3, secondary_shard=node + int8 weights + int8 grads",
+        3,
+        "world",
+        "int8",
+        "int8",
+        "node",
+    ),
+    (
+        "stage 3, secondary_shard=node + int8 weights + int4 grads",
+        3,
+        "world",
+        "int8",
+        "int4",
+        "node",
+    ),
+    ("stage 1-3, shard_group=node", 2, "node", None, None, None),
 )
 _QUANT_BYTES = {"int8": 1 + 4 / 256, "int4": 0.5 + 4 / 256}  # per element, with the scales
 
@@ -677,8 +694,9 @@ def cross_node(
     gathers' packed bytes (1 + 4/256 per element at int8); quantized gradients (one-hop qgZ):
     the reduce-scatter becomes an all-to-all of packed chunks, of which each rank sends the
     ones for the ranks of other nodes, R (N - R) / N of the gradients per node (R ranks per
-    node of N). The bench (bench/bench_testbed.py) measured these on its testbed within the 4.7%
-    of headers (int4 gradients: the formula only, not measured there)."""
+    node of N). With ``secondary_shard="node"`` (hpZ) the backward's all-gathers stay inside the
+    nodes: only the forward's gathers cross. The bench (bench/bench_testbed.py) measured these
+    on its testbed within the 4.7-5.0% of headers."""
     if nodes < 1 or ranks_per_node < 1:
         raise ValueError(
             f"--nodes and ranks per node must be >= 1; got nodes={nodes}, "
@@ -691,7 +709,7 @@ def cross_node(
     ring = (n_all - 1) / n_all if n > 1 else 0.0
     rows = []
     r_node = ranks_per_node
-    for label, stage, sg, qw, qg in CROSS_NODE_CONFIGS:
+    for label, stage, sg, qw, qg, ss in CROSS_NODE_CONFIGS:
         gathered = _QUANT_BYTES[qw] * psi if qw else p
         if qg:  # the all-to-all: each node sends its ranks' chunks for the other nodes' ranks
             reduced = r_node * (n_all - r_node) / n_all * _QUANT_BYTES[qg] * psi
@@ -701,7 +719,7 @@ def cross_node(
             b = 2 * (n - 1) / n * g
         elif stage == 0:
             b = 2 * ring * g
-        elif stage in (1, 2) or not reshard_after_forward:
+        elif stage in (1, 2) or not reshard_after_forward or ss is not None:
             b = reduced + ring * gathered
         else:
             b = reduced + ring * 2 * gathered
@@ -712,6 +730,7 @@ def cross_node(
                 "shard_group": sg,
                 "quantize_weights": qw,
                 "quantize_grads": qg,
+                "secondary_shard": ss,
                 "bytes": b,
             }
         )

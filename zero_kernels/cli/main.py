@@ -156,7 +156,8 @@ def _build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="nodes the ranks are spread over (evenly): adds the bytes per node per step that "
-        "cross the links, per configuration (flat, shard_group=node, int8 weights)",
+        "cross the links, per configuration (flat, shard_group=node, secondary_shard=node, "
+        "quantized)",
     )
     e.add_argument(
         "--precision",
@@ -328,8 +329,9 @@ def _cmd_estimate(args) -> int:
             f"across nodes ({args.nodes} nodes x {args.world_size // args.nodes} ranks, ring "
             "collectives, fp32 gradient reduction unless quantized), bytes per node per step:"
         )
+        w = max(len(c["config"]) for c in cross)
         for c in cross:
-            print(f"  {c['config']:<36}{f(c['bytes']):>12}")
+            print(f"  {c['config']:<{w}}{f(c['bytes']):>12}")
     for s in e.stages:
         if s.comm_buffer_bytes:
             print(
