@@ -138,6 +138,15 @@ def check_kept_bytes(rank, world):
     rep = zo.memory_report()
     assert rep["secondary_shard_bytes"] == 0 and rep["secondary_shard_peak_bytes"] == want, rep
     zo.step()
+    # comm_stats: one step's backward gathers every block unit from the kept slices, counted
+    # apart (bytes of the whole gathered buckets), and not in all_gather_bytes
+    zo.reset_comm_stats()
+    _loss(m(x), y).backward()
+    cs = zo.comm_stats
+    full = 2 * want  # the gathered buckets' bytes
+    assert cs["secondary_all_gather_bytes"] == full, (cs, full)
+    root = sum(lay.buffers[i].buckets[b].numel(lay.world_size) * 4 for i, b in sched.root.buckets)
+    assert cs["all_gather_bytes"] == full + root, (cs, full, root)  # the forward's only
     zo.close()
     return {"kept_bytes": want}
 

@@ -55,6 +55,10 @@ class CommLog:
     # that cross nodes: [Note: hierarchy] in zero_kernels.comm.hier)
     replica_all_reduce_bytes: int = 0
     replica_all_reduce_calls: int = 0
+    # stage 3's secondary shard: the backward's all-gathers inside a node's block of ranks (not
+    # in all_gather_*: [Note: secondary shard] in zero_kernels.partition.secondary)
+    secondary_all_gather_bytes: int = 0
+    secondary_all_gather_calls: int = 0
     exposed_comm_s: float = 0.0  # time spent waiting on collectives after they were issued
     sizes: list = field(default_factory=list)  # (kind, numel, dtype) of every call, when traced
     trace: bool = False
@@ -74,6 +78,8 @@ class CommLog:
                 "all_reduce_calls",
                 "replica_all_reduce_bytes",
                 "replica_all_reduce_calls",
+                "secondary_all_gather_bytes",
+                "secondary_all_gather_calls",
                 "exposed_comm_s",
             )
         }

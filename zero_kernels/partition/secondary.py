@@ -21,6 +21,9 @@ forward and again in the backward. Plain quantized stage 3 gives each rank a sli
 model (its own chunk exact); here all agree. Gathers that hand params out (state dicts,
 ``gathered_params``, ``close()``) drop the secondary copy and gather exact from the shards.
 
+``comm_stats["secondary_all_gather_bytes"]`` counts the gathers from the secondary shard (inside
+the node), apart from ``all_gather_bytes`` (over the shard group).
+
 Cost: 1/K of each unit's gathered params per rank, from the unit's forward until its backward
 frees it (``memory_report()["secondary_shard_bytes"]``, and its peak). A copy is dropped when
 the unit's backward has gathered it, at the end of the backward, at the next forward's start
@@ -67,10 +70,13 @@ class SecondaryShard:
         return all(key in self.kept for key in buckets)
 
     def gather(self, key: tuple[int, int], log, **bound) -> comm.Handle:
-        """Start the all-gather of bucket ``key`` (allocated) from the block's slices."""
-        return comm.all_gather(
-            self.store.full(*key), self.kept[key], group=self.group, log=log, **bound
-        )
+        """Start the all-gather of bucket ``key`` (allocated) from the block's slices (counted
+        apart in ``log``: ``secondary_all_gather_*``, the bytes that stay inside the node)."""
+        full = self.store.full(*key)
+        h = comm.all_gather(full, self.kept[key], group=self.group, **bound)
+        if log is not None:
+            log._add("secondary_all_gather", full)
+        return h
 
     def drop(self, buckets) -> None:
         for key in buckets:
