@@ -255,13 +255,11 @@ def split(group, shard_ranks: list[list[int]], device_mesh=None) -> Mesh:
 class Secondary:
     """Stage 3's secondary shard groups (hpZ, [Note: secondary shard]): ``group`` holds this
     rank and the ``size - 1`` others of its block (ranks of one node, consecutive in the shard
-    group), ``index`` is this rank's place in it; ``blocks``: every block, as ranks of the
-    shard group."""
+    group), ``index`` is this rank's place in it."""
 
     group: object
     size: int
     index: int
-    blocks: tuple
 
 
 def secondary_groups(mesh: Mesh, spec) -> Secondary | None:
@@ -310,4 +308,4 @@ def secondary_groups(mesh: Mesh, spec) -> Secondary | None:
             pg = dist.new_group(ranks=[glob[r] for r in ranks])
             if me in ranks:
                 mine, index = pg, ranks.index(me)
-    return Secondary(mine, size, index, blocks)
+    return Secondary(mine, size, index)

@@ -66,9 +66,6 @@ class SecondaryShard:
             self.nbytes += t.numel() * t.element_size()
         self.peak = max(self.peak, self.nbytes)
 
-    def holds(self, buckets) -> bool:
-        return all(key in self.kept for key in buckets)
-
     def gather(self, key: tuple[int, int], log, **bound) -> comm.Handle:
         """Start the all-gather of bucket ``key`` (allocated) from the block's slices (counted
         apart in ``log``: ``secondary_all_gather_*``, the bytes that stay inside the node)."""
@@ -83,7 +80,3 @@ class SecondaryShard:
             t = self.kept.pop(key, None)
             if t is not None:
                 self.nbytes -= t.numel() * t.element_size()
-
-    def drop_all(self) -> None:
-        self.kept.clear()
-        self.nbytes = 0
