@@ -422,6 +422,7 @@ def units(core: Core) -> UnitScheduler | None:
         root_members=root_members,
     )
     sched.timeout = core.op_timeout
+    sched.phase = core.phase
     if gather.secondary_shard is not None:  # [Note: secondary shard]
         sec = comm.hier.secondary_groups(core.mesh, gather.secondary_shard)
         if sec is not None:
@@ -464,6 +465,7 @@ def _sequence_check(core: Core, sched: UnitScheduler, mode: str) -> SequenceChec
         stop_shm=lambda: comm.shm.poison(group, rs_group),
     )
     check.describe = lambda *a, **k: core.where()
+    check.phase = core.phase
     return check
 
 

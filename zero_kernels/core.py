@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from . import comm
+from .partition.phase import PhaseTracker
 
 __all__ = ["Core", "StepCounter"]
 
@@ -82,6 +83,7 @@ class Core:
     comm_log: object = None  # comm.CommLog
     steps: StepCounter = dataclasses.field(default_factory=StepCounter)
     sync_free: bool = False  # off the CPU: step() reads nothing back ([Note: no host sync])
+    phase: PhaseTracker = dataclasses.field(default_factory=PhaseTracker)  # [Note: phase]
 
     def where(self) -> str:
         return f"ZeroOptimizer step {self.steps.n} (rank {self.dp_rank})"

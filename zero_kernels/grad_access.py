@@ -54,6 +54,7 @@ class GradContract:
         """First grad of a backward pass: take user changes, make the store accumulate in
         loss-scaled units, and take the views off the params so autograd writes fresh grads.
         Inside a ``Join`` context, a synchronising pass first tells it this rank still trains."""
+        self.core.phase.enter_backward()
         shard = self.core.policy.shard  # stage 3: Join is told in the forward
         if shard.params and (self.core.reducer.sync or not shard.grads):
             self.join.notify()

@@ -473,6 +473,11 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def phase(self) -> str:
+        """Where the training loop is: "idle", "forward", "backward" or "step" ([Note: phase])."""
+        return self._core.phase.now.value
+
     def __enter__(self) -> ZeroOptimizer:
         return self
 
@@ -547,8 +552,13 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        validate.check_intact(self._core, self._expected, self._module_params)
-        self.parts.stepper.step(self.param_groups, kwargs)
+        phase = self._core.phase
+        phase.enter_step()  # raises inside a backward, before anything reads a param
+        try:
+            validate.check_intact(self._core, self._expected, self._module_params)
+            self.parts.stepper.step(self.param_groups, kwargs)
+        finally:
+            phase.end_step()
         return loss
 
     def clip_grad_norm_(

@@ -16,7 +16,7 @@ import weakref
 import torch
 
 from .. import comm
-from .units import _in_backward
+from .phase import PhaseTracker
 
 
 class SequenceCheck(comm.Watch):
@@ -70,6 +70,7 @@ class SequenceCheck(comm.Watch):
         assert not (split and mode == "every"), "every launch is compared in one sequence"
         self.side, self.names, self.timeout, self.mode = side, names, timeout, mode
         self.fill = fill  # (kind, i, b) -> a handle: that collective on scratch buffers
+        self.phase = PhaseTracker()  # the optimizer's ([Note: phase]): which pass waits
         self.stop_shm = stop_shm  # () -> None: every shared-memory wait of the groups raises
         self.codes = {key: k for k, key in enumerate(sorted(names))}
         self.keys = {k: key for key, k in self.codes.items()}
@@ -123,7 +124,7 @@ class SequenceCheck(comm.Watch):
     def enter(self) -> None:
         if self.failure is not None:
             self._fail()
-        self.blocked_which = "backward" if _in_backward() else "forward"
+        self.blocked_which = "backward" if self.phase.backward else "forward"
         self.blocked_at = time.monotonic()
 
     def leave(self, error: BaseException | None = None) -> None:

@@ -122,6 +122,7 @@ from torch.utils._pytree import tree_flatten
 
 from .. import comm
 from .external import ReadGuard, container_members, is_container, returns_own_params, under_dynamo
+from .phase import PhaseTracker
 from .unit_find import find_units, unit_assignment, unit_members
 
 __all__ = ["UnitState", "Unit", "UnitScheduler", "find_units", "unit_assignment", "unit_members"]
@@ -208,6 +209,7 @@ class UnitScheduler:
         self.describe = lambda: ""  # where we are, for a timeout's message
         self.check = None  # SequenceCheck: every launch compared across ranks first
         self.secondary = None  # SecondaryShard with secondary_shard ([Note: secondary shard])
+        self.phase = PhaseTracker()  # the optimizer's ([Note: phase]), set by the builder
         # [Note: autocast]: saved-tensor hooks pushed in a unit's forward, (unit, hooks)
         self._recasts: list[tuple[int, _Recast]] = []
         self._fp32_ids: dict[int, set[int]] = {}
@@ -341,7 +343,7 @@ class UnitScheduler:
     def push_recast(self, k: int) -> None:
         """After unit ``k``'s pre-forward: under autocast, autograd saves the casts of its fp32
         params as recipes, made again in its backward (see [Note: autocast])."""
-        if not torch.is_grad_enabled() or _in_backward():
+        if not torch.is_grad_enabled() or self.phase.backward:
             return
         if not _autocast_enabled(self.store.device.type):
             return
@@ -403,7 +405,7 @@ class UnitScheduler:
         if _compiled_autograd():
             raise RuntimeError(_NO_COMPILED_AUTOGRAD)
         u = self.by_index[k]
-        if _in_backward():  # activation checkpointing: recomputation inside backward
+        if self.phase.backward:  # activation checkpointing: recomputation inside backward
             self.wait(u)
             return
         if self.order is None:
@@ -429,7 +431,7 @@ class UnitScheduler:
         """After unit ``k``'s forward (``free``: False for a container's member, whose unit is
         resharded at the model's post-forward; see [Note: external params])."""
         u = self.by_index[k]
-        if _in_backward():
+        if self.phase.backward:
             return
         flat = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
         if returns_own_params(flat, self._own_ids[k]):  # kept gathered for the caller
@@ -448,10 +450,10 @@ class UnitScheduler:
 
     def member_pre(self, k: int) -> None:
         """A member of container unit ``k`` is called: the first in a forward enters the unit."""
-        if k in self._entered and not _in_backward():
+        if k in self._entered and not self.phase.backward:
             self.wait(self.by_index[k])
         else:
-            if not _in_backward():
+            if not self.phase.backward:
                 self._entered.add(k)
             self.pre_forward(k)
 
@@ -466,7 +468,7 @@ class UnitScheduler:
             self._kept.add(u.index)
 
     def root_pre(self, args: tuple = (), kwargs: dict | None = None) -> None:
-        if _in_backward():
+        if self.phase.enter_forward():  # a recomputation ([Note: phase])
             self.wait(self.root)
             return
         if self.on_forward_start is not None:  # before any collective of the forward (Join)
@@ -499,7 +501,7 @@ class UnitScheduler:
             )
 
     def root_post(self, output=None) -> None:
-        if _in_backward():
+        if self.phase.backward:
             return
         self._guard.pop()
         self.pop_recast()  # a unit whose forward raised, caught inside the model's forward
@@ -525,11 +527,13 @@ class UnitScheduler:
                 me = weakref.ref(self)
                 torch.autograd.graph.register_multi_grad_hook(ts, _root_bwd(me), mode="any")
         self._entered.clear()
+        self.phase.end_forward()
         if self.check is not None:  # before the output is returned
             self.check.end_pass("forward")
 
     # ---- backward
     def pre_backward(self, k: int) -> None:
+        self.phase.enter_backward()
         u = self.by_index[k]
         fwd = self.bwd_units  # forward order: backward position p is fwd[len - 1 - p]
         top = len(fwd) - 1 - self.bwd_next  # the unit the backward should reach next
@@ -625,11 +629,6 @@ def _autocast_enabled(device_type: str) -> bool:
         if device_type == "cpu":
             return torch.is_autocast_cpu_enabled()
         return torch.is_autocast_enabled()
-
-
-def _in_backward() -> bool:
-    """Whether autograd's engine is running (a forward now is a recomputation)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 def _opaque(hook):
@@ -733,6 +732,7 @@ def _root_bwd(me):
     def hook(grad):
         s = me()
         if s is not None:
+            s.phase.enter_backward()
             s.wait(s.root)
 
     return hook

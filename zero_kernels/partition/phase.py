@@ -1,0 +1,133 @@
+"""Where one optimizer's training loop is: idle, in a forward, in a backward or in a step.
+
+[Note: phase]
+One `PhaseTracker` per optimizer holds the phase; the parts move it, nothing guesses it:
+
+    IDLE --root pre-forward--> FORWARD --root post-forward--> IDLE
+    IDLE | FORWARD --first hook of a backward--> BACKWARD --end of that backward--> IDLE
+    IDLE --step()--> STEP --its end (or its error)--> IDLE
+
+The backward starts at its first hook that reaches us (stage 3: the hook on the model's output
+or on a unit's output; every stage: a param's gradient hook). It ends when autograd's engine has
+run the callbacks queued for that backward: `enter_backward` queues one that re-queues itself,
+so it runs after the reducer's own end-of-backward callback (queued later, by a gradient hook),
+and the phase covers the reduction too. Autograd runs no callback when a backward raises; such a
+backward's phase is left behind, and the next forward (or ``now`` read outside the engine's
+graph task it started in) finds it over: a phase is tied to the graph task it was entered in.
+
+A forward while the phase is BACKWARD is a recomputation (activation checkpointing). A model
+forward that starts inside autograd's engine before any hook of ours fired (the whole model
+under a reentrant ``torch.utils.checkpoint``, whose first forward ran without grad) is one too:
+`enter_forward` is the one place that asks the engine, and it moves the phase to BACKWARD, so
+every unit's hooks after it read the phase alone. Stages 1 and 2 have no forward hooks (except
+``overlap_param_gather``'s waits) and see only IDLE, BACKWARD and STEP.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+__all__ = ["Phase", "PhaseTracker"]
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    STEP = "step"
+
+
+@torch.compiler.disable
+def _eager(fn) -> None:
+    fn()
+
+
+def _graph_task() -> int:
+    """The id of the autograd graph task this thread runs (-1: none)."""
+    return torch._C._current_graph_task_id()
+
+
+class PhaseTracker:
+    """The phase of one optimizer (see [Note: phase])."""
+
+    def __init__(self) -> None:
+        self._now = Phase.IDLE
+        self._task = -1  # the graph task of the BACKWARD phase
+        self.stale = 0  # backward phases found over without their end (a backward that raised)
+
+    @property
+    def now(self) -> Phase:
+        if self._now is Phase.BACKWARD and _graph_task() == -1:  # over (it raised)
+            self._lapse()
+        return self._now
+
+    @property
+    def backward(self) -> bool:
+        """In a backward (a forward now is a recomputation)."""
+        return self.now is Phase.BACKWARD
+
+    def _lapse(self) -> None:
+        self.stale += 1
+        self._now, self._task = Phase.IDLE, -1
+
+    # ---- forward (stage 3's root unit hooks)
+    def enter_forward(self) -> bool:
+        """The model's forward starts; True where it is a recomputation inside a backward."""
+        task = _graph_task()
+        if task != -1:  # inside autograd's engine
+            self.enter_backward()
+            return True
+        if self._now is Phase.BACKWARD:  # a backward that raised: over
+            self._lapse()
+        if self._now is Phase.STEP:
+            raise RuntimeError(
+                "ZeroOptimizer: the model's forward ran inside step() (from a hook of the "
+                "inner optimizer?); run forwards before step() or in its closure"
+            )
+        self._now = Phase.FORWARD
+        return False
+
+    def end_forward(self) -> None:
+        if self._now is Phase.FORWARD:
+            self._now = Phase.IDLE
+
+    # ---- backward
+    def enter_backward(self) -> None:
+        """A hook of a backward fired (inside autograd's engine). Under compiled autograd the
+        hooks are traced: this runs as plain Python at a graph break (`_eager`)."""
+        _eager(self._enter_backward)
+
+    def _enter_backward(self) -> None:
+        task = _graph_task()
+        if self.now is Phase.BACKWARD:  # (a nested graph task of it: reentrant checkpointing)
+            return
+        self._now, self._task = Phase.BACKWARD, task
+        if task != -1:
+            torch.autograd.Variable._execution_engine.queue_callback(self._requeue(task))
+
+    def _requeue(self, task: int):
+        def first() -> None:  # the reducer's callback was queued after this one: go after it
+            torch.autograd.Variable._execution_engine.queue_callback(last)
+
+        def last() -> None:
+            if self._now is Phase.BACKWARD and self._task == task:
+                self._now, self._task = Phase.IDLE, -1
+
+        return first
+
+    # ---- step
+    def enter_step(self) -> None:
+        now = self.now
+        if now is Phase.BACKWARD:
+            raise RuntimeError(
+                "ZeroOptimizer.step() was called during a backward (from a gradient hook?): "
+                "the gradients are reduced at the end of the backward, so a step now would use "
+                "partial ones; call step() after backward() returns"
+            )
+        self._now = Phase.STEP
+
+    def end_step(self) -> None:
+        if self._now is Phase.STEP:
+            self._now = Phase.IDLE
