@@ -180,6 +180,88 @@ def checkpoints(rank, world):
     return {}
 
 
+def _streams(rank, dtype):
+    """Both offloads at stage 3, several buckets: a save holds one bucket's offloaded state in
+    RAM at a time (never all of it: `resident` is not entered), and the checkpoint loads into
+    a stage-2 optimizer without offload and into one with both offloads (streamed too) to the
+    same state and the same next steps ([Note: streamed checkpoints])."""
+    m = model(dtype)  # four units of the same size
+    o = build(m, 3, True, offload_params="nvme", persist_below=0)
+    train(m, o, 3, rank)
+    runner = o.parts.core.runner
+    sw, tier = runner.swap, o.parts.core.store.tier
+    buckets = {k: sum(r[3] for r in v) for k, v in sw.records.items()}
+    assert len(buckets) >= 4, buckets
+    full = runner.resident
+
+    def refused():
+        raise AssertionError("save entered resident(): all of the offloaded state in RAM")
+
+    runner.resident, runner.window_peak_bytes = refused, 0
+    base = tier.peak_ram = tier.ram_bytes()
+    d = os.path.join(DIR, f"zk-offload-stream-{os.getppid()}-{dtype}")
+    try:
+        path = zero_kernels.save_checkpoint(d, m, o, extra={"step": 3})
+    finally:
+        runner.resident = full
+    moments = sw.moment_bytes()
+    per_bucket: dict = {}  # a bucket's shard and master pages
+    for k, r in tier.records.items():
+        if not r.pinned:
+            per_bucket[k[:2]] = per_bucket.get(k[:2], 0) + r.nbytes
+    assert 0 < runner.window_peak_bytes <= 1.01 * max(buckets.values()), (
+        runner.window_peak_bytes,
+        buckets,
+    )
+    assert runner.window_peak_bytes < moments / 3, (runner.window_peak_bytes, moments)
+    assert len(per_bucket) >= 4, per_bucket
+    assert 0 < tier.peak_ram - base <= max(per_bucket.values()), (tier.peak_ram, base, per_bucket)
+    want_state = snapshot(m, o)
+    train(m, o, 2, rank, start=3)
+    want = snapshot(m, o)
+    o.close()
+    m2 = model(dtype)
+    o2 = build(m2, 2, False)
+    zero_kernels.load_checkpoint(path, m2, o2)
+    assert same(snapshot(m2, o2), want_state), "the streamed save lost or changed state"
+    train(m2, o2, 2, rank, start=3)
+    assert same(snapshot(m2, o2), want), "the resume from a streamed save differs"
+    o2.close()
+    # loaded into both offloads: streamed in the same way, the same next steps
+    m3 = model(dtype)
+    o3 = build(m3, 3, True, offload_params="nvme", persist_below=0)
+    r3 = o3.parts.core.runner
+    full3, r3.resident = r3.resident, refused
+    try:
+        zero_kernels.load_checkpoint(path, m3, o3)
+    finally:
+        r3.resident = full3
+    assert 0 < r3.window_peak_bytes <= 1.01 * max(buckets.values()), r3.window_peak_bytes
+    assert same(snapshot(m3, o3), want_state), "a streamed load lost or changed state"
+    train(m3, o3, 2, rank, start=3)
+    assert same(snapshot(m3, o3), want), "the resume from a streamed load differs"
+    o3.close()
+    torch.distributed.barrier()
+    if rank == 0:
+        import shutil
+
+        shutil.rmtree(d, ignore_errors=True)
+    return {
+        "window_peak_bytes": runner.window_peak_bytes,
+        "moment_bytes": moments,
+        "buckets": len(buckets),
+    }
+
+
+def checkpoint_streams(rank, world):
+    """Both offloads at stage 3, several buckets: a save holds one bucket's offloaded state in
+    RAM at a time (never all of it: `resident` is not entered), and the checkpoint loads into
+    a stage-2 optimizer without offload and into one with both offloads (streamed too) to the
+    same state and the same next steps ([Note: streamed checkpoints]); fp32 and bf16 params
+    (their fp32 masters offloaded too)."""
+    return {str(dt): _streams(rank, dt) for dt in (torch.float32, torch.bfloat16)}
+
+
 def state_dict_round_trip(rank, world):
     m = model(torch.bfloat16)
     o = build(m, 1, True)
@@ -253,6 +335,7 @@ CHECKS = [
     io_per_step,
     lowbit_moments,
     checkpoints,
+    checkpoint_streams,
     state_dict_round_trip,
     file_lifetime,
     refusals,

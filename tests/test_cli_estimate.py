@@ -420,3 +420,38 @@ def test_state_dtype():
     off = est.estimate(10**9, 4, state_dtype="int8", offload_optimizer="nvme")
     assert off.stages[1].offload_disk_bytes == pytest.approx((2 + 8 / 256) * 10**9 / 4)
     assert main(["estimate", "--params", "1B", "-n", "4", "--state-dtype", "int8"]) == 0
+
+
+def test_shard_group_and_secondary_shard(capsys):
+    """Hierarchical sharding (shards over K ranks, the gradient shards all-reduced across the
+    N/K replicas) and hpZ's secondary shard (1/S of the non-root params from the forward to
+    the backward, the backward's gathers over S ranks), against the formulas."""
+    psi, N, K, S = 10**6, 8, 4, 2
+    flat = est.estimate_stage(3, psi, N, precision="fp32")
+    hier = est.estimate_stage(3, psi, N, precision="fp32", shard_size=K)
+    assert hier.params_bytes == 4 * psi / K and hier.total_bytes == 16 * psi / K
+    assert hier.all_reduce_bytes == 4 * psi / K  # the gradient shard across the replicas
+    assert hier.wire_bytes == pytest.approx((K - 1) / K * 12 * psi + 2 * (1 / 2) * 4 * psi / K)
+    for stage in (1, 2):  # the optimizer state (and at 2 the grads) over K, not N
+        h = est.estimate_stage(stage, psi, N, precision="fp32", shard_size=K)
+        assert h.optim_bytes == 8 * psi / K and h.shard_size == K
+    hp = est.estimate_stage(3, psi, N, precision="fp32", secondary_shard=S, root_params=10**5)
+    assert hp.secondary_bytes == 4 * (psi - 10**5) / S
+    assert hp.total_bytes == flat.total_bytes + hp.secondary_bytes
+    assert hp.wire_bytes == pytest.approx(flat.wire_bytes - (7 / 8 - 1 / 2) * 4 * psi)
+    bad = [
+        (dict(stage=3, shard_size=3), "--shard-group must be a rank count dividing"),
+        (dict(stage=0, shard_size=4), "not DDP's"),
+        (dict(stage=2, secondary_shard=2), "--secondary-shard is a stage-3 option"),
+        (dict(stage=3, shard_size=4, secondary_shard=8), "dividing the shard group's 4"),
+    ]
+    for kw, needle in bad:
+        with pytest.raises(ValueError, match=needle):
+            est.estimate_stage(n_params=psi, world_size=N, **kw)
+    argv = ["estimate", "--params", "1B", "-n", "16", "--nodes", "2"]
+    assert main([*argv, "--shard-group", "node", "--secondary-shard", "4", "--json"]) == 0
+    rows = {r["stage"]: r for r in json.loads(capsys.readouterr().out)["stages"]}
+    assert rows[3]["shard_size"] == 8 and rows[3]["secondary_bytes"] == 2e9 / 4
+    assert rows[0]["shard_size"] == 16 and rows[0]["secondary_bytes"] == 0  # DDP as it is
+    assert main([*argv[:-2], "--secondary-shard", "node"]) == 2
+    assert "needs --nodes" in capsys.readouterr().err

@@ -412,9 +412,18 @@ class StageEstimate:
     offload_disk_bytes: float = 0.0
     offload_staging_bytes: float = 0.0
     offload_io_bytes: float = 0.0
+    # stage 3's secondary shard (hpZ): the 1/K of every unit's params kept from its forward to
+    # its backward, at its peak (the end of the forward); in total_bytes
+    secondary_bytes: float = 0.0
+    shard_size: int = 0  # ranks each state is sharded over (the world unless hierarchical)
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def _check_divides(name: str, k, total: int, what: str) -> None:
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= total or total % k:
+        raise ValueError(f"{name} must be a rank count dividing {what}; got {k!r}")
 
 
 def estimate_stage(
@@ -438,6 +447,8 @@ def estimate_stage(
     offload_staging_mb: float = 48.0,
     offload_params: str | None = None,
     state_dtype: str = "fp32",
+    shard_size: int | None = None,
+    secondary_shard: int | None = None,
 ) -> StageEstimate:
     """Per-rank model-state bytes, comm buffers and per-step communication of one stage (see
     the Note above); ``bucket_mb`` / ``max_inflight_buckets`` / ``reshard_after_forward`` as
@@ -455,7 +466,15 @@ def estimate_stage(
     ``offload_params="nvme"`` (stage 3): the param shards and the fp32 masters go to disk too
     (the gathered window stays in ``live_bytes``); a step reads each shard three times (the
     forward's and the backward's all-gathers, the step) and writes it once, and reads and
-    writes the masters once ([Note: param offload])."""
+    writes the masters once ([Note: param offload]).
+    ``shard_size=K`` (``shard_group``, [Note: hierarchy] in `zero_kernels.comm.hier`): the
+    states are sharded over groups of K ranks and replicated across the N/K groups: shards
+    are 1/K; the gradients are reduce-scattered inside the group and their shards all-reduced
+    across the groups (2 (R-1)/R of the shard on the wire, R = N/K replicas).
+    ``secondary_shard=S`` (stage 3, hpZ, [Note: secondary shard]): each rank keeps 1/S of every
+    unit's gathered params from its forward to its backward (``secondary_bytes``, all but the
+    root unit's ``root_params``: the peak, at the end of the forward), and the backward's
+    all-gathers run over the S ranks of its block."""
     if offload_params not in (None, "nvme"):
         raise ValueError(f"--offload-params must be nvme; got {offload_params!r}")
 
@@ -474,8 +493,18 @@ def estimate_stage(
         raise ValueError(f"--stage must be one of {STAGES}; got {stage!r}")
     if world_size < 1:
         raise ValueError(f"--world-size must be >= 1; got {world_size}")
+    shard_size = world_size if shard_size is None else shard_size
+    _check_divides("--shard-group", shard_size, world_size, f"--world-size {world_size}")
+    if stage == 0 and shard_size != world_size:
+        raise ValueError("--shard-group is a ZeroOptimizer option (stages 1-3), not DDP's")
+    if secondary_shard is not None:
+        if stage != 3:
+            raise ValueError(f"--secondary-shard is a stage-3 option; got stage {stage}")
+        what = f"the shard group's {shard_size} ranks"
+        _check_divides("--secondary-shard", secondary_shard, shard_size, what)
     prec = PRECISIONS[_choice("--precision", precision, PRECISIONS, _PRECISION_ALIASES)]
-    psi, n = float(n_params), float(world_size)
+    psi, n = float(n_params), float(shard_size)
+    replicas = world_size // shard_size
     p, g = prec.param_bytes * psi, prec.grad_bytes * psi
     k = (
         optimizer_state_bytes(optimizer, prec, n_params)
@@ -508,6 +537,14 @@ def estimate_stage(
     else:
         ar, rs, ag, elems = 0.0, g, 2 * p, 3.0
         wire = ring * (g + 2 * p)
+    if stage and replicas > 1:  # the gradient shards all-reduced across the replica groups
+        ar += g / n
+        wire += 2 * (replicas - 1) / replicas * g / n
+    second = 0.0
+    if secondary_shard is not None:
+        second = max(psi - root_params, 0.0) * prec.param_bytes / secondary_shard
+        if reshard_after_forward:  # the backward's gathers: ring over the block, not the group
+            wire += ((secondary_shard - 1) / secondary_shard - ring) * p
     disk = staging = io = 0.0
     if offload_optimizer:
         moments = {"fp32": 8.0, "bf16": 4.0}.get(state_dtype, 2 + 8 / 256)  # per param
@@ -520,7 +557,7 @@ def estimate_stage(
         disk += pb + masters
         io += 4 * pb + 2 * masters
         pb, ob = 0.0, ob - masters
-    total = pb + gb + ob + live + staging
+    total = pb + gb + ob + live + staging + second
     comm_bytes = 2 * ar + rs + ag  # an all-reduce is a reduce-scatter plus an all-gather
     buffers = 0.0
     if stage == 2:
@@ -566,6 +603,8 @@ def estimate_stage(
         offload_disk_bytes=disk,
         offload_staging_bytes=staging,
         offload_io_bytes=io,
+        secondary_bytes=second,
+        shard_size=shard_size,
     )
 
 
@@ -603,11 +642,15 @@ def estimate(
     offload_params: str | None = None,
     state_dtype: str = "fp32",
     state_block: int = 256,
+    shard_size: int | None = None,
+    secondary_shard: int | None = None,
 ) -> Estimate:
     """All stages for a parameter count or a model spec (see `model_info`); with
     ``offload_optimizer``, stages 1-3 offload (DDP's row stays as it is); with
     ``offload_params``, stage 3's params and masters too; with ``state_dtype`` (adam), stages
-    1-3 keep the moments in bf16 or int8 (DDP's row stays torch's fp32 state)."""
+    1-3 keep the moments in bf16 or int8 (DDP's row stays torch's fp32 state); with
+    ``shard_size`` (hierarchical sharding) stages 1-3 shard over groups of that many ranks;
+    with ``secondary_shard``, stage 3 keeps hpZ's secondary shard."""
     shapes = None
     largest = None
     if model is not None:
@@ -638,6 +681,8 @@ def estimate(
             offload_staging_mb=offload_staging_mb,
             offload_params=offload_params if s == 3 else None,
             state_dtype=state_dtype if s else "fp32",
+            shard_size=shard_size if s else None,
+            secondary_shard=secondary_shard if s == 3 else None,
         )
         for s in stages
     ]

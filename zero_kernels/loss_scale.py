@@ -50,6 +50,13 @@ class LossScaler:
             "dynamic": bool(self.dynamic),
         }
 
+    def load_state_dict(self, state: dict) -> None:
+        """Take a `state_dict` of a scaler of the same kind (a dynamic one's into a static one
+        changes nothing: the kind is the optimizer's setting)."""
+        if bool(state.get("dynamic")) == self.dynamic and "loss_scale" in state:
+            self.scale = float(state["loss_scale"])
+            self.growth_tracker = int(state.get("growth_tracker", 0))
+
     def __repr__(self) -> str:
         kind = "dynamic" if self.dynamic else "static"
         return f"LossScaler({kind}, scale={self.scale:g}, growth_tracker={self.growth_tracker})"

@@ -504,7 +504,14 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
         if getattr(self, "_building", False):
             return super().add_param_group(param_group)
         self._check_open("add_param_group")
-        regroup.add_group(self, param_group)
+        kept = regroup.take(self, param_group)  # checked, the whole state gathered
+        optimizer_class, kwargs = self._init_args
+        # torch.optim.Optimizer's hooks registered on this optimizer survive the rebuild
+        hooks = {k: v for k, v in vars(self).items() if k.startswith("_optimizer_") and "hook" in k}
+        self.close()
+        type(self).__init__(self, kept.groups, optimizer_class, **kwargs)
+        vars(self).update(hooks)
+        regroup.put_back(self, kept)
 
     def layout_name(self, index: int) -> str:
         return self._core.param_name(index)

@@ -14,6 +14,7 @@ one flat tensor per bucket, loaded values go straight into those views (`state_t
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -106,10 +107,26 @@ class ShardedState:
         return self._groups
 
     # ---- this rank's pieces
-    def pieces(self) -> Iterator[Piece]:
-        for _i, _k, pc, ip, _g in self._entries:
+    def pieces(self, which=None) -> Iterator[Piece]:
+        """Every piece of this rank, or those of indices ``which`` (in this order's numbering)."""
+        for j in range(len(self._entries)) if which is None else which:
+            _i, _k, pc, ip, _g = self._entries[j]
             st = self._runner.inner.state.get(ip) or {}
             yield Piece(pc.index, pc.offset, pc.numel, ip.detach().view(-1), tuple(ip.shape), st)
+
+    def windows(self, read: bool = True, write: bool = True) -> list[tuple[list[int], object]]:
+        """The pieces in groups, each ``(indices, context)``: inside ``context()`` that group's
+        state is in RAM. Offloaded state (not int8) comes one bucket per group, read in
+        (``read``) and written back after (``write``), so that a reader streams it ([Note:
+        streamed checkpoints] in `zero_kernels.checkpoint.save`); else one group of every
+        piece, under `resident`."""
+        r = self._runner
+        if not r.streams:
+            return [(list(range(len(self._entries))), self.resident)]
+        groups: dict[tuple[int, int], list[int]] = {}
+        for j, (i, _k, pc, _ip, _g) in enumerate(self._entries):
+            groups.setdefault((i, pc.bucket), []).append(j)
+        return [(js, functools.partial(r.window, [key], read, write)) for key, js in groups.items()]
 
     def lowbit_format(self, j: int) -> dict | None:
         """How piece ``j``'s moments are stored where not fp32/bf16: ``{"dtype": "int8", "block":
@@ -163,16 +180,27 @@ class ShardedState:
                 return views[key]
         return torch.empty(pc.numel, dtype=dtype)
 
-    @torch.no_grad()
     def install(self, states: list, groups: list[dict], steps: int, scaler: dict) -> None:
         """Per piece (in `pieces` order) its loaded state ``{"elem": {key: flat}, "other":
         {...}}`` (int8 on this piece's blocks: also ``"codes"``, the saved codes and scales,
         ``elem`` their decode) or None (no state: it restarts), the param groups'
         hyper-parameters, the step counter and the scaler's saved state; then the params are
-        made whole from the loaded values (collective)."""
-        c, r = self._core, self._runner
-        assert len(self._entries) == len(states)
-        for (i, k, pc, ip, _g), st in zip(self._entries, states):
+        made whole from the loaded values (collective). Inside `resident`; a streamed load
+        calls `install_pieces` inside each of `windows` and `finish_install` after."""
+        self.install_pieces(range(len(self._entries)), states)
+        self.finish_install(groups, steps, scaler)
+
+    @torch.no_grad()
+    def install_pieces(self, which, states: list) -> None:
+        """The loaded state of pieces ``which`` (see `install`), inside the window (or the
+        `resident` context) holding them."""
+        r = self._runner
+        which = list(which)
+        assert len(which) == len(states)
+        buckets = set()
+        for j, st in zip(which, states):
+            i, k, pc, ip, _g = self._entries[j]
+            buckets.add((i, pc.bucket))
             if st is not None and "codes" in st:  # int8 on the same blocks: taken as saved
                 r.int8.take_piece(i, k, pc, self._lo(i, pc), st["codes"])
             if st is not None:
@@ -182,18 +210,15 @@ class ShardedState:
                 }
                 continue
             r.inner.state.pop(ip, None)
-            flat = r.flat_state.get((i, pc.bucket)) if r.fused[i] else None
-            if flat:  # fused Adam: the piece's range of the bucket's state restarts at 0
-                b = c.layout.buffers[i].buckets[pc.bucket]
-                lo = pc.start - b.shard_start(c.rank)
-                for t in flat.values():
-                    t[lo : lo + pc.numel].zero_()
-        r.adopt_state()
+            r.restart_piece(i, k)
+        r.adopt_state(buckets)
+
+    def finish_install(self, groups: list[dict], steps: int, scaler: dict) -> None:
+        """After every piece's `install_pieces`: the groups, the scaler, the step counter, and
+        the params made whole from the loaded values (collective)."""
+        c = self._core
         self._take_groups(groups)
-        sc = self._scaler
-        if "loss_scale" in scaler and scaler.get("dynamic") == sc.dynamic:
-            sc.scale = float(scaler["loss_scale"])
-            sc.growth_tracker = int(scaler.get("growth_tracker", 0))
+        self._scaler.load_state_dict(scaler)
         c.steps.n = int(steps)
         self._full.refresh_params()
 

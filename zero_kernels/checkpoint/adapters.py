@@ -99,6 +99,12 @@ class Adapter:
         written back after); a plain optimizer's always is."""
         return contextlib.nullcontext()
 
+    def windows(self, read: bool = True, write: bool = True) -> list[tuple[list | None, object]]:
+        """This rank's pieces in groups ``(which, context)`` whose state is in RAM inside
+        ``context()`` (see `ShardedState.windows`); ``which`` goes to `my_pieces`. A plain
+        optimizer's: one group of all (None), always in RAM."""
+        return [(None, contextlib.nullcontext)]
+
     stage: int
     mode: str
     group = None
@@ -181,8 +187,8 @@ class Adapter:
     def optimizer_class(self) -> type:
         raise NotImplementedError
 
-    def my_pieces(self):
-        """`PieceData` of every piece of this rank."""
+    def my_pieces(self, which=None):
+        """`PieceData` of every piece of this rank (or of group ``which`` of `windows`)."""
         raise NotImplementedError
 
     def targets(self) -> list[Target]:
@@ -206,6 +212,14 @@ class Adapter:
         again. Collective for ZeRO."""
         raise NotImplementedError
 
+    def install_pieces(self, which, states: list[dict | None]) -> None:
+        """A streamed load: the loaded state of the targets of group ``which`` of `windows`,
+        inside its context; `finish_install` follows the last. Here (one group): kept."""
+        self._loaded = states
+
+    def finish_install(self, groups: list[dict], meta: dict) -> None:
+        self.install(self._loaded, groups, meta)
+
     def steps(self) -> int:
         raise NotImplementedError
 
@@ -228,6 +242,9 @@ class ZeroAdapter(Adapter):
     def resident(self):
         return self.state.resident()
 
+    def windows(self, read: bool = True, write: bool = True):
+        return self.state.windows(read, write)
+
     def params(self):
         return self.state.params()
 
@@ -240,9 +257,10 @@ class ZeroAdapter(Adapter):
     def optimizer_class(self):
         return self.state.optimizer_class
 
-    def my_pieces(self):
+    def my_pieces(self, which=None):
         codes = self.state.piece_codes()  # int8 moments: saved as codes and scales
-        for j, pc in enumerate(self.state.pieces()):
+        js = range(len(codes)) if which is None else which
+        for j, pc in zip(js, self.state.pieces(js)):
             st = pc.state
             elem = {k: v.detach().reshape(-1) for k, v in st.items() if elementwise(k, v, pc.shape)}
             other = {k: v for k, v in st.items() if k not in elem}
@@ -270,6 +288,13 @@ class ZeroAdapter(Adapter):
         self.state.install(
             states, groups, int(meta.get("steps", st.steps)), meta.get("scaler") or {}
         )
+
+    def install_pieces(self, which, states):
+        self.state.install_pieces(which, states)
+
+    def finish_install(self, groups, meta):
+        st = self.state
+        st.finish_install(groups, int(meta.get("steps", st.steps)), meta.get("scaler") or {})
 
     def steps(self):
         return self.state.steps
@@ -325,7 +350,8 @@ class PlainAdapter(Adapter):
     def optimizer_class(self):
         return type(self.optimizer)
 
-    def my_pieces(self):
+    def my_pieces(self, which=None):
+        assert which is None, "a plain optimizer's pieces come in one group"
         for buf in pieces(self.layout, self.rank):
             for pc in buf:
                 p = self._params[pc.index]

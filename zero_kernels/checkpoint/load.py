@@ -76,10 +76,10 @@ def load_checkpoint(
     names = sorted(plan.meta["files"])
     mine = [n for j, n in enumerate(names) if j % ad.world_size == ad.rank]
     _agree(ctl, lambda: _verify(plan, mine), "verifying the files")
-    with Reader(plan.directory) as rd, ad.resident():  # offloaded state: in RAM for the load
-        states = _agree(ctl, lambda: _read_targets(plan, ad, rd), "reading the pieces")
-        groups = decode(plan.meta["param_groups"])
-        ad.install(states, groups, plan.meta)
+    with Reader(plan.directory) as rd:
+        # offloaded state streams in bucket by bucket ([Note: streamed checkpoints] in save.py)
+        _agree(ctl, lambda: _read_windows(plan, ad, rd), "reading the pieces")
+        ad.finish_install(decode(plan.meta["param_groups"]), plan.meta)
         _load_model_state(plan, ad, rd)
         if scheduler is not None and plan.meta.get("scheduler") is not None:
             scheduler.load_state_dict(decode(plan.meta["scheduler"]))
@@ -218,11 +218,24 @@ def _first_file(plan: Plan, s: int) -> str:
     raise CheckpointError(plan.where(), f"corrupt: no saved piece holds param #{s}'s start")
 
 
-def _read_targets(plan: Plan, ad: Adapter, rd: Reader) -> list[dict | None]:
+def _read_windows(plan: Plan, ad: Adapter, rd: Reader) -> None:
+    """Every target read and installed, window by window of the adapter (each holds its part
+    of the offloaded state in RAM, written back after). The number of windows differs between
+    ranks: nothing collective happens in here."""
+    targets, others = ad.targets(), {}
+    for which, ctx in ad.windows(read=True, write=True):
+        js = range(len(targets)) if which is None else which
+        with ctx():
+            ad.install_pieces(which, _read_targets(plan, ad, rd, targets, js, others))
+
+
+def _read_targets(plan: Plan, ad: Adapter, rd: Reader, targets, js, others) -> list:
+    """The loaded state of targets ``js`` (see `Adapter.install`); ``others``: the non-element
+    state read so far, by saved param."""
     states: list[dict | None] = []
-    others: dict[int, dict] = {}
     with torch.no_grad():
-        for j, t in enumerate(ad.targets()):
+        for j in js:
+            t = targets[j]
             name = ad.name_of(t.index)
             sp = plan.saved.get(name)
             if sp is None:  # trainable here, not in the saved optimizer: its values only

@@ -95,11 +95,7 @@ def save_checkpoint(
     ctl.arrive(f"save_checkpoint (step {step})")
     name, tmp = _on_rank0(ctl, lambda: _prepare(root, step), "the temp directory from rank 0")
     # hierarchical sharding: the first shard group writes, the others hold copies of its state
-    info = (
-        _try(lambda: _resident(ad, _write_rank, tmp))
-        if ad.writer
-        else ("ok", {"files": {}, "schema": {}})
-    )
+    info = _try(lambda: _write_rank(ad, tmp)) if ad.writer else ("ok", {"files": {}, "schema": {}})
     infos = ctl.gather(info, "every rank's files, on rank 0")
     meta = _meta(ad, name, groups_json, sched_json, extra_json) if ctl.rank == 0 else None
     return _on_rank0(
@@ -131,11 +127,6 @@ def _meta(ad: Adapter, name: str, groups_json, sched_json, extra_json) -> dict:
 
 
 # ---------------------------------------------------------------------------- collective frame
-def _resident(ad: Adapter, fn, *args):
-    with ad.resident():  # offloaded state in RAM for the write ([Note: offload])
-        return fn(ad, *args)
-
-
 def _try(fn):
     """``("ok", fn())`` or ``("err", message)``: errors travel to the other ranks as values."""
     try:
@@ -176,16 +167,95 @@ def _prepare(root: str, step: int) -> tuple[str, str]:
 # ---------------------------------------------------------------------------- every rank: write
 def _write_rank(ad: Adapter, tmp: str) -> dict:
     """This rank's file (and rank 0's model file); their sizes, checksums and the state schema
-    of the params whose first element this rank holds."""
+    of the params whose first element this rank holds. The pieces stream window by window
+    (see [Note: streamed checkpoints])."""
+    stream = _Streamed(ad)
+    try:
+        return _write_files(ad, tmp, stream)
+    finally:
+        stream.close()
+
+
+def _piece_tensors(pd) -> list[tuple[str, torch.Tensor]]:
+    """The rank file's tensors of one piece: its values, element-wise state, low-bit scales
+    and (at the param's first element) its other state tensors."""
+    out = [(f"p/{pd.index}/{pd.offset}", pd.values)]
+    out += [(f"s/{pd.index}/{pd.offset}/{k}", v) for k, v in pd.elem.items()]
+    out += [(f"k/{pd.index}/{pd.offset}/{k}", v) for k, v in pd.scales.items()]
+    if pd.offset == 0:
+        out += [(f"o/{pd.index}/{k}", v) for k, v in pd.other.items() if torch.is_tensor(v)]
+    return out
+
+
+class _Streamed:
+    """[Note: streamed checkpoints]
+    Offloaded state (``offload_optimizer`` / ``offload_params``) is on disk because it does not
+    fit in RAM, so a save must not read all of it in. The adapter's `windows` split this rank's
+    pieces by bucket; the rank file is written in two passes over them:
+
+    1. the header: each window entered with nothing read (its moments zeros; only the names,
+       dtypes and shapes of its pieces' tensors, and their non-tensor state, are taken);
+    2. the data: `write_safetensors` asks each entry for its elements in the header's order,
+       and the first entry of a window enters it (the bucket's shards, masters and moments read
+       in, nothing written back: a save changes nothing) and leaves the one before.
+
+    So RAM holds one bucket's offloaded state at a time (`ShardRunner.window_peak_bytes` counts
+    it), read once. Without offload, or with int8 moments (decoded and encoded as a whole, see
+    [Note: int8 shard state]), there is one window of every piece, entered once for both
+    passes."""
+
+    def __init__(self, ad: Adapter):
+        self.ad = ad
+        self.windows = ad.windows(read=True, write=False)
+        self.blank = ad.windows(read=False, write=False) if len(self.windows) > 1 else None
+        self.open_at: int | None = None
+        self._ctx = None
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def describe(self):
+        """Pass 1: ``(window, PieceData)`` of every piece, in windows' order."""
+        for w, (which, _) in enumerate(self.windows):
+            if self.blank is None:  # one window: entered once, for both passes
+                self._enter(w)
+                for pd in self.ad.my_pieces(which):
+                    yield w, pd
+                continue
+            with self.blank[w][1]():
+                for pd in self.ad.my_pieces(which):
+                    yield w, pd
+
+    def tensor(self, w: int, name: str) -> torch.Tensor:
+        """Pass 2: tensor ``name`` of window ``w`` (entering it, leaving the one before)."""
+        if self.open_at != w:
+            self._enter(w)
+        return self.tensors[name]
+
+    def _enter(self, w: int) -> None:
+        self.close()
+        which, ctx = self.windows[w]
+        self._ctx = ctx()
+        self._ctx.__enter__()
+        self.open_at = w
+        self.tensors = {
+            n: t.detach() for pd in self.ad.my_pieces(which) for n, t in _piece_tensors(pd)
+        }
+
+    def close(self) -> None:
+        ctx, self._ctx, self.open_at, self.tensors = self._ctx, None, None, {}
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+
+
+def _write_files(ad: Adapter, tmp: str, stream: _Streamed) -> dict:
     entries: list[Entry] = []
     schema: dict[int, dict] = {}
     version = 1  # the oldest format that holds what this rank saves
-    for pd in ad.my_pieces():
-        entries.append(Entry.of(f"p/{pd.index}/{pd.offset}", pd.values))
-        for k, v in pd.elem.items():
-            entries.append(Entry.of(f"s/{pd.index}/{pd.offset}/{k}", v))
-        for k, v in pd.scales.items():  # low-bit moments: the piece's block scales
-            entries.append(Entry.of(f"k/{pd.index}/{pd.offset}/{k}", v))
+    for w, pd in stream.describe():
+        for n, t in _piece_tensors(pd):
+            entries.append(
+                Entry(n, t.dtype, tuple(t.shape), lambda w=w, n=n: (stream.tensor(w, n),))
+            )
+        if pd.scales:  # low-bit moments: the piece's block scales
             version = max(version, LOWBIT_VERSION)
         if pd.offset != 0 or not (pd.elem or pd.other):
             continue
@@ -198,7 +268,6 @@ def _write_rank(ad: Adapter, tmp: str) -> dict:
             sc["lowbit"] = dict(pd.lowbit)
         for k, v in pd.other.items():
             if isinstance(v, torch.Tensor):
-                entries.append(Entry.of(f"o/{pd.index}/{k}", v))
                 sc["tensor"][k] = {"dtype": _dt(v.dtype), "shape": list(v.shape)}
             else:
                 sc["value"][k] = encode(

@@ -214,6 +214,18 @@ def _build_parser() -> argparse.ArgumentParser:
         default=256,
         help="int8 state: elements per quantization block (default 256, as ZeroOptimizer)",
     )
+    e.add_argument(
+        "--shard-group",
+        default=None,
+        help="stages 1-3 sharded over groups of K ranks, replicated across the groups "
+        "(ZeroOptimizer(shard_group=K); 'node': the ranks of one of --nodes)",
+    )
+    e.add_argument(
+        "--secondary-shard",
+        default=None,
+        help="stage 3 with hpZ's secondary shard over K ranks (ZeroOptimizer(secondary_shard=K);"
+        " 'node': the ranks of one of --nodes)",
+    )
     e.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     b = sub.add_parser(
@@ -243,6 +255,21 @@ def _build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _ranks_option(name: str, value: str | None, args) -> int | None:
+    """``--shard-group`` / ``--secondary-shard``: None, a rank count, or "node" (--nodes')."""
+    if value is None:
+        return None
+    if value == "node":
+        if args.nodes is None:
+            raise ValueError(f"--{name} node needs --nodes (how many ranks a node holds)")
+        return args.world_size // args.nodes
+    try:
+        k = int(value)
+    except ValueError:
+        raise ValueError(f"--{name} must be a rank count or 'node'; got {value!r}") from None
+    return k
+
+
 def _cmd_estimate(args) -> int:
     from .. import estimate as est
 
@@ -264,9 +291,15 @@ def _cmd_estimate(args) -> int:
                 f"--nodes must be >= 1 and divide --world-size {args.world_size}; got "
                 f"--nodes {args.nodes}"
             )
+    groups = {
+        k: _ranks_option(k, getattr(args, k.replace("-", "_")), args)
+        for k in ("shard-group", "secondary-shard")
+    }
     e = est.estimate(
         n_params,
         args.world_size,
+        shard_size=groups["shard-group"],
+        secondary_shard=groups["secondary-shard"],
         model=args.model,
         precision=args.precision,
         optimizer=args.optimizer,
@@ -324,6 +357,18 @@ def _cmd_estimate(args) -> int:
         if gpu_mem is not None:
             row += f"{'yes' if s.fits else 'no':>16}"
         print(row)
+    hier = [s for s in e.stages if s.stage and s.shard_size != e.world_size]
+    if hier:
+        print(
+            f"stages 1-3 sharded over groups of {hier[0].shard_size} ranks, "
+            f"{e.world_size // hier[0].shard_size} replicas"
+        )
+    for s in e.stages:
+        if s.secondary_bytes:
+            print(
+                f"stage 3's total includes the secondary shard, {f(s.secondary_bytes)} per rank "
+                "at the end of the forward"
+            )
     if cross is not None:
         print(
             f"across nodes ({args.nodes} nodes x {args.world_size // args.nodes} ranks, ring "

@@ -55,7 +55,10 @@ steps and is cast into it), and when whole-state readers look at it (state dicts
   most two per bucket) stay in RAM (``fixed_bytes``);
 - the shards of the params kept whole between uses (``persist_below``, the persistent unit) are
   *pinned*: in RAM always, never written (they are small by definition);
-- every other reader or writer (``state_dict``, checkpoints, ``full_param``/``set_full_param``,
+- checkpoints acquire one bucket's shard and master pages at a time (`ShardRunner.window`,
+  [Note: streamed checkpoints] in `zero_kernels.checkpoint.save`), outside the read-ahead
+  record (``learn=False``);
+- every other reader or writer (``state_dict``, ``full_param``/``set_full_param``,
   ``load_masters`` after ``model.load_state_dict``, ``gathered_params`` edits, the refresh after
   a load) runs inside `ShardRunner.resident`, which acquires every shard for the duration and
   writes them all back after (as the offloaded moments are read in: [Note: offload] in
@@ -66,8 +69,7 @@ steps and is cast into it), and when whole-state readers look at it (state dicts
 Results are bitwise those of the run without offload: the same values go through the same
 all-gathers and the same kernel; only where the shard's bytes wait between uses changes
 (tests/test_offload_params.py). Left to do: GPU params (a pinned host staging pool) raise
-NotImplementedError; the whole-state readers (checkpoints) take every shard into RAM at once
-instead of streaming them bucket by bucket.
+NotImplementedError.
 """
 
 from __future__ import annotations
@@ -233,9 +235,10 @@ class ParamSwapper(aio.RunFile):
         if r.count == 0:
             self._evict(key)
 
-    def acquire(self, key: tuple, fresh: bool = False) -> None:
+    def acquire(self, key: tuple, fresh: bool = False, learn: bool = True) -> None:
         """The shard's values in RAM until the matching `release`; ``fresh``: the caller
-        overwrites all of it (nothing is read)."""
+        overwrites all of it (nothing is read); ``learn=False``: an acquire outside the
+        training steps (a checkpoint's), neither recorded nor read ahead of."""
         r = self.records[key]
         if r.pinned:
             return
@@ -251,7 +254,7 @@ class ParamSwapper(aio.RunFile):
                 self.file.read(r.raw, r.offset)
             r.resident = True
         r.count += 1
-        if self._learn and not fresh:
+        if learn and self._learn and not fresh:
             self._seq.append(key)
             self._read_ahead(key)
         self._peak()

@@ -17,11 +17,13 @@ of blocks), in one file per rank under ``offload_dir`` instead of RAM:
   chunk (the pieces' runs of the bucket cut at the chunk's bounds), the next is being read and
   the previous written; a staging buffer is read into again only after its write is done. A
   chunk none of whose params stepped is read and not written;
-- everything else that reads or writes the moments (``state_dict``, checkpoints, ``full_state``,
-  ``consolidated_state_dict``, ``add_param_group``, a load) runs inside `ShardRunner.resident`,
-  which reads the whole state into RAM for the duration and writes it back after: correct, but
-  for that moment the moments are in RAM (streaming them into checkpoints bucket by bucket is
-  left to do);
+- checkpoints (`save_checkpoint`, `load_checkpoint`) stream the moments bucket by bucket
+  through `ShardRunner.window` ([Note: streamed checkpoints] in
+  `zero_kernels.checkpoint.save`): one bucket's moments in RAM at a time. Everything else
+  that reads or writes them (``state_dict``, ``full_state``, ``consolidated_state_dict``,
+  ``add_param_group``) returns or takes the whole state, so it runs inside
+  `ShardRunner.resident`, which reads the whole state into RAM for the duration and writes it
+  back after;
 - the file's name carries the host, the pid and a random token, so no later run can mistake it
   for its own; it is removed at ``close()``, when the optimizer is collected and at exit. A run
   killed with SIGKILL leaves it behind, never read again (its name is not one a run looks for).

@@ -119,6 +119,9 @@ class ShardRunner:
         self._state_whole: dict[tuple[int, str], torch.Tensor] = {}
         self.swap = None  # zero_kernels.offload.StateSwapper: the moments on disk ([Note: offload])
         self._resident = 0  # depth of `resident` (the moments read into RAM)
+        # `window`: the buckets whose moments are in RAM now, (i, b) -> name -> tensor
+        self._window: dict[tuple[int, int], dict[str, torch.Tensor]] | None = None
+        self.window_peak_bytes = 0  # the most bytes of moments one window held
         # state_dtype="int8": codes and scales on piece-aligned blocks ([Note: int8 shard state])
         self.int8 = None
         if state_dtype == "int8":
@@ -441,6 +444,16 @@ class ShardRunner:
             if self._decoded:
                 return self.int8.decoded_view(i, b, name)
             return self.int8.view(i, b, name)
+        if self._window is not None:
+            if (i, b) not in self._window:
+                raise RuntimeError(
+                    f"the offloaded moments of bucket {b} of buffer {i} were read outside the "
+                    "ShardRunner.window holding them"
+                )
+            if name not in self._window[(i, b)]:
+                self.flat_state.setdefault((i, b), {})[name] = None  # named by the check
+                self._check_names(i, b)
+            return self._window[(i, b)][name]
         key = (i, name)
         whole = self._state_whole.get(key)
         if whole is None:
@@ -477,14 +490,32 @@ class ShardRunner:
         lo = pc.start - self.layout.buffers[i].buckets[pc.bucket].shard_start(self.rank)
         return {name: t[lo : lo + pc.numel] for name, t in flat.items()}
 
-    def adopt_state(self) -> None:
+    def restart_piece(self, i: int, k: int) -> None:
+        """Piece ``k`` of buffer ``i`` was loaded without state: where its bucket's fused
+        moments exist (in RAM, or read in: `resident`, `window`), its range restarts at 0."""
+        pc = self.pieces[i][k]
+        if not self.fused[i]:
+            return
+        if self.swap is not None and self._resident:
+            flat = self._flat_state(i, pc.bucket, self.inner.param_groups[i])
+        else:
+            flat = self.flat_state.get((i, pc.bucket))
+        if flat:
+            lo = pc.start - self.layout.buffers[i].buckets[pc.bucket].shard_start(self.rank)
+            for t in flat.values():
+                t[lo : lo + pc.numel].zero_()
+
+    def adopt_state(self, only=None) -> None:
         """After the inner optimizer's state was loaded (new tensors): move fused buffers' Adam
-        state back into the per-bucket flat tensors, the pieces' entries becoming views."""
+        state back into the per-bucket flat tensors, the pieces' entries becoming views (of
+        the buckets ``only``, a set of (i, b), if given)."""
         for i, ps in enumerate(self.pieces):
             if not self.fused[i]:
                 continue
             g = self.inner.param_groups[i]
             for k, pc in enumerate(ps):
+                if only is not None and (i, pc.bucket) not in only:
+                    continue
                 p = self.inner_params[i][k]
                 st = self.inner.state.get(p)
                 if not st:
@@ -533,14 +564,15 @@ class ShardRunner:
                 self.flat_state.clear()
                 self._repoint()
 
-    def _repoint(self) -> None:
-        """Every fused piece with state: its entries as views of what the runner holds now
-        (int8 outside `_int8_decoded`: codes and scales; else the flat moments, fp32 decoded
-        ones for int8), the other form's entries removed."""
+    def _repoint(self, only=None) -> None:
+        """Every fused piece with state (of the buckets ``only``, a set of (i, b), if given):
+        its entries as views of what the runner holds now (int8 outside `_int8_decoded`: codes
+        and scales; else the flat moments, fp32 decoded ones for int8), the other form's
+        entries removed."""
         codes = self.int8 is not None and not self._decoded
         for i, k, pc, p, _ in self.all_pieces():
             st = self.inner.state.get(p)
-            if not (self.fused[i] and st):
+            if not (self.fused[i] and st) or (only is not None and (i, pc.bucket) not in only):
                 continue
             lo = pc.start - self.layout.buffers[i].buckets[pc.bucket].shard_start(self.rank)
             if codes:
@@ -571,25 +603,98 @@ class ShardRunner:
             self._repoint()  # pieces with state: their views again
             yield
             for i, b in sw.records:
-                extra = set(self.flat_state.get((i, b), {})) - set(sw.names[i])
-                if extra:
-                    raise ValueError(
-                        f"state {sorted(extra)} was loaded into an optimizer built without it "
-                        "and offload_optimizer='nvme' (amsgrad set after construction?): build "
-                        "it with the same amsgrad"
-                    )
+                self._check_names(i, b)
                 sw.write_from(i, b, {n: self._state_view(i, b, n) for n in sw.names[i]})
         finally:
-            self._resident = 0
-            self._state_whole.clear()
-            self.flat_state.clear()
-            if self.int8 is not None:  # the codes and scales back on disk only
-                self.int8.whole.clear()
-            for i, _k, _pc, p, _ in self.all_pieces():
-                st = self.inner.state.get(p)
-                if self.fused[i] and st:
-                    for name in (*_ADAM_KEYS, *INT8_KEYS, "state_block"):
-                        st.pop(name, None)
+            self._leave_resident()
+
+    def _check_names(self, i: int, b: int) -> None:
+        extra = set(self.flat_state.get((i, b), {})) - set(self.swap.names[i])
+        if extra:
+            raise ValueError(
+                f"state {sorted(extra)} was loaded into an optimizer built without it "
+                "and offload_optimizer='nvme' (amsgrad set after construction?): build "
+                "it with the same amsgrad"
+            )
+
+    @property
+    def streams(self) -> bool:
+        """Whether `window` holds less than `resident` (offloaded state that is not int8)."""
+        offloaded = self.swap is not None or self.store.tier is not None
+        return offloaded and self.int8 is None
+
+    @contextlib.contextmanager
+    def window(self, buckets, read: bool = True, write: bool = True):
+        """The offloaded state of ``buckets`` ((i, b) each) alone in RAM for the duration
+        (checkpoints stream the state bucket by bucket: [Note: streamed checkpoints] in
+        `zero_kernels.checkpoint.save`): the param shards and fp32 masters (``read`` only) and
+        the moments read in (``read``; else zeros: only their names, dtypes and shapes are
+        looked at), written back after (``write``). Where it cannot hold less than
+        `resident` (int8 moments, already resident, nothing offloaded) it is `resident`."""
+        if not self.streams or self._resident or self._decoded:
+            with self.resident():
+                yield
+            return
+        keys, tier, held = list(buckets), self.store.tier, []
+        try:
+            if tier is not None and read:
+                for i, b in keys:
+                    for k in ((i, b), (i, b, "master")):
+                        if k in tier:
+                            tier.acquire(k, learn=False)
+                            held.append(k)
+            with self._moments_window(keys, read, write):
+                yield
+        finally:
+            for k in held:
+                tier.release(k, dirty=write)
+            if held:
+                tier.flush()
+
+    @contextlib.contextmanager
+    def _moments_window(self, keys, read: bool, write: bool):
+        sw = self.swap
+        if sw is None:
+            yield
+            return
+        keys = [k for k in keys if k in sw.records]
+        dt = torch.bfloat16 if self.state_dtype == "bf16" else torch.float32
+        self._resident, self._window = 1, {}
+        try:
+            for i, b in keys:
+                n = self.layout.buffers[i].buckets[b].shard_numel
+                out = {
+                    name: torch.zeros(n, dtype=dt, device=self.store.device) for name in sw.names[i]
+                }
+                self._window[(i, b)] = out
+                if read:
+                    sw.read_into(i, b, out)
+            held = sum(
+                t.numel() * t.element_size() for w in self._window.values() for t in w.values()
+            )
+            self.window_peak_bytes = max(self.window_peak_bytes, held)
+            self._repoint(set(keys))
+            yield
+            if write:
+                for i, b in keys:
+                    self._check_names(i, b)
+                    sw.write_from(i, b, self._window[(i, b)])
+        finally:
+            self._window = None
+            self._leave_resident()
+
+    def _leave_resident(self) -> None:
+        """The moments leave RAM: the pieces' views of them are dropped."""
+        self._resident = 0
+        self._state_whole.clear()
+        self.flat_state.clear()
+        if self.int8 is not None:  # the codes and scales back on disk only
+            self.int8.whole.clear()
+        for i, _k, _pc, p, _ in self.all_pieces():
+            st = self.inner.state.get(p)
+            if self.fused[i] and st:
+                for name in (*_ADAM_KEYS, *INT8_KEYS, "state_block"):
+                    st.pop(name, None)
 
     def gather(self, i: int, b: int, log, group, **bound) -> comm.Handle:
         """Start the all-gather of bucket ``b`` of buffer ``i`` from every rank's param shard
