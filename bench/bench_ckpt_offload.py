@@ -11,10 +11,12 @@ for ``--rounds`` rounds (the order alternating), saves and loads a checkpoint in
                the timed call): every moment and param shard read into RAM first, written back
                after, as checkpoints did before streaming
 
-Per call: the wall time (the slower rank, fenced by barriers) and the peak RSS above the RSS
-before the call (``VmHWM`` after resetting it through /proc/self/clear_refs), the larger rank;
-beside them the bytes of offloaded state per rank (moments + param shards). The page cache is
-not dropped (the rank files are read back from it on load).
+Per call: the wall time (the slower rank, fenced by barriers), the peak increase of RssAnon
+(allocated memory, sampled every 2 ms: `bench_checkpoint.Peak`) and of VmRSS (``VmHWM`` after
+resetting it through /proc/self/clear_refs: it also counts the pages of the checkpoint files a
+load maps, which are page cache, not allocated), the larger rank; beside them the bytes of
+offloaded state per rank (moments + param shards). The page cache is not dropped (the rank
+files are read back from it on load).
 
     python bench/bench_ckpt_offload.py [--dir /var/tmp] [--world 2] [--d 1024] [--layers 16]
                                        [--rounds 2] [--out bench/results]
@@ -35,6 +37,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_checkpoint import Peak  # noqa: E402
 from harness import (  # noqa: E402
     init_gloo,
     machine,
@@ -94,15 +97,17 @@ def worker(rank, world, port, cfg, q):
                 _reset_peak()
                 rss0 = status_bytes("VmRSS")
                 t0 = time.perf_counter()
-                with ctx:
+                with Peak() as pk, ctx:
                     if call == "save":
                         zero_kernels.save_checkpoint(root, model, opt, keep_last=1)
                     else:
                         zero_kernels.load_checkpoint(root, model, opt)
                 dt = time.perf_counter() - t0
-                peak = status_bytes("VmHWM") - rss0
+                hwm = status_bytes("VmHWM") - rss0
                 dist.barrier()
-                rows.append({"round": rnd, "mode": mode, "call": call, "s": dt, "peak": peak})
+                rows.append(
+                    {"round": rnd, "mode": mode, "call": call, "s": dt, "anon": pk.anon, "hwm": hwm}
+                )
     dist.barrier()
     if rank == 0:
         shutil.rmtree(root, ignore_errors=True)
@@ -134,8 +139,9 @@ def main(argv=None) -> None:
             for r in res:
                 for row in r["rows"]:
                     if row["mode"] == mode and row["call"] == call:
-                        k = per_round.setdefault(row["round"], [0.0, 0])
-                        k[0], k[1] = max(k[0], row["s"]), max(k[1], row["peak"])
+                        k = per_round.setdefault(row["round"], [0.0, 0, 0])
+                        k[0], k[1] = max(k[0], row["s"]), max(k[1], row["anon"])
+                        k[2] = max(k[2], row["hwm"])
             table.append(
                 {
                     "mode": mode,
@@ -143,8 +149,11 @@ def main(argv=None) -> None:
                     "s (median, slower rank)": round(
                         statistics.median(v[0] for v in per_round.values()), 3
                     ),
-                    "peak RSS above before, MiB (largest)": round(
+                    "peak RssAnon above before, MiB (largest)": round(
                         max(v[1] for v in per_round.values()) / 2**20, 1
+                    ),
+                    "peak VmRSS (incl. mapped checkpoint file pages), MiB": round(
+                        max(v[2] for v in per_round.values()) / 2**20, 1
                     ),
                     "offloaded state per rank, MiB": round(
                         max(r["offloaded"] for r in res) / 2**20, 1
