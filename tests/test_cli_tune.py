@@ -445,6 +445,70 @@ def test_offload_in_the_grid_and_predictions():
     assert t["both"]["step_time_s"] > t["optimizer"]["step_time_s"] > t["none"]["step_time_s"]
 
 
+def test_quantization_in_the_grid_and_predictions():
+    """--quantize-weights (stage 3) / --quantize-grads (stages 2/3, fp32 reduction): each
+    combination once; ZeroOptimizer's kwargs and labels; the prediction moves the packed bytes
+    and adds the measured quantize + dequantize time, so a cost above what the bytes save
+    makes it slower."""
+    from zero_kernels.cli.tune_model import ModelFacts
+
+    g = tune_plan.grid(
+        (1, 2, 3), (4.0,), (1,), ("fp32", "bf16"), (False,), True,
+        quantize_weights=("none", "int8"), quantize_grads=("none", "int4"),
+    )  # fmt: skip
+    seen = sorted((c.stage, c.reduce_dtype, c.quantize_weights, c.quantize_grads) for c in g)
+    assert seen == [
+        (0, "fp32", "none", "none"), (1, "fp32", "none", "none"),
+        (2, "bf16", "none", "none"), (2, "fp32", "none", "int4"), (2, "fp32", "none", "none"),
+        (3, "bf16", "int8", "none"), (3, "bf16", "none", "none"),
+        (3, "fp32", "int8", "int4"), (3, "fp32", "int8", "none"),
+        (3, "fp32", "none", "int4"), (3, "fp32", "none", "none"),
+    ]  # fmt: skip
+    q = next(c for c in g if c.quantize_weights == "int8" and c.quantize_grads == "int4")
+    assert q.zero_kwargs() == {
+        "stage": 3, "prefetch": 1, "quantize_weights": "int8", "quantize_grads": "int4"
+    }  # fmt: skip
+    assert "int8 weights" in q.label and "int4 grads" in q.label
+    plain = TrialConfig(3, None, "fp32", 1)
+    facts = ModelFacts(4 << 20, ((1024, 1024),) * 4, (1 << 20,) * 4, 0, "")
+    free = _measured(quant_s_per_elem={"int8": 0.0, "int4": 0.0})
+    t0 = tune_plan.predict_time(plain, facts, free)["comm_s"]
+    t1 = tune_plan.predict_time(q, facts, free)["comm_s"]
+    # 4 MiB gathers and reduce-scatters at 1.14 ms/MiB above 1 MiB, the latency below it
+    assert t1 < 0.5 * t0, (t0, t1)
+    dear = _measured(quant_s_per_elem={"int8": 1e-8, "int4": 1e-8})
+    t2 = tune_plan.predict_time(q, facts, dear)["comm_s"]
+    assert t2 == pytest.approx(t1 + 1e-8 * (2 * 4 + 4) * (1 << 20))
+    assert t2 > t0  # a quantizer slower than the link: quantizing costs time here
+
+
+@pytest.mark.distributed
+def test_quantized_trials_run(tmp_path):
+    """A real run with quantized weights and gradients: the probe times the quantizer, every
+    trial is measured, each quantized one is set beside its unquantized twin in tune.json and
+    the verdict, and the recommendation is the fastest that fits."""
+    args = ["--model-size", "tiny", "--stages", "3", "--prefetch", "1", "--reduce-dtypes"]
+    args += ["fp32", "--no-ddp", "--quantize-weights", "none,int8", "--quantize-grads"]
+    args += ["none,int8"]
+    rc, stdout, stderr = _run(tmp_path, *args)
+    assert rc == 0, stderr
+    res = json.loads((tmp_path / "tune.json").read_text())
+    assert res["compute"]["quantize_dequantize_s_per_elem"]["int8"] > 0
+    assert len(res["trials"]) == 4 and all(t["status"] == "measured" for t in res["trials"])
+    pairs = res["quantization"]
+    assert len(pairs) == 3 and {p["unquantized"] for p in pairs} == {
+        "stage 3, prefetch 1, fp32 reduce"
+    }
+    spread = {t["config"]["label"]: t["measured"]["spread"] for t in res["trials"]}
+    for p in pairs:
+        a, b = p["step_time_s"], p["unquantized_step_time_s"]
+        noise = max(spread[p["label"]], spread[p["unquantized"]]) * max(a, b)
+        want = "within noise" if abs(a - b) <= noise else "faster" if a < b else "slower"
+        assert p["verdict"] == want, (p, noise)
+        assert f"quantized: {p['label']}" in stdout
+    assert res["recommendation"]["label"] == _fits_and_fastest(res)["config"]["label"]
+
+
 @pytest.mark.distributed
 def test_offload_trials_run(tmp_path):
     """A real run with --offload both and int8 state: the disk measured, the int8 step timed

@@ -9,7 +9,8 @@ recommend the fastest one that fits a memory limit.
    which are measured too), all-reduce for DDP; then forward + backward of one rank's batch on
    every rank at once, its activations, and the optimizer step.
 2. The plan (`zero_kernels.cli.tune_plan`): stage x bucket size x prefetch x reduce dtype x
-   overlap_param_gather, plus DDP + AdamW(fused=True) for reference; each with a predicted step
+   overlap_param_gather (x state dtype x offload tier x quantized weights and gradients, as
+   asked), plus DDP + AdamW(fused=True) for reference; each with a predicted step
    time and memory per rank. A configuration predicted over ``--mem-limit`` is not run (listed
    as "over limit"). The rest run in order of predicted time, taking the stages in turn, until
    ``--max-trials`` or ``--time-budget`` (those left are listed as not run).
@@ -18,7 +19,8 @@ recommend the fastest one that fits a memory limit.
    the memory the largest peak RSS above the baseline ([Note: peak memory] there). A trial
    fits when that peak is within the limit on every rank.
 4. The recommendation: the fastest measured ZeRO configuration that fits, with its
-   ZeroOptimizer(...) arguments; DDP's row says whether plain DDP would be faster. Exit code 0,
+   ZeroOptimizer(...) arguments; DDP's row says whether plain DDP would be faster, and each
+   quantized trial's line whether it beat its unquantized twin by more than the noise. Exit code 0,
    or 1 when no configuration fits (the one predicted smallest is named), 2 for bad arguments.
 
 Printed: the table on stdout, a progress bar on stderr. Written to ``--out``: tune.json
@@ -71,6 +73,8 @@ class TuneConfig:
     state_dtypes: tuple[str, ...] = ("fp32",)
     offloads: tuple[str, ...] = ("none",)
     offload_dir: str | None = None  # None: <out>/offload
+    quantize_weights: tuple[str, ...] = ("none",)  # stage 3
+    quantize_grads: tuple[str, ...] = ("none",)  # stages 2/3
     overlap: tuple[bool, ...] = (False, True)
     ddp: bool = True
     steps: int = 10
@@ -143,6 +147,16 @@ def add_parser(sub, parser_class) -> None:
     )
     t.add_argument(
         "--offload-dir", default=None, help="the offload files' folder (default OUT/offload)"
+    )
+    t.add_argument(
+        "--quantize-weights",
+        default="none",
+        help="stage 3's quantized all-gathers to try: none, int8, int4 (default none)",
+    )
+    t.add_argument(
+        "--quantize-grads",
+        default="none",
+        help="stages 2/3's quantized reduce-scatters to try: none, int8, int4 (default none)",
     )
     t.add_argument("--overlap", default="off,on", help="overlap_param_gather (default off,on)")
     t.add_argument("--no-ddp", dest="ddp", action="store_false", help="skip the DDP reference")
@@ -286,6 +300,13 @@ def config_from_args(args, argv: list[str] | None = None) -> TuneConfig:
     offloads = _list("--offload", args.offload, _one_of(off), _words(off))
     if "both" in offloads and 3 not in stages:
         raise ValueError("--offload both offloads params too: it needs stage 3 in --stages")
+    qf = {"none": "none", "int8": "int8", "int4": "int4"}
+    qws = _list("--quantize-weights", args.quantize_weights, _one_of(qf), _words(qf))
+    qgs = _list("--quantize-grads", args.quantize_grads, _one_of(qf), _words(qf))
+    if qws != ("none",) and 3 not in stages:
+        raise ValueError("--quantize-weights quantizes stage 3's gathers: it needs stage 3")
+    if qgs != ("none",) and not {2, 3} & set(stages):
+        raise ValueError("--quantize-grads quantizes stages 2/3's reductions: it needs one")
     ov = {"off": False, "on": True}
     overlap = _list("--overlap", args.overlap, _one_of(ov), _words(ov))
     src = ModelSource(src_kind, spec, args.batch_size, args.seq_len)
@@ -305,6 +326,8 @@ def config_from_args(args, argv: list[str] | None = None) -> TuneConfig:
         state_dtypes=state_dtypes,
         offloads=offloads,
         offload_dir=args.offload_dir,
+        quantize_weights=qws,
+        quantize_grads=qgs,
         overlap=overlap,
         ddp=args.ddp,
         steps=args.steps,
@@ -464,7 +487,7 @@ def _measured(cfg: TuneConfig, per_rank: list[dict]) -> tuple[Measured, dict]:
             }
         )
         bandwidth.setdefault((row["op"], row["algorithm"]), []).append((row["bytes"], sec))
-    skip = ("bandwidth", "optimizer_shard_s_by_dtype")
+    skip = ("bandwidth", "optimizer_shard_s_by_dtype", "quant_s_per_elem")
     worst = {k: max(r[k] for r in per_rank) for k in per_rank[0] if k not in skip}
     by_dtype = {
         sd: max(r["optimizer_shard_s_by_dtype"][sd] for r in per_rank)
@@ -477,6 +500,11 @@ def _measured(cfg: TuneConfig, per_rank: list[dict]) -> tuple[Measured, dict]:
         optimizer_full_s=worst["optimizer_full_s"],
         optimizer_shard_s=worst["optimizer_shard_s"],
         optimizer_shard_s_by_dtype=by_dtype or None,
+        quant_s_per_elem={
+            f: max(r["quant_s_per_elem"][f] for r in per_rank)
+            for f in per_rank[0].get("quant_s_per_elem", {})
+        }
+        or None,
         activation_bytes=float(worst["activation_bytes"]),
         overlap=overlap_efficiency(cores(), cfg.nproc, cfg.threads),
     )
@@ -493,6 +521,7 @@ def _measured(cfg: TuneConfig, per_rank: list[dict]) -> tuple[Measured, dict]:
             },
         },
         "activation_bytes": m.activation_bytes,
+        "quantize_dequantize_s_per_elem": m.quant_s_per_elem or {},
         "what": "measured: median of the timed runs, the slower rank",
     }
     return m, {"bandwidth": rows, "compute": compute, "hwm_reset": worst["hwm_reset"]}
@@ -580,6 +609,8 @@ def run_tune(cfg: TuneConfig) -> int:
         cfg.state_dtypes,
         cfg.offloads,
         _offload_dir(cfg),
+        cfg.quantize_weights,
+        cfg.quantize_grads,
     )
     algorithms = ("native", "pairwise") + (("ring",) if cfg.nproc > 2 else ())
     from ..comm import shm
@@ -594,7 +625,12 @@ def run_tune(cfg: TuneConfig) -> int:
         try:
             probe = launcher.run(
                 _job(
-                    cfg, "probe", algorithms=algorithms, sizes=sizes, state_dtypes=cfg.state_dtypes
+                    cfg,
+                    "probe",
+                    algorithms=algorithms,
+                    sizes=sizes,
+                    state_dtypes=cfg.state_dtypes,
+                    quant_formats=sorted({*cfg.quantize_weights, *cfg.quantize_grads} - {"none"}),
                 )
             )
         except JobFailed as e:

@@ -26,6 +26,11 @@ least promising ones.
       stage 1/2  reduce-scatter of gΨ (g = 4, 2 with bf16 reduction), all-gather of 4Ψ
       stage 3    per unit u: reduce-scatter gu, all-gather 4u twice (forward and backward);
                  the root unit gathered once
+      quantized  ``quantize_weights`` (stage 3's gathers) / ``quantize_grads`` (stages 2/3's
+                 reduce-scatters): the same collective at the packed bytes (1 + 4/256 per
+                 element at int8, 0.5 + 4/256 at int4) plus the measured time to quantize and
+                 dequantize that many elements (the probe's ``quant_s_per_elem``); the
+                 quantized reduce-scatter's all-to-all is read off the reduce-scatter's table
 
 - overlap: a fraction α of the compute window hides communication ("overlap efficiency"):
 
@@ -95,6 +100,8 @@ class TrialConfig:
     state_dtype: str = "fp32"  # the fused step's moments: "fp32" | "bf16" | "int8"
     offload: str = "none"  # "none" | "optimizer" (NVMe) | "both" (stage 3: params too)
     offload_dir: str | None = None  # where the offload files go (offload != "none")
+    quantize_weights: str = "none"  # stage 3: "none" | "int8" | "int4"
+    quantize_grads: str = "none"  # stages 2/3: "none" | "int8" | "int4"
 
     @property
     def label(self) -> str:
@@ -112,6 +119,10 @@ class TrialConfig:
             parts.append(f"{self.state_dtype} state")
         if self.offload != "none":
             parts.append(OFFLOAD_LABELS[self.offload])
+        if self.quantize_weights != "none":
+            parts.append(f"{self.quantize_weights} weights")
+        if self.quantize_grads != "none":
+            parts.append(f"{self.quantize_grads} grads")
         return ", ".join(parts)
 
     def zero_kwargs(self) -> dict:
@@ -131,6 +142,10 @@ class TrialConfig:
             if self.offload == "both":
                 kw["offload_params"] = "nvme"
             kw["offload_dir"] = self.offload_dir
+        if self.quantize_weights != "none":
+            kw["quantize_weights"] = self.quantize_weights
+        if self.quantize_grads != "none":
+            kw["quantize_grads"] = self.quantize_grads
         return kw
 
     def as_dict(self) -> dict:
@@ -147,25 +162,37 @@ def grid(
     state_dtypes: tuple[str, ...] = ("fp32",),
     offloads: tuple[str, ...] = ("none",),
     offload_dir: str | None = None,
+    quantize_weights: tuple[str, ...] = ("none",),
+    quantize_grads: tuple[str, ...] = ("none",),
 ) -> list[TrialConfig]:
     """Every valid combination: stage 1 reduces in fp32 only (it reduces in place), stage 3 has
     no buckets of a size (a unit is a bucket) and no overlap_param_gather (it gathers at use);
     prefetch is a stage-3 setting; each ZeRO configuration once per ``state_dtypes`` and per
-    ``offloads`` ("both", params too, at stage 3 only)."""
+    ``offloads`` ("both", params too, at stage 3 only); quantized weights at stage 3 and
+    quantized gradients at stages 2/3 (fp32 reduction: the quantized reduce-scatter sums in
+    fp32 itself), each with the others as given."""
     out = [TrialConfig(0, DDP_BUCKET_MB)] if ddp else []
     for off in offloads:
         d = offload_dir if off != "none" else None
         for sd in state_dtypes:
             for s in stages:
+                qgs = quantize_grads if s >= 2 else ("none",)
                 if s in (1, 2) and off != "both":
                     for b in buckets:
                         for rd in reduce_dtypes if s == 2 else ("fp32",):
                             for ov in overlap:
-                                out.append(TrialConfig(s, b, rd, None, ov, sd, off, d))
+                                for qg in qgs if rd == "fp32" else ("none",):
+                                    out.append(
+                                        TrialConfig(s, b, rd, None, ov, sd, off, d, "none", qg)
+                                    )
                 elif s == 3:
                     for p in prefetch:
                         for rd in reduce_dtypes:
-                            out.append(TrialConfig(3, None, rd, p, False, sd, off, d))
+                            for qw in quantize_weights:
+                                for qg in qgs if rd == "fp32" else ("none",):
+                                    out.append(
+                                        TrialConfig(3, None, rd, p, False, sd, off, d, qw, qg)
+                                    )
     return list(dict.fromkeys(out))  # reduce_dtypes ("fp32",) and stage 1 may repeat
 
 
@@ -198,6 +225,8 @@ class Measured:
     overlap: float  # α
     # the fused step over the shard per state dtype (measured), None: scaled by the bytes
     optimizer_shard_s_by_dtype: dict | None = None
+    # quantizing plus dequantizing one element, per format tune tries ("int8", "int4")
+    quant_s_per_elem: dict | None = None
     # the offload directory's disk, O_DIRECT (offload.probe_disk), bytes/s; None: not measured
     disk_read_bps: float | None = None
     disk_write_bps: float | None = None
@@ -304,13 +333,27 @@ def predict_time(cfg: TrialConfig, facts: ModelFacts, m: Measured) -> dict:
         algos.setdefault(op, algo)
         return sec
 
+    qw, qg = _quant(cfg.quantize_weights, m), _quant(cfg.quantize_grads, m)
+
+    def reduced(numel: float) -> float:  # a bucket's reduce-scatter, quantized or not
+        if qg is None:
+            return t("reduce_scatter", g * numel)
+        nbytes, cost = qg
+        return t("reduce_scatter", nbytes * numel) + cost * numel
+
+    def gathered(numel: float) -> float:
+        if qw is None:
+            return t("all_gather", 4 * numel)
+        nbytes, cost = qw
+        return t("all_gather", nbytes * numel) + cost * numel
+
     if cfg.stage == 0:
         ar = [t("all_reduce", 4 * b) for b in _ddp_buckets(facts.shapes)]
         comm, exposed = sum(ar), _hidden(ar, bwd, a, keep_last=True)
         opt = m.optimizer_full_s
     elif cfg.stage in (1, 2):
         buckets = facts.bucket_numels(n, cfg.bucket_mb)
-        rs = [t("reduce_scatter", g * b) for b in buckets]
+        rs = [reduced(b) for b in buckets]
         ag = [t("all_gather", 4 * b) for b in buckets]
         comm = sum(rs) + sum(ag)
         exposed = _hidden(rs, bwd, a, keep_last=True)
@@ -321,9 +364,9 @@ def predict_time(cfg: TrialConfig, facts: ModelFacts, m: Measured) -> dict:
         opt = shard_step_s(cfg, m)
     else:
         units = list(facts.unit_numels)
-        root = t("all_gather", 4 * facts.root_numel) if facts.root_numel else 0.0
-        ag = [t("all_gather", 4 * u) for u in units]
-        rs = [t("reduce_scatter", g * u) for u in units + [facts.root_numel] if u]
+        root = gathered(facts.root_numel) if facts.root_numel else 0.0
+        ag = [gathered(u) for u in units]
+        rs = [reduced(u) for u in units + [facts.root_numel] if u]
         comm = root + 2 * sum(ag) + sum(rs)
         fwd_exposed = root + _hidden(ag, fwd, a, keep_last=False)
         bwd_total = sum(ag) + sum(rs)
@@ -343,6 +386,18 @@ def predict_time(cfg: TrialConfig, facts: ModelFacts, m: Measured) -> dict:
         "algorithms": algos,
         "what": "prediction ([Note: the prediction] in zero_kernels/cli/tune_plan.py)",
     }
+
+
+QUANT_BYTES = {"int8": 1 + 4 / 256, "int4": 0.5 + 4 / 256}  # per element, with block scales
+
+
+def _quant(fmt: str, m: Measured) -> tuple[float, float] | None:
+    """(bytes per element on the wire, seconds per element quantizing and dequantizing) of a
+    quantized collective; None for "none"."""
+    if fmt == "none":
+        return None
+    cost = (m.quant_s_per_elem or {}).get(fmt, 0.0)
+    return QUANT_BYTES[fmt], cost
 
 
 def predict_memory(cfg: TrialConfig, facts: ModelFacts, m: Measured) -> dict:

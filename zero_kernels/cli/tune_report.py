@@ -103,6 +103,40 @@ def recommend(trials: list[dict]) -> tuple[dict | None, dict | None]:
     return best, ddp
 
 
+def quantization_pairs(trials: list[dict]) -> list[dict]:
+    """Each measured quantized trial beside its twin without quantization (the same settings
+    otherwise), where that was measured too: whether quantizing paid here ("faster"/"slower"
+    where the medians differ by more than the larger of the two spreads, else "within noise")."""
+
+    def key(c: dict, drop: bool) -> tuple:
+        skip = {"label", "quantize_weights", "quantize_grads"} if drop else {"label"}
+        return tuple(sorted((k, str(v)) for k, v in c.items() if k not in skip))
+
+    plain = {
+        key(t["config"], True): t
+        for t in trials
+        if t["status"] == "measured"
+        and t["config"].get("quantize_weights", "none") == "none"
+        and t["config"].get("quantize_grads", "none") == "none"
+    }
+    out = []
+    for t in trials:
+        c = t["config"]
+        quant = (
+            c.get("quantize_weights", "none") != "none" or c.get("quantize_grads", "none") != "none"
+        )
+        twin = plain.get(key(c, True)) if quant and t["status"] == "measured" else None
+        if twin is not None:
+            a, b = t["measured"]["step_time_s"], twin["measured"]["step_time_s"]
+            noise = max(t["measured"]["spread"], twin["measured"]["spread"]) * max(a, b)
+            verdict = "within noise" if abs(a - b) <= noise else "faster" if a < b else "slower"
+            out.append(
+                {"label": c["label"], "step_time_s": a, "unquantized": twin["config"]["label"],
+                 "unquantized_step_time_s": b, "verdict": verdict}
+            )  # fmt: skip
+    return out
+
+
 def _sort_key(t: dict):
     m = t["measured"]
     return (
@@ -204,6 +238,16 @@ def _print_verdict(res: dict) -> None:
         f"{est.format_bytes(rec['peak_rss_bytes'])} per rank"
     )
     print(f"  zero_kernels.ZeroOptimizer(model, torch.optim.AdamW, {rec['kwargs_text']}, lr=...)")
+    for q in res.get("quantization", ()):
+        verdict = {
+            "faster": "faster here",
+            "slower": "slower here: not worth it on these links",
+            "within noise": "the same within the noise: not worth it here",
+        }[q["verdict"]]
+        print(
+            f"  quantized: {q['label']}: {_ms(q['step_time_s'])} against "
+            f"{_ms(q['unquantized_step_time_s'])} without ({verdict})"
+        )
     if ddp is not None:
         faster = ddp["step_time_s"] < rec["step_time_s"]
         print(
@@ -308,6 +352,8 @@ def finish(cfg, facts, measured, probe_json: dict, trials: list[dict], elapsed: 
             "reduce_dtypes": list(cfg.reduce_dtypes),
             "state_dtypes": list(cfg.state_dtypes),
             "offloads": list(cfg.offloads),
+            "quantize_weights": list(cfg.quantize_weights),
+            "quantize_grads": list(cfg.quantize_grads),
             "overlap_param_gather": list(cfg.overlap),
             "ddp": cfg.ddp,
             "max_trials": cfg.max_trials,
@@ -328,6 +374,7 @@ def finish(cfg, facts, measured, probe_json: dict, trials: list[dict], elapsed: 
             "activations ([Note: the prediction] in zero_kernels/cli/tune_plan.py)",
         },
         "trials": entries,
+        "quantization": quantization_pairs(entries),
         "recommendation": None,
         "ddp": None,
         "smallest_predicted": None,

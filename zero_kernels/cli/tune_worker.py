@@ -46,6 +46,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from .. import comm
 from ..fused_adam import FusedAdamW
 from ..models import load_corpus
+from ..ops.quant import DEFAULT_BLOCK, dequantize_blockwise, quantize_blockwise
 from ..optimizer import ZeroOptimizer
 from .tune_model import ModelSource, build_model, is_gpt, make_batches, step_loss
 
@@ -179,7 +180,21 @@ def _compute(job: dict, rank: int, n: int) -> dict:
                 shard_t.append(time.perf_counter() - t0)
         by_dtype[sd] = _median(shard_t)
         del sopt
+    quant = {}  # quantize + dequantize per element, each format tune tries
+    x = torch.randn(1 << 20)
+    for fmt in job.get("quant_formats", ()):
+        bits = {"int8": 8, "int4": 4}[fmt]
+        out = torch.empty_like(x)
+        ts = []
+        for i in range(warm + reps):
+            t0 = time.perf_counter()
+            q, sc = quantize_blockwise(x, bits=bits)
+            dequantize_blockwise(q, sc, bits, DEFAULT_BLOCK, x.numel(), out=out)
+            if i >= warm:
+                ts.append(time.perf_counter() - t0)
+        quant[fmt] = _median(ts) / x.numel()
     return {
+        "quant_s_per_elem": quant,
         "fwd_bwd_s": _median(fb),
         "optimizer_full_s": _median(step),
         "optimizer_shard_s": by_dtype["fp32"],
