@@ -16,6 +16,9 @@ Candidates:
                    choice (the probe runs on the testbed: shm is out, the ranks span 2 hosts)
     ours_stage2_node, ours_stage3_node  the same with shard_group="node" (hierarchical: sharded
                    within each node, the gradient shards all-reduced across nodes, as HSDP)
+    ours_stage2_node_g8, ours_stage3_node_g8  shard_group="node" with quantize_grads="int8":
+                   the hop across the nodes (the gradient shards' all-reduce) quantized, the
+                   reduce-scatter inside the node exact ([Note: quantized two-hop])
     ours_stage3_q8  stage 3 with quantize_weights="int8" (its all-gathers carry int8 blocks
                    and their scales: the recorded collectives' bytes give the formula)
     ours_stage3_q8g8  the same and quantize_grads="int8" (the reduce-scatters an all-to-all of
@@ -77,6 +80,8 @@ CANDIDATES = (
     "ours_stage3",
     "ours_stage2_node",
     "ours_stage3_node",
+    "ours_stage2_node_g8",
+    "ours_stage3_node_g8",
     "ours_stage3_q8",
     "ours_stage3_q8g8",
     "ours_stage3_hpz",
@@ -121,8 +126,9 @@ def expected_bytes(cand: str, m: float, n_nodes: int, per_node: int, launched=No
         return (2 * ag + collective_factor("reduce_scatter", "native", n, per_node)) * m
     if cand == "fsdp2_hsdp":
         return 2 * (n_nodes - 1) / n_nodes * m
-    if cand.endswith("_node"):  # shard_group="node": as HSDP, plus any collective over all ranks
-        return 2 * (n_nodes - 1) / n_nodes * m + sum(
+    if "_node" in cand:  # shard_group="node": as HSDP, plus any collective over all ranks
+        q = (1 + 4 / 256) / 4 if cand.endswith("_g8") else 1.0  # the hop across quantized
+        return 2 * (n_nodes - 1) / n_nodes * m * q + sum(
             nb * collective_factor(op, a, n, per_node) for op, nb, a in launched
         )
     return sum(nb * collective_factor(op, a, n, per_node) for op, nb, a in launched)
@@ -224,7 +230,7 @@ def _worker(args) -> None:
 
         comm.quant.reduce_scatter_quantized = recorded_rsq
         stage = int(cand[len("ours_stage")])
-        sg = "node" if cand.endswith("_node") else "world"
+        sg = "node" if "_node" in cand else "world"
         qw = "int8" if "_q8" in cand else None
         qg = "int8" if "g8" in cand else "int4" if "g4" in cand else None
         ss = "node" if cand.endswith("_hpz") else None

@@ -373,13 +373,7 @@ def quantization(core: Core) -> None:
     cp = core.policy.comm
     if cp.quantize_weights is not None:
         core.runner.quantize = (comm.quant.QUANTIZED[cp.quantize_weights], DEFAULT_BLOCK)
-    if cp.quantize_grads is not None:
-        if core.mesh.replicas is not None:
-            raise NotImplementedError(
-                f"quantize_grads={cp.quantize_grads!r} with shard_group={cp.shard_group!r}: the "
-                "two-hop quantized reduction (quantized across nodes only) is not built yet; "
-                "use one of them"
-            )
+    if cp.quantize_grads is not None:  # with shard_group: the hop across the nodes only
         core.reducer.quantize = (comm.quant.QUANTIZED[cp.quantize_grads], DEFAULT_BLOCK)
 
 

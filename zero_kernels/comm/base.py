@@ -97,11 +97,13 @@ class CommLog:
             self.exposed_comm_s += e0.elapsed_time(e1) / 1e3
 
     def _add(self, kind: str, t: torch.Tensor) -> None:
-        nbytes = t.numel() * t.element_size()
-        setattr(self, f"{kind}_bytes", getattr(self, f"{kind}_bytes") + nbytes)
-        setattr(self, f"{kind}_calls", getattr(self, f"{kind}_calls") + 1)
+        self._add_bytes(kind, t.numel() * t.element_size())
         if self.trace:
             self.sizes.append((kind, t.numel(), t.dtype))
+
+    def _add_bytes(self, kind: str, nbytes: int) -> None:
+        setattr(self, f"{kind}_bytes", getattr(self, f"{kind}_bytes") + nbytes)
+        setattr(self, f"{kind}_calls", getattr(self, f"{kind}_calls") + 1)
 
 
 class Handle:

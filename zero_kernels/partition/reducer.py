@@ -364,15 +364,17 @@ class Reducer:
             f"{bk.key[0]}",
             watch=self.check.watch if self.check is not None else None,
         )
-        if self.quantize is not None:
+        if self.mesh is not None:  # hierarchical: quantized across the nodes only
+            bk.handle = self.mesh.reduce_scatter(
+                out, inp, first=self.group, quantize=self.quantize, **bound
+            )
+        elif self.quantize is not None:
             bits, block = self.quantize
             bk.handle = comm.quant.reduce_scatter_quantized(
                 out, inp, bits=bits, block=block, group=self.group, **bound
             )
-        elif self.mesh is None:
-            bk.handle = comm.reduce_scatter(out, inp, group=self.group, avg=True, **bound)
         else:
-            bk.handle = self.mesh.reduce_scatter(out, inp, first=self.group, **bound)
+            bk.handle = comm.reduce_scatter(out, inp, group=self.group, avg=True, **bound)
         bk.tmp = tmp
         bk.move(BucketState.REDUCING)
         bk.launched = True
