@@ -168,15 +168,19 @@ def check_quantized_grads_train(rank, world):
     zo = ZeroOptimizer(
         m, torch.optim.AdamW, stage=1, quantize_grads="int8", nonfinite="skip", lr=1e-2
     )
+    _inf_skips(zo, m, rank, world, "the quantizer")
+    return out
+
+
+def _inf_skips(zo, m, rank, world, what) -> None:
+    """An inf gradient on the last rank: the step is skipped everywhere, nothing changes."""
     before = [p.detach().clone() for p in m.parameters()]
-    x = torch.randn(8, 16)
-    loss = m(x).pow(2).mean() * (float("inf") if rank == world - 1 else 1.0)
+    loss = m(torch.randn(8, 16)).pow(2).mean() * (float("inf") if rank == world - 1 else 1.0)
     loss.backward()
     zo.step()
-    assert zo.skipped_steps == 1, "an inf gradient was hidden by the quantizer"
+    assert zo.skipped_steps == 1, f"an inf gradient was hidden by {what}"
     assert all(torch.equal(a, p.detach()) for a, p in zip(before, m.parameters()))
     zo.close()
-    return out
 
 
 def check_bad_values(rank, world):
@@ -230,14 +234,68 @@ def check_two_hop_quantized(rank, world):
         m, torch.optim.AdamW, stage=2, shard_group=1, quantize_grads="int4",
         nonfinite="skip", lr=1e-2,
     )  # fmt: skip
-    before = [p.detach().clone() for p in m.parameters()]
-    loss = m(torch.randn(8, 16)).pow(2).mean() * (float("inf") if rank == world - 1 else 1.0)
-    loss.backward()
-    zo.step()
-    assert zo.skipped_steps == 1, "an inf gradient was hidden by the two-hop quantizer"
-    assert all(torch.equal(a, p.detach()) for a, p in zip(before, m.parameters()))
-    zo.close()
+    _inf_skips(zo, m, rank, world, "the two-hop quantizer")
     return out
+
+
+def check_error_feedback(rank, world):
+    """grad_error_feedback ([Note: error feedback]): the same gradient reduced T times through
+    int4, with feedback the mean of the T results is within about 1/T of one result's error of
+    the exact mean (without it, every result has the same error, so their mean too); through
+    ZeroOptimizer (one hop and two-hop) the replicas stay equal, the buffers are counted and a
+    skipped step zeroes them; without quantize_grads it is refused."""
+    import torch.distributed as dist
+
+    from zero_kernels import ZeroOptimizer, comm
+
+    c, T = 1000, 16
+    inp = torch.randn(c * world, generator=torch.Generator().manual_seed(3 + rank))
+    exact = inp.clone()
+    dist.all_reduce(exact)
+    exact = exact[rank * c : (rank + 1) * c] / world
+    errs = {}
+    for fb in (False, True):
+        errors = {} if fb else None
+        acc, outs = torch.zeros(c), []
+        for _ in range(T):
+            out = torch.empty(c)
+            comm.quant.reduce_scatter_quantized(out, inp, bits=4, block=256, errors=errors).wait()
+            acc += out
+            outs.append(out)
+        first = outs[0]
+        errs[fb] = ((acc / T - exact).norm() / exact.norm()).item()
+        errs[f"{fb} one"] = ((first - exact).norm() / exact.norm()).item()
+    assert errs["False one"] > 1e-3 and errs[False] == pytest.approx(errs["False one"], rel=1e-5)
+    assert errs[True] <= 3 * errs["True one"] / T, errs
+    for sg in ("world", 1):
+        m = _model()
+        zo = ZeroOptimizer(
+            m, torch.optim.AdamW, stage=2, lr=1e-2, bucket_size_mb=0.005, shard_group=sg,
+            quantize_grads="int8", grad_error_feedback=True, nonfinite="skip",
+        )  # fmt: skip
+        for s in range(3):
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(10 * s + rank))
+            zo.zero_grad()
+            m(x).pow(2).mean().backward()
+            zo.step()
+        rep = zo.memory_report()
+        assert rep["comm_error_feedback_bytes"] > 0, rep
+        bufs = [t for d in zo._core.reducer.errors.values() for t in d.values()]
+        assert any(t.abs().sum() > 0 for t in bufs)
+        if sg == 1:  # replicas: every rank the same params
+            flat = torch.cat([zo.full_param(p).reshape(-1) for p in m.parameters()])
+            got = [torch.empty_like(flat) for _ in range(world)]
+            dist.all_gather(got, flat)
+            assert all(torch.equal(g, got[0]) for g in got), "replicas differ with feedback"
+        zo.zero_grad()
+        loss = m(torch.randn(8, 16)).pow(2).mean()
+        (loss * (float("inf") if rank == 0 else 1.0)).backward()
+        zo.step()
+        assert zo.skipped_steps == 1 and all(t.abs().sum() == 0 for t in bufs)
+        zo.close()
+    with pytest.raises(ValueError, match="grad_error_feedback=True keeps what quantize_grads"):
+        ZeroOptimizer(_model(), torch.optim.AdamW, stage=2, grad_error_feedback=True, lr=1e-3)
+    return {"mean_err_no_feedback": errs[False], "mean_err_feedback": errs[True]}
 
 
 CHECKS = [
@@ -247,6 +305,7 @@ CHECKS = [
     check_reduce_scatter_quantized,
     check_quantized_grads_train,
     check_two_hop_quantized,
+    check_error_feedback,
     check_bad_values,
 ]
 

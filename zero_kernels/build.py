@@ -375,6 +375,7 @@ def quantization(core: Core) -> None:
         core.runner.quantize = (comm.quant.QUANTIZED[cp.quantize_weights], DEFAULT_BLOCK)
     if cp.quantize_grads is not None:  # with shard_group: the hop across the nodes only
         core.reducer.quantize = (comm.quant.QUANTIZED[cp.quantize_grads], DEFAULT_BLOCK)
+        core.reducer.error_feedback = cp.grad_error_feedback
 
 
 def units(core: Core) -> UnitScheduler | None:

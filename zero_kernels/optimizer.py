@@ -80,7 +80,11 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
         quantize_grads: None or "int8"/"int4" (ZeRO++'s qgZ, one hop): each gradient bucket's
             reduce-scatter sends the other ranks' chunks blockwise-quantized, summed in fp32
             with the own chunk exact ([Note: quantized reduce-scatter]); inf/NaN still reach
-            ``nonfinite``. Not with a hierarchical ``shard_group`` yet (raises).
+            ``nonfinite``. With a hierarchical ``shard_group`` only the hop across the replica
+            groups is quantized ([Note: quantized two-hop] in `zero_kernels.comm.hier`).
+        grad_error_feedback: with ``quantize_grads``, what each rank's quantization of a bucket
+            drops is kept (fp32, the size of what it quantizes) and added to that bucket's next
+            gradient before quantizing ([Note: error feedback] in `zero_kernels.comm.quant`).
         bucket_size_mb: target size of a gradient bucket in MiB (at 4 bytes per element).
         overlap_comm: reduce buckets during backward (True) or all at the end (False).
         partition: "auto" (element-wise optimizers get flat shards, the rest whole params),
@@ -197,6 +201,7 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
         shard_group="world",
         quantize_weights: str | None = None,
         quantize_grads: str | None = None,
+        grad_error_feedback: bool = False,
         bucket_size_mb: float = 25.0,
         overlap_comm: bool = True,
         partition: str = "auto",
@@ -263,6 +268,7 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
             shard_group=shard_group,
             quantize_weights=quantize_weights,
             quantize_grads=quantize_grads,
+            grad_error_feedback=grad_error_feedback,
             offload_optimizer=offload_optimizer,
             offload_params=offload_params,
             offload_dir=offload_dir,
@@ -683,7 +689,7 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
         sw, tier = core.runner.swap, core.store.tier
         staging = sw.staging_bytes if sw is not None else 0
         model = pb + grad + master + state + staging
-        comm_now = g.comm_nbytes()
+        comm_now = g.comm_nbytes() + core.reducer.error_bytes  # error feedback's buffers too
         sharded = core.store.sharded
         sec = core.units.secondary if core.units is not None else None
         return dict(
@@ -701,6 +707,8 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
             # secondary_shard: the slices kept from units' forwards for their backwards
             secondary_shard_bytes=sec.nbytes if sec is not None else 0,
             secondary_shard_peak_bytes=sec.peak if sec is not None else 0,
+            # grad_error_feedback: its per-bucket buffers (in comm_buffer_bytes too)
+            comm_error_feedback_bytes=core.reducer.error_bytes,
             # offload_optimizer="nvme": the staging buffers (RAM, in model_state_bytes) and
             # the file (disk), bytes moved since construction
             offload_staging_bytes=staging,

@@ -188,7 +188,9 @@ class CommPolicy:
     chunks blockwise-quantized ([Note: quantized all-gather] in `zero_kernels.comm.quant`);
     quantize_grads: None or "int8"/"int4": each gradient bucket's reduce-scatter sends the
     chunks for the other ranks quantized and sums them in fp32 ([Note: quantized
-    reduce-scatter] in `zero_kernels.comm.quant`)."""
+    reduce-scatter] in `zero_kernels.comm.quant`); grad_error_feedback: with quantize_grads, what
+    each quantization drops is kept per rank and added to the next step's gradient before it
+    is quantized ([Note: error feedback] in `zero_kernels.comm.quant`)."""
 
     bucket_size_mb: float = 25.0
     overlap_comm: bool = True
@@ -197,6 +199,7 @@ class CommPolicy:
     shard_group: object = "world"
     quantize_weights: str | None = None
     quantize_grads: str | None = None
+    grad_error_feedback: bool = False
 
     def __post_init__(self):
         b = self.bucket_size_mb
@@ -221,6 +224,14 @@ class CommPolicy:
         if qg is not None and qg not in ("int8", "int4"):
             raise ValueError(
                 f"quantize_grads must be None, 'int8' or 'int4', got quantize_grads={qg!r}"
+            )
+        ef = self.grad_error_feedback
+        if not isinstance(ef, bool):
+            raise TypeError(f"grad_error_feedback must be a bool, got grad_error_feedback={ef!r}")
+        if ef and qg is None:
+            raise ValueError(
+                "grad_error_feedback=True keeps what quantize_grads drops: it needs "
+                "quantize_grads='int8' or 'int4'"
             )
         sg = self.shard_group
         mesh = type(sg).__name__ == "DeviceMesh" and hasattr(sg, "get_group")

@@ -29,6 +29,7 @@ class Stepper:
         g.finish_reduction()
         if g.overflow:
             self.skipped_steps += 1
+            core.reducer.clear_errors()  # non-finite now ([Note: error feedback])
             if not self.scaler.active and self.nonfinite == "raise":
                 g.overflow = None
                 raise FloatingPointError(

@@ -71,11 +71,13 @@ class Mesh:
         watch: Watch | None = None,
         first=None,
         quantize: tuple[int, int] | None = None,
+        errors: dict | None = None,
     ):
         """``output`` = the average over every rank of ``input``, this rank's chunk of it (its
         index in the shard group); two hops ([Note: hierarchy]). ``first``: the group of the
         first hop (a twin of ``shard``; default ``shard``). ``quantize`` (bits, block): the
-        second hop, across the replica groups, quantized ([Note: quantized two-hop])."""
+        second hop, across the replica groups, quantized ([Note: quantized two-hop]), with
+        error feedback where ``errors`` is given ([Note: error feedback])."""
         from . import reduce_scatter
 
         h = reduce_scatter(
@@ -90,20 +92,25 @@ class Mesh:
         )
         if self.replicas is None:
             return h
-        return _TwoHop(h, output, self, log, timeout_s, what, quantize)
+        return _TwoHop(h, output, self, log, timeout_s, what, quantize, errors)
 
 
 class _TwoHop:
     """A reduce-scatter inside the shard group, then the all-reduce of its output across the
     replica group; both in one handle (what the reducer waits for)."""
 
-    __slots__ = ("first", "second", "out", "mesh", "log", "timeout_s", "what", "done", "quantize")
+    __slots__ = (
+        "first", "second", "out", "mesh", "log", "timeout_s", "what", "done", "quantize",
+        "errors",
+    )  # fmt: skip
     _queues: dict = {}  # id(replica group) -> handles whose all-reduce is not started, in order
 
-    def __init__(self, first: Handle, out, mesh: Mesh, log, timeout_s, what, quantize=None):
+    def __init__(
+        self, first: Handle, out, mesh: Mesh, log, timeout_s, what, quantize=None, errors=None
+    ):
         self.first, self.second, self.out, self.mesh = first, None, out, mesh
         self.log, self.timeout_s, self.what, self.done = log, timeout_s, what, False
-        self.quantize = quantize
+        self.quantize, self.errors = quantize, errors
         _TwoHop._queues.setdefault(id(mesh.replicas), []).append(self)
 
     def _start_second(self, watch=None) -> None:
@@ -114,7 +121,7 @@ class _TwoHop:
             h = q.pop(0)
             h.first.wait(h.timeout_s, h.what, watch)
             if h.quantize is not None:
-                h.second = _QuantAllReduce(h.out, h.mesh.replicas, *h.quantize, h.log)
+                h.second = _QuantAllReduce(h.out, h.mesh.replicas, *h.quantize, h.log, h.errors)
                 continue
             if h.log is not None:
                 h.log._add("replica_all_reduce", h.out)
@@ -160,9 +167,9 @@ class _QuantAllReduce:
     all-reduce's payload once in fp32). A non-finite
     gradient stays non-finite through both hops (the quantizer's scales never hide it)."""
 
-    __slots__ = ("out", "group", "bits", "block", "buf", "chunk", "rs", "ag")
+    __slots__ = ("out", "group", "bits", "block", "buf", "chunk", "rs", "ag", "errors")
 
-    def __init__(self, out: torch.Tensor, group, bits: int, block: int, log):
+    def __init__(self, out: torch.Tensor, group, bits: int, block: int, log, errors=None):
         from .quant import _packed, reduce_scatter_quantized
 
         n, c = world_size(group), out.numel()
@@ -171,8 +178,9 @@ class _QuantAllReduce:
         self.buf = torch.zeros(per * n, dtype=torch.float32, device=out.device)
         self.buf[:c].copy_(out.view(-1))
         self.chunk = torch.empty(per, dtype=torch.float32, device=out.device)
+        self.errors = errors
         self.rs = reduce_scatter_quantized(
-            self.chunk, self.buf, bits=bits, block=block, group=group, avg=True
+            self.chunk, self.buf, bits=bits, block=block, group=group, avg=True, errors=errors
         )
         self.ag = None
         if log is not None:
@@ -185,7 +193,7 @@ class _QuantAllReduce:
             self.rs.wait(timeout_s, what, watch)
             self.ag = all_gather_quantized(
                 self.buf, self.chunk, bits=self.bits, block=self.block, group=self.group,
-                own_exact=False,
+                own_exact=False, errors=self.errors,
             )  # fmt: skip
 
     def is_completed(self) -> bool:

@@ -107,10 +107,13 @@ def all_gather_quantized(
     group=None,
     log: CommLog | None = None,
     own_exact: bool = True,
+    errors: dict | None = None,
     **bound,
 ):
     """Start ``output = cat(input of every rank)`` with the other ranks' chunks sent quantized
-    ([Note: quantized all-gather]); returns a handle whose ``wait`` dequantizes. ``input`` may
+    ([Note: quantized all-gather]); returns a handle whose ``wait`` dequantizes. ``errors``:
+    error feedback on this rank's chunk (the two-hop gradient form's second half, [Note: error
+    feedback]; never for params), its buffer under ``"all_gather"``. ``input`` may
     be this rank's own chunk of ``output`` (not with ``own_exact=False``, which dequantizes the
     own chunk too, so that every rank's output is the same)."""
     from ..ops.quant import quantize_blockwise
@@ -130,7 +133,8 @@ def all_gather_quantized(
     src = input.view(-1)
     if not src.is_contiguous():
         src = src.contiguous()
-    quantize_blockwise(src, bits, block, out=(send[:qb], send[nq:].view(torch.float32)))
+    err = feedback_buffer(errors, "all_gather", c, input.device)
+    quantize_blockwise(src, bits, block, error=err, out=(send[:qb], send[nq:].view(torch.float32)))
     recv = torch.empty(per * n, dtype=torch.uint8, device=input.device)
     inner = all_gather(recv, send, group=group, log=log, **bound)
     own = None if own_exact else send
@@ -167,6 +171,29 @@ def _packed(c: int, bits: int, block: int) -> tuple[int, int, int]:
     return qb, nq, nq + 4 * ns
 
 
+def feedback_buffer(errors: dict | None, key: str, numel: int, device) -> torch.Tensor | None:
+    """[Note: error feedback]
+    ``grad_error_feedback=True``: each quantization of a gradient bucket for another rank (or,
+    in the two-hop form, for another replica group) adds the error buffer to what it quantizes
+    and leaves there what the bytes miss of the sum (`quantize_blockwise`'s ``error``). What
+    one step drops is sent the next, so the quantization error of the sum of the gradients over
+    steps stays that of one step instead of growing with their number (tests/test_quant_comm.py).
+    The buffers are fp32, one per bucket and hop, of the size of what that hop quantizes (the
+    whole bucket for the one-hop reduce-scatter: as much memory as the bucket's gradient; the
+    padded shard and its chunk in the two-hop form), made at the bucket's first reduction and
+    kept for the run (``memory_report()["comm_error_feedback_bytes"]``). A non-finite gradient
+    makes its buffer non-finite: the step it skips (``nonfinite="skip"``) zeroes them.
+
+    The buffer under ``errors[key]`` (zeros, ``numel`` fp32 elements: made here the first
+    time); None without feedback."""
+    if errors is None:
+        return None
+    buf = errors.get(key)
+    if buf is None or buf.numel() != numel:
+        buf = errors[key] = torch.zeros(numel, dtype=torch.float32, device=device)
+    return buf
+
+
 def reduce_scatter_quantized(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -179,11 +206,13 @@ def reduce_scatter_quantized(
     timeout_s: float | None = None,
     what: str = "",
     watch: Watch | None = None,
+    errors: dict | None = None,
 ):
     """Start ``output = reduce(input)[my chunk]`` with the chunks for the other ranks sent
     quantized ([Note: quantized reduce-scatter]); returns a handle whose ``wait`` sums them in
     fp32 with this rank's own chunk (exact) and averages when ``avg``. ``output`` may be this
-    rank's own chunk of ``input``."""
+    rank's own chunk of ``input``. ``errors`` (a dict kept by the caller per bucket): error
+    feedback ([Note: error feedback]), its buffer under ``"reduce_scatter"``."""
     import torch.distributed as dist
 
     from ..ops.quant import quantize_blockwise
@@ -203,11 +232,15 @@ def reduce_scatter_quantized(
         return Handle(None, (output,), 1.0, log)
     qb, nq, per = _packed(c, bits, block)
     send = torch.zeros(per * n, dtype=torch.uint8, device=input.device)
+    err = feedback_buffer(errors, "reduce_scatter", src.numel(), input.device)
     for k in range(n):
         if k != me:  # this rank's own chunk goes nowhere (its slot is sent as zeros)
             dst = send[k * per : (k + 1) * per]
             piece = src[k * c : (k + 1) * c]
-            quantize_blockwise(piece, bits, block, out=(dst[:qb], dst[nq:].view(torch.float32)))
+            e = None if err is None else err[k * c : (k + 1) * c]
+            quantize_blockwise(
+                piece, bits, block, error=e, out=(dst[:qb], dst[nq:].view(torch.float32))
+            )
     recv = torch.empty(per * n, dtype=torch.uint8, device=input.device)
     if log is not None:
         log._add("reduce_scatter", send)

@@ -134,6 +134,8 @@ class Reducer:
         # groups ([Note: hierarchy] in zero_kernels.comm.hier)
         self.mesh = mesh if mesh is not None and mesh.replicas is not None else None
         self.quantize: tuple[int, int] | None = None  # (bits, block) of quantize_grads
+        self.error_feedback = False  # grad_error_feedback ([Note: error feedback])
+        self.errors: dict[tuple[int, int], dict] = {}  # bucket -> its feedback buffers
         # whole gradients (stage 1): a full-size buffer reduced in place; else (stages 2 and 3)
         # bucket buffers reduced into the shards and given back (see [Note: overlap])
         self.whole = grads.whole
@@ -200,6 +202,17 @@ class Reducer:
             self.pass_started = True
             if self.on_backward_start is not None:
                 self.on_backward_start()
+
+    def clear_errors(self) -> None:
+        """grad_error_feedback: every bucket's buffers back to zero (a skipped step's made them
+        non-finite)."""
+        for d in self.errors.values():
+            for t in d.values():
+                t.zero_()
+
+    @property
+    def error_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for d in self.errors.values() for t in d.values())
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
@@ -364,14 +377,15 @@ class Reducer:
             f"{bk.key[0]}",
             watch=self.check.watch if self.check is not None else None,
         )
+        errors = self.errors.setdefault(bk.key, {}) if self.error_feedback else None
         if self.mesh is not None:  # hierarchical: quantized across the nodes only
             bk.handle = self.mesh.reduce_scatter(
-                out, inp, first=self.group, quantize=self.quantize, **bound
+                out, inp, first=self.group, quantize=self.quantize, errors=errors, **bound
             )
         elif self.quantize is not None:
             bits, block = self.quantize
             bk.handle = comm.quant.reduce_scatter_quantized(
-                out, inp, bits=bits, block=block, group=self.group, **bound
+                out, inp, bits=bits, block=block, group=self.group, errors=errors, **bound
             )
         else:
             bk.handle = comm.reduce_scatter(out, inp, group=self.group, avg=True, **bound)
