@@ -19,7 +19,11 @@ the continued steps' losses with those of the uninterrupted fp32 + int8 run (max
 difference; batches are a pure function of the step, so the two see the same data).
 
     python bench/bench_quant_convergence.py [--steps 300] [--resume-at 150] [--seed 0]
-        [--out bench/results]
+        [--world 2] [--variant q8|hpz_q8_g4] [--out bench/results]
+
+``--variant hpz_q8_g4`` (an even ``--world`` of 4 or more): the quantized runs are ZeRO++'s
+three together, ``secondary_shard=2`` (hpZ over blocks of 2 ranks) with int8 weights and int4
+gradients; the resume check runs in that configuration too.
 
 Writes OUT/quant_convergence.json and OUT/quant_convergence.png (loss curves per dtype); with
 ``--seed S`` (S != 0: another init and other batches, as the demo's ``--seed``) the files are
@@ -46,7 +50,7 @@ from datetime import timedelta
 import torch
 import torch.multiprocessing as mp
 
-WORLD = 2
+WORLD = 2  # default --world
 LAST = 20  # final loss = mean of the last LAST steps
 RUNS = [  # (name, dtype, quantize_weights)
     ("fp32", "fp32", None),
@@ -55,6 +59,12 @@ RUNS = [  # (name, dtype, quantize_weights)
     ("bf16_int8", "bf16", "int8"),
 ]
 DEMO = dict(size="small", lr=1e-3, weight_decay=0.01, batch_size=8, bucket_mb=1.0, seed=0)
+# --variant: what the quantized runs turn on (the "int8" runs of RUNS)
+VARIANTS = {
+    "q8": {"quantize_weights": "int8"},
+    # ZeRO++'s three together: hpZ over blocks of 2 ranks, int8 weights, int4 gradients
+    "hpz_q8_g4": {"quantize_weights": "int8", "quantize_grads": "int4", "secondary_shard": 2},
+}
 
 
 def _free_port() -> int:
@@ -63,7 +73,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _build(dtype: str, quant: str | None, init_seed: int):
+def _build(dtype: str, quant: str | None, init_seed: int, variant: str = "q8"):
     from zero_kernels.models import build_gpt
     from zero_kernels.optimizer import ZeroOptimizer
 
@@ -75,7 +85,7 @@ def _build(dtype: str, quant: str | None, init_seed: int):
         model,
         torch.optim.AdamW,
         stage=3,
-        quantize_weights=quant,
+        **(VARIANTS[variant] if quant else {}),
         bucket_size_mb=DEMO["bucket_mb"],
         lr=DEMO["lr"],
         weight_decay=DEMO["weight_decay"],
@@ -107,14 +117,16 @@ def _train(
     return losses, time.perf_counter() - t0
 
 
-def _worker(rank: int, steps: int, resume_at: int, ckpt_dir: str, seed: int) -> dict:
+def _worker(
+    rank: int, steps: int, resume_at: int, ckpt_dir: str, seed: int, variant: str = "q8"
+) -> dict:
     from zero_kernels.checkpoint import load_checkpoint, save_checkpoint
     from zero_kernels.models import load_corpus
 
     data = load_corpus()
     out: dict = {"runs": {}}
     for name, dtype, quant in RUNS:
-        model, opt = _build(dtype, quant, seed)
+        model, opt = _build(dtype, quant, seed, variant)
         losses, secs = _train(model, opt, data, rank, 0, steps, seed)
         st = opt.comm_stats
         out["runs"][name] = {
@@ -133,19 +145,19 @@ def _worker(rank: int, steps: int, resume_at: int, ckpt_dir: str, seed: int) -> 
     if not resume_at:
         return out
     # resume check in the fp32 + int8 configuration
-    model, opt = _build("fp32", "int8", seed)
+    model, opt = _build("fp32", "int8", seed, variant)
     first, _ = _train(model, opt, data, rank, 0, resume_at, seed)
     save_checkpoint(ckpt_dir, model, opt)
     opt.close()
     del model, opt
-    model, opt = _build("fp32", "int8", seed + 1)  # other init: the load must replace it
+    model, opt = _build("fp32", "int8", seed + 1, variant)  # other init: the load replaces it
     load_checkpoint(ckpt_dir, model, opt)
     rest, _ = _train(model, opt, data, rank, resume_at, steps, seed)
     out["resume"] = {"first": first, "rest": rest}
     return out
 
 
-def _entry(rank: int, port: int, args: tuple, q) -> None:
+def _entry(rank: int, port: int, world: int, args: tuple, q) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -155,7 +167,7 @@ def _entry(rank: int, port: int, args: tuple, q) -> None:
             "gloo",
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
-            world_size=WORLD,
+            world_size=world,
             timeout=timedelta(seconds=300),
         )
         q.put((rank, "ok", _worker(rank, *args)))
@@ -166,17 +178,20 @@ def _entry(rank: int, port: int, args: tuple, q) -> None:
             dist.destroy_process_group()
 
 
-def _spawn(args: tuple, timeout: float) -> list[dict]:
+def _spawn(args: tuple, timeout: float, world: int = WORLD) -> list[dict]:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, port, args, q), daemon=True) for r in range(WORLD)]
+    procs = [
+        ctx.Process(target=_entry, args=(r, port, world, args, q), daemon=True)
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     results: dict[int, dict] = {}
     deadline = time.monotonic() + timeout
     try:
-        while len(results) < WORLD:
+        while len(results) < world:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"ranks did not finish within {timeout:.0f} s")
@@ -194,7 +209,7 @@ def _spawn(args: tuple, timeout: float) -> list[dict]:
             p.join(timeout=10)
             if p.is_alive():
                 p.terminate()
-    return [results[r] for r in range(WORLD)]
+    return [results[r] for r in range(world)]
 
 
 def _rel(a: float, b: float) -> float:
@@ -238,7 +253,7 @@ def _summarise(res: dict, steps: int, resume_at: int) -> dict:
     return {"compare": compare, "resume": resume}
 
 
-def _plot(runs: dict, path: str) -> None:
+def _plot(runs: dict, path: str, ranks: str = "2 gloo ranks", variant: str = "q8") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -248,9 +263,9 @@ def _plot(runs: dict, path: str) -> None:
     for ax, dtype in zip(axes, ("fp32", "bf16")):
         for name, style in ((dtype, "-"), (f"{dtype}_int8", "--")):
             r = runs[name]
-            label = f"{dtype}, " + (r["quantize_weights"] or "unquantized")
+            label = f"{dtype}, " + (variant if r["quantize_weights"] else "unquantized")
             ax.plot(range(1, len(r["losses"]) + 1), r["losses"], style, label=label, lw=1)
-        ax.set_title(f"{dtype} params, stage 3, 2 gloo ranks")
+        ax.set_title(f"{dtype} params, stage 3, {ranks}")
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend()
@@ -270,7 +285,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tag", default="", help="suffix of the result files' names")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--timeout", type=float, default=3600.0)
+    ap.add_argument("--world", type=int, default=WORLD, help=f"gloo ranks (default {WORLD})")
+    ap.add_argument(
+        "--variant",
+        default="q8",
+        choices=sorted(VARIANTS),
+        help="what the quantized runs turn on: q8 (int8 weights, default) or hpz_q8_g4 "
+        "(secondary_shard=2 + int8 weights + int4 grads; needs --world 4 or more, even)",
+    )
     args = ap.parse_args(argv)
+    if args.variant == "hpz_q8_g4" and (args.world < 4 or args.world % 2):
+        ap.error("--variant hpz_q8_g4 needs an even --world >= 4 (blocks of 2 ranks)")
     resume_at = args.resume_at if args.resume_at is not None else args.steps // 2
     if not 0 <= resume_at < args.steps or args.steps < LAST:
         ap.error(f"need {LAST} <= steps and 0 <= resume-at < steps")
@@ -278,7 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     ckpt_dir = tempfile.mkdtemp(prefix="zk_quant_conv_")
     t0 = time.perf_counter()
     try:
-        per_rank = _spawn((args.steps, resume_at, ckpt_dir, args.seed), args.timeout)
+        per_rank = _spawn(
+            (args.steps, resume_at, ckpt_dir, args.seed, args.variant), args.timeout, args.world
+        )
     finally:
         shutil.rmtree(ckpt_dir, ignore_errors=True)
     wall = time.perf_counter() - t0
@@ -292,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
         "bench": "quant_convergence",
         "command": "python bench/bench_quant_convergence.py " + " ".join(sys.argv[1:]),
         "steps": args.steps,
-        "world_size": WORLD,
+        "world_size": args.world,
+        "variant": {args.variant: VARIANTS[args.variant]},
         "threads_per_rank": 1,
         "demo_config": {**DEMO, "seed": args.seed},
         "final_loss_window": LAST,
@@ -309,9 +337,9 @@ def main(argv: list[str] | None = None) -> int:
     stem = "quant_convergence" + (f"_seed{args.seed}" if args.seed else "") + args.tag
     with open(os.path.join(args.out, stem + ".json"), "w") as f:
         json.dump(doc, f, indent=1)
-    _plot(res["runs"], os.path.join(args.out, stem + ".png"))
+    _plot(res["runs"], os.path.join(args.out, stem + ".png"), f"{args.world} ranks", args.variant)
 
-    print(f"steps {args.steps}, 2 gloo ranks, wall {wall:.0f} s")
+    print(f"steps {args.steps}, {args.world} gloo ranks, {args.variant}, wall {wall:.0f} s")
     print(
         "| params | final loss unquantized | final loss int8 | rel. diff | max per-step rel. "
         "diff | all-gather B/step unquantized | int8 | ratio | finite |"

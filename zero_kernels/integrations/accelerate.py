@@ -84,6 +84,7 @@ except ImportError as e:  # pragma: no cover - exercised without accelerate inst
         "zero_kernels.integrations.accelerate needs accelerate (pip install accelerate)"
     ) from e
 
+from ..policy import ShardPolicy
 from .common import check_not_wrapped, from_torch_optimizer, is_zero, zero_kwargs
 
 __all__ = ["ZeroAcceleratedOptimizer", "load_state", "prepare", "save_state"]
@@ -225,10 +226,11 @@ def _place(accelerator, model: nn.Module, optimizer) -> None:
     model.to(dev)
 
 
-def _check_autocast(accelerator, stage: int) -> None:
-    """bf16 autocast at stage 3 needs its weight cache off (checked before anything is built)."""
+def _check_autocast(accelerator, resharded: bool) -> None:
+    """bf16 autocast where params are resharded between uses (stage 3) needs its weight cache
+    off (checked before anything is built)."""
     handler = accelerator.autocast_handler
-    if getattr(accelerator, "native_amp", False) and stage == 3:
+    if getattr(accelerator, "native_amp", False) and resharded:
         if handler is None or handler.cache_enabled:
             raise ValueError(
                 f"{_WHERE}: mixed_precision='bf16' at stage 3 needs the autocast cache off: "
@@ -314,10 +316,12 @@ def prepare(accelerator, model: nn.Module, optimizer, *objects, zero=None):
             "Pass zero only with a plain torch optimizer"
         )
     if is_zero(optimizer):
-        stage = optimizer.stage
+        shard = optimizer.policy.shard
+    elif "policy" in kwargs:
+        shard = kwargs["policy"].shard
     else:
-        stage = kwargs["policy"].stage if "policy" in kwargs else kwargs.get("stage", 2)
-    _check_autocast(accelerator, stage)
+        shard = ShardPolicy.of_stage(kwargs.get("stage", 2))
+    _check_autocast(accelerator, resharded=not shard.params)
     _place(accelerator, model, optimizer)
     zopt = from_torch_optimizer(model, optimizer, kwargs, _WHERE)
     if not is_zero(optimizer):
