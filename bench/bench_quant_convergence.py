@@ -64,6 +64,12 @@ VARIANTS = {
     "q8": {"quantize_weights": "int8"},
     # ZeRO++'s three together: hpZ over blocks of 2 ranks, int8 weights, int4 gradients
     "hpz_q8_g4": {"quantize_weights": "int8", "quantize_grads": "int4", "secondary_shard": 2},
+    "hpz_q8_g4_ef": {
+        "quantize_weights": "int8",
+        "quantize_grads": "int4",
+        "secondary_shard": 2,
+        "grad_error_feedback": True,
+    },
 }
 
 
@@ -290,11 +296,12 @@ def main(argv: list[str] | None = None) -> int:
         "--variant",
         default="q8",
         choices=sorted(VARIANTS),
-        help="what the quantized runs turn on: q8 (int8 weights, default) or hpz_q8_g4 "
-        "(secondary_shard=2 + int8 weights + int4 grads; needs --world 4 or more, even)",
+        help="what the quantized runs turn on: q8 (int8 weights, default), hpz_q8_g4 "
+        "(secondary_shard=2 + int8 weights + int4 grads; needs --world 4 or more, even) or "
+        "hpz_q8_g4_ef (the same with grad_error_feedback=True)",
     )
     args = ap.parse_args(argv)
-    if args.variant == "hpz_q8_g4" and (args.world < 4 or args.world % 2):
+    if args.variant.startswith("hpz") and (args.world < 4 or args.world % 2):
         ap.error("--variant hpz_q8_g4 needs an even --world >= 4 (blocks of 2 ranks)")
     resume_at = args.resume_at if args.resume_at is not None else args.steps // 2
     if not 0 <= resume_at < args.steps or args.steps < LAST:
