@@ -108,12 +108,12 @@ def quantization_pairs(trials: list[dict]) -> list[dict]:
     otherwise), where that was measured too: whether quantizing paid here ("faster"/"slower"
     where the medians differ by more than the larger of the two spreads, else "within noise")."""
 
-    def key(c: dict, drop: bool) -> tuple:
-        skip = {"label", "quantize_weights", "quantize_grads"} if drop else {"label"}
+    def key(c: dict) -> tuple:  # the settings other than quantization
+        skip = {"label", "quantize_weights", "quantize_grads"}
         return tuple(sorted((k, str(v)) for k, v in c.items() if k not in skip))
 
     plain = {
-        key(t["config"], True): t
+        key(t["config"]): t
         for t in trials
         if t["status"] == "measured"
         and t["config"].get("quantize_weights", "none") == "none"
@@ -125,7 +125,7 @@ def quantization_pairs(trials: list[dict]) -> list[dict]:
         quant = (
             c.get("quantize_weights", "none") != "none" or c.get("quantize_grads", "none") != "none"
         )
-        twin = plain.get(key(c, True)) if quant and t["status"] == "measured" else None
+        twin = plain.get(key(c)) if quant and t["status"] == "measured" else None
         if twin is not None:
             a, b = t["measured"]["step_time_s"], twin["measured"]["step_time_s"]
             noise = max(t["measured"]["spread"], twin["measured"]["spread"]) * max(a, b)

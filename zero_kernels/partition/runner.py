@@ -451,8 +451,7 @@ class ShardRunner:
                     "ShardRunner.window holding them"
                 )
             if name not in self._window[(i, b)]:
-                self.flat_state.setdefault((i, b), {})[name] = None  # named by the check
-                self._check_names(i, b)
+                self._refuse_names({name})
             return self._window[(i, b)][name]
         key = (i, name)
         whole = self._state_whole.get(key)
@@ -611,11 +610,15 @@ class ShardRunner:
     def _check_names(self, i: int, b: int) -> None:
         extra = set(self.flat_state.get((i, b), {})) - set(self.swap.names[i])
         if extra:
-            raise ValueError(
-                f"state {sorted(extra)} was loaded into an optimizer built without it "
-                "and offload_optimizer='nvme' (amsgrad set after construction?): build "
-                "it with the same amsgrad"
-            )
+            self._refuse_names(extra)
+
+    @staticmethod
+    def _refuse_names(extra: set) -> None:
+        raise ValueError(
+            f"state {sorted(extra)} was loaded into an optimizer built without it "
+            "and offload_optimizer='nvme' (amsgrad set after construction?): build "
+            "it with the same amsgrad"
+        )
 
     @property
     def streams(self) -> bool:
