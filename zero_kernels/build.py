@@ -5,6 +5,7 @@
     communication(core)          # gradient store, reducer, the reduce-scatters' group
     core.runner = runner(core)   # the inner optimizer over this rank's pieces
     core.units = units(core)     # stage 3's unit scheduler and its order check
+    core.kept = kept(core)       # the units kept whole: stages 1/2's buckets, stage 3's small
 
 Every step reads the policy ([Note: policies]) and what the steps before it built; none reads an
 integer stage. `lay_out` changes nothing outside itself (its errors leave the params as they
@@ -27,6 +28,7 @@ from .layout import ParamSpec, build_layout
 from .materialize import materialize_modules_
 from .ops.backends import resolve_backend
 from .partition import FUSED_ADAM_CLASSES, Reducer, ShardRunner, choose_mode
+from .partition.kept import KeptWhole
 from .partition.order import SequenceCheck
 from .partition.secondary import SecondaryShard
 from .partition.units import (
@@ -437,6 +439,24 @@ def units(core: Core) -> UnitScheduler | None:
         sched.check = core.reducer.check = _sequence_check(core, sched, gather.check_order)
     core.reducer.on_bucket_ready = sched.bucket_done
     return sched
+
+
+def kept(core: Core) -> KeptWhole:
+    """The units never resharded ([Note: kept whole]): at stages 1/2 one per bucket of the
+    layout, whole from the start; at stage 3 the scheduler's persistent unit, if any."""
+    if core.units is not None:
+        p = core.units.persistent
+        return KeptWhole([p] if p is not None else [], "unit", core.op_timeout, core.where)
+    found = []
+    many = len(core.layout.buffers) > 1
+    for i, buf in enumerate(core.layout.buffers):
+        for b in buf.buckets:
+            u = Unit(len(found), f"{b.index}" + (f" of buffer {i}" if many else ""), None, True)
+            u.buckets.append((i, b.index))
+            u.move(UnitState.GATHERING)  # the store made the params whole
+            u.move(UnitState.GATHERED)
+            found.append(u)
+    return KeptWhole(found, "bucket", core.op_timeout, core.where)
 
 
 def _sequence_check(core: Core, sched: UnitScheduler, mode: str) -> SequenceCheck:

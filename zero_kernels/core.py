@@ -20,7 +20,7 @@ Over the core sit parts that each own their state and are called by the facade:
       |-- LossScaler     zero_kernels.loss_scale
       `-- ShardedState   zero_kernels.sharded_state  (made on request) state_dict(),
                                                    load_state_dict(), checkpoints
-    each reads the Core:  layout, store, grads, reducer, runner, units, comm_log, groups
+    each reads the Core:  layout, store, grads, reducer, runner, units, kept, comm_log, groups
 
 A part calls another only through the methods it was handed at construction; hooks registered on
 params and modules hold weak references to the optimizer, never to a part, so a collected
@@ -80,6 +80,7 @@ class Core:
     reducer: object = None  # partition.Reducer
     runner: object = None  # partition.ShardRunner
     units: object = None  # partition.units.UnitScheduler where params are resharded, else None
+    kept: object = None  # partition.kept.KeptWhole: the units never resharded ([Note: kept whole])
     comm_log: object = None  # comm.CommLog
     steps: StepCounter = dataclasses.field(default_factory=StepCounter)
     sync_free: bool = False  # off the CPU: step() reads nothing back ([Note: no host sync])

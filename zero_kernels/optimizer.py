@@ -332,6 +332,7 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
         )
         build.quantization(core)
         core.units = build.units(core)
+        core.kept = build.kept(core)
         # ---- the parts ([Note: parts]); hooks reach them through a weak reference to self
         me = weakref.ref(self)
         has_fp16 = any(p.dtype == torch.float16 and p.requires_grad for p in core.params.values())

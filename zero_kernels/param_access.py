@@ -17,12 +17,11 @@ __all__ = ["ParamAccess"]
 
 
 class ParamAccess:
-    """Whole-param access over the `Core` (see the module doc). Owns the all-gathers still in
-    flight after a step (``pending``: (buffer, bucket) -> handle)."""
+    """Whole-param access over the `Core` (see the module doc); the all-gathers still in flight
+    after a step are the kept units' (``core.kept``, [Note: kept whole])."""
 
     def __init__(self, core: Core):
         self.core = core
-        self.pending: dict = {}
 
     # ------------------------------------------------------------------ whole params
     @contextlib.contextmanager
@@ -131,14 +130,15 @@ class ParamAccess:
     # ------------------------------------------------------------------ overlapped all-gather
     def gather_wait_hooks(self, me) -> list:
         """overlap_param_gather: a forward pre-hook on every module with params of its own
-        waits for the all-gathers of the buckets holding them; state_dict waits for all."""
-        bucket_of = {}
+        waits for the kept units holding them; state_dict waits for all."""
+        unit_of = {}
+        kept = self.core.kept
         for i, buf in enumerate(self.core.layout.buffers):
             for s in buf.slots:
-                bucket_of[id(self.core.params[s.index])] = (i, s.bucket)
+                unit_of[id(self.core.params[s.index])] = kept.of_bucket[(i, s.bucket)].index
         handles = []
         for m in self.core.module.modules():
-            mine = {bucket_of[id(p)] for p in m.parameters(recurse=False) if id(p) in bucket_of}
+            mine = {unit_of[id(p)] for p in m.parameters(recurse=False) if id(p) in unit_of}
             if mine:
                 handles.append(m.register_forward_pre_hook(_wait_hook(me, sorted(mine))))
         handles.append(
@@ -149,19 +149,20 @@ class ParamAccess:
         )
         return handles
 
-    def wait_gathers(self, keys) -> None:
-        for k in keys:
-            h = self.pending.pop(k, None)
-            if h is not None:
-                h.wait(self.core.op_timeout, f"{self.core.where()}: all-gather of bucket {k[1]}")
+    @property
+    def in_flight(self) -> int:
+        """Kept units whose all-gathers are still in flight (``overlap_param_gather``)."""
+        return self.core.kept.in_flight
+
+    def wait_units(self, indices) -> None:
+        self.core.kept.wait(indices)
 
     def wait(self, *args, **kwargs) -> None:
         """overlap_param_gather: finish every all-gather still in flight, so the params hold the
         last step's values. The next forward does it bucket by bucket by itself; call this
         before reading params between ``step()`` and the next forward (EMA, logging, saving
         tensors yourself); model.state_dict() and this optimizer's own methods call it."""
-        if self.pending:
-            self.wait_gathers(list(self.pending))
+        self.core.kept.wait_all()
 
 
 def _resolve(o, path: str):
@@ -183,11 +184,11 @@ def _call_args(me, path: str):
     return f
 
 
-def _wait_hook(me, keys):
+def _wait_hook(me, units):
     def hook(module, args):
         o = me()
-        if o is not None and o.parts.params.pending:
-            o.parts.params.wait_gathers(keys)
+        if o is not None and o.parts.params.in_flight:
+            o.parts.params.wait_units(units)
 
     # plain Python under torch.compile, as stage 3's unit hooks ([Note: torch.compile])
     return torch.compiler.disable(hook, recursive=True)

@@ -59,13 +59,10 @@ class Stepper:
             runner.take_group_keys(param_groups, hyper)
             if core.units is not None:  # stage 3: params kept whole are gathered now
                 with runner.exact():  # kept whole between steps: the model's values
-                    kept = core.units.refresh_persistent()
-                handles += [((-1, k), h) for k, h in enumerate(kept)]
-            if core.policy.gather.overlap_param_gather:  # the next forward waits for them
-                self.params.pending.update(handles)
-            else:
-                for (_, b), h in handles:
-                    h.wait(core.op_timeout, f"{core.where()}, step: all-gather of bucket {b}")
+                    handles += core.units.refresh_persistent()
+            core.kept.launched(handles)  # [Note: kept whole]
+            if not core.policy.gather.overlap_param_gather:  # else the next forward waits
+                core.kept.wait_all()
             self.scaler.finite_step()
         core.steps.n += 1
         g.overflow = None

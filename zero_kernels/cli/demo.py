@@ -34,6 +34,7 @@ compute. ZeroOptimizer measures its own (time blocked in `Handle.wait`).
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import os
 import shlex
 import statistics
@@ -407,6 +408,9 @@ def _one_line(e: BaseException) -> str:
 def _spawned(local_rank: int, cfg: DemoConfig, nproc: int, port: int, errors) -> None:
     rank = cfg.node_rank * nproc + local_rank
     world = cfg.nnodes * nproc
+    # a rank that dies of a signal (an abort in native code at exit included) says where every
+    # thread of it was
+    faulthandler.enable(all_threads=True)
     os.environ.update(
         MASTER_ADDR=cfg.master_addr,
         MASTER_PORT=str(port),

@@ -142,14 +142,23 @@ _UNIT_MOVES = {
     UnitState.GATHERED: (UnitState.SHARDED, UnitState.SECONDARY),
     UnitState.SECONDARY: (UnitState.GATHERING, UnitState.SHARDED),
 }
+# a unit kept whole ([Note: kept whole] in `zero_kernels.partition.kept`): never resharded; a
+# step that updated its shards all-gathers it again in place (GATHERED -> GATHERING)
+_KEPT_MOVES = {
+    UnitState.SHARDED: (UnitState.GATHERING,),
+    UnitState.GATHERING: (UnitState.GATHERED,),
+    UnitState.GATHERED: (UnitState.GATHERING,),
+}
 
 
 class Unit:
-    """One unit: its module, its buckets ``(buffer, bucket)``, its state and pending gathers."""
+    """One unit: its module, its buckets ``(buffer, bucket)``, its state and pending gathers.
+    ``persistent``: kept whole, never freed (stage 3's small params, every bucket of stages 1
+    and 2; [Note: kept whole])."""
 
     def __init__(self, index: int, name: str, module: nn.Module, persistent: bool = False):
         self.index, self.name, self.module = index, name, module
-        self.persistent = persistent  # small params kept whole: never freed
+        self.persistent = persistent
         self.buckets: list[tuple[int, int]] = []
         self.state = UnitState.SHARDED
         self.handles: list = []
@@ -158,8 +167,17 @@ class Unit:
         assert self.state in states, f"unit {self.name}: state {self.state}, expected {states}"
 
     def move(self, to: UnitState) -> None:
-        assert to in _UNIT_MOVES[self.state], f"unit {self.name}: {self.state} -> {to}"
+        moves = _KEPT_MOVES if self.persistent else _UNIT_MOVES
+        assert to in moves[self.state], f"unit {self.name}: {self.state} -> {to}"
         self.state = to
+
+    def finish(self, timeout_s: float | None, what: str, watch=None) -> None:
+        """GATHERING -> GATHERED: wait for every all-gather of the unit (bounded by
+        ``timeout_s``, named ``what`` when it expires)."""
+        for h in self.handles:
+            h.wait(timeout_s, what, watch)
+        self.handles.clear()
+        self.move(UnitState.GATHERED)
 
     @property
     def sharded(self) -> bool:
@@ -276,10 +294,7 @@ class UnitScheduler:
         self.gather(u)
         if u.state is UnitState.GATHERING:
             watch = self.check.watch if self.check is not None else None
-            for h in u.handles:
-                h.wait(self.timeout, f"{self.describe()}: all-gather of unit {u.name}", watch)
-            u.handles.clear()
-            u.move(UnitState.GATHERED)
+            u.finish(self.timeout, f"{self.describe()}: all-gather of unit {u.name}", watch)
             if self.secondary is not None:  # gathered from it: not needed again
                 self.secondary.drop(u.buckets)
         u.expect(UnitState.GATHERED)
@@ -316,11 +331,15 @@ class UnitScheduler:
         self.drop_secondary()
 
     def refresh_persistent(self) -> list:
-        """After a step: all-gather the params kept whole (their shards were updated)."""
+        """After a step: the all-gathers of the params kept whole (their shards were updated),
+        ``[((buffer, bucket), handle)]`` for `KeptWhole.launched`."""
         self.drop_secondary()
         if self.persistent is None:
             return []
-        return [self.runner.gather(i, b, self.log, self.group) for i, b in self.persistent.buckets]
+        return [
+            ((i, b), self.runner.gather(i, b, self.log, self.group))
+            for i, b in self.persistent.buckets
+        ]
 
     # ---- forward
     def _check_same(self, u: Unit) -> None:
