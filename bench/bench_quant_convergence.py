@@ -19,11 +19,14 @@ the continued steps' losses with those of the uninterrupted fp32 + int8 run (max
 difference; batches are a pure function of the step, so the two see the same data).
 
     python bench/bench_quant_convergence.py [--steps 300] [--resume-at 150] [--seed 0]
-        [--world 2] [--variant q8|hpz_q8_g4] [--out bench/results]
+        [--world 2] [--variant q8|hpz_q8_g4|hpz|g4|hpz_q8|...] [--dtypes fp32,bf16]
+        [--out bench/results]
 
 ``--variant hpz_q8_g4`` (an even ``--world`` of 4 or more): the quantized runs are ZeRO++'s
 three together, ``secondary_shard=2`` (hpZ over blocks of 2 ranks) with int8 weights and int4
-gradients; the resume check runs in that configuration too.
+gradients; the resume check runs in that configuration too. ``hpz``, ``g4`` and ``hpz_q8`` turn
+on one part (or hpZ with int8 weights) to tell which one moves the loss; ``--dtypes fp32``
+runs the fp32 pair only.
 
 Writes OUT/quant_convergence.json and OUT/quant_convergence.png (loss curves per dtype); with
 ``--seed S`` (S != 0: another init and other batches, as the demo's ``--seed``) the files are
@@ -64,6 +67,19 @@ VARIANTS = {
     "q8": {"quantize_weights": "int8"},
     # ZeRO++'s three together: hpZ over blocks of 2 ranks, int8 weights, int4 gradients
     "hpz_q8_g4": {"quantize_weights": "int8", "quantize_grads": "int4", "secondary_shard": 2},
+    # each of the three alone, and hpZ with int8 weights: which one moves the loss
+    "hpz": {"secondary_shard": 2},
+    "g4": {"quantize_grads": "int4"},
+    "hpz_q8": {"quantize_weights": "int8", "secondary_shard": 2},
+    # the norms' and biases' params (< 1024 elements in the "small" GPT; the matrices have >= 16384)
+    # kept whole (never gathered, so never quantized), as DeepSpeed's persistence threshold does
+    "hpz_q8_pb": {"quantize_weights": "int8", "secondary_shard": 2, "persist_below": 1024},
+    "hpz_q8_g4_pb": {
+        "quantize_weights": "int8",
+        "quantize_grads": "int4",
+        "secondary_shard": 2,
+        "persist_below": 1024,
+    },
     "hpz_q8_g4_ef": {
         "quantize_weights": "int8",
         "quantize_grads": "int4",
@@ -124,7 +140,13 @@ def _train(
 
 
 def _worker(
-    rank: int, steps: int, resume_at: int, ckpt_dir: str, seed: int, variant: str = "q8"
+    rank: int,
+    steps: int,
+    resume_at: int,
+    ckpt_dir: str,
+    seed: int,
+    variant: str = "q8",
+    dtypes: tuple = ("fp32", "bf16"),
 ) -> dict:
     from zero_kernels.checkpoint import load_checkpoint, save_checkpoint
     from zero_kernels.models import load_corpus
@@ -132,6 +154,8 @@ def _worker(
     data = load_corpus()
     out: dict = {"runs": {}}
     for name, dtype, quant in RUNS:
+        if dtype not in dtypes:
+            continue
         model, opt = _build(dtype, quant, seed, variant)
         losses, secs = _train(model, opt, data, rank, 0, steps, seed)
         st = opt.comm_stats
@@ -229,6 +253,8 @@ def _summarise(res: dict, steps: int, resume_at: int) -> dict:
         r["final_loss"] = sum(r["losses"][-LAST:]) / len(r["losses"][-LAST:])
     compare = {}
     for dtype in ("fp32", "bf16"):
+        if dtype not in runs:
+            continue
         base, q = runs[dtype], runs[f"{dtype}_int8"]
         compare[dtype] = {
             "final_loss_unquantized": base["final_loss"],
@@ -265,8 +291,10 @@ def _plot(runs: dict, path: str, ranks: str = "2 gloo ranks", variant: str = "q8
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    for ax, dtype in zip(axes, ("fp32", "bf16")):
+    dtypes = [d for d in ("fp32", "bf16") if d in runs]
+    fig, axes = plt.subplots(1, len(dtypes), figsize=(5.5 * len(dtypes), 4), sharey=True)
+    axes = axes if len(dtypes) > 1 else [axes]
+    for ax, dtype in zip(axes, dtypes):
         for name, style in ((dtype, "-"), (f"{dtype}_int8", "--")):
             r = runs[name]
             label = f"{dtype}, " + (variant if r["quantize_weights"] else "unquantized")
@@ -297,12 +325,16 @@ def main(argv: list[str] | None = None) -> int:
         default="q8",
         choices=sorted(VARIANTS),
         help="what the quantized runs turn on: q8 (int8 weights, default), hpz_q8_g4 "
-        "(secondary_shard=2 + int8 weights + int4 grads; needs --world 4 or more, even) or "
-        "hpz_q8_g4_ef (the same with grad_error_feedback=True)",
+        "(secondary_shard=2 + int8 weights + int4 grads; needs --world 4 or more, even), "
+        "hpz_q8_g4_ef (the same with grad_error_feedback=True), or one part: hpz, g4, hpz_q8",
     )
+    ap.add_argument("--dtypes", default="fp32,bf16", help="param dtypes run (default both)")
     args = ap.parse_args(argv)
-    if args.variant.startswith("hpz") and (args.world < 4 or args.world % 2):
-        ap.error("--variant hpz_q8_g4 needs an even --world >= 4 (blocks of 2 ranks)")
+    dtypes = tuple(args.dtypes.split(","))
+    if not dtypes or any(d not in ("fp32", "bf16") for d in dtypes):
+        ap.error(f"--dtypes: fp32 and/or bf16, got {args.dtypes!r}")
+    if "secondary_shard" in VARIANTS[args.variant] and (args.world < 4 or args.world % 2):
+        ap.error(f"--variant {args.variant} needs an even --world >= 4 (blocks of 2 ranks)")
     resume_at = args.resume_at if args.resume_at is not None else args.steps // 2
     if not 0 <= resume_at < args.steps or args.steps < LAST:
         ap.error(f"need {LAST} <= steps and 0 <= resume-at < steps")
@@ -311,7 +343,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         per_rank = _spawn(
-            (args.steps, resume_at, ckpt_dir, args.seed, args.variant), args.timeout, args.world
+            (args.steps, resume_at, ckpt_dir, args.seed, args.variant, dtypes),
+            args.timeout,
+            args.world,
         )
     finally:
         shutil.rmtree(ckpt_dir, ignore_errors=True)
