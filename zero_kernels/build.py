@@ -89,7 +89,10 @@ def lay_out(
     unit_of: dict[int, int] = {}
     if not shard.params:
         unit_modules = find_units(module, units)
-        unit_of = unit_assignment(unit_modules, by_index, gather.persist_below)
+        # quantized weights: norms' gains and biases kept whole and exact ([Note: quantized
+        # all-gather] in zero_kernels.comm.quant)
+        vectors = cp.quantize_weights is not None
+        unit_of = unit_assignment(unit_modules, by_index, gather.persist_below, vectors)
         specs = [dataclasses.replace(s, unit=unit_of[s.index]) for s in specs]
     if not any(s.requires_grad for s in specs):
         raise ValueError("ZeroOptimizer: no parameter has requires_grad=True")

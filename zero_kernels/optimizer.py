@@ -75,8 +75,10 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
         quantize_weights: stage 3: None or "int8"/"int4": the all-gathers before each unit's
             forward and backward send the other ranks' chunks blockwise-quantized (ZeRO++'s
             qwZ; [Note: quantized all-gather] in `zero_kernels.comm.quant`): a quarter (int8) of
-            fp32's bytes. The shards, the step, the gradients and every gather that hands
-            params out (state dicts, ``gathered_params``, ``close``) stay exact.
+            fp32's bytes. Params of one dimension (norms' gains, biases) are kept whole and
+            exact, as ``persist_below`` keeps small ones. The shards, the step, the gradients
+            and every gather that hands params out (state dicts, ``gathered_params``,
+            ``close``) stay exact.
         quantize_grads: None or "int8"/"int4" (ZeRO++'s qgZ, one hop): each gradient bucket's
             reduce-scatter sends the other ranks' chunks blockwise-quantized, summed in fp32
             with the own chunk exact ([Note: quantized reduce-scatter]); inf/NaN still reach

@@ -185,7 +185,8 @@ class CommPolicy:
     (consecutive blocks of K ranks) or a torch DeviceMesh (replicate x shard, as FSDP2 takes
     it); replicated across those groups ([Note: hierarchy] in `zero_kernels.comm.hier`);
     quantize_weights: None or "int8"/"int4": stage 3's per-use all-gathers send the other ranks'
-    chunks blockwise-quantized ([Note: quantized all-gather] in `zero_kernels.comm.quant`);
+    chunks blockwise-quantized, params of one dimension kept whole and exact ([Note: quantized
+    all-gather] in `zero_kernels.comm.quant`);
     quantize_grads: None or "int8"/"int4": each gradient bucket's reduce-scatter sends the
     chunks for the other ranks quantized and sums them in fp32 ([Note: quantized
     reduce-scatter] in `zero_kernels.comm.quant`); grad_error_feedback: with quantize_grads, what

@@ -66,10 +66,12 @@ def unit_assignment(
     unit_modules: list[tuple[str, nn.Module]],
     params: dict[int, torch.Tensor],
     persist_below: int = 0,
+    whole_vectors: bool = False,
 ) -> dict[int, int]:
     """Param index -> unit (1.. for ``unit_modules``, 0 for the root unit, ``len + 1`` for the
-    params of fewer than ``persist_below`` elements, kept whole on every rank). A param found in
-    two units (tied across them) goes to the root unit, gathered for the whole step."""
+    params kept whole on every rank: those of fewer than ``persist_below`` elements and, with
+    ``whole_vectors``, every param of one dimension or none). A param found in two units (tied
+    across them) goes to the root unit, gathered for the whole step."""
     where: dict[int, set[int]] = {}
     for u, (_, m) in enumerate(unit_modules, start=1):
         for p in m.parameters():
@@ -78,7 +80,7 @@ def unit_assignment(
     for i, p in params.items():
         us = where.get(id(p), set())
         out[i] = next(iter(us)) if len(us) == 1 else 0
-        if p.numel() < persist_below:
+        if p.numel() < persist_below or (whole_vectors and p.dim() <= 1):
             out[i] = len(unit_modules) + 1
     return out
 
