@@ -150,10 +150,13 @@ def build_layout(
     mode: str = "flat",
     align: int = 16,
     by_unit: bool = False,
+    vectors_apart: bool = False,
 ) -> Layout:
     """Lay out ``specs`` (in registration order) for ``world_size`` ranks; see [Note: layout].
     ``by_unit``: buckets follow units instead of sizes (stage 3: a bucket holds one unit's
-    params only, and a unit's params in one buffer are one bucket)."""
+    params only, and a unit's params in one buffer are one bucket). ``vectors_apart`` (buckets
+    by size): the params of one dimension or none in buckets of their own, after the others'
+    (quantized gradients leave those buckets exact: [Note: quantized reduce-scatter])."""
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got world_size={world_size!r}")
     if bucket_numel < 1:
@@ -182,6 +185,10 @@ def build_layout(
                 first.setdefault(s.unit, pos)
             ordered.sort(key=lambda s: first[s.unit])
             groups = _cut_units(ordered)
+        elif vectors_apart:
+            big = [s for s in ordered if len(s.shape) > 1]
+            small = [s for s in ordered if len(s.shape) <= 1]
+            groups = _cut(big, bucket_numel, align) + _cut(small, bucket_numel, align)
         else:
             groups = _cut(ordered, bucket_numel, align)
         if mode == "flat":

@@ -134,6 +134,7 @@ class Reducer:
         # groups ([Note: hierarchy] in zero_kernels.comm.hier)
         self.mesh = mesh if mesh is not None and mesh.replicas is not None else None
         self.quantize: tuple[int, int] | None = None  # (bits, block) of quantize_grads
+        self.exact_buckets: set = set()  # (buffer, bucket) never quantized (params of 1 dim)
         self.error_feedback = False  # grad_error_feedback ([Note: error feedback])
         self.errors: dict[tuple[int, int], dict] = {}  # bucket -> its feedback buffers
         # whole gradients (stage 1): a full-size buffer reduced in place; else (stages 2 and 3)
@@ -391,13 +392,14 @@ class Reducer:
             f"{bk.key[0]}",
             watch=self.check.watch if self.check is not None else None,
         )
-        errors = self.errors.setdefault(bk.key, {}) if self.error_feedback else None
+        quantize = None if bk.key in self.exact_buckets else self.quantize
+        errors = self.errors.setdefault(bk.key, {}) if self.error_feedback and quantize else None
         if self.mesh is not None:  # hierarchical: quantized across the nodes only
             bk.handle = self.mesh.reduce_scatter(
-                out, inp, first=self.group, quantize=self.quantize, errors=errors, **bound
+                out, inp, first=self.group, quantize=quantize, errors=errors, **bound
             )
-        elif self.quantize is not None:
-            bits, block = self.quantize
+        elif quantize is not None:
+            bits, block = quantize
             bk.handle = comm.quant.reduce_scatter_quantized(
                 out, inp, bits=bits, block=block, group=self.group, errors=errors, **bound
             )
