@@ -30,6 +30,23 @@ of blocks), in one file per rank under ``offload_dir`` instead of RAM:
 
 Results are bitwise those of the same run without offload: the same kernel runs on the same
 values, only where they live between steps changes.
+
+Why a bucket's step does not start during backward (the issue's alternative to speculation):
+what the step does is not known until ``step()`` is called. Between ``backward()`` and
+``step()`` a training loop may clip (``clip_grad_norm_``, torch's or ours: a factor on every
+gradient, known only once all are reduced), change the learning rate or any hyper-parameter
+(a scheduler, a manual edit), pass ``step(**kwargs)``, or skip the step (non-finite gradients
+on some rank, the loss scaler). A bucket stepped early would be stepped on a guess; undoing a
+wrong guess needs the moments it overwrote, i.e. a second copy of the offloaded state on disk
+(twice the file) and a second pass of the whole step's I/O whenever the guess fails (every
+step that clips). And the overlap pays only where the disk is idle during backward: with
+``offload_params`` too the backward already reads and writes the param shards (~395 MB a step
+in the measurement below). Measured (bench/bench_offload.py --layers 24 --steps 5 --rounds 1
+--configs ram,opt,both, 25.2M params, stage 3, 2 ranks, 2-core Xeon VM, 2026-12-03): in RAM a
+step takes 211 ms; with ``offload_optimizer="nvme"`` 466 ms of which ``opt.step()`` is 239 ms
+(at 0.94x the disk's bound), so a perfect overlap with the ~190 ms backward could save at most
+~0.4x of the step; with both offloads 569 ms of which 319 ms is the step. Not built: the
+speculation and the doubled state it needs.
 """
 
 from __future__ import annotations
