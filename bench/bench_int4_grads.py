@@ -107,10 +107,40 @@ def _reduce(grads: list[torch.Tensor], cand, gen) -> torch.Tensor:
     return out
 
 
-def run(cand, steps: int, world: int, probe: int, data, seed: int = 0) -> dict:
+def _unit_groups(model, params) -> list[tuple[bool, list[tuple[int, int]]]]:
+    """--layout units: stage 3's buckets as the layout cuts them (one per block, one for the
+    root's matrices, every param of one dimension in one exact bucket), each a list of
+    ``(start, end)`` ranges of the flat gradient in the bucket's order (its params reversed)."""
+    pos, where = 0, {}
+    for p in params:
+        where[id(p)] = (pos, pos + p.numel())
+        pos += p.numel()
+    blocks = {id(p): f"blocks.{n.split('.')[1]}" for n, p in model.named_parameters()
+              if n.startswith("blocks.")}  # fmt: skip
+    groups: dict[str, list] = {}
+    for p in params:
+        key = "vectors" if p.dim() <= 1 else blocks.get(id(p), "root")
+        groups.setdefault(key, []).append(where[id(p)])
+    return [(k == "vectors", list(reversed(r))) for k, r in groups.items()]
+
+
+def _reduce_units(grads, cand, gen, groups) -> torch.Tensor:
+    out = torch.empty_like(grads[0])
+    for exact, ranges in groups:
+        parts = [torch.cat([g[lo:hi] for lo, hi in ranges]) for g in grads]
+        red = torch.stack(parts).mean(0) if exact else _reduce(parts, cand, gen)
+        at = 0
+        for lo, hi in ranges:
+            out[lo:hi] = red[at : at + hi - lo]
+            at += hi - lo
+    return out
+
+
+def run(cand, steps: int, world: int, probe: int, data, seed: int = 0, layout: str = "flat"):
     torch.manual_seed(seed)
     model = build_gpt("small")
     params = [p for p in model.parameters() if p.requires_grad]
+    groups = _unit_groups(model, params) if layout == "units" else None
     opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
     gen = torch.Generator().manual_seed(1234 + seed)
     losses, errs, coss = [], [], []
@@ -141,7 +171,7 @@ def run(cand, steps: int, world: int, probe: int, data, seed: int = 0) -> dict:
             with torch.no_grad():
                 for p, w in zip(params, exact_w):
                     p.copy_(w)
-        g = _reduce(flats, cand, gen)
+        g = _reduce(flats, cand, gen) if groups is None else _reduce_units(flats, cand, gen, groups)
         if step % probe == 0:
             exact = torch.stack(flats).mean(0)
             errs.append(((g - exact).norm() / exact.norm()).item())
@@ -175,6 +205,13 @@ def main() -> None:
     ap.add_argument("--cands", default=DEFAULT_CANDS)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seeds", default="0", help="init and batch seeds, e.g. 0,1,2")
+    ap.add_argument(
+        "--layout",
+        choices=("flat", "units"),
+        default="flat",
+        help="flat: the whole gradient cut in world chunks; units: stage 3's buckets (one per "
+        "block, one for the root's matrices, the vectors in one exact bucket)",
+    )
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
@@ -185,7 +222,7 @@ def main() -> None:
     res = {}
     for seed in seeds:  # seed-major: each seed's candidates back to back
         for c in cands:
-            r = run(c, args.steps, args.world, args.probe, data, seed)
+            r = run(c, args.steps, args.world, args.probe, data, seed, args.layout)
             res.setdefault(c[0], {"seeds": {}})["seeds"][seed] = r
             print(
                 f"{c[0]:>14} seed {seed}: final loss {r['final_loss']:.4f}, grad rel err "
@@ -208,6 +245,7 @@ def main() -> None:
         "command": "python " + " ".join(sys.argv),
         "steps": args.steps,
         "seeds": seeds,
+        "layout": args.layout,
         "world_emulated": args.world,
         "threads": args.threads,
         "machine": {

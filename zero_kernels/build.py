@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import warnings
 import zlib
 
 import torch
@@ -381,18 +380,9 @@ def quantization(core: Core) -> None:
     if cp.quantize_weights is not None:
         core.runner.quantize = (comm.quant.QUANTIZED[cp.quantize_weights], DEFAULT_BLOCK)
     if cp.quantize_grads is not None:  # with shard_group: the hop across the nodes only
-        core.reducer.quantize = (comm.quant.QUANTIZED[cp.quantize_grads], DEFAULT_BLOCK)
+        bits = comm.quant.QUANTIZED[cp.quantize_grads]
+        core.reducer.quantize = (bits, comm.quant.GRAD_BLOCK[bits])
         core.reducer.error_feedback = cp.grad_error_feedback
-        if cp.quantize_grads == "int4" and not core.policy.shard.params and core.world_size > 2:
-            warnings.warn(
-                "quantize_grads='int4' at stage 3 over more than 2 ranks trains worse than its "
-                "arithmetic predicts: +14-18% final loss after 300 steps of the demo GPT at 4 "
-                "ranks, where an exact emulation of the same reduction gives +1-2% and stage 2, "
-                "2 ranks or int8 track the unquantized run (a defect not yet found; bench/"
-                "README.md, 'Which part costs accuracy'); prefer quantize_grads='int8' here",
-                UserWarning,
-                stacklevel=4,
-            )
         # the buckets of params of one dimension (laid out apart) are reduced exact
         core.reducer.exact_buckets = {
             (i, b.index)

@@ -720,6 +720,7 @@ CROSS_NODE_CONFIGS = (
     ("stage 1-3, shard_group=node", 2, "node", None, None, None),
 )
 _QUANT_BYTES = {"int8": 1 + 4 / 256, "int4": 0.5 + 4 / 256}  # per element, with the scales
+_GRAD_QUANT_BYTES = {"int8": 1 + 4 / 256, "int4": 0.5 + 4 / 32}  # comm.quant.GRAD_BLOCK
 
 
 def cross_node(
@@ -757,7 +758,7 @@ def cross_node(
     for label, stage, sg, qw, qg, ss in CROSS_NODE_CONFIGS:
         gathered = _QUANT_BYTES[qw] * psi if qw else p
         if qg:  # the all-to-all: each node sends its ranks' chunks for the other nodes' ranks
-            reduced = r_node * (n_all - r_node) / n_all * _QUANT_BYTES[qg] * psi
+            reduced = r_node * (n_all - r_node) / n_all * _GRAD_QUANT_BYTES[qg] * psi
         else:
             reduced = ring * g
         if sg == "node":

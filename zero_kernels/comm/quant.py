@@ -34,6 +34,17 @@ then averages. Inf/NaN survive the round trip (a block holding one dequantizes n
 at most half a step of each block per rank's contribution. With ``shard_group`` hierarchical
 the two-hop form (quantized across nodes only) is not built: that combination raises.
 
+Blocks: int8 gradients use one scale per 256 elements, int4 gradients one per 32 (0.625 bytes
+per element instead of 0.516). Measured (bench/bench_int4_grads.py, the exact one-process
+emulation, which reproduces the real 4-rank stage-3 run's final loss to 4 digits): under stage
+3's layout (a bucket per unit, cut in one chunk per rank) int4 in blocks of 256 ends 300 steps
+of the demo GPT +17.6% above exact training and blocks of 32 -0.6% (seed 0; see
+bench/README.md, "Which part costs accuracy" for the seeds); with 16 levels a block's largest
+gradient sets a step that rounds most of the others to zero, and smaller blocks hold fewer
+outliers. The params of one dimension are laid out in buckets of their own and reduced exact
+(`exact_buckets` of the reducer): their small gradients lost 14-55% to blocks shared with
+larger ones.
+
 What stays exact in the weights' case, and why: every gather made to hand params out rather
 than to compute with them: the model's ``state_dict()``, ``gathered_params``, ``close()``, the
 refresh after a checkpoint load, and the small params kept whole between steps
@@ -47,9 +58,12 @@ import torch
 
 from .base import CommLog, Watch, rank, world_size
 
-__all__ = ["QUANTIZED", "all_gather_quantized", "reduce_scatter_quantized"]
+__all__ = ["GRAD_BLOCK", "QUANTIZED", "all_gather_quantized", "reduce_scatter_quantized"]
 
 QUANTIZED = {"int8": 8, "int4": 4}  # the values of ``quantize_weights`` and their bits
+# elements per scale of ``quantize_grads``, by bits: int4 gradients use blocks of 32 ([Note:
+# quantized reduce-scatter]); weights use `zero_kernels.ops.quant.DEFAULT_BLOCK` (256)
+GRAD_BLOCK = {8: 256, 4: 32}
 
 
 class _Unpack:
