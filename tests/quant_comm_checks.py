@@ -197,6 +197,23 @@ def check_vector_grads_exact(rank, world):
         for n in grads[0]:  # (another bucket: perhaps another sum order, so not bitwise)
             d = rel_err(grads[1][n], grads[0][n])
             assert (d <= 1e-6) == n.endswith("bias"), f"stage {stage}: {n} rel. error {d:.3g}"
+    # stage 3 with a small matrix kept whole beside the vectors (persist_below): that bucket is
+    # reduced exact too, so the vectors never meet the quantizer
+    grads = []
+    for qg in (None, "int4"):
+        m = _model()
+        zo = ZeroOptimizer(
+            m, torch.optim.AdamW, stage=3, units=[m[0], m[2], m[4]], persist_below=300,
+            quantize_grads=qg,
+        )  # fmt: skip
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(3 + rank))
+        m(x).pow(2).mean().backward()
+        grads.append({n: zo.full_grad(p).clone() for n, p in m.named_parameters()})
+        zo.close()
+    for n in grads[0]:  # 4.weight: 256 elements, below 300
+        d = rel_err(grads[1][n], grads[0][n])
+        want = n.endswith("bias") or n == "4.weight"
+        assert (d <= 1e-6) == want, f"persist_below: {n} rel. error {d:.3g}"
     return {}
 
 

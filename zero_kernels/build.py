@@ -24,7 +24,7 @@ from . import comm, validate, wrappers
 from .buffers import GradStore, ParamStore, dtype_of, grad_dtypes
 from .core import Core
 from .groups import param_groups
-from .layout import ParamSpec, build_layout
+from .layout import ParamSpec, build_layout, is_vector
 from .materialize import materialize_modules_
 from .ops.backends import resolve_backend
 from .partition import FUSED_ADAM_CLASSES, Reducer, ShardRunner, choose_mode
@@ -383,12 +383,19 @@ def quantization(core: Core) -> None:
         bits = comm.quant.QUANTIZED[cp.quantize_grads]
         core.reducer.quantize = (bits, comm.quant.GRAD_BLOCK[bits])
         core.reducer.error_feedback = cp.grad_error_feedback
-        # the buckets of params of one dimension (laid out apart) are reduced exact
+        # reduced exact: the buckets of params of one dimension (laid out apart at stages 1/2)
+        # and, at stage 3, those of the unit kept whole (the vectors and any params below
+        # persist_below: a small matrix there must not pull the vectors into the quantizer)
+        kept_unit = len(core.unit_modules) + 1
+
+        def exact(s) -> bool:
+            return is_vector(s.shape) or core.unit_of.get(s.index) == kept_unit
+
         core.reducer.exact_buckets = {
             (i, b.index)
             for i, buf in enumerate(core.layout.buffers)
             for b in buf.buckets
-            if b.slots and all(len(buf.slots[k].shape) <= 1 for k in b.slots)
+            if b.slots and all(exact(buf.slots[k]) for k in b.slots)
         }
 
 

@@ -55,6 +55,12 @@ class ParamSpec:
         return n
 
 
+def is_vector(shape) -> bool:
+    """A param of one dimension or none (a norm's gain, a bias): kept exact by quantized
+    communication ([Note: quantized all-gather] in `zero_kernels.comm.quant`)."""
+    return len(shape) <= 1
+
+
 @dataclass(frozen=True)
 class Slot:
     """One parameter's range ``[start, start + numel)`` inside its flat buffer."""
@@ -186,8 +192,8 @@ def build_layout(
             ordered.sort(key=lambda s: first[s.unit])
             groups = _cut_units(ordered)
         elif vectors_apart:
-            big = [s for s in ordered if len(s.shape) > 1]
-            small = [s for s in ordered if len(s.shape) <= 1]
+            big = [s for s in ordered if not is_vector(s.shape)]
+            small = [s for s in ordered if is_vector(s.shape)]
             groups = _cut(big, bucket_numel, align) + _cut(small, bucket_numel, align)
         else:
             groups = _cut(ordered, bucket_numel, align)

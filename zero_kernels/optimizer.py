@@ -82,8 +82,10 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
         quantize_grads: None or "int8"/"int4" (ZeRO++'s qgZ, one hop): each gradient bucket's
             reduce-scatter sends the other ranks' chunks blockwise-quantized, summed in fp32
             with the own chunk exact ([Note: quantized reduce-scatter]); inf/NaN still reach
-            ``nonfinite``. With a hierarchical ``shard_group`` only the hop across the replica
-            groups is quantized ([Note: quantized two-hop] in `zero_kernels.comm.hier`).
+            ``nonfinite``. Params of one dimension are reduced exact in buckets of their own
+            (at stage 3 kept whole, as with ``quantize_weights``). With a hierarchical
+            ``shard_group`` only the hop across the replica groups is quantized ([Note:
+            quantized two-hop] in `zero_kernels.comm.hier`).
         grad_error_feedback: with ``quantize_grads``, what each rank's quantization of a bucket
             drops is kept (fp32, the size of what it quantizes) and added to that bucket's next
             gradient before quantizing ([Note: error feedback] in `zero_kernels.comm.quant`).

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..layout import is_vector
+
 __all__ = ["find_units", "unit_assignment", "unit_members"]
 
 
@@ -80,7 +82,7 @@ def unit_assignment(
     for i, p in params.items():
         us = where.get(id(p), set())
         out[i] = next(iter(us)) if len(us) == 1 else 0
-        if p.numel() < persist_below or (whole_vectors and p.dim() <= 1):
+        if p.numel() < persist_below or (whole_vectors and is_vector(p.shape)):
             out[i] = len(unit_modules) + 1
     return out
 
