@@ -8,7 +8,10 @@ testbed]). A GPT of 7.52M params (6 layers, d=320, 128 tokens, tied head), fp32,
 candidate in fresh torchrun ranks on the testbed (candidates in turn, `--rounds` times over). For
 each: seconds per step (per step the slowest rank, then the median over the measured steps after
 `--warmup`), and MB per node per step over the link, from tc's counters between two marks around
-the measured steps (`testbed.mark`; sent by the node, and received), beside the formula's bytes.
+the measured steps (`testbed.mark`; sent by the node, and received), beside the formula's bytes
+and, for ours, the bytes the ranks themselves counted as sent across nodes (``comm_ledger``'s
+``cross_node_bytes`` of the measured steps summed over a node's ranks: [Note: bytes by link] in
+zero_kernels/comm/links.py).
 
 Candidates:
     ddp_fused      DDP(gradient_as_bucket_view=True, 25 MB buckets) + torch AdamW(fused=True)
@@ -265,6 +268,13 @@ def _worker(args) -> None:
     recording[0] = False
     testbed.mark("end")
     every = comm.all_gather_object(times[args.warmup :])
+    # ours: what the ranks counted as sent across nodes ([Note: bytes by link]), the measured steps
+    cross = (
+        sum(e["cross_node_bytes"] for e in opt.comm_ledger[-args.steps :])
+        if (cand.startswith("ours_stage"))
+        else None
+    )
+    crosses = comm.all_gather_object(cross)
     if rank == 0:
         slowest = [max(col) for col in zip(*every)]
         m = 4.0 * n_params
@@ -283,6 +293,12 @@ def _worker(args) -> None:
                 cand, m, world // per_node, per_node, per_step
             ),
             "launched_per_step": per_step,
+            "counted_bytes_per_node_per_step": None
+            if cross is None
+            else [
+                sum(crosses[k * per_node : (k + 1) * per_node]) / args.steps
+                for k in range(world // per_node)
+            ],
             "probe": {f"{op} {c}": r for (op, c), r in comm.probe_results().items()},
         }
         with open(os.path.join(testbed.out_dir(), "result.json"), "w") as f:
@@ -327,6 +343,7 @@ def summarize(rows: dict, cands) -> list[dict]:
         sent = [max(r["sent_bytes_per_node_per_step"]) for r in rs]
         recv = [max(r["received_bytes_per_node_per_step"]) for r in rs]
         formula = [r["expected_bytes_per_node_per_step"] for r in rs]
+        counted = [max(r.get("counted_bytes_per_node_per_step") or [0]) for r in rs]
         summary.append(
             {
                 "cand": c,
@@ -336,6 +353,13 @@ def summarize(rows: dict, cands) -> list[dict]:
                 "mb_received_per_node_per_step": statistics.median(recv) / 1e6,
                 "mb_formula_per_node_per_step": statistics.median(formula) / 1e6,
                 "measured_over_formula": statistics.median(m / f for m, f in zip(sent, formula)),
+                # comm_stats' cross_node_bytes (the ranks' own count), None for the peers
+                "mb_counted_per_node_per_step": statistics.median(counted) / 1e6
+                if all(counted)
+                else None,
+                "measured_over_counted": statistics.median(m / c for m, c in zip(sent, counted))
+                if all(counted)
+                else None,
                 "mb_sent_per_round": [round(x / 1e6, 2) for x in sent],
                 "mb_formula_per_round": [round(x / 1e6, 2) for x in formula],
                 "algorithms_per_round": [
@@ -349,13 +373,15 @@ def summarize(rows: dict, cands) -> list[dict]:
 
 def print_table(summary: list[dict]) -> None:
     head = f"{'candidate':<13}{'s/step':>8}{'(rounds)':>22}{'MB/node/step':>14}{'formula MB':>12}"
-    print(head + f"{'ratio':>7}")
+    print(head + f"{'ratio':>7}{'counted MB':>12}{'ratio':>7}")
     for s in summary:
         rounds = "/".join(f"{x:.2f}" for x in s["step_s_per_round"])
+        counted = s.get("mb_counted_per_node_per_step")
+        tail = f"{counted:>12.1f}{s['measured_over_counted']:>7.3f}" if counted else f"{'-':>12}"
         print(
             f"{s['cand']:<13}{s['median_step_s']:>8.3f}{rounds:>22}"
             f"{s['mb_sent_per_node_per_step']:>14.1f}{s['mb_formula_per_node_per_step']:>12.1f}"
-            f"{s['measured_over_formula']:>7.3f}"
+            f"{s['measured_over_formula']:>7.3f}{tail}"
         )
     for s in summary:
         algos = s["algorithms_per_round"]

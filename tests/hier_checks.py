@@ -123,6 +123,89 @@ def check_bytes_across_replicas(rank, world):
     zo.close()
 
 
+def check_bytes_by_link(rank, world):
+    """[Note: bytes by link]: what each rank sends, by the algorithm that ran. On one host (as
+    proven) nothing crosses. With the world taken for two hosts {0, 1} {2, 3}: a ring (ours, and
+    gloo's all-gather) sends 3 chunks to the next rank (inside for ranks 0 and 2, across for 1
+    and 3), gloo's reduce-scatter twice that (an all-reduce), pairwise one chunk to each other
+    rank (1 inside, 2 across), the quantized reduce-scatter's all-to-all as pairwise. Training
+    with shard_group=2 on those hosts: only the replica all-reduce crosses; the step ledger has
+    one entry per step and its entries add up to comm_stats."""
+    from zero_kernels import comm
+    from zero_kernels.comm import hosts, links
+    from zero_kernels.comm.quant import _packed, reduce_scatter_quantized
+
+    key = comm.base.group_key(None)
+    saved = hosts._groups.get(key)
+    numel, c = 1024, 1024  # the full buffer (fp32: 4096 bytes), a chunk in bytes
+    x, out, full = torch.ones(numel), torch.zeros(numel // world), torch.zeros(numel)
+
+    def sent(op, algo):
+        comm.set_algorithm("all", algo)
+        log = comm.CommLog()
+        if op == "rs":
+            comm.reduce_scatter(out, x, log=log).wait()
+        else:
+            comm.all_gather(full, out, log=log).wait()
+        return log.inside_node_bytes, log.cross_node_bytes
+
+    got = {}
+    try:
+        links._reset()
+        assert links.learn() == [[0, 1, 2, 3]]
+        for algo in ("pairwise", "ring", "shm", "native"):
+            rs = 6 * c if algo == "native" else 3 * c  # gloo's reduce-scatter: an all-reduce
+            assert sent("rs", algo) == (rs, 0), (algo, sent("rs", algo))
+            assert sent("ag", algo) == (3 * c, 0), algo
+        hosts._groups[key] = ((0, 1), (2, 3))  # as the proof finds two nodes (the testbed)
+        links._reset()
+        assert links.learn() == [[0, 1], [2, 3]]
+        nxt_inside = rank in (0, 2)
+        for algo in ("pairwise", "ring", "native"):
+            for op in ("rs", "ag"):
+                k = 6 if (algo, op) == ("native", "rs") else 3
+                want = (
+                    (c, 2 * c) if algo == "pairwise" else (k * c, 0) if nxt_inside else (0, k * c)
+                )
+                got[f"{op} {algo}"] = sent(op, algo)
+                assert got[f"{op} {algo}"] == want, (op, algo, got[f"{op} {algo}"], want)
+        log = comm.CommLog()
+        reduce_scatter_quantized(out, x, bits=8, block=256, group=None, log=log).wait()
+        per = _packed(numel // world, 8, 256)[2]
+        assert (log.inside_node_bytes, log.cross_node_bytes) == (per, 2 * per), (log, per)
+        assert log.reduce_scatter_bytes == world * per
+        comm.set_algorithm("all", "pairwise")
+        zo, *_ = _train(rank, 2, steps=3, shard_group=2)
+        cs, ledger = zo.comm_stats, zo.comm_ledger
+        zo.close()
+        # inside: the 2-rank shard group's pairwise reduce-scatters and gathers, half of each
+        # buffer; across: the shards' all-reduce over 2 replicas, a ring of 2 sends it once
+        assert cs["cross_node_bytes"] == cs["replica_all_reduce_bytes"] > 0, cs
+        assert 2 * cs["inside_node_bytes"] == cs["reduce_scatter_bytes"] + cs["all_gather_bytes"]
+        assert [(e["step"], e["outcome"]) for e in ledger] == [
+            (0, "stepped"),
+            (1, "stepped"),
+            (2, "stepped"),
+        ], ledger
+        for k in (
+            "reduce_scatter_bytes",
+            "all_gather_bytes",
+            "inside_node_bytes",
+            "cross_node_bytes",
+            "replica_all_reduce_calls",
+        ):
+            assert sum(e[k] for e in ledger) == cs[k], (k, ledger, cs)
+            assert len({e[k] for e in ledger}) == 1, (k, ledger)  # every step the same
+    finally:
+        comm.set_algorithm("all", None)
+        if saved is None:
+            hosts._groups.pop(key, None)
+        else:
+            hosts._groups[key] = saved
+        links._reset()
+    return got
+
+
 def check_shorthands(rank, world):
     """ "node" on one host and K = world are the flat layout; a 2-D DeviceMesh as FSDP2 takes
     it is shard_group=2's."""
@@ -211,6 +294,7 @@ CHECKS = [
     check_clipping_over_one_copy,
     check_whole_state_one_copy,
     check_bytes_across_replicas,
+    check_bytes_by_link,
     check_shorthands,
     check_bad_values,
     check_checkpoint_across_layouts,

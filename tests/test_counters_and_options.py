@@ -1,5 +1,6 @@
-"""reset_comm_stats() leaves the step counter alone; the list of options in the unknown-keyword
-error is ZeroOptimizer's own signature (issue 21). In-process, world size 1."""
+"""reset_comm_stats() leaves the step counter alone; the step ledger's entries (one per step,
+its outcome, what the counters grew by: [Note: the step ledger]); the list of options in the
+unknown-keyword error is ZeroOptimizer's own signature (issue 21). In-process, world size 1."""
 
 import inspect
 import os
@@ -32,6 +33,36 @@ def test_reset_comm_stats_keeps_the_step_counter(tmp_path):
     assert zo.comm_stats["steps"] == 1
     zero_kernels.save_checkpoint(str(tmp_path), m, zo)
     assert os.path.isdir(tmp_path / "step-00000004"), sorted(os.listdir(tmp_path))
+    zo.close()
+
+
+def test_step_ledger_one_entry_per_step_with_its_outcome():
+    """A step, a skipped one (nonfinite="skip"), one that raised (nonfinite="raise"): one entry
+    each with its outcome; the entries add up to comm_stats; a reset empties the ledger."""
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    zo = ZeroOptimizer(m, torch.optim.AdamW, stage=2, lr=1e-2, nonfinite="skip")
+    _train(m, zo, 1)
+    zo.zero_grad()
+    (m(torch.ones(2, 4)).sum() * float("inf")).backward()
+    zo.step()  # skipped
+    zo.nonfinite = zo.parts.stepper.nonfinite = "raise"
+    zo.zero_grad()
+    (m(torch.ones(2, 4)).sum() * float("nan")).backward()
+    with pytest.raises(FloatingPointError):
+        zo.step()
+    ledger = zo.comm_ledger
+    assert [(e["step"], e["outcome"]) for e in ledger] == [
+        (0, "stepped"), (1, "skipped"), (2, "raised")
+    ], ledger  # fmt: skip
+    cs = zo.comm_stats
+    for k in ("reduce_scatter_bytes", "reduce_scatter_calls", "all_gather_bytes"):
+        assert sum(e[k] for e in ledger) == cs[k] > 0, (k, ledger, cs)
+    assert ledger[0]["all_gather_calls"] > 0 and ledger[1]["all_gather_calls"] == 0  # skipped
+    assert all(e["cross_node_bytes"] == e["inside_node_bytes"] == 0 for e in ledger)  # 1 rank
+    zo.reset_comm_stats()
+    assert zo.comm_ledger == []
+    _train(m, zo, 1)
+    assert [e["step"] for e in zo.comm_ledger] == [2]
     zo.close()
 
 

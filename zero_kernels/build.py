@@ -126,6 +126,8 @@ def lay_out(
         process_group,
         device,
     )
+    # which ranks share a host, for the bytes by link ([Note: bytes by link]; collective, cached)
+    comm.learn_hosts(process_group)
     # the shard groups ([Note: hierarchy]): made once the ranks agree on every choice
     shard_ranks, device_mesh = comm.hier.resolve_shard_group(cp.shard_group, process_group)
     mesh = comm.hier.split(process_group, shard_ranks, device_mesh)

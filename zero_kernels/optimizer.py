@@ -189,9 +189,12 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
         most of them in use at once, ``grad_peak_bytes`` = grads + that peak;
         ``total_bytes`` = model states + comm buffers.
         ``comm_stats -> dict(reduce_scatter_bytes=, all_gather_bytes=, reduce_scatter_calls=,
-        all_gather_calls=, all_reduce_calls=, exposed_comm_s=, steps=, nonfinite_steps=)``:
-        cumulative since construction or ``reset_comm_stats()``; bytes are full bucket sizes
-        per collective, ``exposed_comm_s`` is time spent waiting on collectives.
+        all_gather_calls=, all_reduce_calls=, inside_node_bytes=, cross_node_bytes=,
+        exposed_comm_s=, steps=, nonfinite_steps=, ...)``: cumulative since construction or
+        ``reset_comm_stats()``; bytes are full bucket sizes per collective, but the two by link:
+        what this rank sent to its own host's ranks and to other hosts' ([Note: bytes by link]
+        in zero_kernels.comm.links); ``exposed_comm_s`` is time spent waiting on collectives.
+        ``comm_ledger``: the same counters step by step ([Note: the step ledger]).
     """
 
     def __init__(
@@ -737,6 +740,11 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
             "steps": steps.n - steps.at_reset,
             "nonfinite_steps": self.nonfinite_steps,
         }
+
+    @property
+    def comm_ledger(self) -> list[dict]:
+        """Per step, what `comm_stats` grew by ([Note: the step ledger], comm/base.py)."""
+        return self.comm_log.read_ledger()
 
     def reset_comm_stats(self) -> None:
         """Counters of `comm_stats` from zero; the step counter itself (which names checkpoint

@@ -32,6 +32,7 @@ class Stepper:
             core.reducer.clear_errors()  # non-finite now ([Note: error feedback])
             if not self.scaler.active and self.nonfinite == "raise":
                 g.overflow = None
+                core.comm_log.mark_step(core.steps.n, "raised")
                 raise FloatingPointError(
                     f"ZeroOptimizer.step {core.steps.n}: non-finite gradients on at least one "
                     "rank (nonfinite='raise'); nothing was updated"
@@ -64,6 +65,8 @@ class Stepper:
             if not core.policy.gather.overlap_param_gather:  # else the next forward waits
                 core.kept.wait_all()
             self.scaler.finite_step()
+        # [Note: the step ledger] in zero_kernels.comm.base
+        core.comm_log.mark_step(core.steps.n, "skipped" if g.overflow else "stepped")
         core.steps.n += 1
         g.overflow = None
         g.local_nonfinite = False

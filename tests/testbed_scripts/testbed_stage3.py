@@ -9,10 +9,13 @@ import os
 import torch
 
 STEPS = 3
+LINKS: dict = {}  # tag -> this rank's (inside, cross) bytes of steps 1.. by the step ledger
 
 
 def _train(rank: int, stage: int, shard_group) -> tuple[list, dict, int]:
-    from zero_kernels import ZeroOptimizer
+    """Steps 1.. are between the testbed's marks "<tag> start" and "<tag> end" (step 0 probes
+    the algorithms: left out), their bytes by link in `LINKS`."""
+    from zero_kernels import ZeroOptimizer, testbed
     from zero_kernels.models import GPT, GPTConfig, get_batch, load_corpus
 
     torch.manual_seed(0)
@@ -22,13 +25,19 @@ def _train(rank: int, stage: int, shard_group) -> tuple[list, dict, int]:
     )
     data = load_corpus()
     losses = []
+    tag = f"stage {stage} {'world' if shard_group == 'world' else 'hier'}"
     for step in range(STEPS):
+        if step == 1:
+            testbed.mark(f"{tag} start")
         x, y = get_batch(data, 2, 32, seed=0, step=step, rank=rank)
         opt.zero_grad()
         loss = model(x, y)
         loss.backward()
         opt.step()
         losses.append(loss.item())
+    testbed.mark(f"{tag} end")
+    ledger = opt.comm_ledger[1:]
+    LINKS[tag] = tuple(sum(e[k] for e in ledger) for k in ("inside_node_bytes", "cross_node_bytes"))
     # whole tensors (collective), as numpy arrays: torch's queue would share tensors' storage
     # with the parent through the worker, which may have ended by then
     state = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
@@ -53,6 +62,7 @@ def worker(rank: int, world: int, shard_group=2) -> dict:
         "hosts": comm.host_groups(),
         "shm_why": comm.shm.capable(None),
         "explicit_shm": _explicit_shm(world),
+        "links": dict(LINKS),
     }
 
 

@@ -23,6 +23,10 @@ recommend the fastest one that fits a memory limit.
    quantized trial's line whether it beat its unquantized twin by more than the noise. Exit code 0,
    or 1 when no configuration fits (the one predicted smallest is named), 2 for bad arguments.
 
+Across nodes (under torchrun, [Note: tune across nodes] in tune_job.py) the jobs run in the
+job's own ranks, the probe measures the links inside and across the nodes too, and the grid
+adds shard_group="node" and secondary_shard="node".
+
 Printed: the table on stdout, a progress bar on stderr. Written to ``--out``: tune.json
 (machine, versions, command, bandwidth, compute, every trial with its configuration, measured
 and predicted figures and whether it fits, the recommendation) and tune.png.
@@ -62,6 +66,7 @@ MIB = 2**20
 class TuneConfig:
     source: ModelSource
     nproc: int = 2
+    local_nproc: int = 0  # ranks on this host (under torchrun LOCAL_WORLD_SIZE); 0: nproc
     threads: int = 1  # torch threads per rank
     mem_limit: int | None = None  # bytes per rank; None: MemAvailable / nproc (or no limit)
     mem_limit_source: str = "--mem-limit"
@@ -102,7 +107,9 @@ def add_parser(sub, parser_class) -> None:
         description="Measure collective bandwidth and compute time here, run short trials of "
         "stage x bucket size x prefetch x reduce dtype x overlap on the model within a memory "
         "limit, print a table and the fastest configuration that fits (measured, with the "
-        "prediction beside it); write tune.json and tune.png.",
+        "prediction beside it); write tune.json and tune.png. Across nodes run it under "
+        "torchrun on every node: the job's ranks run the trials, the links inside and across "
+        "the nodes are measured, and shard_group/secondary_shard='node' are tried too.",
     )
     src = t.add_mutually_exclusive_group()
     src.add_argument(
@@ -111,7 +118,12 @@ def add_parser(sub, parser_class) -> None:
     src.add_argument(
         "--model", default=None, help="package.module:factory, or a GPT-2 style config.json"
     )
-    t.add_argument("--nproc", type=int, default=2, help="ranks (default 2; at most the cores)")
+    t.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="ranks (default 2; at most the cores); under torchrun the job's ranks",
+    )
     t.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     t.add_argument(
         "--mem-limit",
@@ -239,10 +251,18 @@ def _check_out(out: str) -> None:
 def config_from_args(args, argv: list[str] | None = None) -> TuneConfig:
     """Check every argument (ValueError naming it and its value) and build the configuration."""
 
-    if under_torchrun():
-        raise ValueError(
-            "zero-kernels tune starts its own ranks (--nproc): run it directly, not under torchrun"
-        )
+    in_job = under_torchrun()  # across nodes: the job's ranks ([Note: tune across nodes])
+    if in_job:
+        world, local = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
+        if args.nproc is not None and args.nproc != world:
+            raise ValueError(
+                f"--nproc under torchrun must be the job's WORLD_SIZE={world} or left out; got "
+                f"{args.nproc}"
+            )
+        args.nproc = world
+    else:
+        args.nproc = 2 if args.nproc is None else args.nproc
+        local = args.nproc
     if args.model is not None:
         if args.model.endswith(".json") or Path(args.model).is_dir():
             src_kind = "config"
@@ -266,14 +286,15 @@ def config_from_args(args, argv: list[str] | None = None) -> TuneConfig:
             raise ValueError(f"{name} must be >= {lo}; got {v}")
     if args.seq_len is not None and args.seq_len < 1:
         raise ValueError(f"--seq-len must be >= 1; got {args.seq_len}")
-    if not 2 <= args.nproc <= n_cores:
+    if args.nproc < 2 or (not in_job and args.nproc > n_cores):
         raise ValueError(
             f"--nproc must be in 2..{n_cores} (ZeRO needs 2 ranks; this machine has {n_cores} "
             f"cores, one per rank); got {args.nproc}"
         )
-    if args.nproc * args.threads > n_cores:
+    if local * args.threads > n_cores:
+        what = "LOCAL_WORLD_SIZE" if in_job else "--nproc"
         raise ValueError(
-            f"--threads {args.threads} x --nproc {args.nproc} needs {args.nproc * args.threads} "
+            f"--threads {args.threads} x {what} {local} needs {local * args.threads} "
             f"cores; this machine has {n_cores}"
         )
     for name, v in (("--time-budget", args.time_budget), ("--trial-timeout", args.trial_timeout)):
@@ -283,8 +304,8 @@ def config_from_args(args, argv: list[str] | None = None) -> TuneConfig:
         limit, why = _parse_limit(args.mem_limit), "--mem-limit"
     else:
         avail = _mem_available()
-        limit = None if avail is None else avail // args.nproc
-        why = "MemAvailable / nproc"
+        limit = None if avail is None else avail // local
+        why = "MemAvailable / ranks on this host"
     ok = [s for s in available_stages() if s]
     stages = _list("--stages", args.stages, _one_of({str(s): s for s in ok}), _words(ok))
     buckets = None
@@ -315,6 +336,7 @@ def config_from_args(args, argv: list[str] | None = None) -> TuneConfig:
     return TuneConfig(
         source=src,
         nproc=args.nproc,
+        local_nproc=local,
         threads=args.threads,
         mem_limit=limit,
         mem_limit_source=why,
@@ -354,6 +376,8 @@ class JobFailed(RuntimeError):
 class _Launcher:
     """Starts ``nproc`` rank processes for one job and supervises them: their results, or the
     first failing rank's error on one line (the others terminated), or a timeout."""
+
+    is_root, nodes, ranks_per_node, links, hosts, why_flat = True, 1, 0, {}, None, None
 
     def __init__(self, nproc: int, timeout_s: float) -> None:
         import multiprocessing as mp
@@ -401,6 +425,13 @@ class _Launcher:
         if error is not None:
             raise JobFailed(error)
         return result
+
+    @staticmethod
+    def agree(value):  # one supervisor decides: nothing to agree on
+        return value
+
+    def close(self) -> None:
+        pass
 
 
 # ---------------------------------------------------------------------------------------------
@@ -469,24 +500,31 @@ def _job(cfg: TuneConfig, kind: str, **extra) -> dict:
     }
 
 
-def _measured(cfg: TuneConfig, per_rank: list[dict]) -> tuple[Measured, dict]:
-    """Rank-wise probe results -> the plan's `Measured` and the JSON's probe section."""
+def _measured(cfg: TuneConfig, per_rank: list[dict], ranks_per_node: int = 0):
+    """Rank-wise probe results -> the plan's `Measured` and the JSON's probe section (across
+    nodes the link tables too: [Note: tune across nodes])."""
     rows = []
-    bandwidth: dict = {}
+    tables: dict = {}  # scope -> (op, algorithm) -> [(bytes, seconds)]
     for k, row in enumerate(per_rank[0]["bandwidth"]):
         reps = zip(*(r["bandwidth"][k]["seconds"] for r in per_rank))
         sec = statistics.median(max(rep) for rep in reps)  # the slower rank, median of runs
+        scope = row.get("scope", "world")
         rows.append(
             {
                 "op": row["op"],
                 "algorithm": row["algorithm"],
                 "bytes": row["bytes"],
+                "scope": scope,
+                "ranks": row.get("ranks", cfg.nproc),
                 "seconds": sec,
                 "gb_per_s": row["bytes"] / sec / 1e9 if sec > 0 else None,
                 "runs": len(row["seconds"]),
             }
         )
-        bandwidth.setdefault((row["op"], row["algorithm"]), []).append((row["bytes"], sec))
+        table = tables.setdefault(scope, {})
+        table.setdefault((row["op"], row["algorithm"]), []).append((row["bytes"], sec))
+    bandwidth = tables.pop("world")
+    links = {s: {k: tuple(sorted(v)) for k, v in t.items()} for s, t in tables.items()}
     skip = ("bandwidth", "optimizer_shard_s_by_dtype", "quant_s_per_elem")
     worst = {k: max(r[k] for r in per_rank) for k in per_rank[0] if k not in skip}
     by_dtype = {
@@ -506,7 +544,9 @@ def _measured(cfg: TuneConfig, per_rank: list[dict]) -> tuple[Measured, dict]:
         }
         or None,
         activation_bytes=float(worst["activation_bytes"]),
-        overlap=overlap_efficiency(cores(), cfg.nproc, cfg.threads),
+        links=links or None,
+        ranks_per_node=ranks_per_node if links else 0,
+        overlap=overlap_efficiency(cores(), cfg.local_nproc or cfg.nproc, cfg.threads),
     )
     compute = {
         "fwd_bwd_s": m.fwd_bwd_s,
@@ -540,7 +580,7 @@ def _order(trials: list[dict]) -> list[dict]:
     return out
 
 
-def _run_trials(cfg: TuneConfig, launcher: _Launcher, order: list[dict], bar, t0: float) -> None:
+def _run_trials(cfg: TuneConfig, launcher, order: list[dict], bar, t0: float) -> None:
     """Each configuration in ``order`` once per round, ``--repeats`` rounds (A B C A B C: drift
     on the machine hits every configuration alike), within --max-trials and --time-budget."""
     last_wall = None
@@ -553,7 +593,7 @@ def _run_trials(cfg: TuneConfig, launcher: _Launcher, order: list[dict], bar, t0
                 pass
             elif rnd == 0 and cfg.max_trials and k >= cfg.max_trials:
                 t["status"], t["why"] = "not_run", f"--max-trials {cfg.max_trials} reached"
-            elif (rnd or k) and elapsed + guess > cfg.time_budget_s:
+            elif (rnd or k) and launcher.agree(elapsed + guess > cfg.time_budget_s):
                 if rnd == 0:
                     t["status"], t["why"] = "not_run", f"--time-budget {cfg.time_budget_s:g} s"
             else:
@@ -584,13 +624,30 @@ def _probe_disk(directory: str, measured: Measured) -> tuple[Measured, dict]:
 
 
 def run_tune(cfg: TuneConfig) -> int:
-    """Run everything ([Note: what tune does]); returns the exit code."""
+    """Run everything ([Note: what tune does]); returns the exit code. Under torchrun every
+    rank of the job runs it ([Note: tune across nodes] in tune_job.py)."""
+    if under_torchrun():
+        from .tune_job import InJob
+
+        launcher = InJob(cfg)
+    else:
+        launcher = _Launcher(cfg.nproc, cfg.trial_timeout_s)
+    try:
+        return _run(cfg, launcher)
+    finally:
+        launcher.close()
+
+
+def _run(cfg: TuneConfig, launcher) -> int:
     import torch
 
     from .tune_report import finish
 
     t0 = time.monotonic()
-    if torch.cuda.is_available():
+    root = launcher.is_root
+    if not root:
+        cfg = replace(cfg, progress=False)
+    if torch.cuda.is_available() and root:
         print(
             "zero-kernels tune: note: the ranks run on the CPU (gloo); tuning on GPUs (NCCL) "
             "is not implemented yet",
@@ -599,6 +656,11 @@ def run_tune(cfg: TuneConfig) -> int:
     facts: ModelFacts = model_facts(cfg.source)  # ValueError (exit 2) for a model tune can't run
     if cfg.buckets is None:
         cfg = replace(cfg, buckets=default_buckets(facts.n_params))
+    hierarchy = ("world",)
+    if launcher.links:  # several nodes, equal ranks in each ([Note: tune across nodes])
+        hierarchy = ("world", "node") + (("secondary",) if 3 in cfg.stages else ())
+    elif launcher.why_flat and root:
+        print(f"zero-kernels tune: note: {launcher.why_flat}", file=sys.stderr)
     configs = grid(
         cfg.stages,
         cfg.buckets,
@@ -611,13 +673,21 @@ def run_tune(cfg: TuneConfig) -> int:
         _offload_dir(cfg),
         cfg.quantize_weights,
         cfg.quantize_grads,
+        hierarchy,
     )
-    algorithms = ("native", "pairwise") + (("ring",) if cfg.nproc > 2 else ())
     from ..comm import shm
 
-    if shm.available() is None:  # the ranks share this host
-        algorithms += ("shm",)
-    launcher = _Launcher(cfg.nproc, cfg.trial_timeout_s)
+    def algorithms_of(n: int, one_host: bool) -> tuple[str, ...]:
+        out = ("native", "pairwise") + (("ring",) if n > 2 else ())
+        return out + (("shm",) if one_host and shm.available() is None else ())
+
+    algorithms = algorithms_of(cfg.nproc, launcher.nodes == 1)
+    link_algorithms = {}
+    if launcher.links:
+        link_algorithms = {
+            "node": algorithms_of(launcher.ranks_per_node, True),
+            "cross": algorithms_of(launcher.nodes, False),
+        }
     bar = _Progress(len(configs) * cfg.repeats + 1, cfg.progress)
     try:
         bar.show("probe: bandwidth and compute")
@@ -628,6 +698,7 @@ def run_tune(cfg: TuneConfig) -> int:
                     cfg,
                     "probe",
                     algorithms=algorithms,
+                    link_algorithms=link_algorithms,
                     sizes=sizes,
                     state_dtypes=cfg.state_dtypes,
                     quant_formats=sorted({*cfg.quantize_weights, *cfg.quantize_grads} - {"none"}),
@@ -635,10 +706,12 @@ def run_tune(cfg: TuneConfig) -> int:
             )
         except JobFailed as e:
             bar.close()
-            print(f"zero-kernels tune: error: the probe failed: {e}", file=sys.stderr)
+            if root:
+                print(f"zero-kernels tune: error: the probe failed: {e}", file=sys.stderr)
             return 1
         bar.advance()
-        measured, probe_json = _measured(cfg, probe)
+        measured, probe_json = _measured(cfg, probe, launcher.ranks_per_node)
+        probe_json["hosts"] = launcher.hosts
         if any(c.offload != "none" for c in configs):  # the offload folder's disk, O_DIRECT
             measured, probe_json["disk"] = _probe_disk(_offload_dir(cfg), measured)
         trials = []
@@ -648,6 +721,9 @@ def run_tune(cfg: TuneConfig) -> int:
             over = cfg.mem_limit is not None and mem["total_bytes"] > cfg.mem_limit
             t["status"] = "over_limit" if over else "pending"
             trials.append(t)
+        # across nodes rank 0's plan for all (its disk, its memory limit): the same trials
+        # in the same order on every rank
+        measured, probe_json, trials = launcher.agree((measured, probe_json, trials))
         for t in trials:
             if t["status"] == "over_limit":
                 bar.advance(cfg.repeats)
@@ -657,4 +733,5 @@ def run_tune(cfg: TuneConfig) -> int:
         bar.close()
         raise
     bar.close()
-    return finish(cfg, facts, measured, probe_json, trials, time.monotonic() - t0)
+    code = finish(cfg, facts, measured, probe_json, trials, time.monotonic() - t0) if root else 0
+    return launcher.agree(code)

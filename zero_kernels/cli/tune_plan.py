@@ -31,6 +31,12 @@ least promising ones.
                  element at int8, 0.5 + 4/256 at int4) plus the measured time to quantize and
                  dequantize that many elements (the probe's ``quant_s_per_elem``); the
                  quantized reduce-scatter's all-to-all is read off the reduce-scatter's table
+      across      (tune under torchrun on several nodes) ``shard_group="node"``: the stage's
+      nodes       collectives at N = ranks per node off the table measured inside one node,
+                  plus per bucket (unit) the all-reduce of its shard (gu/N, quantized with
+                  ``quantize_grads``) off the table measured across the nodes (one rank of
+                  each); ``secondary_shard="node"``: stage 3's backward gathers off the
+                  inside-a-node table
 
 - overlap: a fraction α of the compute window hides communication ("overlap efficiency"):
 
@@ -64,7 +70,7 @@ table prints its ratio to the measurement for every trial.
 from __future__ import annotations
 
 import bisect
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from .. import estimate as est
 from .tune_model import ModelFacts
@@ -102,6 +108,10 @@ class TrialConfig:
     offload_dir: str | None = None  # where the offload files go (offload != "none")
     quantize_weights: str = "none"  # stage 3: "none" | "int8" | "int4"
     quantize_grads: str = "none"  # stages 2/3: "none" | "int8" | "int4"
+    # across nodes ([Note: tune across nodes] in zero_kernels/cli/tune_job.py): "world" |
+    # "node" (sharded inside each node, replicated across), and stage 3's secondary shard
+    shard_group: str = "world"
+    secondary_shard: str | None = None  # stage 3 with shard_group "world": None | "node"
 
     @property
     def label(self) -> str:
@@ -123,6 +133,10 @@ class TrialConfig:
             parts.append(f"{self.quantize_weights} weights")
         if self.quantize_grads != "none":
             parts.append(f"{self.quantize_grads} grads")
+        if self.shard_group != "world":
+            parts.append(f"shard_group {self.shard_group}")
+        if self.secondary_shard is not None:
+            parts.append(f"secondary_shard {self.secondary_shard}")
         return ", ".join(parts)
 
     def zero_kwargs(self) -> dict:
@@ -146,6 +160,10 @@ class TrialConfig:
             kw["quantize_weights"] = self.quantize_weights
         if self.quantize_grads != "none":
             kw["quantize_grads"] = self.quantize_grads
+        if self.shard_group != "world":
+            kw["shard_group"] = self.shard_group
+        if self.secondary_shard is not None:
+            kw["secondary_shard"] = self.secondary_shard
         return kw
 
     def as_dict(self) -> dict:
@@ -164,13 +182,16 @@ def grid(
     offload_dir: str | None = None,
     quantize_weights: tuple[str, ...] = ("none",),
     quantize_grads: tuple[str, ...] = ("none",),
+    hierarchy: tuple[str, ...] = ("world",),
 ) -> list[TrialConfig]:
     """Every valid combination: stage 1 reduces in fp32 only (it reduces in place), stage 3 has
     no buckets of a size (a unit is a bucket) and no overlap_param_gather (it gathers at use);
     prefetch is a stage-3 setting; each ZeRO configuration once per ``state_dtypes`` and per
     ``offloads`` ("both", params too, at stage 3 only); quantized weights at stage 3 and
     quantized gradients at stages 2/3 (fp32 reduction: the quantized reduce-scatter sums in
-    fp32 itself), each with the others as given."""
+    fp32 itself), each with the others as given. ``hierarchy`` (across nodes): "world" (flat),
+    "node" (every ZeRO configuration also with shard_group="node") and "secondary" (stage 3's
+    also with secondary_shard="node")."""
     out = [TrialConfig(0, DDP_BUCKET_MB)] if ddp else []
     for off in offloads:
         d = offload_dir if off != "none" else None
@@ -193,7 +214,14 @@ def grid(
                                     out.append(
                                         TrialConfig(3, None, rd, p, False, sd, off, d, qw, qg)
                                     )
-    return list(dict.fromkeys(out))  # reduce_dtypes ("fp32",) and stage 1 may repeat
+    flat = list(dict.fromkeys(out))  # reduce_dtypes ("fp32",) and stage 1 may repeat
+    out = [c for c in flat if "world" in hierarchy or c.stage == 0]
+    for c in flat:
+        if c.stage and "node" in hierarchy:
+            out.append(replace(c, shard_group="node"))
+        if c.stage == 3 and "secondary" in hierarchy:
+            out.append(replace(c, secondary_shard="node"))
+    return out
 
 
 def default_buckets(n_params: int) -> tuple[float, ...]:
@@ -230,6 +258,10 @@ class Measured:
     # the offload directory's disk, O_DIRECT (offload.probe_disk), bytes/s; None: not measured
     disk_read_bps: float | None = None
     disk_write_bps: float | None = None
+    # across nodes: the bandwidth inside one node's group of ranks and across the nodes (one
+    # rank of each), as ``bandwidth`` ({"node": ..., "cross": ...}); None on one host
+    links: dict | None = None
+    ranks_per_node: int = 0  # 0: one host
 
 
 def collective_time(points, nbytes: float) -> float:
@@ -322,30 +354,40 @@ def offload_io_s(cfg: TrialConfig, n_params: int, m: Measured) -> float:
 
 def predict_time(cfg: TrialConfig, facts: ModelFacts, m: Measured) -> dict:
     """Predicted seconds per step and its parts ([Note: the prediction])."""
-    bw, n, a = m.bandwidth, m.world_size, m.overlap
+    n, a = m.world_size, m.overlap
     fwd = FWD_FRACTION * m.fwd_bwd_s
     bwd = m.fwd_bwd_s - fwd
     g = 2 if cfg.reduce_dtype == "bf16" else 4
     algos: dict[str, str] = {}
+    hier = cfg.shard_group != "world" or cfg.secondary_shard is not None
+    if hier and not (m.links and m.ranks_per_node):
+        raise ValueError(f"{cfg.label}: needs the bandwidth inside and across nodes (one host)")
+    shard_scope = "world"
+    if cfg.shard_group != "world":  # sharded inside the node ([Note: hierarchy])
+        n, shard_scope = m.ranks_per_node, "node"
 
-    def t(op: str, nbytes: float) -> float:
+    def t(op: str, nbytes: float, scope: str = "world") -> float:
+        bw = m.bandwidth if scope == "world" else m.links[scope]
         algo, sec = pick_algorithm(bw, op, nbytes)
-        algos.setdefault(op, algo)
+        algos.setdefault(op if scope == "world" else f"{op} ({scope})", algo)
         return sec
 
     qw, qg = _quant(cfg.quantize_weights, m), _quant(cfg.quantize_grads, m)
 
-    def reduced(numel: float) -> float:  # a bucket's reduce-scatter, quantized or not
+    def reduced(numel: float) -> float:  # a bucket's reduction, quantized or not
+        if cfg.shard_group != "world":  # inside the node, then its shard across the nodes
+            across = t("all_reduce", (qg[0] if qg else g) * numel / n, "cross")
+            return t("reduce_scatter", g * numel, "node") + across + (qg[1] * numel if qg else 0)
         if qg is None:
             return t("reduce_scatter", g * numel)
         nbytes, cost = qg
         return t("reduce_scatter", nbytes * numel) + cost * numel
 
-    def gathered(numel: float) -> float:
+    def gathered(numel: float, scope: str = shard_scope) -> float:
         if qw is None:
-            return t("all_gather", 4 * numel)
+            return t("all_gather", 4 * numel, scope)
         nbytes, cost = qw
-        return t("all_gather", nbytes * numel) + cost * numel
+        return t("all_gather", nbytes * numel, scope) + cost * numel
 
     if cfg.stage == 0:
         ar = [t("all_reduce", 4 * b) for b in _ddp_buckets(facts.shapes)]
@@ -354,7 +396,7 @@ def predict_time(cfg: TrialConfig, facts: ModelFacts, m: Measured) -> dict:
     elif cfg.stage in (1, 2):
         buckets = facts.bucket_numels(n, cfg.bucket_mb)
         rs = [reduced(b) for b in buckets]
-        ag = [t("all_gather", 4 * b) for b in buckets]
+        ag = [t("all_gather", 4 * b, shard_scope) for b in buckets]
         comm = sum(rs) + sum(ag)
         exposed = _hidden(rs, bwd, a, keep_last=True)
         if cfg.overlap_param_gather:
@@ -366,10 +408,12 @@ def predict_time(cfg: TrialConfig, facts: ModelFacts, m: Measured) -> dict:
         units = list(facts.unit_numels)
         root = gathered(facts.root_numel) if facts.root_numel else 0.0
         ag = [gathered(u) for u in units]
+        # the backward's gathers: inside the node with the secondary shard (hpZ)
+        ag_bwd = [gathered(u, "node") for u in units] if cfg.secondary_shard else ag
         rs = [reduced(u) for u in units + [facts.root_numel] if u]
-        comm = root + 2 * sum(ag) + sum(rs)
+        comm = root + sum(ag) + sum(ag_bwd) + sum(rs)
         fwd_exposed = root + _hidden(ag, fwd, a, keep_last=False)
-        bwd_total = sum(ag) + sum(rs)
+        bwd_total = sum(ag_bwd) + sum(rs)
         bwd_exposed = (rs[-1] if rs else 0.0) + max(
             0.0, bwd_total - (rs[-1] if rs else 0.0) - a * bwd
         )

@@ -94,45 +94,76 @@ def _kwargs_text(kw: dict) -> str:
 
 
 def recommend(trials: list[dict]) -> tuple[dict | None, dict | None]:
-    """(fastest measured ZeRO trial that fits, DDP's trial if measured)."""
+    """(fastest measured ZeRO trial that fits, DDP's trial if measured). A hierarchical or
+    quantized trial is taken only where it measured faster than its twin without (flat,
+    unquantized) by more than the noise (`_pairs`), where that twin fits too: else the twin."""
     fit = [
         t for t in trials if t["status"] == "measured" and t["fits"] and t["config"]["stage"] != 0
     ]
     best = min(fit, key=lambda t: t["measured"]["step_time_s"], default=None)
+    for base in (_FLAT, _QUANT):  # the simpler twin where the extra option did not pay
+        if best is None:
+            break
+        twin = _twin(best, fit, base)
+        if twin is not None and _verdict(best, twin) != "faster":
+            best = twin
     ddp = next((t for t in trials if t["config"]["stage"] == 0 and t["status"] == "measured"), None)
     return best, ddp
+
+
+_QUANT = {"quantize_weights": "none", "quantize_grads": "none"}
+_FLAT = {"shard_group": "world", "secondary_shard": None}
 
 
 def quantization_pairs(trials: list[dict]) -> list[dict]:
     """Each measured quantized trial beside its twin without quantization (the same settings
     otherwise), where that was measured too: whether quantizing paid here ("faster"/"slower"
     where the medians differ by more than the larger of the two spreads, else "within noise")."""
+    return _pairs(trials, _QUANT, "unquantized")
 
-    def key(c: dict) -> tuple:  # the settings other than quantization
-        skip = {"label", "quantize_weights", "quantize_grads"}
-        return tuple(sorted((k, str(v)) for k, v in c.items() if k not in skip))
 
-    plain = {
-        key(t["config"]): t
-        for t in trials
-        if t["status"] == "measured"
-        and t["config"].get("quantize_weights", "none") == "none"
-        and t["config"].get("quantize_grads", "none") == "none"
-    }
+def hierarchy_pairs(trials: list[dict]) -> list[dict]:
+    """Each measured trial with ``shard_group="node"`` or ``secondary_shard`` beside its flat
+    twin (tune across nodes), judged as `quantization_pairs` does."""
+    return _pairs(trials, _FLAT, "flat")
+
+
+def _plain(c: dict, base: dict) -> bool:
+    return all(c.get(k, v) == v for k, v in base.items())
+
+
+def _twin(t: dict, trials: list[dict], base: dict) -> dict | None:
+    """The measured trial with ``base``'s values and ``t``'s other settings (None: ``t`` has
+    them itself, or the twin was not measured)."""
+    if _plain(t["config"], base):
+        return None
+
+    def key(c: dict) -> tuple:  # the settings other than ``base``'s
+        return tuple(sorted((k, str(v)) for k, v in c.items() if k not in {"label", *base}))
+
+    k = key(t["config"])
+    twins = [u for u in trials if u["status"] == "measured" and _plain(u["config"], base)]
+    return next((u for u in twins if key(u["config"]) == k), None)
+
+
+def _verdict(t: dict, twin: dict) -> str:
+    """ "faster"/"slower" where the medians differ by more than the larger spread."""
+    a, b = t["measured"]["step_time_s"], twin["measured"]["step_time_s"]
+    noise = max(t["measured"]["spread"], twin["measured"]["spread"]) * max(a, b)
+    return "within noise" if abs(a - b) <= noise else "faster" if a < b else "slower"
+
+
+def _pairs(trials: list[dict], base: dict, name: str) -> list[dict]:
+    """Trials that differ from ``base``'s values beside their twin with ``base``'s values."""
     out = []
     for t in trials:
-        c = t["config"]
-        quant = (
-            c.get("quantize_weights", "none") != "none" or c.get("quantize_grads", "none") != "none"
-        )
-        twin = plain.get(key(c)) if quant and t["status"] == "measured" else None
+        twin = _twin(t, trials, base) if t["status"] == "measured" else None
         if twin is not None:
-            a, b = t["measured"]["step_time_s"], twin["measured"]["step_time_s"]
-            noise = max(t["measured"]["spread"], twin["measured"]["spread"]) * max(a, b)
-            verdict = "within noise" if abs(a - b) <= noise else "faster" if a < b else "slower"
             out.append(
-                {"label": c["label"], "step_time_s": a, "unquantized": twin["config"]["label"],
-                 "unquantized_step_time_s": b, "verdict": verdict}
+                {"label": t["config"]["label"], "step_time_s": t["measured"]["step_time_s"],
+                 name: twin["config"]["label"],
+                 f"{name}_step_time_s": twin["measured"]["step_time_s"],
+                 "verdict": _verdict(t, twin)}
             )  # fmt: skip
     return out
 
@@ -159,16 +190,23 @@ def _print_table(res: dict) -> None:
     rows = res["bandwidth"]
     sizes = sorted({r["bytes"] for r in rows})
     print("\ncollective time, measured (ms; slower rank, median of runs; GB/s of the buffer):")
-    print(f"  {'op':<16}{'algorithm':<11}" + "".join(f"{b(s):>20}" for s in sizes))
-    for key in dict.fromkeys((r["op"], r["algorithm"]) for r in rows):
-        cells = {r["bytes"]: r for r in rows if (r["op"], r["algorithm"]) == key}
+
+    def what(r: dict) -> tuple:  # across nodes the link too ([Note: tune across nodes])
+        scope = r.get("scope", "world")
+        op = r["op"] if scope == "world" else f"{r['op']} ({scope} {r['ranks']})"
+        return op, r["algorithm"]
+
+    w = max(16, *(len(what(r)[0]) + 2 for r in rows))
+    print(f"  {'op':<{w}}{'algorithm':<11}" + "".join(f"{b(s):>20}" for s in sizes))
+    for key in dict.fromkeys(what(r) for r in rows):
+        cells = {r["bytes"]: r for r in rows if what(r) == key}
         line = "".join(
             f"{1e3 * cells[s]['seconds']:>9.2f} ({cells[s]['gb_per_s']:5.2f} GB/s)"
             if s in cells
             else f"{'-':>20}"
             for s in sizes
         )
-        print(f"  {key[0]:<16}{key[1]:<11}{line}")
+        print(f"  {key[0]:<{w}}{key[1]:<11}{line}")
     if res["world_size"] == 2:
         print("  (ring: not measured at 2 ranks, where it is the pairwise exchange)")
     c = res["compute"]
@@ -179,7 +217,7 @@ def _print_table(res: dict) -> None:
         f"{b(c['activation_bytes'])}"
     )
     head = (
-        f"\n  {'#':>2}  {'configuration':<48}{'measured':>11}{'±':>5}{'predicted':>11}{'ratio':>7}"
+        f"\n  {'#':>2}  {'configuration':<60}{'measured':>11}{'±':>5}{'predicted':>11}{'ratio':>7}"
         f"{'peak RSS':>11}{'pred. mem':>11}  fits"
     )
     print(head + "\n  " + "-" * (len(head) - 3))
@@ -193,7 +231,7 @@ def _print_table(res: dict) -> None:
         label = t["config"]["label"] + (" (ref.)" if t["config"]["stage"] == 0 else "")
         star = "*" if res["recommendation"] and res["recommendation"]["index"] == i - 1 else " "
         print(
-            f" {star}{i:>2}  {label:<48}{_ms(m['step_time_s'] if m else None):>11}"
+            f" {star}{i:>2}  {label:<60}{_ms(m['step_time_s'] if m else None):>11}"
             + (f"{100 * m['spread']:>4.0f}%" if m else f"{'':>5}")
             + f"{_ms(p['step_time_s']):>11}"
             + (f"{t['ratio_measured_to_predicted']:>7.2f}" if m else f"{'-':>7}")
@@ -238,6 +276,16 @@ def _print_verdict(res: dict) -> None:
         f"{est.format_bytes(rec['peak_rss_bytes'])} per rank"
     )
     print(f"  zero_kernels.ZeroOptimizer(model, torch.optim.AdamW, {rec['kwargs_text']}, lr=...)")
+    for h in res.get("hierarchy", ()):
+        verdict = {
+            "faster": "faster here",
+            "slower": "slower here: not worth it on these links",
+            "within noise": "the same within the noise",
+        }[h["verdict"]]
+        print(
+            f"  across nodes: {h['label']}: {_ms(h['step_time_s'])} against "
+            f"{_ms(h['flat_step_time_s'])} flat ({verdict})"
+        )
     for q in res.get("quantization", ()):
         verdict = {
             "faster": "faster here",
@@ -375,6 +423,8 @@ def finish(cfg, facts, measured, probe_json: dict, trials: list[dict], elapsed: 
         },
         "trials": entries,
         "quantization": quantization_pairs(entries),
+        "hierarchy": hierarchy_pairs(entries),
+        "hosts": probe_json.get("hosts"),  # the ranks of each node (proven), across nodes
         "recommendation": None,
         "ddp": None,
         "smallest_predicted": None,

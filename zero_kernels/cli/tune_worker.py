@@ -96,33 +96,36 @@ def _median(xs: list[float]) -> float:
 # ---------------------------------------------------------------------------------------------
 
 
-def _time_collective(op: str, nbytes: int, reps: int, n: int) -> list[float]:
-    """This rank's seconds for ``reps`` runs of ``op`` on a full buffer of ``nbytes`` (fp32),
-    each run after a barrier, after one untimed run."""
+def _time_collective(op: str, nbytes: int, reps: int, n: int, group=None) -> list[float]:
+    """This rank's seconds for ``reps`` runs of ``op`` on a full buffer of ``nbytes`` (fp32)
+    over ``group`` (of ``n`` ranks), each run after a barrier, after one untimed run."""
     numel = max(n, nbytes // 4 // n * n)
     full, shard = torch.ones(numel), torch.ones(numel // n)
     out = []
     for i in range(reps + 1):
-        comm.barrier()
+        comm.barrier(group=group)
         t0 = time.perf_counter()
         if op == "reduce_scatter":
-            comm.reduce_scatter(shard, full).wait()
+            comm.reduce_scatter(shard, full, group=group).wait()
         elif op == "all_gather":
-            comm.all_gather(full, shard).wait()
+            comm.all_gather(full, shard, group=group).wait()
         else:
-            comm.all_reduce(full)
+            comm.all_reduce(full, group=group)
         if i:
             out.append(time.perf_counter() - t0)
     return out
 
 
-def _bandwidth(job: dict, n: int) -> list[dict]:
+def _bandwidth(job: dict, n: int, scope: str = "world", group=None) -> list[dict]:
+    """Every (op, algorithm, size) over ``group`` (``scope``: "world"; across nodes also
+    "node", a node's ranks, and "cross", one rank of each node: [Note: tune across nodes])."""
     rows = []
+    algorithms = job["algorithms"] if scope == "world" else job["link_algorithms"][scope]
     try:
         for op in ("reduce_scatter", "all_gather", "all_reduce"):
-            for algo in job["algorithms"] if op != "all_reduce" else ("native",):
+            for algo in algorithms if op != "all_reduce" else ("native",):
                 if op != "all_reduce":
-                    comm.set_algorithm(op, algo)
+                    comm.set_algorithm(op, algo, group=group)
                 for nbytes in job["sizes"]:
                     reps = 5 if nbytes <= 2**20 else 3 if nbytes <= 16 * 2**20 else 2
                     rows.append(
@@ -130,11 +133,13 @@ def _bandwidth(job: dict, n: int) -> list[dict]:
                             "op": op,
                             "algorithm": algo,
                             "bytes": nbytes,
-                            "seconds": _time_collective(op, nbytes, reps, n),
+                            "scope": scope,
+                            "ranks": n,
+                            "seconds": _time_collective(op, nbytes, reps, n, group),
                         }
                     )
     finally:
-        comm.set_algorithm("all", None)
+        comm.set_algorithm("all", None, group=group)
         comm.free_scratch()
     return rows
 
@@ -204,12 +209,17 @@ def _compute(job: dict, rank: int, n: int) -> dict:
     }
 
 
-def probe(job: dict, rank: int, n: int) -> dict:
+def probe(job: dict, rank: int, n: int, links: dict | None = None) -> dict:
     """Compute first: its activations are measured as growth of a fresh process's memory, which
-    the bandwidth buffers, freed but kept by the allocator, would hide."""
+    the bandwidth buffers, freed but kept by the allocator, would hide. ``links``: across
+    nodes, {"node": group, "cross": group} of this rank, each probed too."""
     compute = _compute(job, rank, n)
     comm.barrier()
-    return {"bandwidth": _bandwidth(job, n), **compute}
+    rows = _bandwidth(job, n)
+    for scope, group in (links or {}).items():
+        comm.barrier()
+        rows += _bandwidth(job, comm.world_size(group), scope, group)
+    return {"bandwidth": rows, **compute}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -53,6 +53,7 @@ from .choose import (
     set_algorithm,
 )
 from .hosts import host_groups
+from .links import learn as learn_hosts
 from .p2p import free_scratch, scratch_bytes
 
 __all__ = [
@@ -76,6 +77,7 @@ __all__ = [
     "host_groups",
     "is_initialized",
     "kv_store",
+    "learn_hosts",
     "probe_results",
     "rank",
     "reduce_scatter",
@@ -96,18 +98,20 @@ def reduce_scatter(
     timeout_s: float | None = None,
     what: str = "",
     watch: Watch | None = None,
+    kind: str | None = "reduce_scatter",
 ) -> Handle:
     """Start ``output = reduce(input)[my chunk]`` (averaged when ``avg``); returns its handle.
 
     ``output`` may be this rank's own chunk of ``input`` (in place). The algorithm is chosen per
-    group and size ([Note: choosing the algorithm]); ``log`` counts one collective whichever it is.
+    group and size ([Note: choosing the algorithm]); ``log`` counts one collective whichever it is,
+    under ``kind`` (None: only its bytes by link, [Note: bytes by link], for a part of another).
     ``timeout_s``, ``what`` and ``watch`` bound, name and watch what the launch itself may wait
     for, as `Handle.wait` does (only the shm algorithm waits at launch: a slot still in use).
     """
     n = world_size(group)
     _check_numel("reduce_scatter", output, input, n)
-    if log is not None:
-        log._add("reduce_scatter", input)
+    if log is not None and kind is not None:
+        log._add(kind, input)
     if n == 1:
         if output.data_ptr() != input.data_ptr():
             output.copy_(input)
@@ -126,16 +130,17 @@ def all_gather(
     timeout_s: float | None = None,
     what: str = "",
     watch: Watch | None = None,
+    kind: str | None = "all_gather",
 ) -> Handle:
     """Start ``output = cat(input of every rank)``; returns its handle.
 
     ``input`` may be this rank's own chunk of ``output`` (in place). The algorithm is chosen, and
-    ``timeout_s``, ``what`` and ``watch`` apply, as for `reduce_scatter`.
+    ``timeout_s``, ``what``, ``watch`` and ``kind`` apply, as for `reduce_scatter`.
     """
     n = world_size(group)
     _check_numel("all_gather", input, output, n)
-    if log is not None:
-        log._add("all_gather", output)
+    if log is not None and kind is not None:
+        log._add(kind, output)
     if n == 1:
         if output.data_ptr() != input.data_ptr():
             output.copy_(input)

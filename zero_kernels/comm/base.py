@@ -28,6 +28,7 @@ shm channel holds its group). The entries of a destroyed group stay (a few small
 
 from __future__ import annotations
 
+import collections
 import itertools
 import threading
 import time
@@ -44,7 +45,19 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 @dataclass
 class CommLog:
-    """Counters of the collectives one optimizer issued (bytes are of the full input/output)."""
+    """Counters of the collectives one optimizer issued (bytes are of the full input/output,
+    but ``inside_node_bytes``/``cross_node_bytes``: what this rank sent, [Note: bytes by link]).
+
+    [Note: the step ledger]
+    `mark_step`, called by every ``step()`` (also one skipped for non-finite gradients, or one
+    that raised), closes an entry: the step's number, its outcome and what every counter grew by
+    since the entry before, so an entry holds the bytes and calls of that step's backward (all
+    its micro-batches) and of the step itself, by link, and the time its waits were exposed.
+    The newest `LEDGER_STEPS` entries are kept (a bounded deque: a long run keeps a constant
+    few hundred KB). Marking reads only host counters: on CUDA the entry keeps its waits'
+    timing events and `read_ledger` resolves them (synchronising, as reading `as_dict` does),
+    so the step itself never waits for the GPU. ``reset()`` empties it.
+    """
 
     reduce_scatter_bytes: int = 0
     all_gather_bytes: int = 0
@@ -59,42 +72,87 @@ class CommLog:
     # in all_gather_*: [Note: secondary shard] in zero_kernels.partition.secondary)
     secondary_all_gather_bytes: int = 0
     secondary_all_gather_calls: int = 0
+    # what this rank sent, by link: to ranks of its own host and of others ([Note: bytes by
+    # link] in zero_kernels.comm.links)
+    inside_node_bytes: int = 0
+    cross_node_bytes: int = 0
     exposed_comm_s: float = 0.0  # time spent waiting on collectives after they were issued
     sizes: list = field(default_factory=list)  # (kind, numel, dtype) of every call, when traced
     trace: bool = False
     # CUDA: (start, end) events around each stream wait, turned into seconds when read (reading
     # synchronises on them; the step itself never does): [Note: CUDA streams]
     cuda_spans: list = field(default_factory=list, repr=False)
+    # [Note: the step ledger]: one entry per step (the newest LEDGER_STEPS), each the counters'
+    # growth since the one before
+    ledger: collections.deque = field(
+        default_factory=lambda: collections.deque(maxlen=LEDGER_STEPS), repr=False
+    )
+    _at_mark: dict = field(default_factory=dict, repr=False)
+    _step_spans: list = field(default_factory=list, repr=False)  # CUDA waits since the mark
+    _host_waited_s: float = field(default=0.0, repr=False)  # host waits (exposed_comm_s' part)
 
     def as_dict(self) -> dict:
         self._resolve()
-        return {
-            k: getattr(self, k)
-            for k in (
-                "reduce_scatter_bytes",
-                "all_gather_bytes",
-                "reduce_scatter_calls",
-                "all_gather_calls",
-                "all_reduce_calls",
-                "replica_all_reduce_bytes",
-                "replica_all_reduce_calls",
-                "secondary_all_gather_bytes",
-                "secondary_all_gather_calls",
-                "exposed_comm_s",
-            )
-        }
+        return self._counters()
+
+    def _counters(self) -> dict:
+        return {k: getattr(self, k) for k in COUNTERS}
 
     def reset(self) -> None:
-        for k, v in CommLog().as_dict().items():
+        for k, v in CommLog()._counters().items():
             setattr(self, k, v)
         self.sizes.clear()
         self.cuda_spans.clear()
+        self.ledger.clear()
+        self._at_mark = {}
+        self._step_spans = []
+        self._host_waited_s = 0.0
 
     def _resolve(self) -> None:
         spans, self.cuda_spans = self.cuda_spans, []
-        for e0, e1 in spans:
-            e1.synchronize()
-            self.exposed_comm_s += e0.elapsed_time(e1) / 1e3
+        self.exposed_comm_s += _elapsed(spans)
+
+    def _waited(self, seconds: float) -> None:
+        self.exposed_comm_s += seconds
+        self._host_waited_s += seconds
+
+    def _span(self, e0, e1) -> None:
+        self.cuda_spans.append((e0, e1))
+        self._step_spans.append((e0, e1))
+
+    def _sent(self, kind: str, nbytes: int, group) -> None:
+        """Count what this rank sends in a collective of send pattern ``kind`` over a full
+        buffer of ``nbytes`` on ``group``, by link ([Note: bytes by link])."""
+        from .links import split
+
+        inside, cross = split(kind, nbytes, group)
+        self.inside_node_bytes += inside
+        self.cross_node_bytes += cross
+
+    def mark_step(self, step: int, outcome: str = "stepped") -> None:
+        """Close the ledger's entry of step ``step`` (``outcome``: "stepped", "skipped" for
+        non-finite gradients, "raised"): what the counters grew by since the last mark
+        ([Note: the step ledger])."""
+        now = self._counters()
+        now["exposed_comm_s"] = self._host_waited_s  # the CUDA waits: the entry's spans
+        last = self._at_mark
+        entry = {"step": step, "outcome": outcome}
+        for k, v in now.items():
+            entry[k] = v - last.get(k, 0)
+        entry["_spans"], self._step_spans = self._step_spans, []
+        self._at_mark = now
+        self.ledger.append(entry)
+
+    def read_ledger(self) -> list[dict]:
+        """The ledger's entries, oldest first (CUDA: reading waits for the timing events of
+        the steps' waits, as `as_dict` does)."""
+        out = []
+        for e in self.ledger:
+            spans = e.pop("_spans", None)
+            if spans:
+                e["exposed_comm_s"] += _elapsed(spans)
+            out.append({k: v for k, v in e.items() if k != "_spans"})
+        return out
 
     def _add(self, kind: str, t: torch.Tensor) -> None:
         self._add_bytes(kind, t.numel() * t.element_size())
@@ -104,6 +162,32 @@ class CommLog:
     def _add_bytes(self, kind: str, nbytes: int) -> None:
         setattr(self, f"{kind}_bytes", getattr(self, f"{kind}_bytes") + nbytes)
         setattr(self, f"{kind}_calls", getattr(self, f"{kind}_calls") + 1)
+
+
+# `CommLog.as_dict`'s counters, in order
+COUNTERS = (
+    "reduce_scatter_bytes",
+    "all_gather_bytes",
+    "reduce_scatter_calls",
+    "all_gather_calls",
+    "all_reduce_calls",
+    "replica_all_reduce_bytes",
+    "replica_all_reduce_calls",
+    "secondary_all_gather_bytes",
+    "secondary_all_gather_calls",
+    "inside_node_bytes",
+    "cross_node_bytes",
+    "exposed_comm_s",
+)
+LEDGER_STEPS = 1000
+
+
+def _elapsed(spans) -> float:
+    s = 0.0
+    for e0, e1 in spans:
+        e1.synchronize()
+        s += e0.elapsed_time(e1) / 1e3
+    return s
 
 
 class Handle:
@@ -150,7 +234,7 @@ class Handle:
                 e0.record(cur)
                 cur.wait_event(self.event)
                 e1.record(cur)
-                self.log.cuda_spans.append((e0, e1))
+                self.log._span(e0, e1)
             self.done = True
             return self.tensors[0]
         t0 = time.perf_counter()
@@ -168,7 +252,7 @@ class Handle:
         if self.divide != 1.0:
             self.tensors[0].div_(self.divide)
         if self.log is not None:
-            self.log.exposed_comm_s += time.perf_counter() - t0
+            self.log._waited(time.perf_counter() - t0)
         self.done = True
         return self.tensors[0]
 

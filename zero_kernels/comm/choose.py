@@ -36,11 +36,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import shm
+from . import links, shm
 from .base import (
     Handle,
     _all_gather,
     _avg_ok,
+    _nbytes,
     _reduce_scatter,
     avg_supported,
     launch_native,
@@ -67,6 +68,8 @@ _logger = logging.getLogger("zero_kernels")
 
 def _reduce_scatter_with(algo: str, output, input, group, avg: bool, log, bound=()) -> Handle:
     n = world_size(group)
+    if log is not None:  # [Note: bytes by link]
+        log._sent(links.pattern("reduce_scatter", algo, group), _nbytes(input), group)
     if algo == "native":
         op = dist.ReduceOp.AVG if avg and avg_supported(group) else dist.ReduceOp.SUM
         divide = float(n) if avg and op == dist.ReduceOp.SUM else 1.0
@@ -88,6 +91,8 @@ def _reduce_scatter_with(algo: str, output, input, group, avg: bool, log, bound=
 
 
 def _all_gather_with(algo: str, output, input, group, log, bound=()) -> Handle:
+    if log is not None:  # [Note: bytes by link]
+        log._sent(links.pattern("all_gather", algo, group), _nbytes(output), group)
     if algo == "native":
 
         def launch():

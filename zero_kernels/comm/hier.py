@@ -30,7 +30,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from .base import CommLog, Handle, Watch, rank, world_size
+from .base import CommLog, Handle, Watch, _nbytes, rank, world_size
 
 __all__ = ["Mesh", "Secondary", "resolve_shard_group", "secondary_groups", "split"]
 
@@ -125,6 +125,7 @@ class _TwoHop:
                 continue
             if h.log is not None:
                 h.log._add("replica_all_reduce", h.out)
+                h.log._sent("ring_all_reduce", _nbytes(h.out), h.mesh.replicas)
             n = world_size(h.mesh.replicas)
             work = dist.all_reduce(
                 h.out, op=dist.ReduceOp.SUM, group=h.mesh.replicas, async_op=True
@@ -167,7 +168,7 @@ class _QuantAllReduce:
     all-reduce's payload once in fp32). A non-finite
     gradient stays non-finite through both hops (the quantizer's scales never hide it)."""
 
-    __slots__ = ("out", "group", "bits", "block", "buf", "chunk", "rs", "ag", "errors")
+    __slots__ = ("out", "group", "bits", "block", "buf", "chunk", "rs", "ag", "errors", "log")
 
     def __init__(self, out: torch.Tensor, group, bits: int, block: int, log, errors=None):
         from .quant import _packed, reduce_scatter_quantized
@@ -180,9 +181,11 @@ class _QuantAllReduce:
         self.chunk = torch.empty(per, dtype=torch.float32, device=out.device)
         self.errors = errors
         self.rs = reduce_scatter_quantized(
-            self.chunk, self.buf, bits=bits, block=block, group=group, avg=True, errors=errors
-        )
+            self.chunk, self.buf, bits=bits, block=block, group=group, avg=True, errors=errors,
+            log=log, kind=None,
+        )  # fmt: skip
         self.ag = None
+        self.log = log
         if log is not None:
             log._add_bytes("replica_all_reduce", n * _packed(per, bits, block)[2])
 
@@ -193,7 +196,7 @@ class _QuantAllReduce:
             self.rs.wait(timeout_s, what, watch)
             self.ag = all_gather_quantized(
                 self.buf, self.chunk, bits=self.bits, block=self.block, group=self.group,
-                own_exact=False, errors=self.errors,
+                own_exact=False, errors=self.errors, log=self.log, kind=None,
             )  # fmt: skip
 
     def is_completed(self) -> bool:

@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import CommLog, Watch, rank, world_size
+from .base import CommLog, Watch, _nbytes, rank, world_size
 
 __all__ = ["GRAD_BLOCK", "QUANTIZED", "all_gather_quantized", "reduce_scatter_quantized"]
 
@@ -132,6 +132,7 @@ def all_gather_quantized(
     log: CommLog | None = None,
     own_exact: bool = True,
     errors: dict | None = None,
+    kind: str | None = "all_gather",
     **bound,
 ):
     """Start ``output = cat(input of every rank)`` with the other ranks' chunks sent quantized
@@ -151,7 +152,7 @@ def all_gather_quantized(
             f"{c} * {n} != {output.numel()}"
         )
     if n == 1 and own_exact:
-        return all_gather(output, input, group=group, log=log, **bound)
+        return all_gather(output, input, group=group, log=log, kind=kind, **bound)
     qb, nq, per = _packed(c, bits, block)
     send = torch.empty(per, dtype=torch.uint8, device=input.device)
     src = input.view(-1)
@@ -160,7 +161,7 @@ def all_gather_quantized(
     err = feedback_buffer(errors, "all_gather", c, input.device)
     quantize_blockwise(src, bits, block, error=err, out=(send[:qb], send[nq:].view(torch.float32)))
     recv = torch.empty(per * n, dtype=torch.uint8, device=input.device)
-    inner = all_gather(recv, send, group=group, log=log, **bound)
+    inner = all_gather(recv, send, group=group, log=log, kind=kind, **bound)
     own = None if own_exact else send
     return _Dequantize(inner, output, input, recv, bits, block, rank(group), n, own)
 
@@ -231,6 +232,7 @@ def reduce_scatter_quantized(
     what: str = "",
     watch: Watch | None = None,
     errors: dict | None = None,
+    kind: str | None = "reduce_scatter",
 ):
     """Start ``output = reduce(input)[my chunk]`` with the chunks for the other ranks sent
     quantized ([Note: quantized reduce-scatter]); returns a handle whose ``wait`` sums them in
@@ -267,6 +269,8 @@ def reduce_scatter_quantized(
             )
     recv = torch.empty(per * n, dtype=torch.uint8, device=input.device)
     if log is not None:
-        log._add("reduce_scatter", send)
+        if kind is not None:
+            log._add(kind, send)
+        log._sent("all_to_all", _nbytes(send), group)  # [Note: bytes by link]
     work = dist.all_to_all_single(recv, send, group=group, async_op=True)
     return _QuantReduce(Handle(work, (recv, send)), output, own, recv, bits, block, me, n, avg)

@@ -70,10 +70,9 @@ class SecondaryShard:
         """Start the all-gather of bucket ``key`` (allocated) from the block's slices (counted
         apart in ``log``: ``secondary_all_gather_*``, the bytes that stay inside the node)."""
         full = self.store.full(*key)
-        h = comm.all_gather(full, self.kept[key], group=self.group, **bound)
-        if log is not None:
-            log._add("secondary_all_gather", full)
-        return h
+        return comm.all_gather(
+            full, self.kept[key], group=self.group, log=log, kind="secondary_all_gather", **bound
+        )
 
     def drop(self, buckets) -> None:
         for key in buckets:
