@@ -14,8 +14,11 @@ a host of its own, so its bytes count as crossing, the same conclusion the proof
 What a rank sends follows from the algorithm that ran (group of N ranks, this rank at position
 i, full buffer of M bytes, chunk c = M/N; ranks numbered as the group numbers them):
 
-- ``ring`` (ours; gloo's all-gather and all-reduce; NCCL's rings, which leave each node once):
-  N - 1 chunks to rank i + 1; an all-reduce (``ring_all_reduce``) 2 (N - 1) chunks to it.
+- ``ring`` (ours; gloo's all-gather and all-reduce): N - 1 chunks to rank i + 1; an
+  all-reduce (``ring_all_reduce``) 2 (N - 1) chunks to it. NCCL's native collectives are
+  counted as rings too: NCCL orders its rings by the topology, not by rank, and leaves each
+  node once, so a node's sum holds (ranks numbered node by node) while the split between one
+  node's ranks is the model's; its trees (some all-reduces) are not modelled.
 - gloo's native reduce-scatter is an all-reduce whose result each rank cuts to its chunk, so
   it sends 2 (N - 1) chunks (measured on the testbed: 1.571 M per node at 2 x 2 ranks, against
   0.785 M for our ring; bench/bench_testbed.py [Note: the formula]).
