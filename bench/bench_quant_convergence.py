@@ -80,6 +80,8 @@ VARIANTS = {
         "secondary_shard": 2,
         "persist_below": 1024,
     },
+    # hpZ + int8 weights + int8 gradients: quantized weights and gradients, int8 both ways
+    "hpz_q8_g8": {"quantize_weights": "int8", "quantize_grads": "int8", "secondary_shard": 2},
     "hpz_q8_g4_ef": {
         "quantize_weights": "int8",
         "quantize_grads": "int4",
