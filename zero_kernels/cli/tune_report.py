@@ -276,26 +276,20 @@ def _print_verdict(res: dict) -> None:
         f"{est.format_bytes(rec['peak_rss_bytes'])} per rank"
     )
     print(f"  zero_kernels.ZeroOptimizer(model, torch.optim.AdamW, {rec['kwargs_text']}, lr=...)")
-    for h in res.get("hierarchy", ()):
-        verdict = {
-            "faster": "faster here",
-            "slower": "slower here: not worth it on these links",
-            "within noise": "the same within the noise",
-        }[h["verdict"]]
-        print(
-            f"  across nodes: {h['label']}: {_ms(h['step_time_s'])} against "
-            f"{_ms(h['flat_step_time_s'])} flat ({verdict})"
-        )
-    for q in res.get("quantization", ()):
-        verdict = {
-            "faster": "faster here",
-            "slower": "slower here: not worth it on these links",
-            "within noise": "the same within the noise: not worth it here",
-        }[q["verdict"]]
-        print(
-            f"  quantized: {q['label']}: {_ms(q['step_time_s'])} against "
-            f"{_ms(q['unquantized_step_time_s'])} without ({verdict})"
-        )
+    words = {
+        "faster": "faster here",
+        "slower": "slower here: not worth it on these links",
+        "within noise": "the same within the noise: not worth it here",
+    }
+    for key, what, twin, name in (
+        ("hierarchy", "across nodes", "flat", "flat"),
+        ("quantization", "quantized", "unquantized", "without"),
+    ):
+        for p in res.get(key, ()):
+            print(
+                f"  {what}: {p['label']}: {_ms(p['step_time_s'])} against "
+                f"{_ms(p[f'{twin}_step_time_s'])} {name} ({words[p['verdict']]})"
+            )
     if ddp is not None:
         faster = ddp["step_time_s"] < rec["step_time_s"]
         print(

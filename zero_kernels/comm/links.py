@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from .base import group_key, is_initialized, rank, world_size
 
-__all__ = ["PATTERNS", "learn", "pattern", "split", "hosts_known"]
+__all__ = ["PATTERNS", "learn", "pattern", "split"]
 
 PATTERNS = ("ring", "ring_all_reduce", "pairwise", "all_to_all", "shm")
 _host_of: dict[int, int] = {}  # global rank -> host index (from `learn`)
@@ -63,11 +63,6 @@ def learn(group=None) -> list[list[int]]:
             _host_of[glob[r]] = h
     _plans.clear()
     return groups
-
-
-def hosts_known(group=None) -> bool:
-    """Whether every rank of ``group`` has a learned host."""
-    return all(r in _host_of for r in _global_ranks(group))
 
 
 def pattern(op: str, algo: str, group=None) -> str:
