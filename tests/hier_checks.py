@@ -158,6 +158,8 @@ def check_bytes_by_link(rank, world):
             assert sent("rs", algo) == (rs, 0), (algo, sent("rs", algo))
             assert sent("ag", algo) == (3 * c, 0), algo
         hosts._groups[key] = ((0, 1), (2, 3))  # as the proof finds two nodes (the testbed)
+        real = hosts.host_groups  # every group's proof (the optimizer's side group's too)
+        hosts.host_groups = lambda group=None: [[0, 1], [2, 3]]
         links._reset()
         assert links.learn() == [[0, 1], [2, 3]]
         nxt_inside = rank in (0, 2)
@@ -198,6 +200,8 @@ def check_bytes_by_link(rank, world):
             assert len({e[k] for e in ledger}) == 1, (k, ledger)  # every step the same
     finally:
         comm.set_algorithm("all", None)
+        if "real" in locals():
+            hosts.host_groups = real
         if saved is None:
             hosts._groups.pop(key, None)
         else:

@@ -126,8 +126,6 @@ def lay_out(
         process_group,
         device,
     )
-    # which ranks share a host, for the bytes by link ([Note: bytes by link]; collective, cached)
-    comm.learn_hosts(process_group)
     # the shard groups ([Note: hierarchy]): made once the ranks agree on every choice
     shard_ranks, device_mesh = comm.hier.resolve_shard_group(cp.shard_group, process_group)
     mesh = comm.hier.split(process_group, shard_ranks, device_mesh)
@@ -267,6 +265,9 @@ def communication(core: Core) -> None:
     "every" compares every launch in one sequence, so it keeps one group."""
     p = core.policy
     core.side = comm.side_group(core.group, timeout_s=core.timeout)
+    if core.side is not None:  # which ranks share a host, for the bytes by link ([Note: bytes
+        # by link]): proven over the gloo side group, so an NCCL run exchanges no objects on it
+        comm.learn_hosts(core.side)
     core.comm_log = comm.CommLog()
     core.grads = GradStore(
         core.layout,

@@ -7,9 +7,10 @@ collective's full buffer, the payload bytes this rank *sends* to ranks of its ow
 (``inside_node_bytes``: shared memory, loopback, NVLink) and to ranks of other hosts
 (``cross_node_bytes``: the network). Hosts are the groups of `comm.host_groups` (ranks that see
 one another's files in /dev/shm, proven: [Note: hosts are proven]), learned once per world by
-`learn` (collective; `ZeroOptimizer` calls it at construction); a rank not in a learned group is
-a host of its own, so its bytes count as crossing, the same conclusion the proof draws where
-/dev/shm cannot be written.
+`learn` (collective; `ZeroOptimizer` calls it at construction over its gloo side group, so an
+NCCL run exchanges no objects on NCCL for it); a rank not in a learned group is a host of its
+own, so its bytes count as crossing, the same conclusion the proof draws where /dev/shm
+cannot be written.
 
 What a rank sends follows from the algorithm that ran (group of N ranks, this rank at position
 i, full buffer of M bytes, chunk c = M/N; ranks numbered as the group numbers them):
