@@ -214,6 +214,19 @@ bool all_finite(const at::Tensor& g, double scale) {
   return all_finite_range(g.data_ptr(), to_dtype(g, "grad"), float(scale), g.numel());
 }
 
+// bf16_stochastic_round (sr_round.h): element j's random bits from (key, first + j).
+void sr_round_bf16(const at::Tensor& src, const at::Tensor& dst, int64_t key, int64_t first) {
+  TORCH_CHECK(src.is_cpu() && dst.is_cpu() && src.scalar_type() == at::kFloat &&
+                  dst.scalar_type() == at::kBFloat16 && src.is_contiguous() &&
+                  dst.is_contiguous() && dst.numel() == src.numel(),
+              "sr_round_bf16: src fp32 and dst bf16 must be contiguous CPU tensors of one numel");
+  const float* s = src.data_ptr<float>();
+  auto* d = reinterpret_cast<uint16_t*>(dst.data_ptr());
+  at::parallel_for(0, src.numel(), kGrain, [&](int64_t b, int64_t e) {
+    zk::sr_round_bf16_cpu(s + b, d + b, e - b, uint32_t(key), uint32_t(first + b));
+  });
+}
+
 // ---- flat buffers ----
 // Copy each tensor into flat[offsets[i] : offsets[i] + numel] (to_flat) or back (from flat),
 // converting dtypes. CPU work is split over threads by elements, not by tensors, so one large
@@ -713,9 +726,7 @@ bool has_cuda() {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() =
-      "zero_kernels native kernels: fused Adam/AdamW step, flat-buffer copies, blockwise "
-      "quantization";
+  m.doc() = "zero_kernels native kernels: fused Adam/AdamW step, flat copies, quantization";
   m.def("adam_step", &adam_step, "One fused Adam/AdamW step over one flat buffer (in place)",
         py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
         py::arg("max_exp_avg_sq"), py::arg("out_lowp"), py::arg("found_inf"),
@@ -723,9 +734,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weight_decay"), py::arg("step_size"), py::arg("bc2_sqrt"), py::arg("grad_scale"),
         py::arg("adamw"), py::arg("amsgrad"), py::arg("maximize"));
   m.def("adam_step_multi", &adam_step_multi, "The fused step over lists of tensors");
-  m.def("adam_step_lowbit", &adam_step_lowbit,
-        "One Adam/AdamW step with bf16 or blockwise int8 moments over a fp32 master (in place)");
-  m.def("all_finite", &all_finite, "True when every grad * scale is finite (CPU)", py::arg("grad"),
+  m.def("adam_step_lowbit", &adam_step_lowbit, "The step with bf16 or blockwise int8 moments");
+  m.def("sr_round_bf16", &sr_round_bf16, "dst = src rounded to bf16 stochastically (sr_round.h)");
+  m.def("all_finite", &all_finite, "All grad * scale finite (CPU)", py::arg("grad"),
         py::arg("scale") = 1.0);
   m.def("flat_copy", &flat_copy, "Copy tensors into (to_flat) or out of a flat buffer",
         py::arg("tensors"), py::arg("flat"), py::arg("offsets"), py::arg("to_flat"));
@@ -743,42 +754,31 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("p"), py::arg("g"), py::arg("m"), py::arg("v"), py::arg("prefetch") = 0,
         py::arg("nt") = false, py::arg("threads") = 0);
   m.def("prefetch_distance", &prefetch_distance, "Software prefetch distance of the CPU step");
-  m.def("set_prefetch_distance", &set_prefetch_distance,
-        "Set the CPU step's software prefetch distance (elements; 0: none)", py::arg("elems"));
-  m.def("default_prefetch_distance", &zk::default_prefetch_distance,
-        "This CPU's default software prefetch distance");
+  m.def("set_prefetch_distance", &set_prefetch_distance, "Set it (elements; 0: none)");
+  m.def("default_prefetch_distance", &zk::default_prefetch_distance, "This CPU's default");
   m.def("cpu_isa", &cpu_isa, "Instruction set the CPU kernels use now");
   m.def("set_cpu_isa", &set_cpu_isa, "Force the CPU kernels' instruction set (tests)");
   m.def("has_cuda", &has_cuda, "Whether the CUDA kernels were compiled in");
-  m.def("shm_post", &shm_post, "Release-store a shared word and wake its waiters", py::arg("addr"),
-        py::arg("value"));
+  m.def("shm_post", &shm_post, "Release-store a shared word, wake its waiters");
   m.def("shm_wait_ge", &shm_wait_ge,
         "Wait (GIL released) until a shared word reaches target: 0 reached, 1 timed out, 2 "
         "poisoned, 3 the writer (holding its lock on byte peer_byte of fd) is gone",
         py::arg("addr"), py::arg("target"), py::arg("poison_addr"), py::arg("timeout_s"),
         py::arg("fd") = -1, py::arg("peer_byte") = -1);
-  m.def("shm_hold", &zk::shm_hold, "Lock byte `byte` of fd's file for this process's life",
-        py::arg("fd"), py::arg("byte"));
-  m.def("shm_held", &zk::shm_held, "Whether another process holds a lock on that byte",
-        py::arg("fd"), py::arg("byte"));
+  m.def("shm_hold", &zk::shm_hold, "Lock byte `byte` of fd's file for this process's life");
+  m.def("shm_held", &zk::shm_held, "Whether another process holds a lock on that byte");
   m.def("shm_supported", &zk::shm_supported, "Whether shm synchronisation is built (Linux)");
-  m.def("shm_post_with", &shm_post_with,
-        "Store meta in the words after addr, then post value at addr (one release)",
-        py::arg("addr"), py::arg("meta"), py::arg("value"));
-  m.def("shm_wake", &shm_wake, "Wake the waiters of a shared word", py::arg("addr"));
-  m.def("shm_fetch_add", &shm_fetch_add, "Atomic add on a shared word; the value before",
-        py::arg("addr"), py::arg("delta"));
-  m.def("shm_load", &shm_load, "Acquire-load a shared word", py::arg("addr"));
+  m.def("shm_post_with", &shm_post_with, "Store meta in the words after addr, post value");
+  m.def("shm_wake", &shm_wake, "Wake the waiters of a shared word");
+  m.def("shm_fetch_add", &shm_fetch_add, "Atomic add on a shared word; the value before");
+  m.def("shm_load", &shm_load, "Acquire-load a shared word");
   m.def("host_cache_install", &host_cache_install,
-        "Make the host block cache torch's CPU allocator for requests of at least min_bytes",
-        py::arg("min_bytes"), py::arg("cap_bytes"));
-  m.def("host_cache_enable", &host_cache_enable, "New CPU requests through the cache, or not",
-        py::arg("on"));
+        "Make the host block cache torch's CPU allocator for requests of at least min_bytes");
+  m.def("host_cache_enable", &host_cache_enable, "New CPU requests through the cache, or not");
   m.def("host_cache_stats", &host_cache_stats, "The host block cache's bytes and counters");
   m.def("host_cache_trim", &zk::block_cache_trim, "Unmap every cached block; the bytes");
   m.def("host_cache_reset_stats", &zk::block_cache_reset_stats, "Peaks to now, counters to 0");
-  m.def("host_cache_owns", &host_cache_owns, "Whether a tensor's storage is a cached block",
-        py::arg("tensor"));
+  m.def("host_cache_owns", &host_cache_owns, "Whether a tensor's storage is a cached block");
   py::class_<AioRequestRef>(m, "AioRequest")
       .def("done", &AioRequestRef::done, "Whether every chunk has completed")
       .def("wait", &AioRequestRef::wait, "Wait (GIL released); (errno or 0, bytes moved)");

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "sr_round.h"
 #include "zk_convert.h"
 
 namespace zk {
@@ -71,6 +72,13 @@ void copy_segments_cpu(const std::vector<CopySegment>& segs, const std::vector<i
     const int64_t e = std::min(end, starts[k + 1]) - starts[k];
     if (b < e) copy_range(segs[k], b, e);
   }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target_clones("avx2", "default")))
+#endif
+void sr_round_bf16_cpu(const float* src, uint16_t* dst, int64_t n, uint32_t key, uint32_t first) {
+  sr_round_bf16(src, dst, n, key, first);
 }
 
 }  // namespace zk

@@ -254,6 +254,7 @@ def _param_swapper(core: Core, by_unit: dict, persistent: int):
         i
         for i, buf in enumerate(core.layout.buffers)
         if dtype_of(buf.dtype) not in (torch.float32, torch.float64)
+        and not (core.policy.precision.bf16_stochastic_round and buf.dtype == "torch.bfloat16")
     }
     return ParamSwapper(core.layout, core.rank, units, pinned, off.offload_dir, masters)
 
@@ -306,6 +307,7 @@ def runner(core: Core, optimizer_class, user_groups, defaults, fused_adam, kerne
         backend=kernel_backend,
         state_dtype=core.policy.precision.state_dtype,
         state_block=core.policy.precision.state_block,
+        stochastic_round=core.policy.precision.bf16_stochastic_round,
     )
     _check_state_dtype(core, r, optimizer_class, group_opts, defaults, kernel_backend)
     off = core.policy.offload
@@ -318,6 +320,20 @@ def _check_state_dtype(core: Core, r, optimizer_class, group_opts, defaults, bac
     """state_dtype other than fp32: only the fused step has that format; refuse what would
     keep fp32 state unsaid."""
     sd = core.policy.precision.state_dtype
+    if core.policy.precision.bf16_stochastic_round:
+        bf16 = [i for i, b in enumerate(core.layout.buffers) if b.dtype == "torch.bfloat16"]
+        if not bf16:
+            raise ValueError(
+                "bf16_stochastic_round=True but no param is bfloat16: it replaces the fp32 "
+                "masters of bf16 params (model.to(torch.bfloat16)); drop it or cast the model"
+            )
+        if not all(r.fused[i] for i in bf16):
+            raise ValueError(
+                f"bf16_stochastic_round=True rounds the fused Adam step's result; "
+                f"{optimizer_class.__name__} here is not stepped by it (fused_adam=False, an "
+                "option the kernel does not take, or whole mode): use torch Adam/AdamW, or "
+                "drop bf16_stochastic_round"
+            )
     if sd == "fp32":
         return
     if sd == "int8" and resolve_backend(backend, core.device) == "triton":

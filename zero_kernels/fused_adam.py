@@ -14,6 +14,12 @@ contiguous copies that are written back.
 and params of other dtypes keep torch's state. Such a ``state_dict`` holds the low-bit tensors
 and their scales (it loads back here bit for bit); `fp32_state_dict` gives torch's format for a
 plain torch optimizer, and a torch-format state loads here (encoded into ``state_dtype``).
+
+``bf16_stochastic_round=True``: bf16 params are stepped in fp32 (their value read into a
+transient fp32 copy, moments kept as fp32 params' are: fp32, or ``state_dtype``) and written back
+rounded stochastically, without a master (`zero_kernels.ops.sr` [Note: stochastic rounding]):
+the rounding of the k-th param (counted across groups) at step t is the same draw under
+`zero_kernels.ZeroOptimizer` at any stage and world size.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from collections import defaultdict
 import torch
 
 from . import ops
-from .ops import AdamHyper, lowbit
+from .ops import AdamHyper, lowbit, sr
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -76,6 +82,7 @@ class FusedAdam(torch.optim.Optimizer):
         state_dtype: str = "fp32",
         state_block: int = lowbit.DEFAULT_STATE_BLOCK,
         min_lowbit_numel: int = lowbit.MIN_LOWBIT_NUMEL,
+        bf16_stochastic_round: bool = False,
     ) -> None:
         if isinstance(lr, torch.Tensor) and lr.numel() != 1:
             raise ValueError(f"Tensor lr must be 1-element, got lr.shape={tuple(lr.shape)}")
@@ -104,12 +111,15 @@ class FusedAdam(torch.optim.Optimizer):
             )
         if not isinstance(min_lowbit_numel, int) or min_lowbit_numel < 0:
             raise ValueError(f"min_lowbit_numel must be an int >= 0, got {min_lowbit_numel!r}")
+        if not isinstance(bf16_stochastic_round, bool):
+            raise TypeError(f"bf16_stochastic_round must be a bool, got {bf16_stochastic_round!r}")
         if decoupled_weight_decay is None:
             decoupled_weight_decay = self._decoupled_default
         self.backend = backend
         self.state_dtype = state_dtype
         self.state_block = state_block
         self.min_lowbit_numel = min_lowbit_numel
+        self.bf16_stochastic_round = bf16_stochastic_round
         defaults = dict(
             lr=lr,
             betas=betas,
@@ -136,14 +146,20 @@ class FusedAdam(torch.optim.Optimizer):
         if not hasattr(self, "state_dtype"):
             self.state_dtype, self.state_block = "fp32", lowbit.DEFAULT_STATE_BLOCK
             self.min_lowbit_numel = lowbit.MIN_LOWBIT_NUMEL
+        if not hasattr(self, "bf16_stochastic_round"):
+            self.bf16_stochastic_round = False
 
     def _lowbit(self, p: torch.Tensor) -> bool:
         """Whether ``p``'s moments are kept in ``state_dtype`` (fp32 masters above the size)."""
         return (
             self.state_dtype != "fp32"
-            and p.dtype == torch.float32
+            and (p.dtype == torch.float32 or self._sr(p))
             and p.numel() >= self.min_lowbit_numel
         )
+
+    def _sr(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` is stepped in fp32 and rounded back stochastically."""
+        return self.bf16_stochastic_round and p.dtype == torch.bfloat16
 
     def _init_state(self, p: torch.Tensor, amsgrad: bool) -> dict:
         state = self.state[p]
@@ -153,11 +169,15 @@ class FusedAdam(torch.optim.Optimizer):
             if self.state_dtype == "int8":
                 state["state_block"] = self.state_block
         elif len(state) == 0:
+            # stochastic rounding: fp32 moments of the param's shape, contiguous like the copy
+            sr = self._sr(p)
+            fmt = torch.contiguous_format if sr else torch.preserve_format
+            dt = torch.float32 if sr else p.dtype
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg"] = torch.zeros_like(p, dtype=dt, memory_format=fmt)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=dt, memory_format=fmt)
         if amsgrad and "max_exp_avg_sq" not in state:
-            state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["max_exp_avg_sq"] = torch.zeros_like(state["exp_avg"])
         return state
 
     @torch.no_grad()
@@ -166,11 +186,16 @@ class FusedAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        index = None  # stochastic rounding: each param's position across the groups
+        if self.bf16_stochastic_round:
+            index = {
+                id(p): k for k, p in enumerate(p for g in self.param_groups for p in g["params"])
+            }
         for group in self.param_groups:
-            self._step_group(group)
+            self._step_group(group, index)
         return loss
 
-    def _step_group(self, group: dict) -> None:
+    def _step_group(self, group: dict, index: dict | None = None) -> None:
         beta1, beta2 = group["betas"]
         amsgrad = group["amsgrad"]
         # (device, dtype, grad dtype, step) -> lists; one multi-tensor call per key
@@ -212,12 +237,47 @@ class FusedAdam(torch.optim.Optimizer):
                 amsgrad=amsgrad,
                 maximize=group["maximize"],
             )
+            rounded = [it for it in items if self._sr(it[0])]
+            if rounded:
+                self._run_sr(rounded, hyper, index)
+                items = [it for it in items if not self._sr(it[0])]
             low = [it for it in items if self._lowbit(it[0])]
             if low:
                 self._run_lowbit(low, hyper)
                 items = [it for it in items if not self._lowbit(it[0])]
             if items:
                 self._run(items, hyper, amsgrad)
+
+    def _run_sr(self, items: list, hyper: AdamHyper, index: dict) -> None:
+        """bf16 params: the step on an fp32 copy, rounded back stochastically (one call each)."""
+        for p, g, state in items:
+            x = p.detach().reshape(-1).float()
+            flat_g = g.reshape(-1)
+            if self._lowbit(p):
+                lowbit.adam_step_lowbit(
+                    x,
+                    flat_g,
+                    state,
+                    hyper,
+                    state_dtype=self.state_dtype,
+                    block=self.state_block,
+                    backend=self.backend,
+                )
+            else:
+                ops.adam_step(
+                    x,
+                    flat_g.float(),
+                    state["exp_avg"].view(-1),
+                    state["exp_avg_sq"].view(-1),
+                    hyper,
+                    max_exp_avg_sq=state["max_exp_avg_sq"].view(-1) if hyper.amsgrad else None,
+                    backend=self.backend,
+                )
+            dst = p.detach().view(-1) if p.is_contiguous() else torch.empty_like(x, dtype=p.dtype)
+            key = sr.sr_key(hyper.step, index[id(p)])
+            sr.stochastic_round_bf16_(dst, x, key, 0, backend=self.backend)
+            if not p.is_contiguous():
+                p.detach().copy_(dst.view_as(p))
 
     def _run_lowbit(self, items: list, hyper: AdamHyper) -> None:
         for p, g, state in items:
@@ -240,6 +300,12 @@ class FusedAdam(torch.optim.Optimizer):
         every state tensor to the param's dtype (bf16 moments and int8 codes arrive fp32, exact),
         and a torch-format state (fp32 exp_avg/exp_avg_sq of the param's shape) is encoded."""
         super().load_state_dict(state_dict)
+        params = [p for g in self.param_groups for p in g["params"]]
+        for k, st in state_dict["state"].items():  # torch cast them to bf16: the saved values
+            if isinstance(k, int) and k < len(params) and self._sr(params[k]):
+                for name, t in st.items():
+                    if name != "step" and torch.is_tensor(t):
+                        self.state[params[k]][name] = t.to(params[k].device, copy=True)
         for group in self.param_groups:
             for p in group["params"]:
                 state = self.state.get(p)

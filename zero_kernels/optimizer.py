@@ -86,13 +86,11 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
             (at stage 3 kept whole, as with ``quantize_weights``). With a hierarchical
             ``shard_group`` only the hop across the replica groups is quantized ([Note:
             quantized two-hop] in `zero_kernels.comm.hier`).
-        grad_error_feedback: with ``quantize_grads``, what each rank's quantization of a bucket
-            drops is kept (fp32, the size of what it quantizes) and added to that bucket's next
-            gradient before quantizing ([Note: error feedback] in `zero_kernels.comm.quant`).
-        bucket_size_mb: target size of a gradient bucket in MiB (at 4 bytes per element).
-        overlap_comm: reduce buckets during backward (True) or all at the end (False).
-        partition: "auto" (element-wise optimizers get flat shards, the rest whole params),
-            "flat" or "whole" to force.
+        grad_error_feedback: with ``quantize_grads``, what a bucket's quantization drops is kept
+            (fp32) and added to its next gradient ([Note: error feedback] in comm.quant).
+        bucket_size_mb, overlap_comm: a gradient bucket's target MiB (at 4 bytes per element);
+            reduce buckets during backward (True) or all at the end (False).
+        partition: "auto" (flat shards for element-wise optimizers, else whole), "flat", "whole".
         fused_adam: use `zero_kernels.ops.adam_step` for torch Adam/AdamW (flat mode).
         kernel_backend: the ``backend`` of `zero_kernels.ops.adam_step` ("auto", "reference"...).
         loss_scale: None, a float (static) or "dynamic"; default "dynamic" with fp16 params.
@@ -108,6 +106,8 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
             bit for bit on the same layout, [Note: int8 shard state]); each loads into any
             state_dtype, stage and world size (decoded where the blocks differ).
         state_block: int8: elements per quantization block (a multiple of 64 up to 4096).
+        bf16_stochastic_round: bf16 params stepped without fp32 masters, rounded back
+            stochastically ([Note: stochastic rounding]); 4 bytes per param less.
         max_inflight_buckets: stages 2/3: most bucket buffers held at once (being filled or
             reduce-scattered); when a bucket needs one beyond it, the oldest reduce-scatter is
             waited for and its buffer reused. Bounds the communication buffers to this many
@@ -137,9 +137,8 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
             every rank before an output or gradient of that pass is used, instead of values
             exchanged between the wrong units; a rank that runs fewer modules is found once a
             wait has lasted 2 s (a ValueError on every rank, not a hang). "every" compares
-            before each launch (blocking), so
-            nothing is sent (1.06-1.30x step time measured). "first": the first forward only;
-            a later change goes unseen.
+            before each launch (blocking), so nothing is sent (1.06-1.30x step time measured).
+            "first": the first forward only; a later change goes unseen.
         secondary_shard: stage 3 (ZeRO++'s hpZ): None (default), "node" or an int K. After a
             unit's forward each rank keeps 1/K of the gathered params (a secondary shard over
             the K ranks of its node, or of its block of K consecutive ranks), and the unit's
@@ -152,9 +151,8 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
             for blocks of 1 MiB and more (process-wide; see [Note: host block cache] in
             `zero_kernels.hostmem`): freed gradient-sized blocks are reused by size instead of
             piling up in glibc's heap. None (default): on unless ``ZERO_KERNELS_HOST_CACHE=0`` or
-            ``zero_kernels.hostmem.disable()`` was called; False: not installed by this
-            optimizer (one installed before stays). Limits set by ``hostmem.install()`` are
-            kept. ``opt.host_cache``: whether the cache is in use.
+            ``zero_kernels.hostmem.disable()`` was called; False: not installed by this optimizer
+            (one installed before stays, with its limits). ``opt.host_cache``: whether in use.
         offload_optimizer, offload_dir, offload_staging_mb: ``"nvme"`` keeps the fused Adam
             step's moments in a file under ``offload_dir``, streamed chunk by chunk through
             staging buffers of ``offload_staging_mb`` MiB in all ([Note: offload] in
@@ -228,6 +226,7 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
         reduce_dtype: torch.dtype | None = None,
         state_dtype: str = "fp32",
         state_block: int = 256,
+        bf16_stochastic_round: bool = False,
         overlap_param_gather: bool = False,
         init_fn=None,
         seed: int = 0,
@@ -270,6 +269,7 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
             reduce_dtype=reduce_dtype,
             state_dtype=state_dtype,
             state_block=state_block,
+            bf16_stochastic_round=bf16_stochastic_round,
             overlap_param_gather=overlap_param_gather,
             loss_scale=loss_scale,
             shard_group=shard_group,
@@ -567,7 +567,7 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
         step adds to its param groups (or sets anew) appear in ``opt.param_groups`` after it.
         """
         self._check_open("step")
-        self._core.runner.check_step_kwargs(kwargs)
+        validate.check_step_kwargs(self._core.runner, kwargs)
         self.parts.params.wait()
         loss = None
         if closure is not None:

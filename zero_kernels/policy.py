@@ -144,18 +144,24 @@ class PrecisionPolicy:
     "dynamic", or "auto" (dynamic with fp16 params, else none). state_dtype: how the fused
     Adam step stores exp_avg/exp_avg_sq: "fp32" (torch's), "bf16" (half the bytes) or "int8"
     (blockwise, ``state_block`` elements per block, a quarter: [Note: int8 shard state] in
-    `zero_kernels.partition.lowbit_state`); fp32 masters and math in every case
-    (`zero_kernels.ops.lowbit` [Note: low-bit state])."""
+    `zero_kernels.partition.lowbit_state`); fp32 math in every case
+    (`zero_kernels.ops.lowbit` [Note: low-bit state]). bf16_stochastic_round: bf16 params have
+    no fp32 master: the fused step runs on an fp32 copy of each bucket's shard and writes it
+    back rounded stochastically (`zero_kernels.ops.sr` [Note: stochastic rounding])."""
 
     reduce_dtype: torch.dtype | None = None
     loss_scale: float | str | None = "auto"
     state_dtype: str = "fp32"
     state_block: int = 256
+    bf16_stochastic_round: bool = False
 
     def __post_init__(self):
         from .ops.lowbit import check_state_dtype
 
         check_state_dtype(self.state_dtype, self.state_block)
+        sr = self.bf16_stochastic_round
+        if not isinstance(sr, bool):
+            raise TypeError(f"bf16_stochastic_round must be a bool, got {sr!r}")
         if self.reduce_dtype not in _REDUCE_DTYPES:
             raise ValueError(
                 "reduce_dtype must be None, torch.float32, torch.bfloat16 or torch.float16, "

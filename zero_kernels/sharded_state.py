@@ -159,6 +159,10 @@ class ShardedState:
     def _lo(self, i: int, pc) -> int:
         return pc.start - self.layout.buffers[i].buckets[pc.bucket].shard_start(self.rank)
 
+    def stochastic_round(self, j: int) -> bool:
+        """Whether piece ``j``'s bf16 params are stepped without a master (fp32 state)."""
+        return self._runner.sr[self._entries[j][0]]
+
     def state_target(self, j: int, key: str, dtype: torch.dtype) -> torch.Tensor:
         """Where piece ``j``'s state entry ``key`` (``dtype``, flat) is best loaded: the entry
         itself where it exists with that dtype and size, fused Adam's view of its bucket's flat

@@ -179,3 +179,38 @@ def check_intact(core, expected: dict, module_params: list | None) -> None:
                 "ZeroOptimizer was built, so it is not sharded or reduced, but it now has a "
                 "gradient; build the ZeroOptimizer after unfreezing it"
             )
+
+
+def check_step_kwargs(runner, kwargs: dict) -> None:
+    """A TypeError naming each keyword of ``opt.step(**kwargs)`` the step cannot take
+    (``runner``: the core's `zero_kernels.partition.runner.ShardRunner`):
+    any keyword where the fused Adam kernel steps (it takes none), else one the inner
+    optimizer's ``step`` does not accept (checked before anything is stepped)."""
+    if not kwargs:
+        return
+    name = runner.optimizer_class.__name__
+    if any(runner.fused):
+        raise TypeError(
+            f"ZeroOptimizer.step: {name} runs as the fused Adam kernel here, whose step takes "
+            f"no keyword arguments; got {', '.join(map(repr, kwargs))} (kwargs={kwargs!r}); "
+            "fused_adam=False runs torch's own step"
+        )
+    try:
+        params = inspect.signature(runner.inner.step).parameters
+    except (TypeError, ValueError):
+        return  # no signature to read: the inner step itself decides
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    takes = {
+        n
+        for n, p in params.items()
+        if n != "closure"
+        and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    }
+    bad = [k for k in kwargs if k not in takes]
+    if bad:
+        raise TypeError(
+            f"ZeroOptimizer.step: {name}.step() takes no keyword argument "
+            f"{', '.join(map(repr, bad))} (kwargs={kwargs!r}; it takes "
+            f"{', '.join(sorted(takes)) or 'only closure'}); nothing was stepped"
+        )

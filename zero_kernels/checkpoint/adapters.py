@@ -200,6 +200,11 @@ class Adapter:
         a checkpoint in the same format on the same blocks is taken as saved, else decoded."""
         return None
 
+    def float_state_dtype(self, j: int, values_dtype: torch.dtype) -> torch.dtype:
+        """The dtype target ``j`` keeps floating state in: its params' (torch's rule), except
+        bf16 params stepped without a master (``bf16_stochastic_round``): fp32."""
+        return values_dtype
+
     def state_buffer(self, j: int, key: str, dtype: torch.dtype) -> torch.Tensor:
         """A 1-D tensor to read element-wise state ``key`` of target ``j`` into: the tensor the
         optimizer will hold (its existing state, or fused Adam's flat storage), so a load
@@ -282,6 +287,9 @@ class ZeroAdapter(Adapter):
 
     def state_buffer(self, j, key, dtype):
         return self.state.state_target(j, key, dtype)
+
+    def float_state_dtype(self, j, values_dtype):
+        return torch.float32 if self.state.stochastic_round(j) else values_dtype
 
     def install(self, states, groups, meta):
         st = self.state
@@ -371,6 +379,11 @@ class PlainAdapter(Adapter):
                         pd.scales[f"{k}_scale"] = sc[lo // b : (hi - 1) // b + 1]
                     pd.lowbit = {"dtype": "int8", "block": b, "origin": "param"}
                 yield pd
+
+    def float_state_dtype(self, j, values_dtype):
+        sr = getattr(self.optimizer, "_sr", None)  # FusedAdam/FusedAdamW: which params round
+        p = self._params[self.targets()[j].index]
+        return torch.float32 if sr is not None and sr(p) else values_dtype
 
     def lowbit_target(self, j):
         p = self._params[self.targets()[j].index]

@@ -257,7 +257,7 @@ def _read_targets(plan: Plan, ad: Adapter, rd: Reader, targets, js, others) -> l
                     continue
                 dtype = getattr(torch, dt)
                 if dtype.is_floating_point:
-                    dtype = t.values.dtype
+                    dtype = ad.float_state_dtype(j, t.values.dtype)
                 elem[k] = ad.state_buffer(j, k, dtype)
                 read_range(rd, plan, s, f"s/{k}", t.offset, t.numel, elem[k])
             if s not in others:
@@ -270,7 +270,7 @@ def _read_targets(plan: Plan, ad: Adapter, rd: Reader, targets, js, others) -> l
                 if isinstance(v, torch.Tensor):
                     v = v.clone()
                     if k != "step" and v.is_floating_point():
-                        v = v.to(t.values.dtype)
+                        v = v.to(ad.float_state_dtype(j, t.values.dtype))
                 other[k] = v
             states.append({"elem": elem, "other": other})
             if codes is not None:

@@ -33,7 +33,6 @@ is all-gathered from the rank's slice of the flat param buffer, in the params' d
 from __future__ import annotations
 
 import contextlib
-import inspect
 
 import torch
 
@@ -42,6 +41,7 @@ from ..buffers import GradStore, ParamStore, dtype_of
 from ..layout import Layout, Piece, pieces
 from ..ops import AdamHyper, adam_step
 from ..ops.lowbit import DEFAULT_STATE_BLOCK, adam_step_lowbit
+from ..ops.sr import sr_key, stochastic_round_bf16_
 from .lowbit_state import INT8_KEYS, Int8ShardState
 
 __all__ = ["ShardRunner", "FUSED_ADAM_CLASSES"]
@@ -66,17 +66,29 @@ class ShardRunner:
         backend: str = "auto",
         state_dtype: str = "fp32",
         state_block: int = DEFAULT_STATE_BLOCK,
+        stochastic_round: bool = False,
     ):
         self.layout, self.store, self.grads, self.rank = layout, store, grads, rank
         dtypes = [dtype_of(b.dtype) for b in layout.buffers]
         dev = store.device
         self.optimizer_class = optimizer_class
         n = layout.world_size
+        # fused Adam per buffer: flat mode, a dtype the kernel takes
+        self.fused = [
+            fused and layout.mode == "flat" and dtypes[i] in _FUSED_DTYPES
+            for i in range(len(layout.buffers))
+        ]
+        # bf16_stochastic_round: bf16 buffers stepped on an fp32 copy, no master (the check
+        # that they are all fused is build's); [Note: stochastic rounding] in zero_kernels.ops.sr
+        self.sr = [
+            stochastic_round and self.fused[i] and dtypes[i] == torch.bfloat16
+            for i in range(len(layout.buffers))
+        ]
         # fp32 master shard per flat buffer; None for fp32/fp64 params (see [Note: modes])
         self.masters: list[torch.Tensor | None] = []
         tier = store.tier  # offload_params: masters in its mappings ([Note: param offload])
         for i, buf in enumerate(layout.buffers):
-            if dtypes[i] in (torch.float32, torch.float64):
+            if dtypes[i] in (torch.float32, torch.float64) or self.sr[i]:
                 self.masters.append(None)
             elif tier is not None and i in tier.masters:
                 self.masters.append(tier.masters[i])
@@ -107,11 +119,6 @@ class ShardRunner:
         self.quantize: tuple[int, int] | None = None  # (bits, block) of quantize_weights
         self.own_exact = True  # False with a secondary shard: the own chunk dequantized too
         self._exact = False
-        # fused Adam per buffer: flat mode, a dtype the kernel takes
-        self.fused = [
-            fused and layout.mode == "flat" and dtypes[i] in _FUSED_DTYPES
-            for i in range(len(layout.buffers))
-        ]
         self.backend = backend
         self.state_dtype = state_dtype  # the fused step's moments ([Note: low-bit state])
         self.flat_state: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # fused: per bucket
@@ -209,39 +216,6 @@ class ShardRunner:
                 if k != "params" and (k not in was or was[k] is not v):
                     user_groups[buf.group][k] = v
 
-    def check_step_kwargs(self, kwargs: dict) -> None:
-        """A TypeError naming each keyword of ``opt.step(**kwargs)`` the step cannot take:
-        any keyword where the fused Adam kernel steps (it takes none), else one the inner
-        optimizer's ``step`` does not accept (checked before anything is stepped)."""
-        if not kwargs:
-            return
-        name = self.optimizer_class.__name__
-        if any(self.fused):
-            raise TypeError(
-                f"ZeroOptimizer.step: {name} runs as the fused Adam kernel here, whose step takes "
-                f"no keyword arguments; got {', '.join(map(repr, kwargs))} (kwargs={kwargs!r}); "
-                "fused_adam=False runs torch's own step"
-            )
-        try:
-            params = inspect.signature(self.inner.step).parameters
-        except (TypeError, ValueError):
-            return  # no signature to read: the inner step itself decides
-        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-            return
-        takes = {
-            n
-            for n, p in params.items()
-            if n != "closure"
-            and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-        }
-        bad = [k for k in kwargs if k not in takes]
-        if bad:
-            raise TypeError(
-                f"ZeroOptimizer.step: {name}.step() takes no keyword argument "
-                f"{', '.join(map(repr, bad))} (kwargs={kwargs!r}; it takes "
-                f"{', '.join(sorted(takes)) or 'only closure'}); nothing was stepped"
-            )
-
     @property
     def scales_in_kernel(self) -> bool:
         """Whether every buffer's step takes a gradient scale (else grads must be scaled first)."""
@@ -260,7 +234,7 @@ class ShardRunner:
         all-gathers of the new params (stages 1/2). ``grad_scale`` multiplies the reduced
         gradients (1/loss scale, clipping) inside the fused kernel; it must be 1 unless
         `scales_in_kernel`. ``step_kwargs`` go to the inner optimizer's ``step`` (see
-        `check_step_kwargs`)."""
+        `zero_kernels.validate.check_step_kwargs`)."""
         for i, _k, pc, p, g in self.all_pieces():
             p.grad = g if pc.index in active and not self.fused[i] else None
         if not all(self.fused):
@@ -299,7 +273,9 @@ class ShardRunner:
         m = self.masters[i]
         lowp = m is not None
         dst = self.store.shard(i, b)
-        if self.fused[i] and src is None:
+        if self.sr[i]:
+            self._sr_bucket(i, b, active, grad_scale, src, dst)
+        elif self.fused[i] and src is None:
             self._fused_bucket(i, b, active, grad_scale, dst if lowp else None)
         elif self.fused[i]:  # chunk by chunk through the staging buffers
             plan = self._bucket_runs(i, b, active)
@@ -315,6 +291,34 @@ class ShardRunner:
         if not self.store.sharded:  # stage 3 gathers at the next use instead
             handles.append(((i, b), self.gather(i, b, log, group)))
 
+    def _sr_bucket(self, i, b, active, grad_scale, src, dst) -> None:
+        """bf16_stochastic_round: the step on an fp32 copy of the bucket's bf16 shard, each
+        stepped piece rounded back with the key of its param and step ([Note: stochastic
+        rounding] in `zero_kernels.ops.sr`)."""
+        x = dst.float()
+        plan = self._bucket_runs(i, b, active)
+        if src is None:
+            if plan is not None:
+                flat = self._flat_state(i, b, plan[0])
+                self._adam_runs(i, b, plan, grad_scale, None, flat, 0, dst.numel(), master=x)
+        else:  # the moments chunk by chunk through the staging buffers
+            for lo, hi in self.swap.chunks(i, b):
+                key, span, flat, done = next(src)
+                assert key == (i, b) and span == (lo, hi), (key, span, i, b, lo, hi)
+                done(
+                    plan is not None
+                    and self._adam_runs(i, b, plan, grad_scale, None, flat, lo, hi, master=x)
+                )
+        if plan is None:
+            return
+        lo0 = self.layout.buffers[i].buckets[b].shard_start(self.rank)
+        for pc, s in plan[2]:
+            lo = pc.start - lo0
+            key = sr_key(s, pc.index)
+            stochastic_round_bf16_(
+                dst[lo : lo + pc.numel], x[lo : lo + pc.numel], key, pc.offset, self.backend
+            )
+
     def _fused_bucket(self, i: int, b: int, active, grad_scale: float, out_lowp) -> bool:
         """Adam/AdamW on bucket ``b``'s shard: one kernel call when its pieces agree, else one
         per run of consecutive active pieces with the same ``step`` (see [Note: modes]).
@@ -327,8 +331,9 @@ class ShardRunner:
         return self._adam_runs(i, b, plan, grad_scale, out_lowp, flat, 0, n)
 
     def _bucket_runs(self, i: int, b: int, active):
-        """Advance the ``step`` of the bucket's active pieces; ``(group, runs)`` with runs
-        ``(first element, end, step)`` inside the bucket's shard, or None without pieces."""
+        """Advance the ``step`` of the bucket's active pieces; ``(group, runs, stepped)`` with
+        runs ``(first element, end, step)`` inside the bucket's shard and stepped the active
+        pieces' ``(piece, step)``, or None without pieces."""
         ks = [k for k, pc in enumerate(self.pieces[i]) if pc.bucket == b]
         if not ks:
             return None
@@ -340,6 +345,7 @@ class ShardRunner:
         bk = self.layout.buffers[i].buckets[b]
         lo0 = bk.shard_start(self.rank)
         runs: list[tuple[int, int, int]] = []  # (first element, end, step) inside the shard
+        stepped = []
         joined = False  # whether the next active piece may extend the last run
         for k in ks:
             pc = self.pieces[i][k]
@@ -349,6 +355,7 @@ class ShardRunner:
             st = self._piece_state(i, k, flat, g)
             st["step"] += 1
             s = int(st["step"].item())
+            stepped.append((pc, s))
             lo, hi = pc.start - lo0, pc.start - lo0 + pc.numel
             if joined and runs[-1][2] == s:
                 runs[-1] = (runs[-1][0], hi, s)
@@ -357,14 +364,15 @@ class ShardRunner:
             joined = True
         if len(runs) == 1 and all(self.pieces[i][k].index in active for k in ks):
             runs = [(0, bk.shard_numel, runs[0][2])]  # the whole shard, padding included
-        return g, runs
+        return g, runs, stepped
 
-    def _adam_runs(self, i, b, plan, grad_scale, out_lowp, flat, clo: int, chi: int) -> bool:
+    def _adam_runs(self, i, b, plan, grad_scale, out_lowp, flat, clo, chi, master=None) -> bool:
         """The kernel on ``plan``'s runs cut to ``[clo, chi)`` of the bucket's shard; ``flat``:
-        the moments of that range (the whole bucket's, or a staging chunk's: [Note: offload]).
+        the moments of that range (the whole bucket's, or a staging chunk's: [Note: offload]);
+        ``master``: what is stepped (default the master or the param shard).
         Returns whether anything was stepped."""
-        g, runs = plan
-        master = self.master_view(i, b)
+        g, runs = plan[0], plan[1]
+        master = self.master_view(i, b) if master is None else master
         grad = self.grads.shard(i, b)
         stepped = False
         for lo, hi, s in runs:
