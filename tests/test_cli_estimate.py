@@ -198,6 +198,17 @@ def test_mixed_fp32_grads_is_what_zero_holds(capsys):
     assert "mixed-fp32-grads" in capsys.readouterr().out  # the default says what it counts
 
 
+def test_bf16_sr_has_no_master(capsys):
+    """bf16_stochastic_round: the master's 4 bytes per param gone, grads and moments fp32."""
+    psi = 1_000_000
+    s2 = est.estimate_stage(2, psi, 4, precision="bf16-sr")
+    assert s2.total_bytes == 2 * psi + (4 + 8) * psi / 4
+    k = est.optimizer_state_bytes("adam", "bf16-sr", psi, state_dtype="int8")
+    assert k == (2 + 8 / 256) * psi  # int8 moments, nothing else
+    assert main(["estimate", "--params", "7.5B", "-n", "64", "--precision", "bf16-sr"]) == 0
+    assert "without a master (stochastic rounding)" in capsys.readouterr().out
+
+
 def _comm_column(out: str) -> list[str]:
     """The comm/step column of the printed table, stages 0-3 (fixed-width columns)."""
     lines = out.splitlines()

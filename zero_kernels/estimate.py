@@ -100,6 +100,8 @@ PRECISIONS: dict[str, Precision] = {
     "mixed-fp32-grads": Precision("mixed-fp32-grads", 2, 4, 4, 4),
     # pure bf16: weights, grads and states all bf16, no master copy
     "bf16": Precision("bf16", 2, 2, 0, 2),
+    # bf16 weights without a master (ZeroOptimizer's bf16_stochastic_round), fp32 grads/states
+    "bf16-sr": Precision("bf16-sr", 2, 4, 0, 4),
 }
 _PRECISION_ALIASES = {"fp16": "mixed", "amp": "mixed", "float32": "fp32", "pure-bf16": "bf16"}
 

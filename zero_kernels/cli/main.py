@@ -163,7 +163,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "--precision",
         default="mixed",
         help="mixed (bf16/fp16 + fp32 master, default), mixed-fp32-grads (what "
-        "ZeroOptimizer holds with bf16/fp16 params), fp32 or bf16 (pure)",
+        "ZeroOptimizer holds with bf16/fp16 params), bf16-sr (the same with "
+        "bf16_stochastic_round: no master), fp32 or bf16 (pure)",
     )
     e.add_argument(
         "--optimizer",
@@ -327,6 +328,7 @@ def _cmd_estimate(args) -> int:
         "fp32": "fp32",
         "mixed-fp32-grads": "mixed precision (16-bit params, fp32 grads and master)",
         "bf16": "pure bf16",
+        "bf16-sr": "bf16 params without a master (stochastic rounding), fp32 grads",
     }[e.precision]
     k = e.stages[0].optim_bytes / e.n_params
     count = f"{e.n_params / 1e9:.4g}B" if e.n_params >= 1e9 else f"{e.n_params / 1e6:.4g}M"
