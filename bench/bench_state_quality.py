@@ -35,7 +35,21 @@ the peak over the run), median optimizer step ms and median train step ms.
 
     python bench/bench_state_quality.py [--steps 300] [--models demo,gpt2]
         [--peers bnb,torchao] [--out bench/results/state_quality.json]
-        [--plot bench/results/state_quality.png]
+        [--plot bench/results/state_quality.png] [--params bf16]
+
+``--params bf16``: the models in bf16, and instead of the optimizers above the ways of keeping
+bf16 params (``bf16_stochastic_round``, [Note: stochastic rounding] in zero_kernels/ops/sr.py):
+
+  bf16 master       fp32 master copies stepped by zero_kernels.FusedAdamW (fp32 moments), the
+                    bf16 params their round to nearest after each step (ZeroOptimizer's mixed
+                    precision, and the apex/DeepSpeed recipe): the baseline of this mode
+  bf16 master seed1 the same from another init seed
+  zk sr fp32 / int8 zero_kernels.FusedAdamW(bf16_stochastic_round=True, state_dtype=...): no
+                    master, the step on an fp32 copy rounded back stochastically
+  zk nearest        zero_kernels.FusedAdamW on the bf16 params, no master, bf16 moments, round to
+                    nearest (pure bf16)
+  torch bf16        torch.optim.AdamW(fused=True) on the bf16 params (the same, torch's kernel)
+  torchao sr        torchao.optim._AdamW(bf16_stochastic_round=True), where torchao imports
 """
 
 from __future__ import annotations
@@ -58,7 +72,9 @@ from harness import markdown_table, run_info  # noqa: E402
 
 LAST = 20  # final loss = mean of the last LAST steps
 TARGET = 0.01  # issue 25: within 1% of the fp32 loss
-BASE = "torch fp32"
+BASE = "torch fp32"  # the baseline (``--params bf16``: BF16_BASE)
+BF16_BASE = "bf16 master"
+PARAMS = "fp32"  # --params
 HP = dict(lr=2e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 CLIP = 1.0
 BATCH = 8
@@ -107,9 +123,62 @@ def peer_status() -> dict[str, str]:
     return out
 
 
+class MasterAdamW:
+    """bf16 params with fp32 masters: FusedAdamW steps the masters, the params are their round to
+    nearest (what ZeroOptimizer does for bf16 params without ``bf16_stochastic_round``)."""
+
+    def __init__(self, params, **hp):
+        import zero_kernels
+
+        self.params = list(params)
+        self.masters = [p.detach().float().clone().requires_grad_() for p in self.params]
+        self.inner = zero_kernels.FusedAdamW(self.masters, **hp)
+        self.param_groups = self.inner.param_groups
+        self.state = self.inner.state
+
+    @torch.no_grad()
+    def step(self):
+        for p, m in zip(self.params, self.masters):
+            m.grad = None if p.grad is None else p.grad.float()
+        self.inner.step()
+        for p, m in zip(self.params, self.masters):
+            p.copy_(m)
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.params:
+            p.grad = None
+
+
+def bf16_optimizers(peers: dict[str, str], use: set[str]) -> dict[str, dict]:
+    """``--params bf16``: name -> {make, seed}; the baseline first."""
+    import zero_kernels
+
+    def zk(**kw):
+        return lambda ps: zero_kernels.FusedAdamW(ps, **HP, **kw)
+
+    opts = {
+        BF16_BASE: dict(make=lambda ps: MasterAdamW(ps, **HP), seed=SEED),
+        "bf16 master seed1": dict(make=lambda ps: MasterAdamW(ps, **HP), seed=SEED + 1),
+        "zk sr fp32": dict(make=zk(bf16_stochastic_round=True), seed=SEED),
+        "zk sr int8": dict(make=zk(bf16_stochastic_round=True, state_dtype="int8"), seed=SEED),
+        "zk nearest": dict(make=zk(), seed=SEED),
+        "torch bf16": dict(make=lambda ps: torch.optim.AdamW(ps, **HP, fused=True), seed=SEED),
+    }
+    if "torchao" in use and not peers["torchao"].startswith("not available"):
+        from torchao.optim import _AdamW
+
+        opts["torchao sr"] = dict(
+            make=lambda ps: _AdamW(ps, **HP, bf16_stochastic_round=True), seed=SEED
+        )
+    return opts
+
+
 def optimizers(model_name: str, peers: dict[str, str], use: set[str]) -> dict[str, dict]:
     """name -> {make(params) -> optimizer, seed, note}; peers only where they import."""
     import zero_kernels
+
+    if PARAMS == "bf16":
+        return bf16_optimizers(peers, use)
 
     def zk(state_dtype, block=256):
         return lambda ps: zero_kernels.FusedAdamW(
@@ -144,6 +213,11 @@ def optimizers(model_name: str, peers: dict[str, str], use: set[str]) -> dict[st
 
 
 def build_model(cfg: dict, seed: int) -> torch.nn.Module:
+    m = _build_model(cfg, seed)
+    return m.to(torch.bfloat16) if PARAMS == "bf16" else m
+
+
+def _build_model(cfg: dict, seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     if cfg["kind"] == "demo":
         from zero_kernels.models import build_gpt
@@ -210,7 +284,11 @@ def _tensors(v):
 
 
 def state_bytes(opt) -> int:
+    """The optimizer's state tensors, and the fp32 masters where it keeps them (MasterAdamW)."""
     seen, total = set(), 0
+    for t in getattr(opt, "masters", []):
+        seen.add((t.data_ptr(), t.numel() * t.element_size()))
+        total += t.numel() * t.element_size()
     for st in opt.state.values():
         for t in _tensors(st):
             nb = t.numel() * t.element_size()
@@ -337,7 +415,7 @@ def table_rows(results: dict, names=None) -> list[dict]:
                     "optimizer": oname,
                     "all finite": "yes" if r["all_finite"] else f"NO ({r['error'] or 'nan'})",
                     "final loss": f"{r['final_loss']:.4f}",
-                    "vs torch fp32": f"{100 * r['rel_diff_final']:+.2f}%",
+                    f"vs {BASE}": f"{100 * r['rel_diff_final']:+.2f}%",
                     "max per-step": f"{100 * r['max_rel_diff_per_step']:.2f}%",
                     "state MB": f"{r['state_bytes'] / 1e6:.2f}",
                     "state B/param": f"{r['state_bytes_per_param']:.2f}",
@@ -372,7 +450,7 @@ def plot(results: dict, path: str, steps: int) -> None:
             style = dict(lw=1.0)
             if oname.startswith("zk int8 b"):
                 style.update(ls=":")
-            elif oname == "torch fp32 seed1":
+            elif oname in ("torch fp32 seed1", "bf16 master seed1"):
                 style.update(ls="--", color="gray")
             elif oname == BASE:
                 style.update(color="black", lw=1.5)
@@ -400,7 +478,7 @@ def plot(results: dict, path: str, steps: int) -> None:
         axd.axhline(0, color="black", lw=0.8)
         for s in (-1, 1):
             axd.axhline(100 * TARGET * s, color="red", lw=0.8, ls="--")
-        axd.set_title(f"{mname}: loss vs torch fp32, % ({k}-step running means)", fontsize=9)
+        axd.set_title(f"{mname}: loss vs {BASE}, % ({k}-step running means)", fontsize=9)
         axd.set_xlabel("step")
         axd.set_ylabel("relative difference %")
         axd.set_ylim(-5, 5)
@@ -417,7 +495,12 @@ def main() -> None:
     ap.add_argument("--peers", default="bnb,torchao", help="peers to run ('' for none)")
     ap.add_argument("--out", default="bench/results/state_quality.json")
     ap.add_argument("--plot", default="bench/results/state_quality.png")
+    ap.add_argument("--params", default="fp32", choices=("fp32", "bf16"), help="model dtype")
     args = ap.parse_args()
+    global BASE, PARAMS
+    PARAMS = args.params
+    if PARAMS == "bf16":
+        BASE = BF16_BASE
     names = [m for m in args.models.split(",") if m]
     for m in names:
         if m not in MODELS:
@@ -459,7 +542,7 @@ def main() -> None:
     print()
     print(
         f"## {args.steps} steps; final loss = mean of the last {LAST} steps; "
-        f"target |vs torch fp32| <= {100 * TARGET:.0f}%"
+        f"target |vs {BASE}| <= {100 * TARGET:.0f}%"
     )
     print()
     print(markdown_table(rows, keys))

@@ -25,7 +25,7 @@ MAX_JOBS="${MAX_JOBS:-8}" "$py" setup.py build_ext --inplace 2>&1 | tail -3
 
 echo "== CUDA and Triton tests"
 TRITON_INTERPRET=0 "$py" -m pytest -q -p no:cacheprovider tests/test_kernels_cuda.py tests/test_quant_cuda.py \
-  tests/test_lowbit_cuda.py tests/test_lowbit_triton.py 2>&1 | tee "$out/gpu_tests.txt" | tail -5
+  tests/test_lowbit_cuda.py tests/test_lowbit_triton.py tests/test_stochastic_round.py 2>&1 | tee "$out/gpu_tests.txt" | tail -5
 
 echo "== kernel benchmark (device copy bandwidth measured in the same run)"
 "$py" bench/bench_adam.py --device cuda --sizes 1e7,1e8,5e8 --repeats 20 --no-deepspeed --out "$out" \

@@ -70,6 +70,28 @@ def test_backends_bitwise_equal_and_non_finite():
     assert bool((d.float() != lo.float())[fin].any()), "never rounded away from nearest"
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA device (bench/gpu_check.sh)")
+def test_cuda_backends_equal_cpu():
+    x = _values()
+    want = torch.empty(x.numel(), dtype=torch.bfloat16)
+    stochastic_round_bf16_(want, x, sr_key(7, 3), first=5, backend="reference")
+    for be in ("auto", "triton", "reference"):
+        d = torch.empty(x.numel(), dtype=torch.bfloat16, device="cuda")
+        stochastic_round_bf16_(d, x.cuda(), sr_key(7, 3), first=5, backend=be)
+        assert torch.equal(d.cpu().view(torch.int16), want.view(torch.int16)), be
+    # FusedAdamW with the option on CUDA params: the CPU run's bits
+    got = []
+    for dev in ("cpu", "cuda"):
+        torch.manual_seed(0)
+        p = nn.Parameter(torch.randn(5000).bfloat16().to(dev))
+        o = zero_kernels.FusedAdamW([p], lr=1e-2, bf16_stochastic_round=True)
+        for t in range(3):
+            p.grad = torch.full_like(p, 0.01 * (t + 1))
+            o.step()
+        got.append(p.detach().cpu())
+    assert torch.equal(got[0], got[1])
+
+
 def test_unbiased_and_keyed():
     """E[round(x)] = x: 1 + 2^-10 is an eighth of a bf16 ulp above 1 (nearest: always 1)."""
     x = torch.full((4096,), 1.0 + 2**-10)
