@@ -156,7 +156,16 @@ def checkpoints(rank, world):
     train(m4, o4, 1, start=2)
     p4 = zero_kernels.save_checkpoint(d + "-s", m4, o4, extra={"step": 3})
     now = [p.detach().clone() for p in m4.parameters()]
+    st4 = [o4.full_state(p)["exp_avg"].clone() for p in m4.parameters()]
     o4.close()
+    # and into FusedAdamW with the option (a plain optimizer): fp32 moments, as saved
+    m8 = model()
+    o8 = zero_kernels.FusedAdamW(m8.parameters(), lr=1e-2, bf16_stochastic_round=True)
+    zero_kernels.load_checkpoint(p4, m8, o8)
+    for p, q, e in zip(m8.parameters(), now, st4):
+        assert torch.equal(p.detach(), q)
+        assert o8.state[p]["exp_avg"].dtype == torch.float32
+        assert torch.equal(o8.state[p]["exp_avg"], e.view_as(p)), "moments not as saved"
     m5 = model()
     o5 = build(m5, 2, bf16_stochastic_round=False)
     zero_kernels.load_checkpoint(p4, m5, o5)
@@ -164,9 +173,24 @@ def checkpoints(rank, world):
         assert torch.equal(p.detach(), q)
         assert torch.equal(o5.full_param(p).to(torch.bfloat16), q)
     o5.close()
+    # FusedAdamW(bf16_stochastic_round=True) saved (a plain optimizer: stage 0), ZeroOptimizer
+    # with the option loads it: the fp32 moments arrive as saved and the run goes on bitwise
+    m6 = model()
+    o6 = zero_kernels.FusedAdamW(
+        m6.parameters(), lr=1e-2, weight_decay=0.1, bf16_stochastic_round=True
+    )
+    train(m6, o6, 2)
+    p6 = zero_kernels.save_checkpoint(d + "-f", m6, o6, extra={"step": 2})
+    m7 = model()
+    o7 = build(m7, 2)
+    zero_kernels.load_checkpoint(p6, m7, o7)
+    train(m7, o7, STEPS - 2, start=2)
+    got = [v.detach().clone() for v in m7.state_dict().values()]
+    o7.close()
+    assert all(torch.equal(a, b) for a, b in zip(got, want)), "FusedAdamW -> ZeRO resume differs"
     torch.distributed.barrier()
     if rank == 0:
-        for p in (d, d + "-m", d + "-s"):
+        for p in (d, d + "-m", d + "-s", d + "-f"):
             shutil.rmtree(p, ignore_errors=True)
     return {}
 
