@@ -75,6 +75,7 @@ TARGET = 0.01  # issue 25: within 1% of the fp32 loss
 BASE = "torch fp32"  # the baseline (``--params bf16``: BF16_BASE)
 BF16_BASE = "bf16 master"
 PARAMS = "fp32"  # --params
+ONLY: set[str] = set()  # --only
 HP = dict(lr=2e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 CLIP = 1.0
 BATCH = 8
@@ -309,6 +310,8 @@ def run_model(name: str, cfg: dict, steps: int, peers: dict[str, str], use: set[
     data = load_corpus()
     runs: dict[str, dict] = {}
     for oname, spec in optimizers(name, peers, use).items():
+        if ONLY and oname != BASE and oname not in ONLY:
+            continue
         model = build_model(cfg, spec["seed"])
         params = [p for p in model.parameters() if p.requires_grad]  # tied: counted once
         rec = dict(
@@ -496,6 +499,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/state_quality.json")
     ap.add_argument("--plot", default="bench/results/state_quality.png")
     ap.add_argument("--params", default="fp32", choices=("fp32", "bf16"), help="model dtype")
+    ap.add_argument("--only", default="", help="comma list: run these optimizers only (+ base)")
     args = ap.parse_args()
     global BASE, PARAMS
     PARAMS = args.params
@@ -524,6 +528,8 @@ def main() -> None:
     log("peers: " + "; ".join(f"{k} {v}" for k, v in peers.items()))
 
     t0 = time.perf_counter()
+    global ONLY
+    ONLY = {o for o in args.only.split(",") if o}
     results = {m: run_model(m, MODELS[m], args.steps, peers, use, log) for m in names}
     info["wall_s"] = round(time.perf_counter() - t0, 1)
 

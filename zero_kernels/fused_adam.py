@@ -254,15 +254,7 @@ class FusedAdam(torch.optim.Optimizer):
             x = p.detach().reshape(-1).float()
             flat_g = g.reshape(-1)
             if self._lowbit(p):
-                lowbit.adam_step_lowbit(
-                    x,
-                    flat_g,
-                    state,
-                    hyper,
-                    state_dtype=self.state_dtype,
-                    block=self.state_block,
-                    backend=self.backend,
-                )
+                self._lowbit_step(x, flat_g, state, hyper)
             else:
                 ops.adam_step(
                     x,
@@ -283,17 +275,20 @@ class FusedAdam(torch.optim.Optimizer):
         for p, g, state in items:
             flat_p = p.view(-1) if p.is_contiguous() else p.detach().contiguous().view(-1)
             flat_g = g.reshape(-1) if g.is_contiguous() else g.contiguous().view(-1)
-            lowbit.adam_step_lowbit(
-                flat_p,
-                flat_g,
-                state,
-                hyper,
-                state_dtype=self.state_dtype,
-                block=self.state_block,
-                backend=self.backend,
-            )
+            self._lowbit_step(flat_p, flat_g, state, hyper)
             if flat_p.data_ptr() != p.data_ptr():
                 p.copy_(flat_p.view_as(p))
+
+    def _lowbit_step(self, flat_p, flat_g, state: dict, hyper: AdamHyper) -> None:
+        lowbit.adam_step_lowbit(
+            flat_p,
+            flat_g,
+            state,
+            hyper,
+            state_dtype=self.state_dtype,
+            block=self.state_block,
+            backend=self.backend,
+        )
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's load, then each low-bit param's state back in ``state_dtype``: torch casts
