@@ -5,7 +5,8 @@ when it has to fall back; a backend asked for by name that cannot run raises wit
 `adam_step` and `adam_step_multi` call the custom ops ``zero_kernels::adam_step_`` and
 ``zero_kernels::adam_step_multi_`` (`zero_kernels.ops.library`), which torch.compile keeps whole;
 `quantize_blockwise` and `dequantize_blockwise` (`zero_kernels.ops.quant`) the blockwise
-int8/int4 quantization of the communication layer.
+int8/int4 quantization of the communication layer; `stochastic_round_bf16_` (`zero_kernels.ops.sr`)
+the rounding of bf16 params stepped without a master.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from . import library, reference  # noqa: F401  (library registers the ops)
 from .backends import BACKENDS, resolve_backend
 from .hyper import AdamHyper
 from .quant import DEFAULT_BLOCK, dequantize_blockwise, quantize_blockwise, quantized_sizes
+from .sr import sr_key, stochastic_round_bf16_
 
 __all__ = [
     "DEFAULT_BLOCK",
@@ -29,6 +31,8 @@ __all__ = [
     "quantize_blockwise",
     "quantized_sizes",
     "resolve_backend",
+    "sr_key",
+    "stochastic_round_bf16_",
 ]
 
 
