@@ -27,7 +27,7 @@ void stream_probe_cpu(float* p, const float* g, float* m, float* v, int64_t begi
 
 // Software prefetch distance of the CPU step loops (fp32 and low-bit), in elements ahead on each
 // stream; 0 turns software prefetch off. Read once per call; the default is
-// default_prefetch_distance() (512, from measurements on two CPUs: adam_cpu_scalar.cpp).
+// default_prefetch_distance() (512, or 128 on AMD family 0x19: adam_cpu_scalar.cpp).
 int64_t prefetch_distance();
 void set_prefetch_distance(int64_t elems);  // elems >= 0
 int64_t default_prefetch_distance();

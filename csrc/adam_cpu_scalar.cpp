@@ -1,5 +1,8 @@
 // Scalar CPU path (CPUs without AVX2) and the ISA dispatch of the CPU step.
 #include <atomic>
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
 #include <cstdlib>
 #include <stdexcept>
 
@@ -42,11 +45,31 @@ void adam_lowbit_cpu(const AdamArgs& a, const AdamLowbitBuffers& b, int64_t b0, 
   adam_lowbit_range_scalar(a, b, b0, b1);
 }
 
-// The software prefetch distance of the step loops. 512 elements was tuned on the 2-core Xeon
-// (~84% -> ~100% of the probe); on the 2-core AMD EPYC (Zen 5) a sweep of 0/256/512/1024/2048
-// measured 512 fastest too, 0 (hardware prefetch alone) 8-68% slower (bench/README.md, "The
-// bandwidth floor"), so one default serves both vendors.
-int64_t default_prefetch_distance() { return 512; }
+// The software prefetch distance of the step loops, per CPU family, as measured side by side
+// (bench/README.md, "The bandwidth floor" and "Prefetch distance per CPU"): 512 elements was
+// tuned on the 2-core Xeon (~84% -> ~100% of the probe) and measured fastest on the AMD EPYC
+// Zen 5 (family 0x1a); on the AMD EPYC Zen 4 (family 0x19) 512 ran 0.85-0.90x torch's fused
+// step from DRAM and 64-128 at 0.98-1.06x, so AMD family 0x19 takes 128. Every distance gives
+// bitwise the same results; `set_prefetch_distance` overrides the default.
+namespace {
+int amd_family() {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (__get_cpuid(0, &a, &b, &c, &d) == 0) return -1;
+  const bool amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;  // "AuthenticAMD"
+  if (!amd || __get_cpuid(1, &a, &b, &c, &d) == 0) return -1;
+  const unsigned base = (a >> 8) & 0xfu;
+  return int(base == 0xfu ? base + ((a >> 20) & 0xffu) : base);
+#else
+  return -1;
+#endif
+}
+}  // namespace
+
+int64_t default_prefetch_distance() {
+  static const int64_t d = amd_family() == 0x19 ? 128 : 512;
+  return d;
+}
 
 namespace {
 std::atomic<int64_t> g_prefetch{default_prefetch_distance()};

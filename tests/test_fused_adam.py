@@ -190,3 +190,29 @@ def test_explicit_unavailable_backend_raises_on_step():
     p.grad = torch.randn(3)
     with pytest.raises((RuntimeError, ValueError), match="cuda"):
         opt.step()
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_step_marks_params_and_moments_written(backend):
+    """The step writes params and moments in place: their version counters move (autograd then
+    refuses a backward through a graph that saved the old values), one or several params, on
+    the native call as on the reference one."""
+    if backend == "cpu" and _native.load() is None:
+        pytest.skip("native extension not built")
+    ps = [torch.nn.Parameter(torch.randn(n)) for n in (7, 300)]
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    for params in (ps[:1], ps):
+        opt = FusedAdamW(params, lr=1e-2, backend=backend)
+        opt.step()
+        before = [p._version for p in params]
+        moments = [opt.state[p]["exp_avg"]._version for p in params]
+        opt.step()
+        assert all(p._version > b for p, b in zip(params, before))
+        assert all(opt.state[p]["exp_avg"]._version > b for p, b in zip(params, moments))
+    w = torch.nn.Parameter(torch.randn(3))
+    y = (w * w).sum()  # saves w for backward
+    w.grad = torch.ones(3)
+    FusedAdamW([w], backend=backend).step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()

@@ -410,3 +410,50 @@ def test_prefetch_distance_changes_no_result(isa):
                 assert (x is None and y is None) or torch.equal(x, y)
     with pytest.raises(ValueError, match="elems must be >= 0"):
         _C.set_prefetch_distance(-1)
+
+
+def _amd_family() -> int | None:
+    """The CPU family /proc/cpuinfo reports for an AMD CPU (None: another vendor or unknown)."""
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return None
+    fields = dict(
+        (k.strip(), v.strip()) for k, _, v in (ln.partition(":") for ln in text.splitlines())
+    )
+    if fields.get("vendor_id") != "AuthenticAMD" or "cpu family" not in fields:
+        return None
+    return int(fields["cpu family"])
+
+
+@needs_native
+def test_default_prefetch_distance_is_the_one_measured_for_this_cpu_family():
+    """128 elements on AMD family 0x19 (Zen 3/4: 512 ran 0.85-0.90x torch's fused step there),
+    512 elsewhere; the cpuid reading in C++ agrees with /proc/cpuinfo's."""
+    if not os.path.exists("/proc/cpuinfo"):
+        pytest.skip("no /proc/cpuinfo to check the CPU family against")
+    want = 128 if _amd_family() == 0x19 else 512
+    assert _C.default_prefetch_distance() == want
+
+
+@needs_native
+def test_multi_tensor_bad_arguments_name_the_argument():
+    """The native multi-tensor call checks in C++; on a failure the Python checks run for their
+    messages (and nothing was written)."""
+    ps = [torch.randn(n) for n in (5, 8)]
+    gs = [torch.randn_like(p) for p in ps]
+    ms = [torch.zeros_like(p) for p in ps]
+    vs = [torch.zeros_like(p) for p in ps]
+    before = [p.clone() for p in ps]
+    h = hyper_for(True, False, False, 0.0)
+    with pytest.raises(ValueError, match="grad.numel"):
+        ops.adam_step_multi(ps, [gs[0], gs[1][:4]], ms, vs, h, backend="cpu")
+    with pytest.raises(TypeError, match="exp_avg.dtype"):
+        ops.adam_step_multi(ps, gs, [ms[0], ms[1].double()], vs, h, backend="cpu")
+    with pytest.raises(ValueError, match="len\\(grads\\)"):
+        ops.adam_step_multi(ps, gs[:1], ms, vs, h, backend="cpu")
+    with pytest.raises(ValueError, match="found_inf"):
+        ops.adam_step_multi(ps, gs, ms, vs, h, found_inf=torch.zeros(2), backend="cpu")
+    assert all(torch.equal(a, b) for a, b in zip(ps, before))
+    one = ops.adam_step_multi(ps[:1], gs[:1], ms[:1], vs[:1], h, backend="cpu")  # one tensor
+    assert one is None and not torch.equal(ps[0], before[0])

@@ -198,13 +198,13 @@ class FusedAdam(torch.optim.Optimizer):
     def _step_group(self, group: dict, index: dict | None = None) -> None:
         beta1, beta2 = group["betas"]
         amsgrad = group["amsgrad"]
-        # (device, dtype, grad dtype, step) -> lists; one multi-tensor call per key
-        buckets: dict[tuple, list] = defaultdict(list)
+        states = self.state
         live = []
         for p in group["params"]:
-            if p.grad is None:
+            grad = p.grad
+            if grad is None:
                 continue
-            if p.grad.is_sparse:
+            if grad.is_sparse:
                 raise RuntimeError(
                     f"{type(self).__name__} does not support sparse gradients, "
                     f"got a sparse grad for a param of shape {tuple(p.shape)}"
@@ -214,17 +214,25 @@ class FusedAdam(torch.optim.Optimizer):
                     f"{type(self).__name__}: params must be one of {_FLOAT_DTYPES}, "
                     f"got p.dtype={p.dtype}"
                 )
-            if torch.is_complex(p.grad):
+            if grad.is_complex():
                 raise TypeError(f"{type(self).__name__}: complex grads are not supported")
-            live.append((p, self._init_state(p, amsgrad)))
+            state = states.get(p)
+            if not state or (amsgrad and "max_exp_avg_sq" not in state):
+                state = self._init_state(p, amsgrad)
+            live.append((p, grad, state))
         if not live:
             return
         # every step counter at once (torch keeps them as tensors, per param)
-        steps = [state["step"] for _, state in live]
+        steps = [state["step"] for _, _, state in live]
         torch._foreach_add_(steps, 1.0)
-        for (p, state), step in zip(live, torch.stack(steps).tolist()):
-            grad = p.grad if p.grad.dtype in (torch.float32, p.dtype) else p.grad.to(p.dtype)
+        values = [steps[0].item()] if len(steps) == 1 else torch.stack(steps).tolist()
+        # (device, dtype, grad dtype, step) -> items; one multi-tensor call per key
+        buckets: dict[tuple, list] = defaultdict(list)
+        for (p, grad, state), step in zip(live, values):
+            if grad.dtype != torch.float32 and grad.dtype != p.dtype:
+                grad = grad.to(p.dtype)
             buckets[(p.device, p.dtype, grad.dtype, int(step))].append((p, grad, state))
+        plain = self.state_dtype == "fp32" and not self.bf16_stochastic_round
         for (_, _, _, step), items in buckets.items():
             hyper = AdamHyper(
                 lr=float(group["lr"]),
@@ -237,14 +245,15 @@ class FusedAdam(torch.optim.Optimizer):
                 amsgrad=amsgrad,
                 maximize=group["maximize"],
             )
-            rounded = [it for it in items if self._sr(it[0])]
-            if rounded:
-                self._run_sr(rounded, hyper, index)
-                items = [it for it in items if not self._sr(it[0])]
-            low = [it for it in items if self._lowbit(it[0])]
-            if low:
-                self._run_lowbit(low, hyper)
-                items = [it for it in items if not self._lowbit(it[0])]
+            if not plain:
+                rounded = [it for it in items if self._sr(it[0])]
+                if rounded:
+                    self._run_sr(rounded, hyper, index)
+                    items = [it for it in items if not self._sr(it[0])]
+                low = [it for it in items if self._lowbit(it[0])]
+                if low:
+                    self._run_lowbit(low, hyper)
+                    items = [it for it in items if not self._lowbit(it[0])]
             if items:
                 self._run(items, hyper, amsgrad)
 
@@ -357,10 +366,15 @@ class FusedAdam(torch.optim.Optimizer):
         flat: list[list[torch.Tensor]] = [[], [], [], [], []]
         write_back: list[tuple[torch.Tensor, torch.Tensor]] = []
         for p, g, state in items:
-            tensors = [p, g, state["exp_avg"], state["exp_avg_sq"]]
-            if amsgrad:
-                tensors.append(state["max_exp_avg_sq"])
-            if all(t.is_contiguous() for t in tensors):
+            m, v = state["exp_avg"], state["exp_avg_sq"]
+            tensors = [p, g, m, v, state["max_exp_avg_sq"]] if amsgrad else [p, g, m, v]
+            if (
+                p.is_contiguous()
+                and g.is_contiguous()
+                and m.is_contiguous()
+                and v.is_contiguous()
+                and (not amsgrad or tensors[4].is_contiguous())
+            ):
                 views = tensors  # the kernels need only numel and contiguity, not a 1-D shape
             else:
                 views = [_dense_flat(t) for t in tensors]

@@ -276,27 +276,28 @@ def _adam_step_multi(
     params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, found_inf, h, check_finite, backend
 ):
     amsgrad, grad_scale = h.amsgrad, h.grad_scale
-    _check_lists(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, amsgrad)
     n = len(params)
     if n == 0:
+        _check_lists(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, amsgrad)
         return
     device = params[0].device
-    _check_found_inf(found_inf, device, check_finite)
     name = _resolve(backend, device)
-    vmaxes = list(max_exp_avg_sqs) if amsgrad else [None] * n
-    if name in ("cuda", "cpu") and n > 1:
-        # one native call: tensors checked in C++, all grads scanned before any update
-        _native.load().adam_step_multi(
-            list(params),
-            list(grads),
-            list(exp_avgs),
-            list(exp_avg_sqs),
-            vmaxes if amsgrad else [],
-            found_inf,
-            check_finite,
-            *_native_scalars(h),
-        )
+    if name in ("cuda", "cpu"):
+        # one native call: every tensor checked in C++ before any is written, all grads scanned
+        # before any update; the Python checks run only on a failure, for their messages
+        args = (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else [])
+        try:
+            _native.load().adam_step_multi(*args, found_inf, check_finite, *_native_scalars(h))
+        except (RuntimeError, TypeError, ValueError):
+            _check_lists(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, amsgrad)
+            _check_found_inf(found_inf, device, check_finite)
+            for p, g, m, v, vm in zip(params, grads, exp_avgs, exp_avg_sqs, args[4] or [None] * n):
+                _check_step(p, g, m, v, vm, None, amsgrad)
+            raise
         return
+    _check_lists(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, amsgrad)
+    _check_found_inf(found_inf, device, check_finite)
+    vmaxes = list(max_exp_avg_sqs) if amsgrad else [None] * n
     for p, g, m, v, vm in zip(params, grads, exp_avgs, exp_avg_sqs, vmaxes):
         _check_step(p, g, m, v, vm, None, amsgrad)
         if p.device != device:
@@ -379,18 +380,36 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _increment_version = getattr(torch.autograd.graph, "increment_version", None)
 
 
+def _takes_lists() -> bool:
+    """Whether this torch's increment_version takes a list (newer releases; 2.4 takes one)."""
+    try:
+        _increment_version([torch.empty(0)])
+        return True
+    except (TypeError, RuntimeError):
+        return False
+
+
+_BUMP_LISTS = _increment_version is not None and _takes_lists()
+
+
 def _direct(*seqs: Sequence[torch.Tensor | None]) -> bool:
     """True when the implementation may run without the op: see [Note: eager fast path]."""
     if torch.compiler.is_compiling():
         return False
     if torch._C._len_torch_dispatch_stack() > 0 or torch._C._is_torch_function_mode_enabled():
         return False
-    return all(t is None or type(t) in _PLAIN for seq in seqs for t in seq)
+    for seq in seqs:
+        for t in seq:
+            if t is not None and type(t) not in _PLAIN:
+                return False
+    return True
 
 
 def _bump(*seqs: Sequence[torch.Tensor | None]) -> None:
     """What the op's ADInplaceOrView kernel does: mark the mutated tensors as written."""
-    if _increment_version is not None:
+    if _BUMP_LISTS:
+        _increment_version([t for seq in seqs for t in seq if t is not None])
+    elif _increment_version is not None:
         for seq in seqs:
             for t in seq:
                 if t is not None:
