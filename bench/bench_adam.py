@@ -237,6 +237,54 @@ def shard_step(n: int, device: str, repeats: int) -> dict:
     return res
 
 
+SWEEP_KERNELS = (
+    "zero_kernels FusedAdamW",
+    "zero_kernels adam_step_lowbit bf16",
+    "zero_kernels adam_step_lowbit int8",
+)
+
+
+def prefetch_sweep(sizes: list[int], distances: list[int], repeats: int) -> list[dict]:
+    """The real steps at each software prefetch distance, side by side with torch's fused step,
+    each candidate on its own buffers (as in the plain-step table): the measurement behind the
+    per-CPU-family default (`_C.default_prefetch_distance`, csrc/adam_cpu_scalar.cpp)."""
+    from zero_kernels import _native
+
+    mod = _native.load()
+    if mod is None:
+        raise SystemExit("--prefetch-sweep needs the native extension")
+    rows = []
+    try:
+        for n in sizes:
+            cands = {"torch AdamW fused": plain_candidate("torch AdamW fused", n, "cpu")}
+            for name in SWEEP_KERNELS:
+                for d in distances:
+                    if name in LOWBIT_CANDIDATES:
+                        step = lowbit_candidate(name, n, "cpu")
+                    else:
+                        step = plain_candidate(name, n, "cpu")
+
+                    def at(step=step, d=d):
+                        mod.set_prefetch_distance(d)
+                        step()
+
+                    cands[f"{name} pf{d}"] = at
+            res = side_by_side(cands, repeats=repeats)
+            ref = res["torch AdamW fused"]["median_s"]
+            for name, r in res.items():
+                rows.append(
+                    {
+                        "params": n,
+                        "candidate": name,
+                        "median_ms": round(1e3 * r["median_s"], 3),
+                        "speedup_vs_torch_fused": round(ref / r["median_s"], 3),
+                    }
+                )
+    finally:
+        mod.set_prefetch_distance(mod.default_prefetch_distance())
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="1e6,1e7,5e7", help="comma-separated param counts")
@@ -247,6 +295,13 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--no-deepspeed", action="store_true")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument(
+        "--prefetch-sweep",
+        default="",
+        metavar="D1,D2,...",
+        help="instead of the tables: the CPU steps at these prefetch distances (elements) "
+        "against torch's fused step",
+    )
     args = ap.parse_args(argv)
     try:
         sizes = [int(float(s)) for s in args.sizes.split(",")]
@@ -256,6 +311,19 @@ def main(argv=None) -> int:
     if args.quick:
         sizes, repeats = [1_000_000, 4_000_000], 3
     info = machine()
+    if args.prefetch_sweep:
+        try:
+            dists = [int(d) for d in args.prefetch_sweep.split(",")]
+        except ValueError:
+            ap.error(f"--prefetch-sweep must be comma-separated ints, got {args.prefetch_sweep!r}")
+        if args.device != "cpu" or any(d < 0 for d in dists):
+            ap.error(f"--prefetch-sweep: CPU only, distances >= 0, got {args.prefetch_sweep!r}")
+        rows = prefetch_sweep(sizes, dists, repeats)
+        print(f"machine: {info['cpu']}, family {info.get('cpu_family')} model {info.get('cpu_model')}")
+        print(markdown_table(rows, list(rows[0])))
+        j, c = write_results(args.out, "adam_prefetch_sweep", {"machine": info}, rows)
+        print(f"wrote {j} and {c}")
+        return 0
     bw = memory_bandwidth(max(sizes) if not args.quick else 4_000_000, args.device)
     print(
         f"machine: {info['cpu']} ({info['cores']} cores, {info['torch_threads']} torch threads),"

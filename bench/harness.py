@@ -73,6 +73,8 @@ def _lscpu() -> dict:
         "CPU(s)": "lscpu_cpus",
         "L3 cache": "lscpu_l3",
         "Hypervisor vendor": "lscpu_hypervisor",
+        "CPU family": "cpu_family",
+        "Model": "cpu_model",
     }
     info = {dst: fields[src] for src, dst in want.items() if src in fields}
     flags = fields.get("Flags", "").split()

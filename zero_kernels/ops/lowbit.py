@@ -109,6 +109,18 @@ def new_state(n: int, state_dtype: str, block: int, device) -> dict[str, torch.T
     }
 
 
+# each state tensor's dtype, per format (what `new_state` makes)
+_STATE_TENSOR_DTYPES = {
+    "int8": {
+        "exp_avg": torch.int8,
+        "exp_avg_sq": torch.uint8,
+        "exp_avg_scale": torch.float32,
+        "exp_avg_sq_scale": torch.float32,
+    },
+    "bf16": {"exp_avg": torch.bfloat16, "exp_avg_sq": torch.bfloat16},
+}
+
+
 def block_index(n: int, block: int, starts: torch.Tensor | None = None) -> torch.Tensor:
     """The block of each of ``n`` elements: ``i // block``, or by ``starts`` (int64, nb + 1)."""
     if starts is None:
@@ -223,14 +235,14 @@ def _check(p, g, state, state_dtype, block, out_lowp, hyper, starts) -> None:
                 f"[1, block={block}], got {starts.tolist()[:8]}..."
             )
         nb = starts.numel() - 1
-    want = new_state(0, state_dtype, block, "meta")
+    want = _STATE_TENSOR_DTYPES[state_dtype]
     for k in STATE_KEYS[state_dtype]:
         t = state.get(k)
         size = nb if k.endswith("_scale") else n
-        if t is None or t.dtype != want[k].dtype or t.numel() != size or not t.is_contiguous():
+        if t is None or t.dtype != want[k] or t.numel() != size or not t.is_contiguous():
             got = None if t is None else (t.dtype, t.numel())
             raise ValueError(
-                f"adam_step_lowbit: state[{k!r}] must be {size} contiguous {want[k].dtype} "
+                f"adam_step_lowbit: state[{k!r}] must be {size} contiguous {want[k]} "
                 f"for state_dtype={state_dtype!r}, block={block}, got {got}"
             )
         if t.device != p.device:
