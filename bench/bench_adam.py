@@ -319,7 +319,8 @@ def main(argv=None) -> int:
         if args.device != "cpu" or any(d < 0 for d in dists):
             ap.error(f"--prefetch-sweep: CPU only, distances >= 0, got {args.prefetch_sweep!r}")
         rows = prefetch_sweep(sizes, dists, repeats)
-        print(f"machine: {info['cpu']}, family {info.get('cpu_family')} model {info.get('cpu_model')}")
+        fam, model = info.get("cpu_family"), info.get("cpu_model")
+        print(f"machine: {info['cpu']}, family {fam} model {model}")
         print(markdown_table(rows, list(rows[0])))
         j, c = write_results(args.out, "adam_prefetch_sweep", {"machine": info}, rows)
         print(f"wrote {j} and {c}")
