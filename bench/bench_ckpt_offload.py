@@ -19,7 +19,11 @@ offloaded state per rank (moments + param shards). The page cache is not dropped
 files are read back from it on load).
 
     python bench/bench_ckpt_offload.py [--dir /var/tmp] [--world 2] [--d 1024] [--layers 16]
-                                       [--rounds 2] [--out bench/results]
+                                       [--rounds 2] [--state-dtype fp32] [--out bench/results]
+
+With ``--state-dtype int8`` the streamed save holds the codes and scales of the rank's moments
+(2 bytes per element; not a bucket at a time) and never decodes them; ``resident`` decodes them
+to fp32 (8 bytes more per element), as every int8 save did before.
 """
 
 from __future__ import annotations
@@ -74,6 +78,7 @@ def worker(rank, world, port, cfg, q):
         offload_optimizer="nvme",
         offload_params="nvme",
         offload_dir=cfg["dir"],
+        **({"state_dtype": cfg["state_dtype"]} if cfg["state_dtype"] != "fp32" else {}),
     )
     for s in range(2):
         x = torch.randn(8, d, generator=torch.Generator().manual_seed(s * 10 + rank))
@@ -124,10 +129,23 @@ def main(argv=None) -> None:
     ap.add_argument("--d", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument(
+        "--state-dtype",
+        default="fp32",
+        choices=("fp32", "bf16", "int8"),
+        help="the moments' format (int8: a save writes the codes as they are, not decoded)",
+    )
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     a = ap.parse_args(argv)
     work = tempfile.mkdtemp(prefix="zk-ckpt-offload-", dir=a.dir)
-    cfg = {"d": a.d, "layers": a.layers, "rounds": a.rounds, "dir": work, "token": os.getpid()}
+    cfg = {
+        "d": a.d,
+        "layers": a.layers,
+        "rounds": a.rounds,
+        "dir": work,
+        "token": os.getpid(),
+        "state_dtype": a.state_dtype,
+    }
     try:
         res = run_group(worker, a.world, cfg)
     finally:
@@ -162,7 +180,8 @@ def main(argv=None) -> None:
             )
     cmd = "python bench/bench_ckpt_offload.py " + " ".join(argv or sys.argv[1:])
     payload = {"machine": machine(), "command": cmd, "params": res[0]["params"], "config": cfg}
-    write_results(a.out, "ckpt_offload", payload, table)
+    name = "ckpt_offload" + ("" if a.state_dtype == "fp32" else f"_{a.state_dtype}")
+    write_results(a.out, name, payload, table)
     print(json.dumps(payload["machine"]))
     print(f"{res[0]['params'] / 1e6:.1f}M params, world {a.world}; {cmd}")
     print(markdown_table(table, list(table[0])))

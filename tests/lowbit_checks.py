@@ -4,6 +4,7 @@ memory count, checkpoints across stage and state dtype, and the refusals."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 
@@ -191,6 +192,23 @@ def _rank_bytes(path):
     return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if "rank-" in f)
 
 
+@contextlib.contextmanager
+def _no_decode(opt):
+    """Inside: every decode of ``opt``'s int8 shard state to fp32 is recorded in the list."""
+    int8 = opt.parts.core.runner.int8
+    calls, real = [], int8.decoded_view
+
+    def counted(*a):
+        calls.append(a)
+        return real(*a)
+
+    int8.decoded_view = counted
+    try:
+        yield calls
+    finally:
+        del int8.decoded_view
+
+
 def int8_checkpoints(rank, world):
     """int8 state saved at stage 3 as codes and block scales (format 2, 2 bytes per element
     of moments): loaded at stage 3 (the same blocks: codes taken as saved, the next steps equal
@@ -211,7 +229,9 @@ def int8_checkpoints(rank, world):
     o = build(m, 3, **kw)
     train(m, o, 3, rank)
     saved = _full(m, o)
-    path = zero_kernels.save_checkpoint(d, m, o, extra={"step": 3})
+    with _no_decode(o) as decoded:
+        path = zero_kernels.save_checkpoint(d, m, o, extra={"step": 3})
+    assert decoded == [], f"the save decoded {len(decoded)} int8 views (it writes the codes)"
     train(m, o, 2, rank, start=3)
     assert all(torch.equal(v, want[k]) for k, v in m.state_dict().items()), "a save changed it"
     o.close()

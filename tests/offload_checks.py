@@ -10,6 +10,7 @@ import tempfile
 
 import torch
 from dist_utils import run_checks
+from lowbit_checks import _no_decode
 from torch import nn
 
 import zero_kernels
@@ -162,7 +163,20 @@ def checkpoints(rank, world):
         train(m, o, steps, rank)
         runs.append(snapshot(m, o) if steps == 5 else None)
         if steps == 3:
-            path = zero_kernels.save_checkpoint(d + "-int8", m, o, extra={"step": 3})
+            int8, most = o.parts.core.runner.int8, []
+
+            def hold(i, b, int8=int8, most=most, real=int8.hold):  # a bucket's codes at a time
+                most.append(len(int8.held) + 1)
+                return real(i, b)
+
+            int8.hold = hold
+            with _no_decode(o) as decoded:
+                path = zero_kernels.save_checkpoint(d + "-int8", m, o, extra={"step": 3})
+            del int8.hold
+            assert decoded == [], "the save of offloaded int8 codes decoded them"
+            buckets = len(o.parts.core.runner.swap.records)
+            # each bucket held twice (the header's blank pass, the data's), one at a time
+            assert len(most) == 2 * buckets > 2 and max(most) == 1, (most, buckets)
         o.close()
     m2 = model()
     o2 = build(m2, 3, True, **kw)

@@ -119,10 +119,13 @@ class ShardedState:
         state is in RAM. Offloaded state (not int8) comes one bucket per group, read in
         (``read``) and written back after (``write``), so that a reader streams it ([Note:
         streamed checkpoints] in `zero_kernels.checkpoint.save`); else one group of every
-        piece, under `resident`."""
+        piece, under `resident`. int8 moments read only (a save): their codes and scales,
+        never decoded (what a save writes), a bucket per group where offloaded, else one group
+        under `ShardRunner.codes_resident`."""
         r = self._runner
-        if not r.streams:
-            return [(list(range(len(self._entries))), self.resident)]
+        if not r.streams(write):
+            whole = r.codes_resident if r.int8 is not None and not write else self.resident
+            return [(list(range(len(self._entries))), whole)]
         groups: dict[tuple[int, int], list[int]] = {}
         for j, (i, _k, pc, _ip, _g) in enumerate(self._entries):
             groups.setdefault((i, pc.bucket), []).append(j)

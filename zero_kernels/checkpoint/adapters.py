@@ -274,6 +274,9 @@ class ZeroAdapter(Adapter):
                 for k in _LOWBIT_KEYS:
                     elem[k] = codes[j][k]
                     pd.scales[f"{k}_scale"] = codes[j][f"{k}_scale"]
+                    other.pop(k, None)  # outside the decode: the code views (flat)
+                    other.pop(f"{k}_scale", None)
+                other.pop("state_block", None)
                 pd.lowbit = self.state.lowbit_format(j)
             yield pd
 

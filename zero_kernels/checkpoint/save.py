@@ -200,9 +200,9 @@ class _Streamed:
        in, nothing written back: a save changes nothing) and leaves the one before.
 
     So RAM holds one bucket's offloaded state at a time (`ShardRunner.window_peak_bytes` counts
-    it), read once. Without offload, or with int8 moments (decoded and encoded as a whole, see
-    [Note: int8 shard state]), there is one window of every piece, entered once for both
-    passes."""
+    it), read once; int8 moments as their codes and scales, never decoded (what the file
+    holds; [Note: int8 shard state]). Without offload there is one window of every piece,
+    entered once for both passes."""
 
     def __init__(self, ad: Adapter):
         self.ad = ad

@@ -12,11 +12,13 @@ exp_avg_sq (the shard's size), and one fp32 scale tensor for each (the buffer's 
 after bucket); each piece's inner state holds views of them (``exp_avg``, ``exp_avg_sq``,
 ``exp_avg_scale``, ``exp_avg_sq_scale``) and ``state_block``.
 
-Everything that reads or writes state from outside the step (state dicts, ``full_state``,
-checkpoints, loads) runs inside `ShardRunner.resident`, which here *decodes* every bucket into
-fp32 tensors for its duration (the pieces' state becoming fp32 views in torch's format) and,
-leaving it, encodes back each bucket whose values changed (`flush`: a bucket left as it was keeps
-its codes and scales bit for bit). Checkpoints save the codes and scales (`flush` first): a
+A checkpoint save reads the codes and scales as they are (`ShardRunner.codes_resident`;
+offloaded, one bucket at a time: `hold`), never a decode. Everything else that reads or writes
+state from outside the step (state dicts, ``full_state``, loads) runs inside
+`ShardRunner.resident`, which here *decodes* every bucket into fp32 tensors for its duration
+(the pieces' state becoming fp32 views in torch's format) and, leaving it, encodes back each
+bucket whose values changed (`flush`: a bucket left as it was keeps its codes and scales bit for
+bit). Checkpoints save the codes and scales (`flush` first, inside `resident`): a
 piece's blocks are its own, so each saved piece is self-contained, a load on the same layout
 takes them as saved (`take_piece`, its decoded values set to their decode: the bucket is then
 unchanged and keeps them; the resume is bitwise), any other decodes the saved blocks it
@@ -79,6 +81,9 @@ class Int8ShardState:
             self.nblocks[i] = total
         self.whole: dict[tuple[int, str], torch.Tensor] = {}  # codes and scales, per buffer
         self.decoded: dict[tuple[int, str], torch.Tensor] = {}  # fp32, while resident
+        # a streamed save's buckets (offloaded codes read one bucket at a time): (i, b) -> the
+        # bucket's own codes and scales, which `view` and `piece_views` give instead of `whole`
+        self.held: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
 
     # ---- codes and scales
     def _whole(self, i: int, name: str) -> torch.Tensor:
@@ -103,17 +108,32 @@ class Int8ShardState:
 
     def view(self, i: int, b: int, name: str) -> torch.Tensor:
         """Bucket ``b``'s part of buffer ``i``'s ``name`` (codes: elements; scales: blocks)."""
+        held = self.held.get((i, b))
+        if held is not None:
+            return held[name]
         sl = self._blocks(i, b) if name.endswith("_scale") else self._elems(i, b)
         return self._whole(i, name)[sl]
+
+    def hold(self, i: int, b: int) -> dict[str, torch.Tensor]:
+        """New zero codes and scales of bucket ``b`` alone, given by `view` and `piece_views`
+        until `release` (a streamed save reads one offloaded bucket into them)."""
+        nb = self.starts[(i, b)].numel() - 1
+        n = self.layout.buffers[i].buckets[b].shard_numel
+        t = {k: torch.zeros(nb if k.endswith("_scale") else n, dtype=_DTYPES[k]) for k in _DTYPES}
+        self.held[(i, b)] = t
+        return t
+
+    def release(self) -> None:
+        self.held.clear()
 
     def piece_views(self, i: int, k: int, pc: Piece, lo: int) -> dict:
         """Piece ``k``'s state entries (1-D views; ``lo``: its first element in the bucket)."""
         kb0, kb1 = self.piece_blocks.get((i, k), (0, 0))
+        f = self.first_block[(i, pc.bucket)]  # the bucket's blocks: kb0 - f on, in `view`
         out = {}
         for name in INT8_KEYS:
-            w = self._whole(i, name)
             if name.endswith("_scale"):
-                out[name] = w[kb0:kb1]
+                out[name] = self.view(i, pc.bucket, name)[kb0 - f : kb1 - f]
             else:
                 out[name] = self.view(i, pc.bucket, name)[lo : lo + pc.numel]
         out["state_block"] = self.block

@@ -594,7 +594,15 @@ class ShardRunner:
                 st[name] = t[lo : lo + pc.numel].view(p.shape)
 
     @contextlib.contextmanager
-    def _moments_resident(self):
+    def codes_resident(self):
+        """int8 state: the offloaded param shards and the moments' codes and scales in RAM for
+        the duration, not decoded, nothing written back: what a checkpoint save reads ([Note:
+        int8 shard state]); 2 bytes per element of the shard, not the decoded copy's 8."""
+        with self.store.resident(), self._moments_resident(write=False):
+            yield
+
+    @contextlib.contextmanager
+    def _moments_resident(self, write: bool = True):
         if self.swap is None or self._resident:
             self._resident += self.swap is not None
             try:
@@ -609,7 +617,7 @@ class ShardRunner:
                 sw.read_into(i, b, {n: self._state_view(i, b, n) for n in sw.names[i]})
             self._repoint()  # pieces with state: their views again
             yield
-            for i, b in sw.records:
+            for i, b in sw.records if write else ():
                 self._check_names(i, b)
                 sw.write_from(i, b, {n: self._state_view(i, b, n) for n in sw.names[i]})
         finally:
@@ -628,11 +636,13 @@ class ShardRunner:
             "it with the same amsgrad"
         )
 
-    @property
-    def streams(self) -> bool:
-        """Whether `window` holds less than `resident` (offloaded state that is not int8)."""
+    def streams(self, write: bool = True) -> bool:
+        """Whether `window` holds less than `resident`: offloaded state, not in RAM already
+        (inside `resident`), and not int8 moments that may be written (a load decodes them
+        whole; a save reads their codes a bucket at a time)."""
         offloaded = self.swap is not None or self.store.tier is not None
-        return offloaded and self.int8 is None
+        inside = self._resident or self._decoded
+        return offloaded and not inside and (self.int8 is None or not write)
 
     @contextlib.contextmanager
     def window(self, buckets, read: bool = True, write: bool = True):
@@ -640,10 +650,13 @@ class ShardRunner:
         (checkpoints stream the state bucket by bucket: [Note: streamed checkpoints] in
         `zero_kernels.checkpoint.save`): the param shards and fp32 masters (``read`` only) and
         the moments read in (``read``; else zeros: only their names, dtypes and shapes are
-        looked at), written back after (``write``). Where it cannot hold less than
-        `resident` (int8 moments, already resident, nothing offloaded) it is `resident`."""
-        if not self.streams or self._resident or self._decoded:
-            with self.resident():
+        looked at), written back after (``write``); int8 moments read only: their codes and
+        scales, never decoded. Where it cannot hold less than `resident` (int8 moments to
+        write, already resident, nothing offloaded) it is `resident` (`codes_resident` for an
+        int8 save)."""
+        codes = self.int8 is not None and not write
+        if not self.streams(write) or self._resident or self._decoded:
+            with self.codes_resident() if codes else self.resident():
                 yield
             return
         keys, tier, held = list(buckets), self.store.tier, []
@@ -654,13 +667,44 @@ class ShardRunner:
                         if k in tier:
                             tier.acquire(k, learn=False)
                             held.append(k)
-            with self._moments_window(keys, read, write):
+            with (
+                self._codes_window(keys, read) if codes else self._moments_window(keys, read, write)
+            ):
                 yield
         finally:
             for k in held:
                 tier.release(k, dirty=write)
             if held:
                 tier.flush()
+
+    @contextlib.contextmanager
+    def _codes_window(self, keys, read: bool):
+        """int8 moments offloaded, read only: the codes and scales of ``keys``' buckets alone
+        in RAM (zeros unless ``read``), the pieces' entries views of them."""
+        sw = self.swap
+        if sw is None:  # the codes are in RAM
+            yield
+            return
+        keys = [k for k in keys if k in sw.records]
+        self._resident = 1
+        try:
+            for i, b in keys:
+                held = self.int8.hold(i, b)
+                if read:
+                    sw.read_into(i, b, held)
+            self.window_peak_bytes = max(
+                self.window_peak_bytes,
+                sum(
+                    t.numel() * t.element_size()
+                    for h in self.int8.held.values()
+                    for t in h.values()
+                ),
+            )
+            self._repoint(set(keys))
+            yield
+        finally:
+            self.int8.release()
+            self._leave_resident()
 
     @contextlib.contextmanager
     def _moments_window(self, keys, read: bool, write: bool):
