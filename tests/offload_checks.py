@@ -4,6 +4,7 @@ the file's lifetime and the refusals."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import tempfile
@@ -163,24 +164,18 @@ def checkpoints(rank, world):
         train(m, o, steps, rank)
         runs.append(snapshot(m, o) if steps == 5 else None)
         if steps == 3:
-            int8, most = o.parts.core.runner.int8, []
-
-            def hold(i, b, int8=int8, most=most, real=int8.hold):  # a bucket's codes at a time
-                most.append(len(int8.held) + 1)
-                return real(i, b)
-
-            int8.hold = hold
-            with _no_decode(o) as decoded:
+            with _held(o) as most, _no_decode(o) as decoded:
                 path = zero_kernels.save_checkpoint(d + "-int8", m, o, extra={"step": 3})
-            del int8.hold
             assert decoded == [], "the save of offloaded int8 codes decoded them"
             buckets = len(o.parts.core.runner.swap.records)
             # each bucket held twice (the header's blank pass, the data's), one at a time
-            assert len(most) == 2 * buckets > 2 and max(most) == 1, (most, buckets)
+            assert len(most) == 2 * buckets > 2 and max(most) == (1, 0), (most, buckets)
         o.close()
     m2 = model()
     o2 = build(m2, 3, True, **kw)
-    zero_kernels.load_checkpoint(path, m2, o2)
+    with _held(o2) as most:  # a bucket's codes and their decode at a time, never the whole
+        zero_kernels.load_checkpoint(path, m2, o2)
+    assert len(most) == buckets and max(most) == (1, 0), (most, buckets)
     train(m2, o2, 2, rank, start=3)
     got = snapshot(m2, o2)
     o2.close()
@@ -192,6 +187,24 @@ def checkpoints(rank, world):
         shutil.rmtree(d, ignore_errors=True)
         shutil.rmtree(d + "-int8", ignore_errors=True)
     return {}
+
+
+@contextlib.contextmanager
+def _held(opt):
+    """Inside: per `Int8ShardState.hold` of ``opt``, (buckets held with it, whole buffers
+    decoded) in the list."""
+    int8, most = opt.parts.core.runner.int8, []
+    real = int8.hold
+
+    def hold(i, b):
+        most.append((len(int8.held) + 1, len(int8.decoded)))
+        return real(i, b)
+
+    int8.hold = hold
+    try:
+        yield most
+    finally:
+        del int8.hold
 
 
 def _streams(rank, dtype):

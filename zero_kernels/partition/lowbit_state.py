@@ -13,9 +13,11 @@ after bucket); each piece's inner state holds views of them (``exp_avg``, ``exp_
 ``exp_avg_scale``, ``exp_avg_sq_scale``) and ``state_block``.
 
 A checkpoint save reads the codes and scales as they are (`ShardRunner.codes_resident`;
-offloaded, one bucket at a time: `hold`), never a decode. Everything else that reads or writes
-state from outside the step (state dicts, ``full_state``, loads) runs inside
-`ShardRunner.resident`, which here *decodes* every bucket into fp32 tensors for its duration
+offloaded, one bucket at a time: `hold`), never a decode; a checkpoint load of offloaded codes
+decodes and encodes back one held bucket at a time (`decode_held`, `encode_held`: the same rule
+as `flush`). Everything else that reads or writes state from outside the step (state dicts,
+``full_state``, loads of codes kept in RAM) runs inside `ShardRunner.resident`, which here
+*decodes* every bucket into fp32 tensors for its duration
 (the pieces' state becoming fp32 views in torch's format) and, leaving it, encodes back each
 bucket whose values changed (`flush`: a bucket left as it was keeps its codes and scales bit for
 bit). Checkpoints save the codes and scales (`flush` first, inside `resident`): a
@@ -84,6 +86,8 @@ class Int8ShardState:
         # a streamed save's buckets (offloaded codes read one bucket at a time): (i, b) -> the
         # bucket's own codes and scales, which `view` and `piece_views` give instead of `whole`
         self.held: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        # and, for a streamed load, their decode (what `decoded_view` gives for those buckets)
+        self.held_decoded: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
 
     # ---- codes and scales
     def _whole(self, i: int, name: str) -> torch.Tensor:
@@ -123,8 +127,26 @@ class Int8ShardState:
         self.held[(i, b)] = t
         return t
 
+    def decode_held(self, i: int, b: int) -> None:
+        """The held bucket ``b`` decoded to fp32 (a streamed load writes into the decode)."""
+        m, v = self._decode_bucket(i, b)
+        self.held_decoded[(i, b)] = {"exp_avg": m, "exp_avg_sq": v}
+
+    def encode_held(self, i: int, b: int) -> None:
+        """A held bucket's decode encoded back into its codes where it changed (`flush` for
+        one bucket: unchanged, its codes and scales stay bit for bit)."""
+        d = self.held_decoded[(i, b)]
+        m0, v0 = self._decode_bucket(i, b)
+        if torch.equal(d["exp_avg"], m0) and torch.equal(d["exp_avg_sq"], v0):
+            return
+        out = {k: self.view(i, b, k) for k in INT8_KEYS}
+        lowbit.encode_state(
+            d["exp_avg"], d["exp_avg_sq"], "int8", self.block, out, self.starts[(i, b)]
+        )
+
     def release(self) -> None:
         self.held.clear()
+        self.held_decoded.clear()
 
     def piece_views(self, i: int, k: int, pc: Piece, lo: int) -> dict:
         """Piece ``k``'s state entries (1-D views; ``lo``: its first element in the bucket)."""
@@ -192,7 +214,11 @@ class Int8ShardState:
     # ---- resident: decoded to fp32 for the state's readers and writers
     def decoded_view(self, i: int, b: int, name: str) -> torch.Tensor:
         """While resident: bucket ``b``'s fp32 ``name`` (exp_avg or exp_avg_sq), decoded from
-        the buffer's codes at first use (zeros where it has none yet)."""
+        the buffer's codes at first use (zeros where it has none yet); a held bucket's own
+        decode where `decode_held` made one."""
+        held = self.held_decoded.get((i, b))
+        if held is not None:
+            return held[name]
         t = self.decoded.get((i, name))
         if t is None:
             if (i, "exp_avg") in self.whole:
