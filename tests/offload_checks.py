@@ -180,6 +180,18 @@ def checkpoints(rank, world):
     got = snapshot(m2, o2)
     o2.close()
     assert same(got, runs[0]), "int8 offloaded: the resume differs"
+    # into another layout (stage 2, other buckets: decoded and re-encoded on its blocks), with
+    # offload (a bucket at a time) and without it (the whole shard): the same state and steps
+    other = []
+    for off in (True, False):
+        m3 = model()
+        o3 = build(m3, 2, off, bucket_mb=0.002, **kw)
+        zero_kernels.load_checkpoint(path, m3, o3)
+        other.append(snapshot(m3, o3))
+        train(m3, o3, 2, rank, start=3)
+        other.append(snapshot(m3, o3))
+        o3.close()
+    assert same(other[0], other[2]) and same(other[1], other[3]), "re-encoded: offload differs"
     torch.distributed.barrier()
     if rank == 0:
         import shutil
