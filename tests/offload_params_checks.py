@@ -162,18 +162,21 @@ def memory_counts(rank, world):
 def checkpoints(rank, world):
     """Saved with offload_params at stage 3, loaded without it at stage 2, and saved at stage 2,
     loaded at stage 3 with it: the next steps equal those of the same runs without offload
-    (fp32 and bf16 params, the latter with masters moved to the file)."""
+    (fp32 and bf16 params, the latter with masters moved to the file; int8 moments, kept in
+    RAM beside the offloaded shards: a save reads their codes bucket by bucket with the
+    shards)."""
     for dtype, width, mb in ((torch.float32, 48, 0.004), (torch.bfloat16, 96, 0.1)):
         _checkpoints(rank, dtype, width, mb)
+    _checkpoints(rank, torch.float32, 48, 0.004, state_dtype="int8", state_block=64)
     return {}
 
 
-def _checkpoints(rank, dtype, width, mb):
+def _checkpoints(rank, dtype, width, mb, **kw):
     d = os.path.join(DIR, f"zk-offp-ckpt-{os.getppid()}")
 
     def resumed(first, second):
         m = model(dtype, width)
-        o = build(m, stage=first[0], params=first[1], bucket_mb=mb)
+        o = build(m, stage=first[0], params=first[1], bucket_mb=mb, **kw)
         train(m, o, 3, rank)
         path = zero_kernels.save_checkpoint(d, m, o, extra={"step": 3})
         o.close()
@@ -181,7 +184,7 @@ def _checkpoints(rank, dtype, width, mb):
         with torch.no_grad():
             for p in m2.parameters():
                 p.zero_()
-        o2 = build(m2, stage=second[0], params=second[1], bucket_mb=mb)
+        o2 = build(m2, stage=second[0], params=second[1], bucket_mb=mb, **kw)
         zero_kernels.load_checkpoint(path, m2, o2)
         train(m2, o2, 2, rank, start=3)
         got = snapshot(m2, o2)
