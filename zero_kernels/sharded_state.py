@@ -116,12 +116,12 @@ class ShardedState:
 
     def windows(self, read: bool = True, write: bool = True) -> list[tuple[list[int], object]]:
         """The pieces in groups, each ``(indices, context)``: inside ``context()`` that group's
-        state is in RAM. Offloaded state (not int8) comes one bucket per group, read in
-        (``read``) and written back after (``write``), so that a reader streams it ([Note:
-        streamed checkpoints] in `zero_kernels.checkpoint.save`); else one group of every
-        piece, under `resident`. int8 moments read only (a save): their codes and scales,
-        never decoded (what a save writes), a bucket per group where offloaded, else one group
-        under `ShardRunner.codes_resident`."""
+        state is in RAM. Offloaded state comes one bucket per group, read in (``read``) and
+        written back after (``write``), so that a reader streams it ([Note: streamed
+        checkpoints] in `zero_kernels.checkpoint.save`); int8 moments read only (a save) as
+        their codes and scales, never decoded (what a save writes). Else one group of every
+        piece: under `ShardRunner.codes_resident` for an int8 save, `resident` otherwise (int8
+        moments kept in RAM and written: decoded whole)."""
         r = self._runner
         if not r.streams(write):
             whole = r.codes_resident if r.int8 is not None and not write else self.resident

@@ -17,11 +17,11 @@ offloaded, one bucket at a time: `hold`), never a decode; a checkpoint load of o
 decodes and encodes back one held bucket at a time (`decode_held`, `encode_held`: the same rule
 as `flush`). Everything else that reads or writes state from outside the step (state dicts,
 ``full_state``, loads of codes kept in RAM) runs inside `ShardRunner.resident`, which here
-*decodes* every bucket into fp32 tensors for its duration
-(the pieces' state becoming fp32 views in torch's format) and, leaving it, encodes back each
-bucket whose values changed (`flush`: a bucket left as it was keeps its codes and scales bit for
-bit). Checkpoints save the codes and scales (`flush` first, inside `resident`): a
-piece's blocks are its own, so each saved piece is self-contained, a load on the same layout
+*decodes* every bucket into fp32 tensors for its duration (the pieces' state becoming fp32 views
+in torch's format) and, leaving it, encodes back each bucket whose values changed (`flush`: a
+bucket left as it was keeps its codes and scales bit for bit). Checkpoints save the codes and
+scales (`flush` first, inside `resident`): a piece's blocks are its own, so each saved piece is
+self-contained, a load on the same layout
 takes them as saved (`take_piece`, its decoded values set to their decode: the bucket is then
 unchanged and keeps them; the resume is bitwise), any other decodes the saved blocks it
 overlaps ([Note: checkpoint format]). The decoded copy of the rank's shard (8 bytes per element)
@@ -83,7 +83,7 @@ class Int8ShardState:
             self.nblocks[i] = total
         self.whole: dict[tuple[int, str], torch.Tensor] = {}  # codes and scales, per buffer
         self.decoded: dict[tuple[int, str], torch.Tensor] = {}  # fp32, while resident
-        # a streamed save's buckets (offloaded codes read one bucket at a time): (i, b) -> the
+        # a streamed checkpoint's buckets (offloaded codes read one at a time): (i, b) -> the
         # bucket's own codes and scales, which `view` and `piece_views` give instead of `whole`
         self.held: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         # and, for a streamed load, their decode (what `decoded_view` gives for those buckets)
@@ -120,10 +120,13 @@ class Int8ShardState:
 
     def hold(self, i: int, b: int) -> dict[str, torch.Tensor]:
         """New zero codes and scales of bucket ``b`` alone, given by `view` and `piece_views`
-        until `release` (a streamed save reads one offloaded bucket into them)."""
+        until `release` (a streamed save or load reads one offloaded bucket into them)."""
         nb = self.starts[(i, b)].numel() - 1
         n = self.layout.buffers[i].buckets[b].shard_numel
-        t = {k: torch.zeros(nb if k.endswith("_scale") else n, dtype=_DTYPES[k]) for k in _DTYPES}
+        t = {
+            k: torch.zeros(nb if k.endswith("_scale") else n, dtype=dt, device=self.device)
+            for k, dt in _DTYPES.items()
+        }
         self.held[(i, b)] = t
         return t
 

@@ -167,6 +167,14 @@ class Residency:
             if held:
                 tier.flush()
 
+    def _note_window(self, *parts: dict) -> None:
+        """`window_peak_bytes`: the most a window held at once (``parts``: per bucket, a dict
+        of its tensors)."""
+        held = sum(
+            t.numel() * t.element_size() for p in parts for h in p.values() for t in h.values()
+        )
+        self.window_peak_bytes = max(self.window_peak_bytes, held)
+
     @contextlib.contextmanager
     def _codes_window(self, keys, read: bool):
         """int8 moments offloaded, read only: the codes and scales of ``keys``' buckets alone
@@ -182,14 +190,7 @@ class Residency:
                 held = self.int8.hold(i, b)
                 if read:
                     sw.read_into(i, b, held)
-            self.window_peak_bytes = max(
-                self.window_peak_bytes,
-                sum(
-                    t.numel() * t.element_size()
-                    for h in self.int8.held.values()
-                    for t in h.values()
-                ),
-            )
+            self._note_window(self.int8.held)
             self._repoint(set(keys))
             yield
         finally:
@@ -215,15 +216,7 @@ class Residency:
                 if read:
                     sw.read_into(i, b, held)
                 self.int8.decode_held(i, b)
-            self.window_peak_bytes = max(
-                self.window_peak_bytes,
-                sum(
-                    t.numel() * t.element_size()
-                    for part in (self.int8.held, self.int8.held_decoded)
-                    for h in part.values()
-                    for t in h.values()
-                ),
-            )
+            self._note_window(self.int8.held, self.int8.held_decoded)
             self._repoint(set(keys))
             yield
             if write:
@@ -253,10 +246,7 @@ class Residency:
                 self._window[(i, b)] = out
                 if read:
                     sw.read_into(i, b, out)
-            held = sum(
-                t.numel() * t.element_size() for w in self._window.values() for t in w.values()
-            )
-            self.window_peak_bytes = max(self.window_peak_bytes, held)
+            self._note_window(self._window)
             self._repoint(set(keys))
             yield
             if write:
