@@ -48,8 +48,8 @@ void adam_lowbit_cpu(const AdamArgs& a, const AdamLowbitBuffers& b, int64_t b0, 
 // The software prefetch distance of the step loops, per CPU family, as measured side by side
 // (bench/README.md, "The bandwidth floor" and "Prefetch distance per CPU"): 512 elements was
 // tuned on the 2-core Xeon (~84% -> ~100% of the probe) and measured fastest on the AMD EPYC
-// Zen 5 (family 0x1a); on the AMD EPYC Zen 4 (family 0x19) 512 ran 0.85-0.90x torch's fused
-// step from DRAM and 64-128 at 0.98-1.06x, so AMD family 0x19 takes 128. Every distance gives
+// Zen 5 (family 0x1a); on the AMD EPYC Zen 4 (family 0x19) 512 ran 0.76-0.94x torch's fused
+// step from DRAM and 64-128 at 0.92-1.14x, so AMD family 0x19 takes 128. Every distance gives
 // bitwise the same results; `set_prefetch_distance` overrides the default.
 namespace {
 int amd_family() {

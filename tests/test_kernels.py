@@ -428,7 +428,7 @@ def _amd_family() -> int | None:
 
 @needs_native
 def test_default_prefetch_distance_is_the_one_measured_for_this_cpu_family():
-    """128 elements on AMD family 0x19 (Zen 3/4: 512 ran 0.85-0.90x torch's fused step there),
+    """128 elements on AMD family 0x19 (Zen 3/4: 512 ran 0.76-0.94x torch's fused step there),
     512 elsewhere; the cpuid reading in C++ agrees with /proc/cpuinfo's."""
     if not os.path.exists("/proc/cpuinfo"):
         pytest.skip("no /proc/cpuinfo to check the CPU family against")
