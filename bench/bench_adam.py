@@ -31,6 +31,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# the repo itself, for a checkout built in place (bench/gpu_check.sh) rather than installed
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from harness import (  # noqa: E402
     PROBE_PATTERNS,
     best_probe,

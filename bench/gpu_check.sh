@@ -4,12 +4,21 @@
 # benchmark against torch's fused AdamW with the device's copy bandwidth measured in the same run,
 # a timing of the low-bit-state step (bf16 / int8 moments; CUDA, Triton), then ZeroOptimizer
 # stages 1-3 at world size 1 on NCCL (bench/gpu_zero_check.py: results vs torch, no host sync
-# inside clip + step). Uses the torch already installed (it never installs one). Meant to finish
-# in under 8 minutes on an H100/H200.
+# inside clip + step), then the host tier (bench/gpu_offload_check.py: offload_optimizer="cpu"
+# against the state on the GPU, device memory, step time beside FSDP2's CPU offload). Uses the
+# torch already installed (it never installs one). Meant to finish in under 8 minutes on an
+# H100/H200 (5.5 measured on an H200 with 16 cores, 2026-12-04).
 #
 #   bash bench/gpu_check.sh [OUT_DIR]       # results in OUT_DIR (default bench/results)
-set -euo pipefail
+set -uo pipefail
 cd "$(dirname "$0")/.."
+# every section runs whatever an earlier one gave (one device lease sees all of them); the
+# script exits non-zero at the end if any failed, naming them
+failed=()
+section() { # section NAME: the status of the command before it
+  local rc=$?
+  if [[ $rc -ne 0 ]]; then failed+=("$1 (exit $rc)"); echo "!! $1 failed (exit $rc)"; fi
+}
 out="${1:-bench/results}"
 mkdir -p "$out"
 py="${PYTHON:-python3}"
@@ -20,16 +29,21 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader ||
 
 echo "== build (in place, with CUDA)"
 export ZERO_KERNELS_CUDA_ARCH="${ZERO_KERNELS_CUDA_ARCH:-90}"
-MAX_JOBS="${MAX_JOBS:-8}" "$py" setup.py build_ext --inplace 2>&1 | tail -3
-"$py" -c "from zero_kernels import _C; assert _C.has_cuda(), 'built without CUDA kernels'; print('cuda kernels: yes')"
+MAX_JOBS="${MAX_JOBS:-8}" "$py" setup.py build_ext --inplace >"$out/gpu_build.txt" 2>&1
+section build
+tail -n 30 "$out/gpu_build.txt"
+"$py" -c "from zero_kernels import _C; assert _C.has_cuda(), 'built without CUDA kernels'; print('cuda kernels: yes')" ||
+  { echo "!! no CUDA kernels: nothing else can run"; exit 1; }
 
 echo "== CUDA and Triton tests"
 TRITON_INTERPRET=0 "$py" -m pytest -q -p no:cacheprovider tests/test_kernels_cuda.py tests/test_quant_cuda.py \
-  tests/test_lowbit_cuda.py tests/test_lowbit_triton.py tests/test_stochastic_round.py 2>&1 | tee "$out/gpu_tests.txt" | tail -5
+  tests/test_lowbit_cuda.py tests/test_lowbit_triton.py tests/test_stochastic_round.py 2>&1 | tee "$out/gpu_tests.txt" | tail -40
+section "CUDA and Triton tests"
 
 echo "== kernel benchmark (device copy bandwidth measured in the same run)"
 "$py" bench/bench_adam.py --device cuda --sizes 1e7,1e8,5e8 --repeats 20 --no-deepspeed --out "$out" \
   2>&1 | tee "$out/gpu_bench.txt"
+section "kernel benchmark"
 
 echo "== low-bit-state step, 1e7 elements: bf16 / int8 moments (CUDA, Triton) vs the fp32 step"
 "$py" - <<'EOF' 2>&1 | tee "$out/gpu_lowbit.txt"
@@ -73,6 +87,18 @@ for fmt in ("bf16", "int8"):
         # p read + write, g read (fp32): 12 bytes; m and v read + write
         report(f"{fmt} state, {backend}", ms, 12 + 2 * lowbit.state_bytes_per_param(fmt, block))
 EOF
+section "low-bit-state step"
 
 echo "== ZeroOptimizer stages 1-3, world size 1 on NCCL (no host sync inside clip + step)"
 "$py" bench/gpu_zero_check.py --device cuda --out "$out" 2>&1 | tee "$out/gpu_zero_check.txt"
+section "ZeroOptimizer stages 1-3"
+
+echo "== the host tier (offload_optimizer='cpu'): against the state on the GPU, memory, time, FSDP2's CPU offload"
+"$py" bench/gpu_offload_check.py --device cuda --out "$out" 2>&1 | tee "$out/gpu_offload_check.txt"
+section "host tier"
+
+if [[ ${#failed[@]} -gt 0 ]]; then
+  printf '!! failed: %s\n' "${failed[@]}"
+  exit 1
+fi
+echo "gpu_check: every section passed"

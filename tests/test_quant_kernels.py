@@ -93,7 +93,7 @@ def round_trip(backend, x, bits, block, error=None):
         dt: ops.dequantize_blockwise(q, s, bits, block, n, dtype=dt, backend=backend)
         for dt in DTYPES
     }
-    acc = torch.linspace(-1, 1, n)
+    acc = torch.linspace(-1, 1, n).to(x.device)  # the same values on every device
     ops.dequantize_blockwise(q, s, bits, block, n, out=acc, accumulate=True, backend=backend)
     return q, s, e, deq, acc
 

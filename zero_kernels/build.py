@@ -295,6 +295,13 @@ def runner(core: Core, optimizer_class, user_groups, defaults, fused_adam, kerne
         and fused_adam
         and not any(g.get(k) or defaults.get(k) for g in group_opts for k in _UNFUSABLE)
     )
+    off = core.policy.offload
+    on_host = off.offload_optimizer == "cpu"
+    if on_host and kernel_backend not in ("auto", "cpu", "reference"):
+        raise ValueError(
+            "offload_optimizer='cpu' steps in host memory, on the CPU kernel: kernel_backend "
+            f"must be 'auto', 'cpu' or 'reference', got kernel_backend={kernel_backend!r}"
+        )
     r = ShardRunner(
         core.layout,
         core.store,
@@ -308,15 +315,42 @@ def runner(core: Core, optimizer_class, user_groups, defaults, fused_adam, kerne
         state_dtype=core.policy.precision.state_dtype,
         state_block=core.policy.precision.state_block,
         stochastic_round=core.policy.precision.bf16_stochastic_round,
+        state_device=torch.device("cpu") if on_host else None,
     )
-    _check_state_dtype(core, r, optimizer_class, group_opts, defaults, kernel_backend)
-    off = core.policy.offload
+    _check_state_dtype(
+        core, r, optimizer_class, group_opts, defaults, kernel_backend, on_host=on_host
+    )
     if off.offload_optimizer == "nvme":
         r.swap = _swapper(core, r, optimizer_class, group_opts, defaults, off)
+    elif on_host:
+        r.host = _host_tier(core, r, optimizer_class)
     return r
 
 
-def _check_state_dtype(core: Core, r, optimizer_class, group_opts, defaults, backend) -> None:
+def _host_tier(core: Core, r, optimizer_class):
+    """offload_optimizer="cpu": masters and moments in host memory, the step on the CPU
+    ([Note: host tier])."""
+    from .offload.host import HostTier
+
+    if not all(r.fused):
+        raise NotImplementedError(
+            f"offload_optimizer='cpu' steps the fused Adam kernel on the host; "
+            f"{optimizer_class.__name__} here is not stepped by it everywhere (fused_adam=False, "
+            "an option the kernel does not take, whole mode, or float64 params): not built yet "
+            "for other steps"
+        )
+    if core.policy.offload.offload_params is not None:
+        raise NotImplementedError(
+            "offload_optimizer='cpu' with offload_params="
+            f"{core.policy.offload.offload_params!r} is not built yet; use offload_optimizer="
+            "'nvme' with offload_params='nvme', or offload_optimizer='cpu' alone"
+        )
+    return HostTier(r, core.device)
+
+
+def _check_state_dtype(
+    core: Core, r, optimizer_class, group_opts, defaults, backend, on_host: bool = False
+) -> None:
     """state_dtype other than fp32: only the fused step has that format; refuse what would
     keep fp32 state unsaid."""
     sd = core.policy.precision.state_dtype
@@ -336,7 +370,8 @@ def _check_state_dtype(core: Core, r, optimizer_class, group_opts, defaults, bac
             )
     if sd == "fp32":
         return
-    if sd == "int8" and resolve_backend(backend, core.device) == "triton":
+    where = torch.device("cpu") if on_host else core.device  # the host tier steps on the CPU
+    if sd == "int8" and resolve_backend(backend, where) == "triton":
         raise NotImplementedError(
             "state_dtype='int8' on the Triton backend: its kernel takes no block table (the "
             "sharded step's blocks follow its pieces); use kernel_backend='cuda' or 'reference', "

@@ -157,6 +157,10 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
             step's moments in a file under ``offload_dir``, streamed chunk by chunk through
             staging buffers of ``offload_staging_mb`` MiB in all ([Note: offload] in
             `zero_kernels.offload.swap`); results are bitwise those without offload.
+            ``"cpu"``: for params on a GPU, the fp32 masters and the moments in host memory and
+            the step on the CPU kernel, gradients copied to the host and new params back
+            through pinned staging, bucket by bucket ([Note: host tier] in
+            `zero_kernels.offload.host`).
             offload_params: ``"nvme"`` (stage 3) keeps each bucket's param shard in a file
             under ``offload_dir`` between its uses, read ahead of its all-gathers and its step
             and written behind the step ([Note: param offload] in
@@ -453,6 +457,9 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
         swap = getattr(core.runner, "swap", None) if core is not None else None
         if swap is not None:
             swap.close()  # the offload file goes with the optimizer
+        host = getattr(core.runner, "host", None) if core is not None else None
+        if host is not None:
+            host.close()  # the copies back to the device finished
         if sched is not None:
             sched.remove()
         if sched is not None and collective:  # every unit gathered once: whole params back
@@ -694,8 +701,10 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
         grad = g.nbytes()
         state = core.runner.state_bytes()  # in RAM: offloaded moments count on disk
         master = core.runner.master_bytes()
-        sw, tier = core.runner.swap, core.store.tier
+        sw, tier, host = core.runner.swap, core.store.tier, core.runner.host
         staging = sw.staging_bytes if sw is not None else 0
+        host_staging = host.staging_bytes if host is not None else 0
+        staging += host_staging
         model = pb + grad + master + state + staging
         comm_now = g.comm_nbytes() + core.reducer.error_bytes  # error feedback's buffers too
         sharded = core.store.sharded
@@ -730,6 +739,13 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
             offload_param_ram_peak_bytes=tier.peak_ram if tier is not None else 0,
             offload_param_read_bytes=tier.bytes_read if tier is not None else 0,
             offload_param_written_bytes=tier.bytes_written if tier is not None else 0,
+            # offload_optimizer="cpu": what the host holds (masters, moments: in master_bytes
+            # and optim_state_bytes; the pinned staging: in offload_staging_bytes too), bytes
+            # copied each way since construction ([Note: host tier])
+            offload_host_bytes=master + state + host_staging if host is not None else 0,
+            offload_host_staging_bytes=host_staging,
+            offload_to_host_bytes=host.bytes_to_host if host is not None else 0,
+            offload_to_device_bytes=host.bytes_to_device if host is not None else 0,
         )
 
     @property

@@ -257,8 +257,10 @@ class OffloadPolicy:
     offload_optimizer: ``"nvme"`` keeps the Adam moments of the fused step (exp_avg,
     exp_avg_sq, max_exp_avg_sq) in a file under ``offload_dir``, read chunk by chunk ahead of the
     step and written behind it, through staging buffers of ``offload_staging_mb`` MiB in all
-    (three: stepping, reading ahead, writing behind; at least 0.1 MiB); ``"cpu"`` is the tier for
-    GPU runs (not built yet: NotImplementedError). offload_params (stage 3 only): ``"nvme"``
+    (three: stepping, reading ahead, writing behind; at least 0.1 MiB); ``"cpu"``: the fp32
+    masters and the moments in host memory and the step on the CPU kernel, for params on a GPU
+    ([Note: host tier] in `zero_kernels.offload.host`; on CPU params it runs the same copies, for
+    nothing). offload_params (stage 3 only): ``"nvme"``
     keeps each bucket's param shard in a file under ``offload_dir`` between its uses (its
     all-gathers and its step), read ahead of them and written behind the step ([Note: param
     offload] in `zero_kernels.offload.params`); ``"cpu"``: GPU runs, not built yet."""
@@ -272,11 +274,6 @@ class OffloadPolicy:
         v = self.offload_optimizer
         if v not in (None, "cpu", "nvme"):
             raise ValueError(f"offload_optimizer must be None, 'cpu' or 'nvme', got {v!r}")
-        if v == "cpu":
-            raise NotImplementedError(
-                "offload_optimizer='cpu' (GPU runs: state in pinned host memory) is not built "
-                "yet; on CPU params the state is in host memory already: use 'nvme' or None"
-            )
         q = self.offload_params
         if q not in (None, "cpu", "nvme"):
             raise ValueError(f"offload_params must be None, 'cpu' or 'nvme', got {q!r}")

@@ -68,10 +68,14 @@ class ShardRunner(Residency):
         state_dtype: str = "fp32",
         state_block: int = DEFAULT_STATE_BLOCK,
         stochastic_round: bool = False,
+        state_device: torch.device | None = None,
     ):
         self.layout, self.store, self.grads, self.rank = layout, store, grads, rank
         dtypes = [dtype_of(b.dtype) for b in layout.buffers]
-        dev = store.device
+        # where the masters and the moments live: the params' device, or the host with
+        # offload_optimizer="cpu" ([Note: host tier] in zero_kernels.offload.host)
+        dev = store.device if state_device is None else torch.device(state_device)
+        self.state_device = dev
         self.optimizer_class = optimizer_class
         n = layout.world_size
         # fused Adam per buffer: flat mode, a dtype the kernel takes
@@ -126,6 +130,9 @@ class ShardRunner(Residency):
         # fused: per (buffer, state name), the whole shard's state; `flat_state` holds views
         self._state_whole: dict[tuple[int, str], torch.Tensor] = {}
         self.swap = None  # zero_kernels.offload.StateSwapper: the moments on disk ([Note: offload])
+        # zero_kernels.offload.HostTier: masters and moments in host memory, the step on the
+        # CPU for params on a GPU ([Note: host tier])
+        self.host = None
         self._resident = 0  # depth of `resident` (the moments read into RAM)
         # `window`: the buckets whose moments are in RAM now, (i, b) -> name -> tensor
         self._window: dict[tuple[int, int], dict[str, torch.Tensor]] | None = None
@@ -157,7 +164,7 @@ class ShardRunner(Residency):
                         self._master_using(i, b.index, dirty=True, fresh=not keep),
                     ):
                         m = self.masters[i][self._slice(i, b.index)]
-                        s = self.store.shard(i, b.index)
+                        s = self.store.shard(i, b.index).to(m.device)  # host tier: a copy
                         if keep:
                             m.copy_(torch.where(m.to(s.dtype) == s, m, s.to(m.dtype)))
                         else:
@@ -253,6 +260,8 @@ class ShardRunner(Residency):
         src = None
         if self.swap is not None and not self._resident:  # moments streamed ([Note: offload])
             src = self.swap.stream([(i, b) for i, b in order if self.fused[i]])
+        if self.host is not None:  # every bucket's gradient (and param) copies queued
+            self.host.begin(order)
         try:
             for i, b in order:
                 # offloaded: the shard and its master read (ahead), written back behind
@@ -274,7 +283,18 @@ class ShardRunner(Residency):
         m = self.masters[i]
         lowp = m is not None
         dst = self.store.shard(i, b)
-        if self.sr[i]:
+        host = self.host
+        if host is not None:  # the step on host copies ([Note: host tier])
+            dst, grad = host.arrived(i, b)
+            master = None if lowp else dst  # fp32: the host copy of the param shard
+            if self.sr[i]:
+                self._sr_bucket(i, b, active, grad_scale, None, dst, grad=grad)
+            else:
+                self._fused_bucket(
+                    i, b, active, grad_scale, dst if lowp else None, master=master, grad=grad
+                )
+            host.send(i, b)  # the new shard back to the device, before its all-gather
+        elif self.sr[i]:
             self._sr_bucket(i, b, active, grad_scale, src, dst)
         elif self.fused[i] and src is None:
             self._fused_bucket(i, b, active, grad_scale, dst if lowp else None)
@@ -292,7 +312,7 @@ class ShardRunner(Residency):
         if not self.store.sharded:  # stage 3 gathers at the next use instead
             handles.append(((i, b), self.gather(i, b, log, group)))
 
-    def _sr_bucket(self, i, b, active, grad_scale, src, dst) -> None:
+    def _sr_bucket(self, i, b, active, grad_scale, src, dst, grad=None) -> None:
         """bf16_stochastic_round: the step on an fp32 copy of the bucket's bf16 shard, each
         stepped piece rounded back with the key of its param and step ([Note: stochastic
         rounding] in `zero_kernels.ops.sr`)."""
@@ -301,7 +321,9 @@ class ShardRunner(Residency):
         if src is None:
             if plan is not None:
                 flat = self._flat_state(i, b, plan[0])
-                self._adam_runs(i, b, plan, grad_scale, None, flat, 0, dst.numel(), master=x)
+                self._adam_runs(
+                    i, b, plan, grad_scale, None, flat, 0, dst.numel(), master=x, grad=grad
+                )
         else:  # the moments chunk by chunk through the staging buffers
             for lo, hi in self.swap.chunks(i, b):
                 key, span, flat, done = next(src)
@@ -320,16 +342,19 @@ class ShardRunner(Residency):
                 dst[lo : lo + pc.numel], x[lo : lo + pc.numel], key, pc.offset, self.backend
             )
 
-    def _fused_bucket(self, i: int, b: int, active, grad_scale: float, out_lowp) -> bool:
+    def _fused_bucket(
+        self, i: int, b: int, active, grad_scale: float, out_lowp, master=None, grad=None
+    ) -> bool:
         """Adam/AdamW on bucket ``b``'s shard: one kernel call when its pieces agree, else one
         per run of consecutive active pieces with the same ``step`` (see [Note: modes]).
-        Returns whether anything was stepped."""
+        ``master``, ``grad``: what is stepped and its gradient, if not the runner's own (the
+        host tier's copies). Returns whether anything was stepped."""
         plan = self._bucket_runs(i, b, active)
         if plan is None:
             return False
         flat = self._flat_state(i, b, plan[0])
         n = self.layout.buffers[i].buckets[b].shard_numel
-        return self._adam_runs(i, b, plan, grad_scale, out_lowp, flat, 0, n)
+        return self._adam_runs(i, b, plan, grad_scale, out_lowp, flat, 0, n, master, grad)
 
     def _bucket_runs(self, i: int, b: int, active):
         """Advance the ``step`` of the bucket's active pieces; ``(group, runs, stepped)`` with
@@ -367,14 +392,17 @@ class ShardRunner(Residency):
             runs = [(0, bk.shard_numel, runs[0][2])]  # the whole shard, padding included
         return g, runs, stepped
 
-    def _adam_runs(self, i, b, plan, grad_scale, out_lowp, flat, clo, chi, master=None) -> bool:
+    def _adam_runs(
+        self, i, b, plan, grad_scale, out_lowp, flat, clo, chi, master=None, grad=None
+    ) -> bool:
         """The kernel on ``plan``'s runs cut to ``[clo, chi)`` of the bucket's shard; ``flat``:
         the moments of that range (the whole bucket's, or a staging chunk's: [Note: offload]);
-        ``master``: what is stepped (default the master or the param shard).
+        ``master``: what is stepped (default the master or the param shard); ``grad``: its
+        gradient (default the reduced gradient shard).
         Returns whether anything was stepped."""
         g, runs = plan[0], plan[1]
         master = self.master_view(i, b) if master is None else master
-        grad = self.grads.shard(i, b)
+        grad = self.grads.shard(i, b) if grad is None else grad
         stepped = False
         for lo, hi, s in runs:
             lo, hi = max(lo, clo), min(hi, chi)
@@ -467,7 +495,7 @@ class ShardRunner(Residency):
         if whole is None:
             n = self.layout.buffers[i].shard_numel(self.layout.world_size)
             dt = torch.bfloat16 if self.state_dtype == "bf16" else torch.float32
-            whole = torch.zeros(n, dtype=dt, device=self.store.device)
+            whole = torch.zeros(n, dtype=dt, device=self.state_device)
             self._state_whole[key] = whole
         return whole[self._slice(i, b)]
 
