@@ -148,7 +148,14 @@ def test_meta_factory_matches_real_model():
         (["estimate"], "--params"),
         (["estimate", "--params", "1B"], "--world-size"),  # required: no silent world size 1
         (["estimate", "--params", "1B", "--json"], "--world-size"),
-        (["estimate", "--params", "1B", "-n", "2", "--offload-optimizer", "cpu"], "offload"),
+        (
+            ["estimate", "--params", "1B", "-n", "2", "--offload-optimizer", "disk"],
+            "--offload-optimizer",
+        ),
+        (
+            "estimate --params 1B -n 2 --offload-optimizer cpu --offload-params nvme".split(),
+            "--offload-optimizer cpu with --offload-params",
+        ),
         (
             [
                 "estimate",
@@ -398,6 +405,24 @@ def test_offload_optimizer(capsys):
     out = capsys.readouterr().out
     assert "offload stage 3: Adam moments on disk, 2 GB per rank" in out, out
     assert "4 GB read + written per step" in out
+
+
+def test_offload_optimizer_cpu(capsys):
+    """--offload-optimizer cpu (the host tier): masters and moments leave the device for host
+    memory with the pinned staging of a gradient and a param shard; the bus carries those two
+    shards a step (and fp32 params' shard down: no master)."""
+    psi, n = 10**9, 4
+    plain = est.estimate(psi, n, precision="mixed")
+    off = est.estimate(psi, n, precision="mixed", offload_optimizer="cpu")
+    for a, b in zip(plain.stages[1:], off.stages[1:]):
+        assert b.optim_bytes == 0 and b.total_bytes == a.total_bytes - a.optim_bytes
+        assert b.offload_host_bytes == a.optim_bytes + (2 + 2) * psi / n
+        assert b.offload_bus_bytes == (2 + 2) * psi / n
+    fp32 = est.estimate_stage(2, psi, n, precision="fp32", offload_optimizer="cpu")
+    assert fp32.offload_bus_bytes == (4 + 4 + 4) * psi / n
+    assert main(["estimate", "--params", "1B", "-n", "4", "--offload-optimizer", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "offload stage 2: masters and Adam moments in host memory, 4 GB per rank" in out, out
 
 
 def test_offload_params():

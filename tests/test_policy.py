@@ -69,7 +69,11 @@ def test_stages_are_shard_policies():
         ),
         (lambda: OffloadPolicy(offload_optimizer="disk"), ValueError, "'disk'"),
         (lambda: OffloadPolicy(offload_optimizer="nvme"), ValueError, "offload_dir="),
-        (lambda: OffloadPolicy(offload_optimizer="cpu"), NotImplementedError, "'cpu'"),
+        (  # the host tier takes no folder (tests/test_offload_host.py runs it)
+            lambda: OffloadPolicy(offload_optimizer="cpu", offload_dir="/x"),
+            ValueError,
+            "offload_dir='/x' given without",
+        ),
         (lambda: OffloadPolicy("nvme", None, "/x", 0.05), ValueError, "offload_staging_mb"),
         (lambda: ZeroPolicy.resolve(2, persist_below=8), ValueError, "persist_below= is a stage-3"),
         (lambda: ZeroPolicy.resolve(3, overlap_param_gather=True), ValueError, "stage 1/2 option"),

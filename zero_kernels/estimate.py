@@ -418,6 +418,12 @@ class StageEstimate:
     # its backward, at its peak (the end of the forward); in total_bytes
     secondary_bytes: float = 0.0
     shard_size: int = 0  # ranks each state is sharded over (the world unless hierarchical)
+    # offload_optimizer="cpu" (the host tier): the masters and moments in host memory (out of
+    # optim_bytes and the device's total) with the pinned staging of one gradient shard and one
+    # param shard; the bytes crossing the bus per step (gradient shard down, param shard up,
+    # and an fp32 param shard down too: it has no master)
+    offload_host_bytes: float = 0.0
+    offload_bus_bytes: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -462,6 +468,9 @@ def estimate_stage(
     probe picks for ranks on one host: at most `SHM_SLOT_BYTES` per process group, one group
     at stages 1-2, two at stage 3 where the reduce-scatters have a group of their own) or
     "pairwise+shm" (both: the probe chose per size class, some each way).
+    ``offload_optimizer="cpu"`` (stages 1-3, adam; [Note: host tier]): the masters and moments
+    leave the device (``optim_bytes`` 0) for ``offload_host_bytes`` with the pinned staging;
+    ``offload_bus_bytes`` cross the bus per step.
     ``offload_optimizer="nvme"`` (stages 1-3, adam): the fp32 moments (8 bytes per param) leave
     ``optim_bytes`` for ``offload_disk_bytes``, the staging buffers join the total, and every
     step reads and writes them once (``offload_io_bytes``; [Note: offload]).
@@ -482,13 +491,15 @@ def estimate_stage(
 
     if offload_params and stage != 3:
         raise ValueError(f"--offload-params is a stage-3 option; got stage {stage}")
-    if offload_optimizer not in (None, "nvme"):
-        raise ValueError(f"--offload-optimizer must be nvme; got {offload_optimizer!r}")
+    if offload_optimizer not in (None, "nvme", "cpu"):
+        raise ValueError(f"--offload-optimizer must be nvme or cpu; got {offload_optimizer!r}")
+    if offload_optimizer == "cpu" and offload_params:
+        raise ValueError("--offload-optimizer cpu with --offload-params is not built yet")
     if offload_optimizer and stage == 0:
         raise ValueError("--offload-optimizer is a ZeroOptimizer option (stages 1-3), not DDP's")
     if offload_optimizer and OPTIMIZERS.get(optimizer) != 2:
         raise ValueError(
-            f"--offload-optimizer nvme offloads the fused Adam step's moments; got "
+            f"--offload-optimizer {offload_optimizer} offloads the fused Adam step's state; got "
             f"--optimizer {optimizer}"
         )
     if stage not in STAGES:
@@ -547,8 +558,14 @@ def estimate_stage(
         second = max(psi - root_params, 0.0) * prec.param_bytes / secondary_shard
         if reshard_after_forward:  # the backward's gathers: ring over the block, not the group
             wire += ((secondary_shard - 1) / secondary_shard - ring) * p
-    disk = staging = io = 0.0
-    if offload_optimizer:
+    disk = staging = io = host = bus = 0.0
+    if offload_optimizer == "cpu":
+        shard = psi / n
+        fetch = prec.param_bytes if prec.master_bytes == 0 else 0  # fp32: no master
+        host = ob + (prec.grad_bytes + prec.param_bytes) * shard
+        bus = (prec.grad_bytes + prec.param_bytes + fetch) * shard
+        ob = 0.0
+    elif offload_optimizer:
         moments = {"fp32": 8.0, "bf16": 4.0}.get(state_dtype, 2 + 8 / 256)  # per param
         disk = moments * psi / n  # exp_avg + exp_avg_sq (+ int8 scales), this rank's shard
         ob -= disk
@@ -607,6 +624,8 @@ def estimate_stage(
         offload_io_bytes=io,
         secondary_bytes=second,
         shard_size=shard_size,
+        offload_host_bytes=host,
+        offload_bus_bytes=bus,
     )
 
 

@@ -288,7 +288,7 @@ class OffloadPolicy:
                     f"{name}='nvme' needs offload_dir= (a folder on the disk to use; "
                     f"got offload_dir={self.offload_dir!r})"
                 )
-        if v is None and q is None and self.offload_dir is not None:
+        if "nvme" not in (v, q) and self.offload_dir is not None:  # the "cpu" tiers take none
             raise ValueError(
                 f"offload_dir={self.offload_dir!r} given without offload_optimizer='nvme' or "
                 "offload_params='nvme'"

@@ -184,10 +184,11 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument(
         "--offload-optimizer",
-        choices=["nvme"],
+        choices=["nvme", "cpu"],
         default=None,
         help="stages 1-3 with the Adam moments on disk (ZeroOptimizer(offload_optimizer='nvme')):"
-        " RAM, disk and I/O per step per rank",
+        " RAM, disk and I/O per step per rank; cpu: masters and moments in host memory for "
+        "GPU params (the host tier): device and host bytes, bus bytes per step",
     )
     e.add_argument(
         "--offload-params",
@@ -385,6 +386,13 @@ def _cmd_estimate(args) -> int:
                 f"{'buffers':<8}stage {s.stage}: + {f(s.comm_buffer_bytes)} of comm buffers "
                 f"(<= 2 in-flight buckets of {e.bucket_mb:g} MiB, fp32 grads), not in the "
                 "totals above"
+            )
+    for s in e.stages:
+        if s.offload_host_bytes:
+            print(
+                f"{'offload':<8}stage {s.stage}: masters and Adam moments in host memory, "
+                f"{f(s.offload_host_bytes)} per rank with the pinned staging (out of the "
+                f"device's total), {f(s.offload_bus_bytes)} over the bus per step"
             )
     for s in e.stages:
         if s.offload_disk_bytes:
