@@ -146,7 +146,10 @@ def timing(device, layers: int, width: int, steps: int, batch: int) -> dict:
     base = GPT(cfg).to(dtype=torch.bfloat16)
     nparam = sum(p.numel() for p in base.parameters())
     out = {"params": nparam, "layers": layers, "width": width, "batch": batch, "rows": {}}
-    for name, off in (("zero stage 2, state on the device", None), ("zero stage 2, host tier", "cpu")):
+    for name, off in (
+        ("zero stage 2, state on the device", None),
+        ("zero stage 2, host tier", "cpu"),
+    ):
         m = copy.deepcopy(base).to(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
