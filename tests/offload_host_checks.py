@@ -212,3 +212,40 @@ CHECKS = [
 
 def worker(rank, world):
     return run_checks(rank, world, CHECKS)
+
+
+def _with_features(rank, world):
+    """Other options beside the tier: overlapped param gathers (stage 2), a hierarchical shard
+    group, quantized weight gathers (stage 3), and a param group added midway: the same run as
+    without the tier, bitwise."""
+    cases = [
+        (2, dict(overlap_param_gather=True)),
+        (2, dict(shard_group=1)),
+        (3, dict(quantize_weights="int8")),
+        (1, dict(add_group=True)),
+    ]
+    for stage, kw in cases:
+        runs = []
+        for host in (False, True):
+            m = model(torch.bfloat16)
+            add = kw.pop("add_group", False)
+            params = list(m.parameters())
+            if add:  # the last layer joins after two steps (progressive unfreezing)
+                opt = build(params[:-2], stage, host)
+            else:
+                opt = build(m, stage, host, **kw)
+            train(m, opt, 2, rank)
+            if add:
+                opt.add_param_group({"params": params[-2:], "lr": 5e-3})
+                kw["add_group"] = True
+            train(m, opt, 2, rank, start=2)
+            if kw.get("overlap_param_gather"):
+                opt.wait_params()
+            runs.append(snapshot(m, opt))
+            opt.close()
+        assert same(*runs), f"stage {stage} {kw}: the host tier's run differs"
+    return {}
+
+
+_with_features.__name__ = "with_other_features"
+CHECKS.insert(-1, _with_features)
