@@ -4,13 +4,14 @@ step's time beside its parts and a peer, at world size 1 (NCCL; gloo with --devi
 run on machines without a GPU). `bench/gpu_check.sh` runs it.
 
 1. Correctness: a small GPT, stages 1-3, fp32 and bf16 params, 6 clipped AdamW steps with the
-   state on the GPU and with the host tier: the largest relative difference of any param (the CPU
-   and CUDA kernels compute the same formulas; a last bit may differ where the compilers
-   contract differently, and Adam carries it on). Bound 1e-3, as gpu_zero_check.py's against
-   torch.
+   state on the GPU, with the host tier, and at stage 3 with offload_params="cpu" too: the
+   largest relative difference of any param (the CPU and CUDA kernels compute the same
+   formulas; a last bit may differ where the compilers contract differently, and Adam carries
+   it on). Bound 1e-3, as gpu_zero_check.py's against torch.
 2. Memory and time: a GPT of --layers x --width (bf16 params, fp32 masters): the device's
    allocated bytes after the first step and its peak, and the median step (forward + backward,
-   ``opt.step()``) with the state on the GPU, with the host tier, and FSDP2 ``fully_shard`` with
+   ``opt.step()``) with the state on the GPU, with the host tier (stage 2), with both host tiers
+   (stage 3: the param shards on the host too), and FSDP2 ``fully_shard`` with
    ``CPUOffloadPolicy`` (torch's CPU offload: params, gradients and torch AdamW on the host).
    Beside them, what the host tier's step is made of, measured alone in the same run: the CPU
    kernel over the shard (`FusedAdamW` on host tensors of the same size), and the copies of the
@@ -62,12 +63,15 @@ def correctness(device, steps: int = 6) -> list[dict]:
         for dtype in (torch.float32, torch.bfloat16):
             torch.manual_seed(0)
             base = GPT(cfg).to(device=device, dtype=dtype)
-            got = []
-            for off in (None, "cpu"):
+            got, reps = [], []
+            tiers = [None, "cpu"] + (["both"] if stage == 3 else [])
+            for off in tiers:
                 m = copy.deepcopy(base)
+                kw = {"offload_optimizer": off}
+                if off == "both":  # the param shards in host memory too
+                    kw = {"offload_optimizer": "cpu", "offload_params": "cpu"}
                 opt = ZeroOptimizer(
-                    m, torch.optim.AdamW, stage=stage, lr=1e-3, weight_decay=0.01,
-                    offload_optimizer=off,
+                    m, torch.optim.AdamW, stage=stage, lr=1e-3, weight_decay=0.01, **kw
                 )  # fmt: skip
                 for s in range(steps):
                     x, y = _batch(cfg, s, 4, device)
@@ -77,23 +81,25 @@ def correctness(device, steps: int = 6) -> list[dict]:
                     opt.step()
                 with opt.gathered_params(m) if stage == 3 else contextlib.nullcontext():
                     got.append({n: p.detach().clone() for n, p in m.named_parameters()})
-                rep = opt.memory_report()
+                reps.append(opt.memory_report())
                 opt.close()
-            errs = {n: _rel(got[1][n], got[0][n]) for n in got[0]}
-            worst = max(errs, key=errs.get)
-            bits = all(torch.equal(got[1][n], got[0][n]) for n in got[0])
-            row = {
-                "stage": stage,
-                "dtype": str(dtype)[6:],
-                "max_rel_err_vs_on_device": errs[worst],
-                "worst_param": worst,
-                "bitwise": bits,
-                "to_host_bytes": rep["offload_to_host_bytes"],
-                "to_device_bytes": rep["offload_to_device_bytes"],
-                "ok": errs[worst] <= 1e-3,
-            }
-            print(json.dumps(row), flush=True)
-            rows.append(row)
+            for k in range(1, len(got)):
+                errs = {n: _rel(got[k][n], got[0][n]) for n in got[0]}
+                worst = max(errs, key=errs.get)
+                bits = all(torch.equal(got[k][n], got[0][n]) for n in got[0])
+                row = {
+                    "stage": stage,
+                    "dtype": str(dtype)[6:],
+                    "tiers": "optimizer" if k == 1 else "optimizer + params",
+                    "max_rel_err_vs_on_device": errs[worst],
+                    "worst_param": worst,
+                    "bitwise": bits,
+                    "to_host_bytes": reps[k]["offload_to_host_bytes"],
+                    "to_device_bytes": reps[k]["offload_to_device_bytes"],
+                    "ok": errs[worst] <= 1e-3,
+                }
+                print(json.dumps(row), flush=True)
+                rows.append(row)
     return rows
 
 
@@ -146,14 +152,17 @@ def timing(device, layers: int, width: int, steps: int, batch: int) -> dict:
     base = GPT(cfg).to(dtype=torch.bfloat16)
     nparam = sum(p.numel() for p in base.parameters())
     out = {"params": nparam, "layers": layers, "width": width, "batch": batch, "rows": {}}
-    for name, off in (
-        ("zero stage 2, state on the device", None),
-        ("zero stage 2, host tier", "cpu"),
+    both = {"offload_optimizer": "cpu", "offload_params": "cpu"}
+    for name, stage, kw in (
+        ("zero stage 2, state on the device", 2, {}),
+        ("zero stage 2, host tier", 2, {"offload_optimizer": "cpu"}),
+        ("zero stage 3, state on the device", 3, {}),
+        ("zero stage 3, both host tiers", 3, both),
     ):
         m = copy.deepcopy(base).to(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        opt = ZeroOptimizer(m, torch.optim.AdamW, stage=2, lr=1e-4, offload_optimizer=off)
+        opt = ZeroOptimizer(m, torch.optim.AdamW, stage=stage, lr=1e-4, **kw)
         r = _train_timed(m, opt, cfg, device, steps, batch)
         r.update(_mem(device))
         out["rows"][name] = r

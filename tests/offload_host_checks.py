@@ -51,6 +51,86 @@ def _bitwise(stage, dtype, **kw):
     return check
 
 
+def _bitwise_both(dtype, **kw):
+    """offload_params="cpu" beside offload_optimizer="cpu" (stage 3): the shards in host memory,
+    stepped there in place and copied into the gathered bucket as each all-gather's input:
+    bitwise the run without either."""
+
+    def check(rank, world):
+        runs = []
+        for host in (False, True):
+            m = model(dtype, 128)
+            opt = build(
+                m, 3, host, bucket_mb=0.1, **(kw | ({"offload_params": "cpu"} if host else {}))
+            )
+            if host:
+                st = opt.parts.core.store
+                assert st.host_shards and all(t.device.type == "cpu" for t in st.shards)
+                assert opt.parts.core.runner.host.params_on_host
+            train(m, opt, 4, rank)
+            runs.append(snapshot(m, opt))
+            opt.close()
+        assert same(*runs), f"both cpu tiers {dtype} {kw}: the run differs"
+        return {}
+
+    tags = "".join(f"_{k}" for k in kw)
+    check.__name__ = f"bitwise_params_on_host_{str(dtype)[6:]}{tags}"
+    return check
+
+
+def params_on_host_copies(rank, world):
+    """With both "cpu" tiers each step copies the gradient shards to the host and each bucket's
+    param shard to the device once per all-gather (the forward's and the backward's at stage 3),
+    never back: the step writes the host shard in place."""
+    m = model(torch.bfloat16)
+    opt = build(m, 3, True, offload_params="cpu")
+    st, host = opt.parts.core.store, opt.parts.core.runner.host
+    shard = sum(t.numel() for t in st.shards)
+    gsz = opt.parts.core.runner.grads.shard(0, 0).element_size()
+    base = st.bytes_to_device  # construction and the first forward's gathers
+    train(m, opt, 3, rank)
+    assert host.bytes_to_host == 3 * shard * gsz, (host.bytes_to_host, shard)
+    assert host.bytes_to_device == 0 and host.staging_bytes == shard * gsz
+    per_step = (st.bytes_to_device - base) / 3
+    assert per_step == 2 * 2 * shard, (per_step, shard)  # bf16, forward + backward
+    rep = opt.memory_report()
+    assert rep["offload_param_host_bytes"] == 2 * shard
+    assert rep["offload_to_device_bytes"] == st.bytes_to_device
+    opt.close()
+    return {"param_bytes_to_device_per_step": per_step}
+
+
+def params_on_host_checkpoints(rank, world):
+    """Saved with both "cpu" tiers, loaded at stage 2 without them and back: the next steps
+    equal an uninterrupted run's."""
+    m0 = model(torch.bfloat16)
+    o0 = build(m0, 2, False)
+    train(m0, o0, 5, rank)
+    want = snapshot(m0, o0)
+    o0.close()
+    d = os.path.join(DIR, f"zk-host-params-ckpt-{os.getppid()}")
+    both = {"offload_params": "cpu"}
+    for first, second in (((3, True, both), (2, False, {})), ((2, False, {}), (3, True, both))):
+        m = model(torch.bfloat16)
+        o = build(m, first[0], first[1], **first[2])
+        train(m, o, 3, rank)
+        path = zero_kernels.save_checkpoint(d, m, o, extra={"step": 3})
+        o.close()
+        m2 = model(torch.bfloat16)
+        o2 = build(m2, second[0], second[1], **second[2])
+        zero_kernels.load_checkpoint(path, m2, o2)
+        train(m2, o2, 2, rank, start=3)
+        got = snapshot(m2, o2)
+        o2.close()
+        assert same(got, want), f"saved {first[:2]}, loaded {second[:2]}: differs"
+    torch.distributed.barrier()
+    if rank == 0:
+        import shutil
+
+        shutil.rmtree(d, ignore_errors=True)
+    return {}
+
+
 def copies_per_step(rank, world):
     """Each step copies every bucket's gradient shard to the host and its new param shard back
     (fp32 params: their shard to the host too); memory_report counts the host's bytes."""
@@ -180,7 +260,13 @@ def refusals(rank, world):
             dict(offload_optimizer="cpu", kernel_backend="cuda"),
             ValueError,
         ),
-        ("params cpu tier", torch.optim.AdamW, dict(offload_params="cpu"), NotImplementedError),
+        ("params cpu tier alone", torch.optim.AdamW, dict(offload_params="cpu"), ValueError),
+        (
+            "params cpu tier at quantized gathers",
+            torch.optim.AdamW,
+            dict(offload_optimizer="cpu", offload_params="cpu", quantize_weights="int8"),
+            NotImplementedError,
+        ),
         ("bad tier", torch.optim.AdamW, dict(offload_optimizer="gpu"), ValueError),
     ]
     for what, cls, kw, err in cases:
@@ -202,6 +288,14 @@ CHECKS = [
     _bitwise(3, torch.float32, state_dtype="int8", state_block=64),
     _bitwise(2, torch.bfloat16, state_dtype="bf16"),
     _bitwise(3, torch.bfloat16, bf16_stochastic_round=True),
+    _bitwise_both(torch.float32),
+    _bitwise_both(torch.bfloat16),
+    _bitwise_both(torch.float32, state_dtype="int8", state_block=64),
+    _bitwise_both(torch.bfloat16, bf16_stochastic_round=True),
+    _bitwise_both(torch.bfloat16, persist_below=64, prefetch=2),
+    _bitwise_both(torch.float32, secondary_shard=2),
+    params_on_host_copies,
+    params_on_host_checkpoints,
     copies_per_step,
     checkpoints,
     state_dict_and_model_edits,

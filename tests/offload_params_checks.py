@@ -276,7 +276,7 @@ def refusals(rank, world):
         ("stage 1", 1, dict(offload_params="nvme", offload_dir=DIR), ValueError, "stage-3"),
         ("no dir", 3, dict(offload_params="nvme"), ValueError, "offload_dir="),
         ("missing dir", 3, dict(offload_params="nvme", offload_dir=DIR + "/no"), ValueError, "dir"),
-        ("cpu tier", 3, dict(offload_params="cpu"), NotImplementedError, "'cpu'"),
+        ("cpu tier alone", 3, dict(offload_params="cpu"), ValueError, "offload_optimizer='cpu'"),
         ("bad value", 3, dict(offload_params="disk"), ValueError, "'disk'"),
     ]
     for what, stage, kw, err, word in cases:

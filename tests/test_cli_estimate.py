@@ -154,7 +154,11 @@ def test_meta_factory_matches_real_model():
         ),
         (
             "estimate --params 1B -n 2 --offload-optimizer cpu --offload-params nvme".split(),
-            "--offload-optimizer cpu with --offload-params",
+            "--offload-params cpu goes with --offload-optimizer cpu",
+        ),
+        (
+            "estimate --params 1B -n 2 --offload-params cpu".split(),
+            "--offload-params cpu goes with --offload-optimizer cpu",
         ),
         (
             [
@@ -423,6 +427,15 @@ def test_offload_optimizer_cpu(capsys):
     assert main(["estimate", "--params", "1B", "-n", "4", "--offload-optimizer", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "offload stage 2: masters and Adam moments in host memory, 4 GB per rank" in out, out
+    # stage 3 with the param shards on the host too: off the device, copied in per all-gather
+    both = est.estimate_stage(3, psi, n, offload_optimizer="cpu", offload_params="cpu")
+    one = off.stages[3]
+    assert both.params_bytes == 0 and both.total_bytes == one.total_bytes - one.params_bytes
+    assert both.offload_host_bytes == one.offload_host_bytes  # the shard replaces its staging
+    assert both.offload_bus_bytes == (2 + 2 * 2) * psi / n  # grads down, 2 gathers' inputs up
+    argv = "estimate --params 1B -n 4 --offload-optimizer cpu --offload-params cpu".split()
+    assert main(argv) == 0
+    assert "Adam moments and param shards in host memory" in capsys.readouterr().out
 
 
 def test_offload_params():

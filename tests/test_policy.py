@@ -60,7 +60,12 @@ def test_stages_are_shard_policies():
             ValueError,
             "params='nvme' needs offload_dir",
         ),
-        (lambda: OffloadPolicy(offload_params="cpu"), NotImplementedError, "params='cpu'"),
+        (lambda: OffloadPolicy(offload_params="cpu"), ValueError, "params='cpu' keeps"),
+        (
+            lambda: OffloadPolicy("cpu", "nvme", "/x"),
+            NotImplementedError,
+            "offload_optimizer='cpu' with offload_params='nvme'",
+        ),
         (lambda: OffloadPolicy(offload_params="disk"), ValueError, "'disk'"),
         (
             lambda: ZeroPolicy.resolve(2, offload_params="nvme", offload_dir="/x"),

@@ -318,11 +318,20 @@ class ParamStore:
         rank: int,
         sharded: bool,
         tier=None,
+        shard_device=None,
     ):
         self.layout, self.device, self.sharded, self._rank = layout, device, sharded, rank
         # sharded, offload_params="nvme": `zero_kernels.offload.params.ParamSwapper` holds the
         # shards (their values in RAM only while acquired, [Note: param offload])
         self.tier = tier
+        # sharded, offload_params="cpu": the persistent shards in host memory (pinned for params
+        # on a GPU), copied into the gathered bucket as each all-gather's input ([Note: host
+        # tier] in zero_kernels.offload.host)
+        sdev = torch.device(device) if shard_device is None else torch.device(shard_device)
+        self.shard_device = sdev
+        self.host_shards = sharded and shard_device is not None
+        self.bytes_to_device = 0  # host_shards: bytes copied in as all-gather inputs
+        pin = sdev.type == "cpu" and torch.device(device).type == "cuda"
         n = layout.world_size
         self.flats: list[torch.Tensor] = []  # whole params: the flat buffers
         self.shards: list[torch.Tensor] = []  # sharded params: the persistent shards
@@ -337,7 +346,7 @@ class ParamStore:
                 self.flats.append(flatten_params(buf, params, device))
                 continue
             k = 0 if tier is not None else buf.shard_numel(n)  # offloaded: the tier's mappings
-            self.shards.append(torch.zeros(k, dtype=dt, device=device))
+            self.shards.append(torch.zeros(k, dtype=dt, device=sdev, pin_memory=pin))
             full, raw, maps = [], [], []
             for bk in buf.buckets:
                 if _maps_memory(device):
@@ -426,6 +435,22 @@ class ParamStore:
         """Before an all-gather of bucket ``b``: its shard read in (`release_after` follows)."""
         if self.tier is not None:
             self.tier.acquire((i, b))
+
+    def gather_input(self, i: int, b: int) -> torch.Tensor:
+        """The all-gather input of bucket ``b``: the shard, or, with the shards in host memory
+        (offload_params="cpu"), the bucket's own chunk of the gathered tensor with the shard
+        copied in (from pinned memory, queued on the current stream: the collective's stream
+        waits for it; on CPU params the same copy, host to host)."""
+        shard = self.shard(i, b)
+        if not self.host_shards:
+            return shard
+        full = self.full(i, b)
+        bk = self.layout.buffers[i].buckets[b]
+        lo = bk.shard_start(self._rank) - bk.start
+        own = full[lo : lo + bk.shard_numel]
+        own.copy_(shard, non_blocking=True)
+        self.bytes_to_device += own.numel() * own.element_size()
+        return own
 
     def release_after(self, i: int, b: int, handle):
         """``handle`` of the all-gather from bucket ``b``'s shard, made to release the shard

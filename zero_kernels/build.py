@@ -209,7 +209,16 @@ def store(core: Core, *, meta: bool, init_fn, seed: int) -> ParamStore:
             by_unit.setdefault(u, []).append((i, b.index))
     persistent = len(core.unit_modules) + 1  # small params kept whole (persist_below)
     tier = _param_swapper(core, by_unit, persistent) if sharded else None
-    st = ParamStore(layout, params, core.device, rank=core.rank, sharded=sharded, tier=tier)
+    on_host = sharded and core.policy.offload.offload_params == "cpu"  # [Note: host tier]
+    st = ParamStore(
+        layout,
+        params,
+        core.device,
+        rank=core.rank,
+        sharded=sharded,
+        tier=tier,
+        shard_device=torch.device("cpu") if on_host else None,
+    )
     if not sharded:
         if not meta:
             for f in st.flats:
@@ -339,11 +348,11 @@ def _host_tier(core: Core, r, optimizer_class):
             "an option the kernel does not take, whole mode, or float64 params): not built yet "
             "for other steps"
         )
-    if core.policy.offload.offload_params is not None:
+    if core.policy.offload.offload_params == "cpu" and core.policy.comm.quantize_weights:
         raise NotImplementedError(
-            "offload_optimizer='cpu' with offload_params="
-            f"{core.policy.offload.offload_params!r} is not built yet; use offload_optimizer="
-            "'nvme' with offload_params='nvme', or offload_optimizer='cpu' alone"
+            "offload_params='cpu' with quantize_weights="
+            f"{core.policy.comm.quantize_weights!r}: the quantized all-gather would quantize "
+            "the shard in host memory; not built yet (use one of them)"
         )
     return HostTier(r, core.device)
 

@@ -486,15 +486,18 @@ def estimate_stage(
     unit's gathered params from its forward to its backward (``secondary_bytes``, all but the
     root unit's ``root_params``: the peak, at the end of the forward), and the backward's
     all-gathers run over the S ranks of its block."""
-    if offload_params not in (None, "nvme"):
-        raise ValueError(f"--offload-params must be nvme; got {offload_params!r}")
+    if offload_params not in (None, "nvme", "cpu"):
+        raise ValueError(f"--offload-params must be nvme or cpu; got {offload_params!r}")
 
     if offload_params and stage != 3:
         raise ValueError(f"--offload-params is a stage-3 option; got stage {stage}")
     if offload_optimizer not in (None, "nvme", "cpu"):
         raise ValueError(f"--offload-optimizer must be nvme or cpu; got {offload_optimizer!r}")
-    if offload_optimizer == "cpu" and offload_params:
-        raise ValueError("--offload-optimizer cpu with --offload-params is not built yet")
+    if (offload_params == "cpu") != (offload_optimizer == "cpu") and offload_params:
+        raise ValueError(
+            "--offload-params cpu goes with --offload-optimizer cpu (and nvme with nvme or "
+            f"alone); got --offload-optimizer {offload_optimizer} --offload-params {offload_params}"
+        )
     if offload_optimizer and stage == 0:
         raise ValueError("--offload-optimizer is a ZeroOptimizer option (stages 1-3), not DDP's")
     if offload_optimizer and OPTIMIZERS.get(optimizer) != 2:
@@ -565,13 +568,17 @@ def estimate_stage(
         host = ob + (prec.grad_bytes + prec.param_bytes) * shard
         bus = (prec.grad_bytes + prec.param_bytes + fetch) * shard
         ob = 0.0
-    elif offload_optimizer:
+        if offload_params == "cpu":  # the shards themselves on the host, not staged
+            gathers = 2 if reshard_after_forward else 1  # each all-gather copies its input in
+            bus = (prec.grad_bytes + gathers * prec.param_bytes) * shard
+            pb = 0.0
+    elif offload_optimizer:  # nvme
         moments = {"fp32": 8.0, "bf16": 4.0}.get(state_dtype, 2 + 8 / 256)  # per param
         disk = moments * psi / n  # exp_avg + exp_avg_sq (+ int8 scales), this rank's shard
         ob -= disk
         staging = offload_staging_mb * 2**20
         io = 2 * disk
-    if offload_params:
+    if offload_params == "nvme":
         masters = prec.master_bytes * psi / n
         disk += pb + masters
         io += 4 * pb + 2 * masters

@@ -742,10 +742,21 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
             # offload_optimizer="cpu": what the host holds (masters, moments: in master_bytes
             # and optim_state_bytes; the pinned staging: in offload_staging_bytes too), bytes
             # copied each way since construction ([Note: host tier])
-            offload_host_bytes=master + state + host_staging if host is not None else 0,
+            offload_host_bytes=(
+                master
+                + state
+                + host_staging
+                + (core.store.nbytes() if core.store.host_shards else 0)
+                if host is not None
+                else 0
+            ),
+            # offload_params="cpu": the param shards in host memory (in param_bytes too)
+            offload_param_host_bytes=core.store.nbytes() if core.store.host_shards else 0,
             offload_host_staging_bytes=host_staging,
             offload_to_host_bytes=host.bytes_to_host if host is not None else 0,
-            offload_to_device_bytes=host.bytes_to_device if host is not None else 0,
+            offload_to_device_bytes=(
+                host.bytes_to_device + core.store.bytes_to_device if host is not None else 0
+            ),
         )
 
     @property

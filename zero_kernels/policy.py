@@ -263,7 +263,9 @@ class OffloadPolicy:
     nothing). offload_params (stage 3 only): ``"nvme"``
     keeps each bucket's param shard in a file under ``offload_dir`` between its uses (its
     all-gathers and its step), read ahead of them and written behind the step ([Note: param
-    offload] in `zero_kernels.offload.params`); ``"cpu"``: GPU runs, not built yet."""
+    offload] in `zero_kernels.offload.params`); ``"cpu"`` (with ``offload_optimizer="cpu"``): the
+    shards in pinned host memory, where the host tier steps them, copied to the device as the
+    input of each all-gather ([Note: host tier])."""
 
     offload_optimizer: str | None = None
     offload_params: str | None = None
@@ -277,10 +279,15 @@ class OffloadPolicy:
         q = self.offload_params
         if q not in (None, "cpu", "nvme"):
             raise ValueError(f"offload_params must be None, 'cpu' or 'nvme', got {q!r}")
-        if q == "cpu":
+        if q == "cpu" and v != "cpu":
+            raise ValueError(
+                "offload_params='cpu' keeps the param shards where the host tier steps them: "
+                f"it needs offload_optimizer='cpu', got offload_optimizer={v!r}"
+            )
+        if v == "cpu" and q == "nvme":
             raise NotImplementedError(
-                "offload_params='cpu' (GPU runs: shards in pinned host memory) is not built "
-                "yet; on CPU params the shards are in host memory already: use 'nvme' or None"
+                "offload_optimizer='cpu' with offload_params='nvme' is not built yet; use "
+                "'nvme' for both, or 'cpu' for both"
             )
         for name, w in (("offload_optimizer", v), ("offload_params", q)):
             if w == "nvme" and not self.offload_dir:

@@ -192,10 +192,11 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument(
         "--offload-params",
-        choices=["nvme"],
+        choices=["nvme", "cpu"],
         default=None,
         help="stage 3 with the param shards and fp32 masters on disk too "
-        "(ZeroOptimizer(offload_params='nvme'))",
+        "(ZeroOptimizer(offload_params='nvme')); cpu (with --offload-optimizer cpu): the "
+        "param shards in host memory",
     )
     e.add_argument(
         "--offload-staging-mb",
@@ -389,8 +390,9 @@ def _cmd_estimate(args) -> int:
             )
     for s in e.stages:
         if s.offload_host_bytes:
+            shards = " and param shards" if s.stage == 3 and args.offload_params else ""
             print(
-                f"{'offload':<8}stage {s.stage}: masters and Adam moments in host memory, "
+                f"{'offload':<8}stage {s.stage}: masters and Adam moments{shards} in host memory, "
                 f"{f(s.offload_host_bytes)} per rank with the pinned staging (out of the "
                 f"device's total), {f(s.offload_bus_bytes)} over the bus per step"
             )

@@ -30,6 +30,13 @@ device's values are the ones stepped, whatever edited them between steps).
   on every CI run); on a GPU they are those of the CPU kernel, which computes the same formulas
   as the CUDA kernel ([Note: fused step]) but may round a last bit differently where the
   compilers contract differently (bench/gpu_offload_check.py measures the difference);
+- ``offload_params="cpu"`` (stage 3, with this tier): the param shards themselves live in pinned
+  host memory (`ParamStore.shard_device`), so the step writes them in place (no staging, no
+  copy back); each all-gather copies the bucket's shard into its own chunk of the gathered
+  tensor on the current stream and gathers in place (`ParamStore.gather_input`): the shard
+  crosses the bus once per all-gather (the forward's and the backward's), and the device
+  holds no param bytes between uses. Not with ``quantize_weights`` (its quantizer would read
+  the shard in host memory: refused);
 - the step waits for the copies by design (the host computes on them): ``step()`` is not
   sync-free with this tier ([Note: no host sync]); clipping, the non-finite check and the loss
   scale run on the device before the step as without it, and reach the host kernel as its
@@ -64,15 +71,19 @@ class HostTier:
         n = layout.world_size
         # per flat buffer: the params' staging (their dtype) and the gradients' (allocated at
         # the first step: the gradient shard's dtype is known then)
-        self._param: list[torch.Tensor] = []
+        self._param: list[torch.Tensor | None] = []
         self._grad: list[torch.Tensor | None] = [None] * len(layout.buffers)
+        # offload_params="cpu": the shards live on the host already; the step writes them
+        # in place and the next all-gather copies them to the device (ParamStore.gather_input)
+        self.params_on_host = runner.store.host_shards
         for i, buf in enumerate(layout.buffers):
             dt = runner.store.shard(i, buf.buckets[0].index).dtype
-            self._param.append(self._empty(buf.shard_numel(n), dt))
+            stage = None if self.params_on_host else self._empty(buf.shard_numel(n), dt)
+            self._param.append(stage)
         # fp32 params (stepped in place: the host copy is what steps) and stochastically
         # rounded bf16 params (stepped on an fp32 copy of their values) need their shard's
         # values on the host; bf16/fp16 with a master only send theirs back
-        self._fetch_params = [m is None for m in runner.masters]
+        self._fetch_params = [m is None and not self.params_on_host for m in runner.masters]
         self._events: dict[tuple[int, int], object] = {}
         self._sent: list = []  # events of the copies back, waited for at the next begin
         self.bytes_to_host = 0
@@ -84,7 +95,7 @@ class HostTier:
     @property
     def staging_bytes(self) -> int:
         """Bytes of pinned staging held now."""
-        ts = self._param + [g for g in self._grad if g is not None]
+        ts = [t for t in self._param + self._grad if t is not None]
         return sum(t.numel() * t.element_size() for t in ts)
 
     def _ctx(self):
@@ -127,11 +138,15 @@ class HostTier:
         if ev is not None:
             ev.synchronize()
         sl = self.runner._slice(i, b)
+        if self.params_on_host:
+            return self.runner.store.shard(i, b), self._grad[i][sl]
         return self._param[i][sl], self._grad[i][sl]
 
     def send(self, i: int, b: int) -> None:
         """Queue the stepped shard's copy back to the device; the compute stream waits for it."""
         r = self.runner
+        if self.params_on_host:  # stepped in place; the next all-gather copies it over
+            return
         dst = r.store.shard(i, b)
         src = self._param[i][r._slice(i, b)]
         with self._ctx():

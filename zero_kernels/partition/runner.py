@@ -573,7 +573,7 @@ class ShardRunner(Residency):
         With ``quantize`` set (stage 3's quantize_weights) and outside `exact`, the other
         ranks' chunks come quantized ([Note: quantized all-gather])."""
         self.store.acquire_shard(i, b)  # offloaded: in RAM until the all-gather is waited for
-        full, shard = self.store.full(i, b), self.store.shard(i, b)
+        full, shard = self.store.full(i, b), self.store.gather_input(i, b)
         if self.quantize is not None and not self._exact:
             bits, block = self.quantize
             h = comm.quant.all_gather_quantized(
