@@ -31,50 +31,30 @@ def build(m, stage, host, bucket_mb=0.004, **kw):
     )
 
 
-def _bitwise(stage, dtype, **kw):
+def _bitwise(stage, dtype, params_on_host=False, **kw):
+    """The run with the host tier (and, ``params_on_host``, offload_params="cpu": the shards in
+    host memory, stepped there in place and copied into the gathered bucket as each
+    all-gather's input) against the same run without it: bitwise."""
+
     def check(rank, world):
         runs = []
         for host in (False, True):
             m = model(dtype, 128 if kw.get("bucket_mb") else 48)
-            opt = build(m, stage, host, **kw)
+            both = {"offload_params": "cpu"} if host and params_on_host else {}
+            opt = build(m, stage, host, **(kw | both))
             if host:
-                r = opt.parts.core.runner
+                r, st = opt.parts.core.runner, opt.parts.core.store
                 assert r.host is not None and r.state_device.type == "cpu"
+                assert st.host_shards == r.host.params_on_host == params_on_host
+                assert all(t.device.type == "cpu" for t in st.shards)
             train(m, opt, 4, rank)
             runs.append(snapshot(m, opt))
             opt.close()
         assert same(*runs), f"stage {stage} {dtype} {kw}: the host tier's run differs"
         return {}
 
-    tags = "".join(f"_{k}" for k in kw)
+    tags = ("_params_on_host" if params_on_host else "") + "".join(f"_{k}" for k in kw)
     check.__name__ = f"bitwise_stage{stage}_{str(dtype)[6:]}{tags}"
-    return check
-
-
-def _bitwise_both(dtype, **kw):
-    """offload_params="cpu" beside offload_optimizer="cpu" (stage 3): the shards in host memory,
-    stepped there in place and copied into the gathered bucket as each all-gather's input:
-    bitwise the run without either."""
-
-    def check(rank, world):
-        runs = []
-        for host in (False, True):
-            m = model(dtype, 128)
-            opt = build(
-                m, 3, host, bucket_mb=0.1, **(kw | ({"offload_params": "cpu"} if host else {}))
-            )
-            if host:
-                st = opt.parts.core.store
-                assert st.host_shards and all(t.device.type == "cpu" for t in st.shards)
-                assert opt.parts.core.runner.host.params_on_host
-            train(m, opt, 4, rank)
-            runs.append(snapshot(m, opt))
-            opt.close()
-        assert same(*runs), f"both cpu tiers {dtype} {kw}: the run differs"
-        return {}
-
-    tags = "".join(f"_{k}" for k in kw)
-    check.__name__ = f"bitwise_params_on_host_{str(dtype)[6:]}{tags}"
     return check
 
 
@@ -98,37 +78,6 @@ def params_on_host_copies(rank, world):
     assert rep["offload_to_device_bytes"] == st.bytes_to_device
     opt.close()
     return {"param_bytes_to_device_per_step": per_step}
-
-
-def params_on_host_checkpoints(rank, world):
-    """Saved with both "cpu" tiers, loaded at stage 2 without them and back: the next steps
-    equal an uninterrupted run's."""
-    m0 = model(torch.bfloat16)
-    o0 = build(m0, 2, False)
-    train(m0, o0, 5, rank)
-    want = snapshot(m0, o0)
-    o0.close()
-    d = os.path.join(DIR, f"zk-host-params-ckpt-{os.getppid()}")
-    both = {"offload_params": "cpu"}
-    for first, second in (((3, True, both), (2, False, {})), ((2, False, {}), (3, True, both))):
-        m = model(torch.bfloat16)
-        o = build(m, first[0], first[1], **first[2])
-        train(m, o, 3, rank)
-        path = zero_kernels.save_checkpoint(d, m, o, extra={"step": 3})
-        o.close()
-        m2 = model(torch.bfloat16)
-        o2 = build(m2, second[0], second[1], **second[2])
-        zero_kernels.load_checkpoint(path, m2, o2)
-        train(m2, o2, 2, rank, start=3)
-        got = snapshot(m2, o2)
-        o2.close()
-        assert same(got, want), f"saved {first[:2]}, loaded {second[:2]}: differs"
-    torch.distributed.barrier()
-    if rank == 0:
-        import shutil
-
-        shutil.rmtree(d, ignore_errors=True)
-    return {}
 
 
 def copies_per_step(rank, world):
@@ -165,17 +114,25 @@ def copies_per_step(rank, world):
 
 def checkpoints(rank, world):
     """Saved with the host tier at stage 3, loaded without it at stage 2, and the other way
-    round (bf16 params: their masters on the host): the next steps equal an uninterrupted
-    run's."""
+    round (bf16 params: their masters on the host); the same with the param shards on the host
+    too: the next steps equal an uninterrupted run's."""
     m0 = model(torch.bfloat16)
     o0 = build(m0, 2, False)
     train(m0, o0, 5, rank)
     want = snapshot(m0, o0)
     o0.close()
     d = os.path.join(DIR, f"zk-host-ckpt-{os.getppid()}")
-    for first, second in (((3, True), (2, False)), ((2, False), (3, True)), ((1, True), (3, True))):
+    both = {"offload_params": "cpu"}
+    cases = [
+        ((3, True, {}), (2, False, {})),
+        ((2, False, {}), (3, True, {})),
+        ((1, True, {}), (3, True, {})),
+        ((3, True, both), (2, False, {})),
+        ((2, False, {}), (3, True, both)),
+    ]
+    for first, second in cases:
         m = model(torch.bfloat16)
-        o = build(m, first[0], first[1])
+        o = build(m, *first[:2], **first[2])
         train(m, o, 3, rank)
         path = zero_kernels.save_checkpoint(d, m, o, extra={"step": 3})
         o.close()
@@ -183,7 +140,7 @@ def checkpoints(rank, world):
         with torch.no_grad():
             for p in m2.parameters():
                 p.zero_()
-        o2 = build(m2, second[0], second[1])
+        o2 = build(m2, *second[:2], **second[2])
         zero_kernels.load_checkpoint(path, m2, o2)
         train(m2, o2, 2, rank, start=3)
         got = snapshot(m2, o2)
@@ -288,14 +245,13 @@ CHECKS = [
     _bitwise(3, torch.float32, state_dtype="int8", state_block=64),
     _bitwise(2, torch.bfloat16, state_dtype="bf16"),
     _bitwise(3, torch.bfloat16, bf16_stochastic_round=True),
-    _bitwise_both(torch.float32),
-    _bitwise_both(torch.bfloat16),
-    _bitwise_both(torch.float32, state_dtype="int8", state_block=64),
-    _bitwise_both(torch.bfloat16, bf16_stochastic_round=True),
-    _bitwise_both(torch.bfloat16, persist_below=64, prefetch=2),
-    _bitwise_both(torch.float32, secondary_shard=2),
+    _bitwise(3, torch.float32, True, bucket_mb=0.1),
+    _bitwise(3, torch.bfloat16, True, bucket_mb=0.1),
+    _bitwise(3, torch.float32, True, bucket_mb=0.1, state_dtype="int8", state_block=64),
+    _bitwise(3, torch.bfloat16, True, bucket_mb=0.1, bf16_stochastic_round=True),
+    _bitwise(3, torch.bfloat16, True, bucket_mb=0.1, persist_below=64, prefetch=2),
+    _bitwise(3, torch.float32, True, bucket_mb=0.1, secondary_shard=2),
     params_on_host_copies,
-    params_on_host_checkpoints,
     copies_per_step,
     checkpoints,
     state_dict_and_model_edits,
