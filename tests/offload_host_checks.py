@@ -201,6 +201,19 @@ def skipped_step(rank, world):
     return {}
 
 
+def thread_advice(rank, world):
+    """A GPU rank left with one intra-op thread (torchrun's OMP_NUM_THREADS=1) where cores are
+    to spare is told how many to use; CPU params, several threads or no spare core: silence."""
+    from zero_kernels.build import host_thread_advice
+
+    msg = host_thread_advice("cuda", 1, 64, 8)
+    assert msg and "torch.set_num_threads(8)" in msg and "OMP_NUM_THREADS=8" in msg, msg
+    assert host_thread_advice("cpu", 1, 64, 8) is None
+    assert host_thread_advice("cuda", 8, 64, 8) is None
+    assert host_thread_advice("cuda", 1, 8, 8) is None
+    return {}
+
+
 def refusals(rank, world):
     msgs = {}
     cases = [
@@ -256,6 +269,7 @@ CHECKS = [
     checkpoints,
     state_dict_and_model_edits,
     skipped_step,
+    thread_advice,
     refusals,
 ]
 

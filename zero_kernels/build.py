@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import zlib
 
 import torch
@@ -354,7 +355,30 @@ def _host_tier(core: Core, r, optimizer_class):
             f"{core.policy.comm.quantize_weights!r}: the quantized all-gather would quantize "
             "the shard in host memory; not built yet (use one of them)"
         )
+    advice = host_thread_advice(
+        core.device.type,
+        torch.get_num_threads(),
+        os.cpu_count() or 1,
+        int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+    )
+    if advice:
+        log.warning(advice)
     return HostTier(r, core.device)
+
+
+def host_thread_advice(device: str, threads: int, cpus: int, local_ranks: int) -> str | None:
+    """The host tier steps on torch's intra-op threads; torchrun starts each rank with
+    OMP_NUM_THREADS=1, which leaves a GPU rank's CPU step on one core. A warning when a GPU run
+    has one thread and cores to spare (None otherwise)."""
+    spare = max(cpus // max(local_ranks, 1), 1)
+    if device == "cpu" or threads > 1 or spare == 1:
+        return None
+    return (
+        f"offload_optimizer='cpu': the step runs on the host with torch's {threads} thread "
+        f"(torchrun sets OMP_NUM_THREADS=1), while {cpus} cores serve {local_ranks} rank(s) "
+        f"here: call torch.set_num_threads({spare}) (or set OMP_NUM_THREADS={spare}) before "
+        "training"
+    )
 
 
 def _check_state_dtype(

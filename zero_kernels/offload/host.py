@@ -37,6 +37,9 @@ device's values are the ones stepped, whatever edited them between steps).
   crosses the bus once per all-gather (the forward's and the backward's), and the device
   holds no param bytes between uses. Not with ``quantize_weights`` (its quantizer would read
   the shard in host memory: refused);
+- the host kernel runs on torch's intra-op threads (``torch.set_num_threads``); torchrun starts
+  each rank with OMP_NUM_THREADS=1, so a GPU rank would step on one core: the construction
+  warns then, naming the count to set (the node's cores over its ranks);
 - the step waits for the copies by design (the host computes on them): ``step()`` is not
   sync-free with this tier ([Note: no host sync]); clipping, the non-finite check and the loss
   scale run on the device before the step as without it, and reach the host kernel as its
