@@ -46,11 +46,18 @@ device's values are the ones stepped, whatever edited them between steps).
   gradient scale or as already-scaled gradients.
 
 Not done during backward: the gradient copies are queued at ``step()``, not as each bucket's
-reduce-scatter ends, because with gradient accumulation every backward before the step would
-copy its partial sums (the bus time of one extra copy per micro-batch), and because what edits
-the gradient between backward and step (clipping in place, ``grad`` writes) would have to
-invalidate copies made early. The copies of later buckets overlap the step of earlier ones
-instead. The measured split is in bench/README.md ("The host tier on a GPU").
+reduce-scatter ends. With gradient accumulation, every backward before the step would copy its
+partial sums (one extra copy per micro-batch). Anything that edits the gradient between
+backward and step would have to invalidate copies made early: clipping in place (the sync-free
+path on a GPU), ``grad`` writes, and collectives that write without bumping a version counter.
+And little is left to gain. The copies of later buckets already overlap the host's step of
+earlier ones, so only the first bucket's copy is exposed. The step itself is bound by the
+host: it moves about 30 bytes per param of the shard through host memory (fp32 master, p, m,
+v read and written, the gradient read, the bf16 copy-out) at tens of GB/s, while the bus
+carries 2 bytes per param (a bf16 gradient) at about 25 GB/s. So the copies are on the order
+of 1/20 of the step, and that bounds what an overlap with backward could save. Measuring it
+on a GPU is left to bench/gpu_offload_check.py ("cpu_kernel_fp32_grads_s" against
+"d2h_bf16_shard_s").
 """
 
 from __future__ import annotations
