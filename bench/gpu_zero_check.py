@@ -126,6 +126,7 @@ def run_stage(stage: int, device: torch.device, steps: int, variant: str = "") -
     tol_err = max(v for n, v in errs.items() if variant != "autocast" or "attn.bias" not in n)
     tol_same = max(v for n, v in errs_same.items() if variant != "autocast" or "attn.bias" not in n)
     floor = max(v for n, v in errs_torch.items() if variant != "autocast" or "attn.bias" not in n)
+
     def top(e):  # the three largest among the params the bound applies to
         kept = {n: v for n, v in e.items() if variant != "autocast" or "attn.bias" not in n}
         return sorted(kept.items(), key=lambda kv: -kv[1])[:3]
