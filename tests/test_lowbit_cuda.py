@@ -44,19 +44,47 @@ def test_cuda_matches_reference(state_dtype, block, grad_dtype):
                 )
 
 
-# int8: more quantization blocks than one grid holds, so the kernel's grid-stride loop over
-# blocks runs: at block 64 a CTA of 256 threads holds 32 groups of 8 lanes, one block each, and
-# the grid is capped at 65535 * 8 CTAs (csrc/adam_lowbit_cuda.cu); 1.07e9 elements, one step
-# (about 40 GB of device memory with the reference: skipped on smaller GPUs)
+# a large tensor against the reference (CPU): one step (the reference takes seconds at this
+# size); the grid-stride loop is test_cuda_grid_stride_loop_matches_pieces's
 @pytest.mark.parametrize(
-    "state_dtype,n,steps", [("int8", 65535 * 8 * 32 * 64 + 1000, 1), ("bf16", 2**20 + 3, 3)]
+    "state_dtype,n,steps", [("int8", 65535 * 8 * 64 + 1000, 1), ("bf16", 2**20 + 3, 3)]
 )
 def test_cuda_large_matches_reference(state_dtype, n, steps):
-    if n > 2**30 and torch.cuda.mem_get_info()[0] < 64 * 2**30:
-        pytest.skip("needs 64 GiB of free device memory (1.07e9 elements with the reference)")
     run_steps(
         "cuda", "cuda", n, 64, state_dtype, torch.float32, torch.bfloat16, VARIANTS[0], steps=steps
     )
+
+
+def test_cuda_grid_stride_loop_matches_pieces():
+    """More int8 quantization blocks than one grid holds, so the kernel's grid-stride loop over
+    blocks runs (block 64: a CTA of 256 threads holds 32 groups of 8 lanes, one block each; the
+    grid is capped at 65535 * 8 CTAs; csrc/adam_lowbit_cuda.cu): 1.07e9 elements, two steps, and
+    the first and last 4096 blocks (the last one short) stepped again as tensors of their own,
+    where the first pass of the grid covers them. Blocks are independent: every byte equal."""
+    block, nb_cap = 64, 65535 * 8 * 32
+    n = nb_cap * block + 1000
+    if torch.cuda.mem_get_info()[0] < 24 * 2**30:
+        pytest.skip("needs 24 GiB of free device memory (1.07e9 elements)")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    p = torch.randn(n, device="cuda", generator=gen)
+    g = torch.randn(n, device="cuda", generator=gen) * 1e-2
+    s = lowbit.new_state(n, "int8", block, "cuda")
+    kw = dict(state_dtype="int8", block=block, backend="cuda")
+    lowbit.adam_step_lowbit(p, g, s, hyper(1, *VARIANTS[0]), **kw)
+    nb = lowbit.num_blocks(n, block)
+    pieces = []
+    for b0, b1 in ((0, 4096), (nb - 4096, nb)):
+        lo, hi = b0 * block, min(b1 * block, n)
+        st = {k: (t[b0:b1] if k.endswith("_scale") else t[lo:hi]).clone() for k, t in s.items()}
+        pieces.append((lo, hi, b0, b1, p[lo:hi].clone(), g[lo:hi].clone(), st))
+    h = hyper(2, *VARIANTS[0])
+    lowbit.adam_step_lowbit(p, g, s, h, **kw)
+    for lo, hi, b0, b1, pp, gg, st in pieces:
+        lowbit.adam_step_lowbit(pp, gg, st, h, **kw)
+        assert torch.equal(pp.view(torch.int32), p[lo:hi].view(torch.int32)), (lo, hi)
+        for k, t in st.items():
+            whole = s[k][b0:b1] if k.endswith("_scale") else s[k][lo:hi]
+            assert torch.equal(t.view(torch.uint8), whole.view(torch.uint8)), (k, lo, hi)
 
 
 def test_cuda_matches_triton_and_cpu():
