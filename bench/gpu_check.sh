@@ -10,6 +10,8 @@
 # H100/H200 (5.5 measured on an H200 with 16 cores, 2026-12-04).
 #
 #   bash bench/gpu_check.sh [OUT_DIR]       # results in OUT_DIR (default bench/results)
+#   ONLY="tests offload" bash bench/gpu_check.sh OUT   # some sections only (a rerun after a fix;
+#       the build always runs, quickly where build/ survived): tests bench lowbit zero offload
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # every section runs whatever an earlier one gave (one device lease sees all of them); the
@@ -19,12 +21,14 @@ section() { # section NAME: the status of the command before it
   local rc=$?
   if [[ $rc -ne 0 ]]; then failed+=("$1 (exit $rc)"); echo "!! $1 failed (exit $rc)"; fi
 }
+only="${ONLY:-tests bench lowbit zero offload}"
+want() { [[ " $only " == *" $1 "* ]]; }
 out="${1:-bench/results}"
 mkdir -p "$out"
 py="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
 "$py" -c "import torch; assert torch.cuda.is_available(), 'no GPU visible to torch'; \
-print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
+print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())" || exit 1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 
 echo "== build (in place, with CUDA)"
@@ -35,16 +39,21 @@ tail -n 30 "$out/gpu_build.txt"
 "$py" -c "from zero_kernels import _C; assert _C.has_cuda(), 'built without CUDA kernels'; print('cuda kernels: yes')" ||
   { echo "!! no CUDA kernels: nothing else can run"; exit 1; }
 
+if want tests; then
 echo "== CUDA and Triton tests"
 TRITON_INTERPRET=0 "$py" -m pytest -q -p no:cacheprovider tests/test_kernels_cuda.py tests/test_quant_cuda.py \
   tests/test_lowbit_cuda.py tests/test_lowbit_triton.py tests/test_stochastic_round.py 2>&1 | tee "$out/gpu_tests.txt" | tail -40
 section "CUDA and Triton tests"
+fi
 
+if want bench; then
 echo "== kernel benchmark (device copy bandwidth measured in the same run)"
 "$py" bench/bench_adam.py --device cuda --sizes 1e7,1e8,5e8 --repeats 20 --no-deepspeed --out "$out" \
   2>&1 | tee "$out/gpu_bench.txt"
 section "kernel benchmark"
+fi
 
+if want lowbit; then
 echo "== low-bit-state step, 1e7 elements: bf16 / int8 moments (CUDA, Triton) vs the fp32 step"
 "$py" - <<'EOF' 2>&1 | tee "$out/gpu_lowbit.txt"
 import torch
@@ -88,14 +97,19 @@ for fmt in ("bf16", "int8"):
         report(f"{fmt} state, {backend}", ms, 12 + 2 * lowbit.state_bytes_per_param(fmt, block))
 EOF
 section "low-bit-state step"
+fi
 
+if want zero; then
 echo "== ZeroOptimizer stages 1-3, world size 1 on NCCL (no host sync inside clip + step)"
 "$py" bench/gpu_zero_check.py --device cuda --out "$out" 2>&1 | tee "$out/gpu_zero_check.txt"
 section "ZeroOptimizer stages 1-3"
+fi
 
-echo "== the host tier (offload_optimizer='cpu'): against the state on the GPU, memory, time, FSDP2's CPU offload"
+if want offload; then
+echo "== the host tiers (offload_optimizer / offload_params='cpu'): against the state on the GPU, memory, time, FSDP2's CPU offload"
 "$py" bench/gpu_offload_check.py --device cuda --out "$out" 2>&1 | tee "$out/gpu_offload_check.txt"
 section "host tier"
+fi
 
 if [[ ${#failed[@]} -gt 0 ]]; then
   printf '!! failed: %s\n' "${failed[@]}"
