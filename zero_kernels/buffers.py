@@ -331,6 +331,7 @@ class ParamStore:
         self.shard_device = sdev
         self.host_shards = sharded and shard_device is not None
         self.bytes_to_device = 0  # host_shards: bytes copied in as all-gather inputs
+        self._copies: list = []  # host_shards on a GPU: events of copies that may be in flight
         pin = sdev.type == "cpu" and torch.device(device).type == "cuda"
         n = layout.world_size
         self.flats: list[torch.Tensor] = []  # whole params: the flat buffers
@@ -424,11 +425,13 @@ class ParamStore:
         """A context in which bucket ``b``'s shard holds its values (``dirty``: written back
         after; ``fresh``: all of it is overwritten, nothing read)."""
         if self.tier is None:
+            self.settle()
             return contextlib.nullcontext()
         return self.tier.using((i, b), dirty=dirty, fresh=fresh)
 
     def resident(self):
         """A context in which every shard holds its values, all written back after."""
+        self.settle()
         return contextlib.nullcontext() if self.tier is None else self.tier.resident()
 
     def acquire_shard(self, i: int, b: int) -> None:
@@ -450,7 +453,19 @@ class ParamStore:
         own = full[lo : lo + bk.shard_numel]
         own.copy_(shard, non_blocking=True)
         self.bytes_to_device += own.numel() * own.element_size()
+        if own.is_cuda:  # the host must not write the shard while the copy reads it
+            self._copies = [e for e in self._copies if not e.query()]
+            ev = torch.cuda.Event()
+            ev.record()
+            self._copies.append(ev)
         return own
+
+    def settle(self) -> None:
+        """Wait for the copies `gather_input` queued from the host shards (before the host
+        writes them: the step, loads, edits; `using` and `resident` call it)."""
+        for e in self._copies:
+            e.synchronize()
+        self._copies.clear()
 
     def release_after(self, i: int, b: int, handle):
         """``handle`` of the all-gather from bucket ``b``'s shard, made to release the shard

@@ -35,8 +35,10 @@ device's values are the ones stepped, whatever edited them between steps).
   copy back); each all-gather copies the bucket's shard into its own chunk of the gathered
   tensor on the current stream and gathers in place (`ParamStore.gather_input`): the shard
   crosses the bus once per all-gather (the forward's and the backward's), and the device
-  holds no param bytes between uses. Not with ``quantize_weights`` (its quantizer would read
-  the shard in host memory: refused);
+  holds no param bytes between uses. A copy reads pinned memory while the host goes on, so
+  whatever writes a host shard first waits for the copies in flight (`ParamStore.settle`,
+  called by `using` and `resident`: the step, loads, edits). Not with ``quantize_weights``
+  (its quantizer would read the shard in host memory: refused);
 - the host kernel runs on torch's intra-op threads (``torch.set_num_threads``); torchrun starts
   each rank with OMP_NUM_THREADS=1, so a GPU rank would step on one core: the construction
   warns then, naming the count to set (the node's cores over its ranks);
