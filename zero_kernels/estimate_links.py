@@ -1,0 +1,103 @@
+"""The bytes per node per step that cross the nodes' links, for each of a set of configurations
+(hierarchical sharding, quantized weights and gradients, the secondary shard): the
+`zero-kernels estimate --nodes` table. The per-rank memory and communication of one stage are
+`zero_kernels.estimate`'s."""
+
+from __future__ import annotations
+
+from .estimate import _PRECISION_ALIASES, GRAD_REDUCE_BYTES, PRECISIONS, _choice
+
+__all__ = ["CROSS_NODE_CONFIGS", "cross_node"]
+
+# the configurations `cross_node` prices:
+# (label, stage, shard_group, quantize_weights, quantize_grads, secondary_shard)
+CROSS_NODE_CONFIGS = (
+    ("DDP", 0, "world", None, None, None),
+    ("stage 1", 1, "world", None, None, None),
+    ("stage 2", 2, "world", None, None, None),
+    ("stage 2, int8 grads", 2, "world", None, "int8", None),
+    ("stage 3", 3, "world", None, None, None),
+    ("stage 3, int8 weights", 3, "world", "int8", None, None),
+    ("stage 3, int8 weights + int8 grads", 3, "world", "int8", "int8", None),
+    ("stage 3, int8 weights + int4 grads", 3, "world", "int8", "int4", None),
+    ("stage 3, secondary_shard=node", 3, "world", None, None, "node"),
+    (
+        "stage 3, secondary_shard=node + int8 weights + int8 grads",
+        3,
+        "world",
+        "int8",
+        "int8",
+        "node",
+    ),
+    (
+        "stage 3, secondary_shard=node + int8 weights + int4 grads",
+        3,
+        "world",
+        "int8",
+        "int4",
+        "node",
+    ),
+    ("stage 1-3, shard_group=node", 2, "node", None, None, None),
+)
+_QUANT_BYTES = {"int8": 1 + 4 / 256, "int4": 0.5 + 4 / 256}  # per element, with the scales
+_GRAD_QUANT_BYTES = {"int8": 1 + 4 / 256, "int4": 0.5 + 4 / 32}  # comm.quant.GRAD_BLOCK
+
+
+def cross_node(
+    n_params: int,
+    nodes: int,
+    ranks_per_node: int,
+    *,
+    precision: str = "fp32",
+    reshard_after_forward: bool = True,
+) -> list[dict]:
+    """Bytes per node per step that cross the nodes' links, for each of `CROSS_NODE_CONFIGS`:
+    ring collectives over ranks numbered node-major (a ring leaves each node once, so a node
+    sends (N-1)/N of a reduce-scatter's or all-gather's payload and 2 (N-1)/N of an
+    all-reduce's), gradients reduced in fp32 as ZeroOptimizer does. With ``shard_group="node"``
+    (any stage) only the gradient shards' all-reduce across the nodes crosses: 2 (n-1)/n of the
+    gradients per node ([Note: hierarchy] in `zero_kernels.comm.hier`). Quantized weights: the
+    gathers' packed bytes (1 + 4/256 per element at int8); quantized gradients (one-hop qgZ):
+    the reduce-scatter becomes an all-to-all of packed chunks, of which each rank sends the
+    ones for the ranks of other nodes, R (N - R) / N of the gradients per node (R ranks per
+    node of N). With ``secondary_shard="node"`` (hpZ) the backward's all-gathers stay inside the
+    nodes: only the forward's gathers cross. The bench (bench/bench_testbed.py) measured these
+    on its testbed within the 4.7-5.0% of headers."""
+    if nodes < 1 or ranks_per_node < 1:
+        raise ValueError(
+            f"--nodes and ranks per node must be >= 1; got nodes={nodes}, "
+            f"ranks_per_node={ranks_per_node}"
+        )
+    prec = PRECISIONS[_choice("--precision", precision, PRECISIONS, _PRECISION_ALIASES)]
+    psi = float(n_params)
+    n_all, n = nodes * ranks_per_node, nodes
+    g, p = GRAD_REDUCE_BYTES * psi, prec.param_bytes * psi
+    ring = (n_all - 1) / n_all if n > 1 else 0.0
+    rows = []
+    r_node = ranks_per_node
+    for label, stage, sg, qw, qg, ss in CROSS_NODE_CONFIGS:
+        gathered = _QUANT_BYTES[qw] * psi if qw else p
+        if qg:  # the all-to-all: each node sends its ranks' chunks for the other nodes' ranks
+            reduced = r_node * (n_all - r_node) / n_all * _GRAD_QUANT_BYTES[qg] * psi
+        else:
+            reduced = ring * g
+        if sg == "node":
+            b = 2 * (n - 1) / n * g
+        elif stage == 0:
+            b = 2 * ring * g
+        elif stage in (1, 2) or not reshard_after_forward or ss is not None:
+            b = reduced + ring * gathered
+        else:
+            b = reduced + ring * 2 * gathered
+        rows.append(
+            {
+                "config": label,
+                "stage": stage,
+                "shard_group": sg,
+                "quantize_weights": qw,
+                "quantize_grads": qg,
+                "secondary_shard": ss,
+                "bytes": b,
+            }
+        )
+    return rows
