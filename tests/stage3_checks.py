@@ -203,6 +203,7 @@ def check_cases(rank: int, world: int) -> dict:
             "setup": lambda m: setattr(m, "reuse", True),
         },
         "autocast checkpoint": {"autocast": True, "setup": lambda m: setattr(m, "ckpt", "plain")},
+        "autocast clipping": {"autocast": "nocache", "clip": 0.05},
     }
     for name, c in cases.items():
         if world >= 4 and name not in _CASES_AT_4:

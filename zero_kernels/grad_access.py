@@ -13,7 +13,7 @@ import torch
 
 from .core import Core
 from .partition.grads import GradViews
-from .syncfree import Deferred, clip_coefficient, nonfinite_flag, norm_on_device
+from .syncfree import Deferred, clip_coefficient, nonfinite_flag, norm_on_device, pow_sum
 
 __all__ = ["GradContract"]
 
@@ -191,9 +191,7 @@ class GradContract:
             total = float(t.item())
         else:
             s = sum(
-                float(torch.linalg.vector_norm(g, norm_type).double() ** norm_type)
-                if norm_type != 0
-                else float((g != 0).sum())
+                float(pow_sum(g, norm_type)) if norm_type != 0 else float((g != 0).sum())
                 for g in shards
             )
             t = torch.tensor([s], dtype=torch.float64, device=self.core.device)
