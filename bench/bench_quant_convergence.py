@@ -26,7 +26,9 @@ difference; batches are a pure function of the step, so the two see the same dat
 three together, ``secondary_shard=2`` (hpZ over blocks of 2 ranks) with int8 weights and int4
 gradients; the resume check runs in that configuration too. ``hpz``, ``g4`` and ``hpz_q8`` turn
 on one part (or hpZ with int8 weights) to tell which one moves the loss; ``--dtypes fp32``
-runs the fp32 pair only.
+runs the fp32 pair only. ``jitter`` quantizes nothing: its second run starts from the same
+weights with one ulp added to a random 1% of them, which measures how far training's own
+sensitivity moves the final loss (the floor under any quantizer's band).
 
 Writes OUT/quant_convergence.json and OUT/quant_convergence.png (loss curves per dtype); with
 ``--seed S`` (S != 0: another init and other batches, as the demo's ``--seed``) the files are
@@ -82,6 +84,17 @@ VARIANTS = {
     },
     # hpZ + int8 weights + int8 gradients: quantized weights and gradients, int8 both ways
     "hpz_q8_g8": {"quantize_weights": "int8", "quantize_grads": "int8", "secondary_shard": 2},
+    # no quantization: the "quantized" run is the unquantized one with one ulp added to 1% of
+    # the initial weights (`_jitter`), the spread of training itself that a 1% band sits in
+    "jitter": {},
+    # the same three with int4 gradient blocks of 16 elements instead of the default 32
+    # (comm.quant.GRAD_BLOCK; keys starting with "_" are the bench's, not ZeroOptimizer's)
+    "hpz_q8_g4_b16": {
+        "quantize_weights": "int8",
+        "quantize_grads": "int4",
+        "secondary_shard": 2,
+        "_int4_block": 16,
+    },
     "hpz_q8_g4_ef": {
         "quantize_weights": "int8",
         "quantize_grads": "int4",
@@ -105,17 +118,34 @@ def _build(dtype: str, quant: str | None, init_seed: int, variant: str = "q8"):
     model = build_gpt(DEMO["size"])
     if dtype == "bf16":
         model = model.to(torch.bfloat16)
+    if quant and variant == "jitter":
+        _jitter(model, init_seed)
+    options = dict(VARIANTS[variant]) if quant else {}
+    if "_int4_block" in options:
+        from zero_kernels.comm import quant as comm_quant
+
+        comm_quant.GRAD_BLOCK[4] = options.pop("_int4_block")
     opt = ZeroOptimizer(
         model,
         torch.optim.AdamW,
         stage=3,
-        **(VARIANTS[variant] if quant else {}),
+        **options,
         bucket_size_mb=DEMO["bucket_mb"],
         lr=DEMO["lr"],
         weight_decay=DEMO["weight_decay"],
     )
     opt.reset_comm_stats()  # count the training steps' collectives only
     return model, opt
+
+
+def _jitter(model, seed: int) -> None:
+    """One ulp (of the param's dtype) away from zero on a random 1% of every param's elements."""
+    g = torch.Generator().manual_seed(10_000 + seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            bits = p.view(torch.int16 if p.element_size() == 2 else torch.int32).reshape(-1)
+            pick = torch.rand(bits.numel(), generator=g) < 0.01
+            bits[pick] += 1
 
 
 def _train(
@@ -328,7 +358,8 @@ def main(argv: list[str] | None = None) -> int:
         choices=sorted(VARIANTS),
         help="what the quantized runs turn on: q8 (int8 weights, default), hpz_q8_g4 "
         "(secondary_shard=2 + int8 weights + int4 grads; needs --world 4 or more, even), "
-        "hpz_q8_g4_ef (the same with grad_error_feedback=True), or one part: hpz, g4, hpz_q8",
+        "hpz_q8_g4_ef (the same with grad_error_feedback=True), or one part: hpz, g4, hpz_q8; "
+        "jitter: no quantization, one ulp on 1%% of the initial weights (the noise floor)",
     )
     ap.add_argument("--dtypes", default="fp32,bf16", help="param dtypes run (default both)")
     args = ap.parse_args(argv)

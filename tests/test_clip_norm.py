@@ -8,6 +8,7 @@ import pytest
 import torch
 from dist_utils import run_workers
 
+from zero_kernels import syncfree
 from zero_kernels.syncfree import NORM_ROW, pow_sum
 
 
@@ -42,6 +43,19 @@ def test_pow_sum_lengths_around_a_row():
     buf = torch.ones(3 * NORM_ROW)
     part = float(pow_sum(buf[NORM_ROW + 5 : 2 * NORM_ROW], 2.0))
     assert abs(part - (NORM_ROW - 5)) <= 1e-7 * NORM_ROW, part
+
+
+def test_pow_sum_in_passes(monkeypatch):
+    """bf16/fp16 rows come NORM_PASS elements per call: several passes sum to one's result."""
+    x = _heavy_tailed(50_003)
+    for dtype in (torch.bfloat16, torch.float16):
+        y = x.to(dtype)
+        whole = float(pow_sum(y, 2.0))
+        monkeypatch.setattr(syncfree, "NORM_PASS", 4 * NORM_ROW)
+        parts = float(pow_sum(y, 2.0))
+        monkeypatch.undo()
+        exact = float(y.double().pow(2).sum())
+        assert abs(parts - exact) <= 1e-7 * exact and abs(whole - exact) <= 1e-7 * exact, dtype
 
 
 @pytest.mark.distributed
