@@ -63,3 +63,9 @@ def test_clip_grad_norm_matches_float64():
     rep = run_workers(clip_norm_checks.check_clip_norms, 2, timeout=400)
     assert len(rep[0]) == len(clip_norm_checks.CASES), rep[0]
     assert all(v <= clip_norm_checks.NORM_TOL for v in rep[0].values()), rep[0]
+
+
+@pytest.mark.distributed
+def test_sharded_grad_norm_takes_no_copy():
+    rep = run_workers(clip_norm_checks.check_sharded_grad_norm_memory, 1, timeout=200)
+    assert rep[0]["peak_bytes"] <= rep[0]["grad_bytes"] // 4, rep[0]

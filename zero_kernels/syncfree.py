@@ -45,7 +45,10 @@ of 4096 were already 6e-7 off on the demo GPT's shard, rows of 256 2e-8. It is n
 ms against 7.9 for one flat norm of 3e7 elements on 2 threads (the rows reduce in parallel).
 A bf16/fp16 shard's rows come `NORM_PASS` elements per call, which bounds the fp32 copy
 they may need; fp32 rows reduce in place, in one call (a few kernels per shard on a GPU).
-The ShardedGrad norms (`zero_kernels.partition.grads`) are per param and already float64.
+The ShardedGrad norms (`zero_kernels.partition.grads`: torch's own ``clip_grad_norm_``) go
+through `pow_sum` too, piece by piece; they used to be exact by copying each piece to float64,
+which took 5x a large gradient's bytes while the norm was taken (+1345 MB over one 268 MB
+gradient; now +1 MB: tests/test_clip_norm.py checks it).
 tests/test_clip_norm.py holds both to float64 (the old whole-shard sum fails it by 2.8e-5).
 """
 

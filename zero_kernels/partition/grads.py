@@ -58,6 +58,7 @@ import weakref
 import torch
 
 from .. import comm
+from ..syncfree import pow_sum
 
 __all__ = ["GradViews", "ShardedGrad", "ShardedGradError"]
 
@@ -157,6 +158,12 @@ def _inverse(c):
     return torch.reciprocal(c) if isinstance(c, torch.Tensor) else 1.0 / c
 
 
+def _sum_pow(v: torch.Tensor, o: float) -> torch.Tensor:
+    """``sum(|v| ** o)`` as float64: for o > 0 through `pow_sum` (fp32 rows summed in float64,
+    no float64 copy of the piece: [Note: accurate norms]), else in float64."""
+    return pow_sum(v, o) if o > 0 else v.double().abs().pow(o).sum()
+
+
 def _local_part(vals: list[torch.Tensor], o: float, device) -> torch.Tensor:
     """This rank's part of one tensor's norm of order ``o`` as a float64 0-dim tensor on
     ``device`` (the sync-free form of `_norm_parts`' host loop, the same quantities)."""
@@ -164,12 +171,12 @@ def _local_part(vals: list[torch.Tensor], o: float, device) -> torch.Tensor:
         empty = 0.0 if not (math.isinf(o) and o < 0) else -math.inf
         return torch.full((), empty, dtype=torch.float64, device=device)
     if math.isinf(o) and o > 0:
-        return torch.stack([v.abs().max() for v in vals]).max()
+        return torch.stack([v.abs().max().double() for v in vals]).max()
     if math.isinf(o):
-        return -torch.stack([v.abs().min() for v in vals]).min()
+        return -torch.stack([v.abs().min().double() for v in vals]).min()
     if o == 0:
         return torch.stack([(v != 0).sum().double() for v in vals]).sum()
-    return torch.stack([v.abs().pow(o).sum() for v in vals]).sum()
+    return torch.stack([_sum_pow(v, o) for v in vals]).sum()
 
 
 def _norm_parts(ts: list[ShardedGrad], ord) -> list[torch.Tensor]:
@@ -184,10 +191,7 @@ def _norm_parts(ts: list[ShardedGrad], ord) -> list[torch.Tensor]:
     op = "max" if math.isinf(o) else "sum"
     if owner.owner().sync_free:
         part = torch.stack(
-            [
-                _local_part([v.double() for v, _ in _pieces(_sg(t)) if v.numel()], o, owner.device)
-                for t in ts
-            ]
+            [_local_part([v for v, _ in _pieces(_sg(t)) if v.numel()], o, owner.device) for t in ts]
         )
         comm.all_reduce(part, op, group=owner.group, log=owner.log)
         if math.isinf(o) and o < 0:
@@ -197,7 +201,7 @@ def _norm_parts(ts: list[ShardedGrad], ord) -> list[torch.Tensor]:
         return [part[k].to(dtype=t.dtype, device=t.device) for k, t in enumerate(ts)]
     part = torch.zeros(len(ts), dtype=torch.float64)
     for k, t in enumerate(ts):
-        vals = [v.double() for v, _ in _pieces(_sg(t)) if v.numel()]
+        vals = [v for v, _ in _pieces(_sg(t)) if v.numel()]
         if math.isinf(o) and o > 0:
             part[k] = max((float(v.abs().max()) for v in vals), default=0.0)
         elif math.isinf(o):
@@ -205,7 +209,7 @@ def _norm_parts(ts: list[ShardedGrad], ord) -> list[torch.Tensor]:
         elif o == 0:
             part[k] = sum(float((v != 0).sum()) for v in vals)
         else:
-            part[k] = sum(float(v.abs().pow(o).sum()) for v in vals)
+            part[k] = sum(float(_sum_pow(v, o)) for v in vals)
     part = part.to(owner.device)
     comm.all_reduce(part, op, group=owner.group, log=owner.log)
     part = part.cpu()
