@@ -10,7 +10,10 @@ float64 and torch's per-param norms in fp32 ([Note: accurate norms] in zero_kern
 and a last-bit difference in the clipping coefficient flips bf16 roundings of the weights in the
 next forward, which grows to ~1e-2 in six steps (CPU 5.8e-3, an H200 1.32e-2 before this check
 existed; torch's own for-each and fused AdamW differ by 1.5e-3 on the CPU, also reported). Our
-norm is checked against the float64 norm of the same gradients (<= 1.5e-7 relative).
+norm is checked against the float64 norm of the same gradients (<= 1.5e-7 relative). Whether
+the first step's gradients are bitwise those of the unsharded copy is reported too: on a GPU a
+difference that starts there comes from the forward/backward (cuBLAS may choose its kernels by
+the operands' alignment, and stage 3's params live in flat buffers), not from ZeRO's step.
 
 For each stage: a small GPT trained for a few steps with clipping, against a copy trained by
 plain torch AdamW(fused=True) + torch.nn.utils.clip_grad_norm_ (world size 1: the same math;
@@ -82,6 +85,9 @@ def run_stage(stage: int, device: torch.device, steps: int, variant: str = "") -
     cast = dict(device_type=device.type, dtype=torch.bfloat16, cache_enabled=False)
     times, syncs = [], "not checked (cpu)"
     norm_err, zero_norm = 0.0, None  # ZeRO's norm of the step (its run goes first)
+    # the first step's gradients, ZeRO's (whole, before clipping) against the unsharded copy's:
+    # where they differ, the forward/backward differ (not the step); reported, not bounded
+    first_grads, first_grads_bitwise = {}, None
     for step in range(steps):
         x = _batch(step, cfg, device)
         runs = ((f1, zo, True), (f2, ref, False), (f3, same, False), (f4, other, False))
@@ -90,7 +96,13 @@ def run_stage(stage: int, device: torch.device, steps: int, variant: str = "") -
             with torch.autocast(**cast) if variant == "autocast" else contextlib.nullcontext():
                 loss = m(x[:, :-1].contiguous(), x[:, 1:].contiguous())
             loss.backward()
+            if is_zero and step == 0:
+                first_grads = {n: zo.full_grad(p).clone() for n, p in m1.named_parameters()}
             if opt is same:  # ZeRO's norm (this step's, taken first) and torch's coefficient
+                if step == 0:
+                    first_grads_bitwise = all(
+                        torch.equal(first_grads[n], p.grad) for n, p in m3.named_parameters()
+                    )
                 grads = [p.grad for p in m3.parameters() if p.grad is not None]
                 exact = torch.stack([g.double().pow(2).sum() for g in grads]).sum().sqrt()
                 norm_err = max(norm_err, float((zero_norm.double() - exact).abs() / exact))
@@ -156,6 +168,7 @@ def run_stage(stage: int, device: torch.device, steps: int, variant: str = "") -
         "worst_vs_same_kernel": worst_same,
         "torch_foreach_vs_fused_checked": floor,
         "norm_rel_err_vs_float64": norm_err,
+        "first_step_grads_bitwise_vs_same": first_grads_bitwise,
         "worst_torch_foreach_vs_fused": worst_torch,
         # fp32 and compile: 1e-3 against torch; bf16 autocast: 1e-6 against the same kernel
         # with the same clipping coefficient, every param (see the module doc); and the norm
