@@ -85,8 +85,11 @@ VARIANTS = {
     # hpZ + int8 weights + int8 gradients: quantized weights and gradients, int8 both ways
     "hpz_q8_g8": {"quantize_weights": "int8", "quantize_grads": "int8", "secondary_shard": 2},
     # no quantization: the "quantized" run is the unquantized one with one ulp added to 1% of
-    # the initial weights (`_jitter`), the spread of training itself that a 1% band sits in
-    "jitter": {},
+    # the initial weights (`_jitter`), the spread of training itself that a 1% band sits in;
+    # jitter2 and jitter3 pick other elements
+    "jitter": {"_jitter": 1},
+    "jitter2": {"_jitter": 2},
+    "jitter3": {"_jitter": 3},
     # the same three with int4 gradient blocks of 16 elements instead of the default 32
     # (comm.quant.GRAD_BLOCK; keys starting with "_" are the bench's, not ZeroOptimizer's)
     "hpz_q8_g4_b16": {
@@ -118,9 +121,9 @@ def _build(dtype: str, quant: str | None, init_seed: int, variant: str = "q8"):
     model = build_gpt(DEMO["size"])
     if dtype == "bf16":
         model = model.to(torch.bfloat16)
-    if quant and variant == "jitter":
-        _jitter(model, init_seed)
     options = dict(VARIANTS[variant]) if quant else {}
+    if "_jitter" in options:
+        _jitter(model, init_seed, options.pop("_jitter"))
     if "_int4_block" in options:
         from zero_kernels.comm import quant as comm_quant
 
@@ -138,9 +141,10 @@ def _build(dtype: str, quant: str | None, init_seed: int, variant: str = "q8"):
     return model, opt
 
 
-def _jitter(model, seed: int) -> None:
-    """One ulp (of the param's dtype) away from zero on a random 1% of every param's elements."""
-    g = torch.Generator().manual_seed(10_000 + seed)
+def _jitter(model, seed: int, which: int = 1) -> None:
+    """One ulp (of the param's dtype) away from zero on a random 1% of every param's elements
+    (``which`` picks another 1%)."""
+    g = torch.Generator().manual_seed(10_000 * which + seed)
     with torch.no_grad():
         for p in model.parameters():
             bits = p.view(torch.int16 if p.element_size() == 2 else torch.int32).reshape(-1)
