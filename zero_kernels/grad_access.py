@@ -13,7 +13,7 @@ import torch
 
 from .core import Core
 from .partition.grads import GradViews
-from .syncfree import Deferred, clip_coefficient, nonfinite_flag, norm_on_device, pow_sum
+from .syncfree import Deferred, clip_coefficient, nonfinite_flag, norm_on_device
 
 __all__ = ["GradContract"]
 
@@ -184,19 +184,12 @@ class GradContract:
         shards = self.core.grads.shard_tensors()
         if self.core.sync_free:
             return self._clip_on_device(shards, float(max_norm), norm_type, error_if_nonfinite)
-        if math.isinf(norm_type):
-            local = max((float(g.abs().max()) for g in shards if g.numel()), default=0.0)
-            t = torch.tensor([local], dtype=torch.float64, device=self.core.device)
-            self.core.all_reduce(t, "max", "clip_grad_norm_", group=self.core.shard_group)
-            total = float(t.item())
-        else:
-            s = sum(
-                float(pow_sum(g, norm_type)) if norm_type != 0 else float((g != 0).sum())
-                for g in shards
-            )
-            t = torch.tensor([s], dtype=torch.float64, device=self.core.device)
-            self.core.all_reduce(t, "sum", "clip_grad_norm_", group=self.core.shard_group)
-            total = float(t.item()) if norm_type == 0 else float(t.item()) ** (1.0 / norm_type)
+        t = norm_on_device(shards, norm_type, self.core.device)  # the same sums, read below
+        op = "max" if math.isinf(norm_type) else "sum"
+        self.core.all_reduce(t, op, "clip_grad_norm_", group=self.core.shard_group)
+        total = float(t.item())
+        if norm_type != 0 and not math.isinf(norm_type):
+            total **= 1.0 / norm_type
         total *= abs(self.factor)
         if error_if_nonfinite and not math.isfinite(total):
             raise RuntimeError(

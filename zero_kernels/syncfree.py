@@ -100,7 +100,7 @@ def norm_on_device(shards: list[torch.Tensor], norm_type: float, device) -> torc
 
 
 def pow_sum(g: torch.Tensor, p: float) -> torch.Tensor:
-    """``sum(|g| ** p)`` over one gradient shard (p > 0, finite), a float64 0-dim tensor on its
+    """``sum(|g| ** p)`` over one gradient shard (p finite, non-zero), a float64 0-dim tensor on its
     device, accurate whatever its length ([Note: accurate norms]); no host read."""
     flat = g.reshape(-1)
     acc = torch.float64 if flat.dtype == torch.float64 else torch.float32

@@ -25,12 +25,12 @@ all-reduce), in-place scaling by a number or 0-dim tensor (``mul_``, ``div_`` an
 piece), ``detach``, and GradScaler's ``_amp_foreach_non_finite_check_and_unscale_`` (found_inf
 all-reduced, so every rank skips alike). So ``torch.nn.utils.clip_grad_norm_``,
 ``model.zero_grad()`` (either ``set_to_none``) and ``torch.amp.GradScaler`` give DDP's result.
-Where the optimizer's step is sync-free (off the CPU: [Note: no host sync] in
-`zero_kernels.syncfree`), norms read nothing back to the host: each tensor's partial result is a
-float64 device tensor, all-reduced on the device, and the norms come back as device tensors;
-``mul_``/``div_`` by a one-element tensor multiply the pieces by that tensor. So torch's
-``clip_grad_norm_`` (foreach or not) is as sync-free there as ``opt.clip_grad_norm_``. On the
-CPU the partial results are host numbers (the same values; a read costs nothing there).
+Norms read nothing back to the host: each tensor's partial result is a float64 device tensor
+(`zero_kernels.syncfree.pow_sum`: no float64 copy of a piece, [Note: accurate norms]),
+all-reduced on the device, and the norms come back as device tensors. Where the optimizer's
+step is sync-free (off the CPU: [Note: no host sync] in `zero_kernels.syncfree`), ``mul_``/
+``div_`` by a one-element tensor multiply the pieces by that tensor. So torch's
+``clip_grad_norm_`` (foreach or not) is as sync-free there as ``opt.clip_grad_norm_``.
 Any other operation raises `ShardedGradError`, naming ``opt.full_grad(p)`` (the whole gradient,
 collective) and ``opt.clip_grad_norm_``. Values are true gradients: loss scaling removed and
 ``opt.clip_grad_norm_`` applied (lazily kept as one factor; see `GradViews.normalize`).
@@ -158,15 +158,9 @@ def _inverse(c):
     return torch.reciprocal(c) if isinstance(c, torch.Tensor) else 1.0 / c
 
 
-def _sum_pow(v: torch.Tensor, o: float) -> torch.Tensor:
-    """``sum(|v| ** o)`` as float64: for o > 0 through `pow_sum` (fp32 rows summed in float64,
-    no float64 copy of the piece: [Note: accurate norms]), else in float64."""
-    return pow_sum(v, o) if o > 0 else v.double().abs().pow(o).sum()
-
-
 def _local_part(vals: list[torch.Tensor], o: float, device) -> torch.Tensor:
     """This rank's part of one tensor's norm of order ``o`` as a float64 0-dim tensor on
-    ``device`` (the sync-free form of `_norm_parts`' host loop, the same quantities)."""
+    ``device`` (no host read)."""
     if not vals:
         empty = 0.0 if not (math.isinf(o) and o < 0) else -math.inf
         return torch.full((), empty, dtype=torch.float64, device=device)
@@ -176,12 +170,13 @@ def _local_part(vals: list[torch.Tensor], o: float, device) -> torch.Tensor:
         return -torch.stack([v.abs().min().double() for v in vals]).min()
     if o == 0:
         return torch.stack([(v != 0).sum().double() for v in vals]).sum()
-    return torch.stack([_sum_pow(v, o) for v in vals]).sum()
+    return torch.stack([pow_sum(v, o) for v in vals]).sum()
 
 
 def _norm_parts(ts: list[ShardedGrad], ord) -> list[torch.Tensor]:
-    """Global norms of ``ts``: local partial results, one all-reduce for the whole list. In
-    sync-free mode the partial results, the all-reduce and the norms stay on the device."""
+    """Global norms of ``ts``: local partial results, one all-reduce for the whole list; the
+    partial results, the all-reduce and the norms stay on the device (no host read, on a GPU
+    or not)."""
     owner = ts[0]._owner()
     owner.owner().check_not_joined("a norm of a sharded .grad (clip_grad_norm_)")
     owner.normalize()
@@ -189,39 +184,15 @@ def _norm_parts(ts: list[ShardedGrad], ord) -> list[torch.Tensor]:
     if math.isnan(o):
         raise ValueError(f"norm order must not be nan, got ord={ord!r}")
     op = "max" if math.isinf(o) else "sum"
-    if owner.owner().sync_free:
-        part = torch.stack(
-            [_local_part([v for v, _ in _pieces(_sg(t)) if v.numel()], o, owner.device) for t in ts]
-        )
-        comm.all_reduce(part, op, group=owner.group, log=owner.log)
-        if math.isinf(o) and o < 0:
-            part = -part
-        elif not math.isinf(o) and o != 0:
-            part = part ** (1.0 / o)
-        return [part[k].to(dtype=t.dtype, device=t.device) for k, t in enumerate(ts)]
-    part = torch.zeros(len(ts), dtype=torch.float64)
-    for k, t in enumerate(ts):
-        vals = [v for v, _ in _pieces(_sg(t)) if v.numel()]
-        if math.isinf(o) and o > 0:
-            part[k] = max((float(v.abs().max()) for v in vals), default=0.0)
-        elif math.isinf(o):
-            part[k] = -min((float(v.abs().min()) for v in vals), default=math.inf)
-        elif o == 0:
-            part[k] = sum(float((v != 0).sum()) for v in vals)
-        else:
-            part[k] = sum(float(_sum_pow(v, o)) for v in vals)
-    part = part.to(owner.device)
+    part = torch.stack(
+        [_local_part([v for v, _ in _pieces(_sg(t)) if v.numel()], o, owner.device) for t in ts]
+    )
     comm.all_reduce(part, op, group=owner.group, log=owner.log)
-    part = part.cpu()
-    out = []
-    for k, t in enumerate(ts):
-        x = float(part[k])
-        if math.isinf(o):
-            x = x if o > 0 else -x
-        elif o != 0:
-            x = x ** (1.0 / o)
-        out.append(torch.tensor(x, dtype=t.dtype, device=t.device))
-    return out
+    if math.isinf(o) and o < 0:
+        part = -part
+    elif not math.isinf(o) and o != 0:
+        part = part ** (1.0 / o)
+    return [part[k].to(dtype=t.dtype, device=t.device) for k, t in enumerate(ts)]
 
 
 def _vector_norm(t, ord=2, dim=None, keepdim=False, *, dtype=None):
