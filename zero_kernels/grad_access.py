@@ -57,7 +57,7 @@ class GradContract:
         self.core.phase.enter_backward()
         shard = self.core.policy.shard  # stage 3: Join is told in the forward
         if shard.params and (self.core.reducer.sync or not shard.grads):
-            self.join.notify()
+            self.join.notify_backward()
             if not self.core.reducer.sync:  # stage 2 reduces (and a joined rank steps) each time
                 self.join.check_not_joined("gradient accumulation (no_sync)")
         self.sync_user_changes()

@@ -35,6 +35,9 @@ class _JoinHook(JoinHook):
     def post_hook(self, is_last_joiner: bool) -> None:
         self.state.input = None  # the Join context ends on every rank
         self.state.active = None
+        self.state.told = False
+        if self.state.final_sync is not None:  # the buffers: the last joiner's, as DDP's
+            self.state.final_sync(is_last_joiner)
 
 
 class JoinState:
@@ -48,6 +51,11 @@ class JoinState:
         self.active: int | None = None
         self.input = None
         self.shadowing = False
+        # stages 1/2 with the buffers' broadcast: Join was told in the forward, not again in
+        # the backward ([Note: replicated module state] in zero_kernels.replicas)
+        self.told = False
+        self.shadow_forward = None  # that broadcast's part on a joined rank (Replicas.shadow)
+        self.final_sync = None  # at the context's end (Replicas.after_join)
 
     def hook(self) -> JoinHook:
         return _JoinHook(self)
@@ -61,6 +69,24 @@ class JoinState:
     def notify(self) -> None:
         """A synchronising pass begins: tell the Join context (if any) this rank still trains."""
         self.active = comm.join_notify(self._opt())
+
+    def in_context(self) -> bool:
+        """Whether a ``Join`` context over this optimizer is active."""
+        cfg = getattr(self._opt(), "_join_config", None)
+        return bool(cfg is not None and cfg.enable)
+
+    def notify_forward(self) -> None:
+        """Stages 1/2, a forward that broadcasts the buffers begins inside a Join context: tell
+        it now (the joined ranks shadow the broadcast), and not again at backward's start."""
+        self.notify()
+        self.told = True
+
+    def notify_backward(self) -> None:
+        """Stages 1/2, a synchronising backward begins: tell Join unless the forward did."""
+        if self.told:
+            self.told = False
+        else:
+            self.notify()
 
     def forward_start(self, args: tuple, kwargs: dict) -> None:
         """Stage 3, a forward begins: inside a ``Join`` context, tell it this rank still trains
@@ -84,6 +110,12 @@ class JoinState:
         if self.core.units is not None:
             self._shadow_forward_backward()
         else:
+            if self.shadow_forward is not None:  # the buffers' broadcast of the forward
+                self.shadowing = True
+                try:
+                    self.shadow_forward()
+                finally:
+                    self.shadowing = False
             self.core.reducer.finish()  # every bucket reduced with zeros; the gradient mask
         opt.step()
 

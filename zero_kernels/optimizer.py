@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms.join import Joinable, JoinHook
 
-from . import build, comm, hostmem, regroup, validate, wrappers
+from . import build, comm, hostmem, regroup, replicas, validate, wrappers
 from .buffers import release_free_heap, storage_id
 from .core import Core
 from .grad_access import GradContract
@@ -212,6 +212,7 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
         quantize_weights: str | None = None,
         quantize_grads: str | None = None,
         grad_error_feedback: bool = False,
+        broadcast_buffers: bool = True,
         bucket_size_mb: float = 25.0,
         overlap_comm: bool = True,
         partition: str = "auto",
@@ -281,6 +282,7 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
             quantize_weights=quantize_weights,
             quantize_grads=quantize_grads,
             grad_error_feedback=grad_error_feedback,
+            broadcast_buffers=broadcast_buffers,
             offload_optimizer=offload_optimizer,
             offload_params=offload_params,
             offload_dir=offload_dir,
@@ -338,6 +340,7 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
             [id(p) for p in core.module.parameters()] if core.module is not None else None
         )
         build.communication(core)
+        replicas.sync_at_start(core)  # frozen params and buffers: rank 0's where they differ
         self._hook_handles = core.reducer.handles_to_remove()
         core.runner = build.runner(
             core, self.optimizer_class, user_groups, defaults, fused_adam, kernel_backend
@@ -354,7 +357,8 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
         params = ParamAccess(core)
         full = FullState(core, grads, params, lambda: me().param_groups)
         stepper = Stepper(core, grads, params, self.scaler, self.nonfinite)
-        self.parts = Parts(core, grads, params, full, join, stepper)
+        copies = replicas.Replicas(core, join)
+        self.parts = Parts(core, grads, params, full, join, stepper, copies)
         r, m = core.reducer, core.module
         r.on_backward_start = _call(me, "parts.grads.on_backward_start")
         r.on_reduced = _call(me, "parts.grads.publish")
@@ -363,6 +367,12 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
             ids = frozenset(id(p) for p in core.params.values())
             self._hook_handles.append(
                 m.register_forward_pre_hook(lambda mod, a: wrappers.check_forward(ids))
+            )
+        if copies.on:  # DDP's broadcast_buffers ([Note: replicated module state])
+            join.shadow_forward = _call(me, "parts.replicas.shadow")
+            join.final_sync = _call_args(me, "parts.replicas.after_join")
+            self._hook_handles.append(
+                m.register_forward_pre_hook(_call_args(me, "parts.replicas.before_forward_hook"))
             )
         sched = core.units
         if sched is not None:
@@ -749,6 +759,7 @@ class Parts:
     full: FullState
     join: JoinState
     stepper: Stepper
+    replicas: replicas.Replicas
 
 
 def _remove_hooks(handles: list, params: dict) -> None:

@@ -197,7 +197,9 @@ class CommPolicy:
     chunks for the other ranks quantized and sums them in fp32 ([Note: quantized
     reduce-scatter] in `zero_kernels.comm.quant`); grad_error_feedback: with quantize_grads, what
     each quantization drops is kept per rank and added to the next step's gradient before it
-    is quantized ([Note: error feedback] in `zero_kernels.comm.quant`)."""
+    is quantized ([Note: error feedback] in `zero_kernels.comm.quant`); broadcast_buffers: rank
+    0's buffers broadcast to every rank before each forward with gradients, outside no_sync(),
+    as DDP's option of that name ([Note: replicated module state] in `zero_kernels.replicas`)."""
 
     bucket_size_mb: float = 25.0
     overlap_comm: bool = True
@@ -207,6 +209,7 @@ class CommPolicy:
     quantize_weights: str | None = None
     quantize_grads: str | None = None
     grad_error_feedback: bool = False
+    broadcast_buffers: bool = True
 
     def __post_init__(self):
         b = self.bucket_size_mb
@@ -240,6 +243,9 @@ class CommPolicy:
                 "grad_error_feedback=True keeps what quantize_grads drops: it needs "
                 "quantize_grads='int8' or 'int4'"
             )
+        bb = self.broadcast_buffers
+        if not isinstance(bb, bool):
+            raise TypeError(f"broadcast_buffers must be a bool, got broadcast_buffers={bb!r}")
         sg = self.shard_group
         mesh = type(sg).__name__ == "DeviceMesh" and hasattr(sg, "get_group")
         if not mesh and sg not in ("world", "node"):

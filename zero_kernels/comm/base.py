@@ -72,6 +72,10 @@ class CommLog:
     # in all_gather_*: [Note: secondary shard] in zero_kernels.partition.secondary)
     secondary_all_gather_bytes: int = 0
     secondary_all_gather_calls: int = 0
+    # the model's buffers broadcast before a forward, as DDP's broadcast_buffers ([Note:
+    # replicated module state] in zero_kernels.replicas)
+    broadcast_bytes: int = 0
+    broadcast_calls: int = 0
     # what this rank sent, by link: to ranks of its own host and of others ([Note: bytes by
     # link] in zero_kernels.comm.links)
     inside_node_bytes: int = 0
@@ -154,6 +158,13 @@ class CommLog:
             out.append({k: v for k, v in e.items() if k != "_spans"})
         return out
 
+    def count_broadcast(self, nbytes: int, src: int, group) -> None:
+        """A broadcast of ``nbytes`` from group rank ``src`` on ``group``: by link, the source
+        sends them to every other rank ([Note: bytes by link])."""
+        self._add_bytes("broadcast", nbytes)
+        if rank(group) == src:
+            self._sent("broadcast", nbytes, group)
+
     def _add(self, kind: str, t: torch.Tensor) -> None:
         self._add_bytes(kind, t.numel() * t.element_size())
         if self.trace:
@@ -175,6 +186,8 @@ COUNTERS = (
     "replica_all_reduce_calls",
     "secondary_all_gather_bytes",
     "secondary_all_gather_calls",
+    "broadcast_bytes",
+    "broadcast_calls",
     "inside_node_bytes",
     "cross_node_bytes",
     "exposed_comm_s",

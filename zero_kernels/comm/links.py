@@ -26,6 +26,9 @@ i, full buffer of M bytes, chunk c = M/N; ranks numbered as the group numbers th
 - ``pairwise`` (ours) and the quantized reduce-scatter's all-to-all: one chunk to each other
   rank.
 - ``shm``: N - 1 chunks, all inside the host (the algorithm runs only on ranks of one host).
+- ``broadcast`` (the model's buffers, [Note: replicated module state] in
+  `zero_kernels.replicas`): counted as the source sending the whole buffer to each other rank
+  (a tree would spread the sending over the ranks; the total is the same).
 
 Counted at launch (a collective that later fails was counted). Payload only: a network adds
 its headers (Ethernet/IP/TCP: about 4.7% at an MTU of 1500, measured by tc on the testbed) and
@@ -41,7 +44,7 @@ from .base import group_key, is_initialized, rank, world_size
 
 __all__ = ["PATTERNS", "learn", "pattern", "split"]
 
-PATTERNS = ("ring", "ring_all_reduce", "pairwise", "all_to_all", "shm")
+PATTERNS = ("ring", "ring_all_reduce", "pairwise", "all_to_all", "shm", "broadcast")
 _host_of: dict[int, int] = {}  # global rank -> host index (from `learn`)
 _plans: dict = {}  # group key -> (n, position, same-host flag of each group rank)
 _next_host = [0]
@@ -94,6 +97,9 @@ def split(kind: str, nbytes: int, group=None) -> tuple[int, int]:
         return inside * c, (n - 1 - inside) * c
     if kind == "shm":
         return (n - 1) * c, 0
+    if kind == "broadcast":  # from this rank, the source
+        inside = sum(same) - 1
+        return inside * nbytes, (n - 1 - inside) * nbytes
     raise ValueError(f"kind must be one of {PATTERNS}; got {kind!r}")
 
 
