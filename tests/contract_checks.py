@@ -547,8 +547,10 @@ def check_join(rank: int, world: int) -> dict:
 
     for stage in (1, 2, 3):
         n_batches = 2 + rank  # the last rank has the most
-        m1, m2, zo, ddp, to = _pair(stage)
-        m1.append(_Calls())  # counts this rank's own forwards (a stage-3 shadow adds none)
+        # the buffer counts this rank's own forwards (a stage-3 shadow adds none), so it is
+        # not broadcast (tests/test_replicas.py checks buffers under Join against DDP's)
+        m1, m2, zo, ddp, to = _pair(stage, zkw={"broadcast_buffers": False})
+        m1.append(_Calls())
         rng = torch.get_rng_state()
         with Join([zo]):
             for step in range(n_batches):
