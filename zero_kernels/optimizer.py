@@ -371,9 +371,10 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
         if copies.on:  # DDP's broadcast_buffers ([Note: replicated module state])
             join.shadow_forward = _call(me, "parts.replicas.shadow")
             join.final_sync = _call_args(me, "parts.replicas.after_join")
-            self._hook_handles.append(
-                m.register_forward_pre_hook(_call_args(me, "parts.replicas.before_forward_hook"))
-            )
+            hook = _call_args(me, "parts.replicas.before_forward_hook")
+            # run as Python where torch.compile traces the model ([Note: torch.compile])
+            hook = torch.compiler.disable(hook, recursive=True)
+            self._hook_handles.append(m.register_forward_pre_hook(hook))
         sched = core.units
         if sched is not None:
             sched.describe = core.where

@@ -10,9 +10,10 @@ keeps it equal there in two ways, which a model moved from DDP relies on:
   network on each rank: the trained params are rank 0's (`build.store` broadcasts them), but a
   frozen layer or a random buffer is each rank's own, so the averaged gradient is not DDP's
   (measured before this, 2 ranks, a frozen layer and a random buffer: rank 1's loss 40% from
-  DDP's at the first step). Here each rank takes two 62-bit digests of every frozen param and buffer (the
-  bytes as 64-bit words: their sum, and their sum weighted by 2i + 1, both modulo 2^64:
-  integer sums, so exact in any order and on any device), one all-reduce (max of the digests
+  DDP's at the first step). Here each rank takes two 62-bit digests of every frozen param and
+  buffer (the bytes as 64-bit words: their sum, and their sum weighted by 2i + 1, both modulo
+  2^64: integer sums, so exact in any order and on any device), one all-reduce (max of the
+  digests
   and of their negations) finds the tensors that differ on some rank, and only those are
   broadcast from rank 0. Tensors equal everywhere (a pretrained frozen base loaded on every
   rank, the usual case) cost a read and 32 bytes each, not a broadcast of the base (DDP
