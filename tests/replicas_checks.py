@@ -99,6 +99,28 @@ def check_start_sync(rank: int, world: int) -> dict:
     return out
 
 
+def check_start_mismatch(rank: int, world: int) -> dict:
+    """Models whose buffers differ in number or size across ranks: a ValueError on every rank
+    naming the difference (not a gloo size error or a hang in the broadcast)."""
+    out = {}
+    for what in ("count", "size"):
+        torch.manual_seed(0)
+        m = _Frozen()
+        if what == "count" and rank == world - 1:
+            m.register_buffer("extra", torch.zeros(3))
+        if what == "size":
+            m.register_buffer("extra", torch.zeros(3 + rank))
+        try:
+            ZeroOptimizer(m, torch.optim.AdamW, stage=2, lr=1e-2)
+        except ValueError as e:
+            assert "every rank must build the same model" in str(e), e
+            assert what == "count" or "'extra'" in str(e), e
+            out[what] = str(e)[:80]
+        else:
+            raise AssertionError(f"buffers of another {what} on some rank: no error")
+    return out
+
+
 class _BN(nn.Module):
     def __init__(self):
         super().__init__()
@@ -239,4 +261,5 @@ def check_join_buffers(rank: int, world: int) -> dict:
 
 
 def replicas_all(rank: int, world: int) -> dict:
-    return run_checks(rank, world, [check_start_sync, check_bn_like_ddp, check_join_buffers])
+    checks = [check_start_sync, check_start_mismatch, check_bn_like_ddp, check_join_buffers]
+    return run_checks(rank, world, checks)

@@ -122,12 +122,34 @@ def sync_at_start(core: Core) -> list[str]:
         return []
     trained = {id(p) for p in core.trainable.values()}
     named = unsharded(core.module, trained)
-    d = digests([t for _, t in named])
+    count = torch.tensor([len(named), -len(named)], dtype=torch.int64)
+    comm.all_reduce(count, "max", group=core.side)
+    if int(count[0]) != -int(count[1]):
+        raise ValueError(
+            f"ZeroOptimizer: the model has {len(named)} frozen params and buffers on rank "
+            f"{core.dp_rank}, but between {-int(count[1])} and {int(count[0])} across the ranks: "
+            "every rank must build the same model"
+        )
+    if not named:
+        return []
+    sizes = torch.tensor([[t.numel() * t.element_size()] for _, t in named], dtype=torch.int64)
+    d = torch.cat([sizes, digests([t for _, t in named])], dim=1)
     both = torch.cat([d, -d], dim=1)
     comm.all_reduce(both, "max", group=core.side)
-    differ = [k for k in range(len(named)) if bool((both[k, :2] != -both[k, 2:]).any())]
+    for k in range(len(named)):
+        if both[k, 0] != -both[k, 3]:
+            raise ValueError(
+                f"ZeroOptimizer: {named[k][0]!r} has {int(sizes[k, 0])} bytes on rank "
+                f"{core.dp_rank}, but between {-int(both[k, 3])} and {int(both[k, 0])} across "
+                "the ranks: every rank must build the same model"
+            )
+    differ = [k for k in range(len(named)) if bool((both[k, 1:3] != -both[k, 4:]).any())]
     for k in differ:
-        comm.broadcast(named[k][1].data, 0, group=_group_for(core, named[k][1]))
+        t = named[k][1].data
+        flat = t if t.is_contiguous() else t.contiguous()
+        comm.broadcast(flat, 0, group=_group_for(core, t))
+        if flat is not t:
+            t.copy_(flat)
     names = [named[k][0] for k in differ]
     if names:
         shown = ", ".join(repr(n) for n in names[:5]) + (" ..." if len(names) > 5 else "")
