@@ -248,6 +248,40 @@ def check_errors_and_passthrough(rank, world) -> dict:
     assert seen == [False, True], seen
     _raises(ValueError, lambda: zka.save_state(_accelerator(), "x"), "was not given")
     zo.close()
+    # DDP's broadcast_buffers as the accelerator's DistributedDataParallelKwargs set it: taken
+    # (default: True, as DDP's), a different zero= value or ready optimizer an error
+    from accelerate.utils import DistributedDataParallelKwargs as DDPKw
+
+    off = [DDPKw(broadcast_buffers=False)]
+    for handlers, zero, want in (([], None, True), (off, None, False), (off, {"stage": 1}, False)):
+        model = _Net()
+        _, opt = zka.prepare(
+            _accelerator(kwargs_handlers=handlers),
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            zero=zero,
+        )
+        assert opt.optimizer.policy.comm.broadcast_buffers is want, (handlers, zero)
+        opt.optimizer.close()
+    model = _Net()
+    _raises(
+        ValueError,
+        lambda: zka.prepare(
+            _accelerator(kwargs_handlers=off),
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            zero={"broadcast_buffers": True},
+        ),
+        "DistributedDataParallelKwargs(broadcast_buffers)=False",
+        "broadcast_buffers=True",
+    )
+    zo = ZeroOptimizer(model, torch.optim.SGD, stage=1, lr=0.1)
+    _raises(
+        ValueError,
+        lambda: zka.prepare(_accelerator(kwargs_handlers=off), model, zo),
+        "differ",
+    )
+    zo.close()
     return {"accelerate": __import__("accelerate").__version__}
 
 

@@ -272,6 +272,22 @@ def refusals(rank, world):
         except (TypeError, ValueError) as e:
             assert what in str(e), e
             msgs[what] = "raised"
+    # TrainingArguments(ddp_broadcast_buffers) becomes the optimizer's broadcast_buffers (unset:
+    # DDP's default, True); another value in zero= is an error naming both
+    for flag, want in ((None, True), (False, False), (True, True)):
+        a = TrainingArguments(
+            output_dir=f"{TMP}/x", use_cpu=True, report_to=[], ddp_broadcast_buffers=flag
+        )
+        assert ZeroTrainer(model=gpt2(), args=a).zero.get("broadcast_buffers", True) is want
+    a = TrainingArguments(
+        output_dir=f"{TMP}/x", use_cpu=True, report_to=[], ddp_broadcast_buffers=False
+    )
+    try:
+        ZeroTrainer(model=gpt2(), args=a, zero={"broadcast_buffers": True})
+        raise AssertionError("ddp_broadcast_buffers=False with zero broadcast_buffers=True")
+    except ValueError as e:
+        assert "ddp_broadcast_buffers)=False" in str(e) and "broadcast_buffers=True" in str(e)
+        msgs["broadcast_buffers"] = "raised"
     # a plain Trainer's checkpoint: one rank's optimizer.pt of another optimizer
     d = f"{TMP}/plain"
     train(Trainer, d, steps=2, save_steps=2)

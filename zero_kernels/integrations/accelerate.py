@@ -85,7 +85,13 @@ except ImportError as e:  # pragma: no cover - exercised without accelerate inst
     ) from e
 
 from ..policy import ShardPolicy
-from .common import check_not_wrapped, from_torch_optimizer, is_zero, zero_kwargs
+from .common import (
+    check_not_wrapped,
+    from_torch_optimizer,
+    is_zero,
+    with_broadcast_buffers,
+    zero_kwargs,
+)
 
 __all__ = ["ZeroAcceleratedOptimizer", "load_state", "prepare", "save_state"]
 
@@ -310,6 +316,19 @@ def prepare(accelerator, model: nn.Module, optimizer, *objects, zero=None):
             f"({type(optimizer).__name__}); pass the plain torch optimizer (or a ZeroOptimizer)"
         )
     kwargs = zero_kwargs(zero, _WHERE)
+    # DDP's broadcast_buffers as the accelerator would pass it to DDP
+    # (DistributedDataParallelKwargs; its to_kwargs() holds only the values set)
+    handler = getattr(accelerator, "ddp_handler", None)
+    ddp_kw = handler.to_kwargs() if handler is not None else {}
+    given = {"policy": optimizer.policy} if is_zero(optimizer) else kwargs  # a ready one: checked
+    taken = with_broadcast_buffers(
+        given,
+        ddp_kw.get("broadcast_buffers"),
+        "DistributedDataParallelKwargs(broadcast_buffers)",
+        _WHERE,
+    )
+    if not is_zero(optimizer):
+        kwargs = taken
     if is_zero(optimizer) and zero is not None:
         raise ValueError(
             f"{_WHERE}: zero={zero!r} given with a ready ZeroOptimizer; its options are set. "

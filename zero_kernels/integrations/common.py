@@ -28,6 +28,7 @@ __all__ = [
     "check_not_wrapped",
     "from_torch_optimizer",
     "is_zero",
+    "with_broadcast_buffers",
     "zero_kwargs",
 ]
 
@@ -85,6 +86,24 @@ def zero_kwargs(zero, where: str, *, stage: int | None = None) -> dict:
         if "policy" not in out:
             out["stage"] = stage
     return out
+
+
+def with_broadcast_buffers(kwargs: dict, value, source: str, where: str) -> dict:
+    """``kwargs`` (`zero_kwargs`'s) with DDP's ``broadcast_buffers`` as the framework's own
+    arguments set it (``value``, None where they leave DDP's default; ``source`` names that
+    argument): the same choice a DDP run of that framework makes ([Note: replicated module
+    state]). Given in ``zero=`` too with another value: a ValueError naming both."""
+    if value is None:
+        return kwargs
+    value = bool(value)
+    pol = kwargs.get("policy")
+    mine = pol.comm.broadcast_buffers if pol is not None else kwargs.get("broadcast_buffers")
+    if mine is not None and mine != value:
+        raise ValueError(
+            f"{where}: {source}={value} and the ZeroOptimizer's broadcast_buffers={mine} "
+            "differ; set one of them"
+        )
+    return kwargs if pol is not None else {**kwargs, "broadcast_buffers": value}
 
 
 def check_not_wrapped(model: nn.Module, where: str) -> None:

@@ -22,6 +22,9 @@ changes, and why:
 - accumulation: micro-batches that do not end an optimizer step run under the optimizer's
   ``no_sync()`` (stage 1 reduces once per step; stages 2/3 reduce each micro-batch into the
   shard, the same numbers);
+- ``ddp_broadcast_buffers`` (what Trainer passes to DDP's ``broadcast_buffers``) becomes the
+  optimizer's ``broadcast_buffers`` (unset: True, DDP's default; [Note: replicated module
+  state]);
 - clipping (``max_grad_norm``) and the logged ``grad_norm`` go through the optimizer's
   ``clip_grad_norm_`` (one pass over the shards, one all-reduce);
 - ``save_model()``/``save_pretrained``: ``model.state_dict()`` is collective at stage 3, so every
@@ -54,7 +57,13 @@ import torch
 import transformers
 from torch import nn
 
-from .common import check_not_wrapped, from_torch_optimizer, is_zero, zero_kwargs
+from .common import (
+    check_not_wrapped,
+    from_torch_optimizer,
+    is_zero,
+    with_broadcast_buffers,
+    zero_kwargs,
+)
 
 __all__ = ["TESTED", "ZERO_DIR", "ZeroTrainer"]
 
@@ -108,8 +117,22 @@ class ZeroTrainer(transformers.Trainer):
                 "autocast, not supported with ZeroTrainer; use bf16=True, or fp16 params (the "
                 "ZeroOptimizer's own loss scaler covers them)"
             )
+        # DDP's broadcast_buffers as Trainer passes it to DDP (None: DDP's default, True)
+        self.zero = with_broadcast_buffers(
+            self.zero,
+            a.ddp_broadcast_buffers,
+            "TrainingArguments(ddp_broadcast_buffers)",
+            "ZeroTrainer",
+        )
         if self.optimizer is not None:
             check_not_wrapped(self.model, "ZeroTrainer")
+            if is_zero(_inner(self.optimizer)):  # a ready one: its choice must agree
+                with_broadcast_buffers(
+                    {"policy": _inner(self.optimizer).policy},
+                    a.ddp_broadcast_buffers,
+                    "TrainingArguments(ddp_broadcast_buffers)",
+                    "ZeroTrainer",
+                )
 
     # ---- the accelerator keeps the model out of DDP
     def create_accelerator_and_postprocess(self) -> None:
