@@ -226,6 +226,33 @@ def check_bn_like_ddp(rank: int, world: int) -> dict:
     return out
 
 
+def check_two_forwards(rank: int, world: int) -> dict:
+    """Two forwards before one backward (a siamese loss) with BatchNorm: the second forward's
+    broadcast writes the running statistics the first forward's autograd node saved, so a write
+    that moved their version counter failed the backward ("modified by an inplace operation")
+    where DDP runs; now DDP's params and buffers at stages 2 and 3, with the comparison before
+    each write (the CPU's way) and without it (a GPU's way)."""
+    out = {}
+    for stage in (2, 3):
+        for compare in (True, False):
+            m1, m2, zo, ddp, to = _bn_pair(stage)
+            if not compare:
+                zo.parts.replicas.compare_on = {}
+            for step in range(3):
+                for opt, fwd in ((zo, m1), (to, ddp)):
+                    opt.zero_grad()
+                    a, b = fwd(_x(rank, 2 * step)), fwd(_x(rank, 2 * step + 1))
+                    (a - b).pow(2).mean().backward()
+                    opt.step()
+            worst = _close_states(_bn_state(m1), _bn_state(m2), f"two forwards stage {stage}")
+            with _gathered(zo, stage):
+                for p1, p2 in zip(m1.parameters(), m2.parameters()):
+                    torch.testing.assert_close(p1, p2, rtol=0, atol=1e-5)
+            out[f"stage {stage} compare={compare}"] = worst
+            zo.close()
+    return out
+
+
 def check_join_buffers(rank: int, world: int) -> dict:
     """Uneven inputs under Join with BatchNorm (rank r has 2 + world - 1 - r batches: the
     highest rank still training, the broadcasts' source, changes as ranks join, and rank 0
@@ -261,5 +288,11 @@ def check_join_buffers(rank: int, world: int) -> dict:
 
 
 def replicas_all(rank: int, world: int) -> dict:
-    checks = [check_start_sync, check_start_mismatch, check_bn_like_ddp, check_join_buffers]
+    checks = [
+        check_start_sync,
+        check_start_mismatch,
+        check_bn_like_ddp,
+        check_two_forwards,
+        check_join_buffers,
+    ]
     return run_checks(rank, world, checks)

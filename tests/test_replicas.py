@@ -12,7 +12,13 @@ from zero_kernels.policy import CommPolicy
 from zero_kernels.replicas import digests
 
 REPLICAS = SharedRun(replicas_checks.replicas_all, timeout=400)
-CHECKS = ["check_start_sync", "check_start_mismatch", "check_bn_like_ddp", "check_join_buffers"]
+CHECKS = [
+    "check_start_sync",
+    "check_start_mismatch",
+    "check_bn_like_ddp",
+    "check_two_forwards",
+    "check_join_buffers",
+]
 
 
 @pytest.mark.distributed

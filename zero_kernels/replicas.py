@@ -23,9 +23,13 @@ keeps it equal there in two ways, which a model moved from DDP relies on:
   buffers, so BatchNorm's running statistics are rank 0's on every rank, updated by each
   rank's own batch in that forward, and an evaluation forward after a training step sees rank
   0's. ``broadcast_buffers=True`` (the default here too) does the same: one broadcast of
-  all the module's buffers, each device's packed into one byte buffer (any dtype); a rank
-  copies back only the buffers whose bytes changed (a buffer autograd saved is not bumped for
-  nothing). ``broadcast_buffers=False`` leaves each rank its own buffers (DDP's
+  all the module's buffers, each device's packed into one byte buffer (any dtype). A rank
+  writes the values back without moving the buffers' version counters, as DDP's broadcast
+  does: two forwards before one backward (a siamese loss) must pass autograd's check on what
+  the first forward saved, and BatchNorm saves its running statistics (a copy that moved them
+  failed that check, measured). On the CPU only the buffers whose bytes changed are written;
+  on a GPU every one is, as by DDP (comparing would wait for the device at each forward).
+  ``broadcast_buffers=False`` leaves each rank its own buffers (DDP's
   ``broadcast_buffers=False``): for models whose buffers are constant (rotary tables, masks)
   and large, the broadcast is then spared.
 - Under ``torch.distributed.algorithms.Join`` the broadcast comes before each training
@@ -171,6 +175,7 @@ class Replicas:
         self.on = bool(core.policy.comm.broadcast_buffers) and core.module is not None
         # DDP's require_forward_param_sync: the last forward had gradients, outside no_sync()
         self.pending = True
+        self.compare_on = {"cpu": True}  # device types whose buffers are compared before a copy
 
     def _buffers(self) -> list[torch.Tensor]:
         seen, out = set(), []
@@ -238,7 +243,11 @@ class Replicas:
         for b in bufs:
             by_dev.setdefault(b.device, []).append(b)
         for group_bufs in by_dev.values():
-            views = [b.detach().reshape(-1).view(torch.uint8) for b in group_bufs]
+            # through .data: the copies back do not move a buffer's version counter (as DDP's
+            # broadcast does not), so a buffer autograd saved in an earlier forward whose
+            # backward is still to come (BatchNorm saves its running statistics) passes
+            # autograd's check
+            views = [b.data.reshape(-1).view(torch.uint8) for b in group_bufs]
             flat = torch.cat(views)
             group = _group_for(core, group_bufs[0])
             comm.broadcast(flat, src, group=group)
@@ -246,13 +255,16 @@ class Replicas:
                 log.count_broadcast(flat.numel(), src, group)
             if keep or core.dp_rank == src:
                 continue
+            # on the CPU only the buffers whose bytes changed are written; on a GPU each
+            # comparison would wait for the device, so every buffer is written, as DDP does
+            compare = self.compare_on.get(flat.device.type, False)
             at = 0
             for b, v in zip(group_bufs, views):
                 got = flat[at : at + v.numel()]
                 at += v.numel()
-                if torch.equal(v, got):
+                if compare and torch.equal(v, got):
                     continue
                 if b.is_contiguous():  # v is b's bytes
                     v.copy_(got)
                 else:  # v was a copy
-                    b.copy_(got.clone().view(b.dtype).view(b.shape))
+                    b.data.copy_(got.clone().view(b.dtype).view(b.shape))
