@@ -54,7 +54,9 @@ class JoinState:
         # stages 1/2 with the buffers' broadcast: Join was told in the forward, not again in
         # the backward ([Note: replicated module state] in zero_kernels.replicas)
         self.told = False
-        self.shadow_forward = None  # that broadcast's part on a joined rank (Replicas.shadow)
+        self.shadow_forward = (
+            None  # that broadcast's part on a joined rank (Replicas.before_forward)
+        )
         self.final_sync = None  # at the context's end (Replicas.after_join)
 
     def hook(self) -> JoinHook:

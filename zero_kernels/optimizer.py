@@ -369,7 +369,7 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
                 m.register_forward_pre_hook(lambda mod, a: wrappers.check_forward(ids))
             )
         if copies.on:  # DDP's broadcast_buffers ([Note: replicated module state])
-            join.shadow_forward = _call(me, "parts.replicas.shadow")
+            join.shadow_forward = _call(me, "parts.replicas.before_forward")
             join.final_sync = _call_args(me, "parts.replicas.after_join")
             hook = _call_args(me, "parts.replicas.before_forward_hook")
             # run as Python where torch.compile traces the model ([Note: torch.compile])

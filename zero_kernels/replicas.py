@@ -13,9 +13,8 @@ keeps it equal there in two ways, which a model moved from DDP relies on:
   DDP's at the first step). Here each rank takes two 62-bit digests of every frozen param and
   buffer (the bytes as 64-bit words: their sum, and their sum weighted by 2i + 1, both modulo
   2^64: integer sums, so exact in any order and on any device), one all-reduce (max of the
-  digests
-  and of their negations) finds the tensors that differ on some rank, and only those are
-  broadcast from rank 0. Tensors equal everywhere (a pretrained frozen base loaded on every
+  digests and of their negations) finds the tensors that differ on some rank, and only those
+  are broadcast from rank 0. Tensors equal everywhere (a pretrained frozen base loaded on every
   rank, the usual case) cost a read and 32 bytes each, not a broadcast of the base (DDP
   broadcasts all of it, at every link's rate). A warning names what differed.
 - Before a forward that follows a training forward (gradients enabled, outside ``no_sync()``;
@@ -72,13 +71,9 @@ def _plain(t) -> bool:
 
 def unsharded(module: nn.Module, trained: set[int]) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) of ``module``'s frozen params (not in ``trained``: ids) and buffers, each
-    tensor once."""
-    seen, out = set(), []
-    for n, t in [*module.named_parameters(), *module.named_buffers()]:
-        if _plain(t) and id(t) not in trained and id(t) not in seen:
-            seen.add(id(t))
-            out.append((n, t))
-    return out
+    tensor once (torch's iterators leave out a shared one's other names)."""
+    named = [*module.named_parameters(), *module.named_buffers()]
+    return [(n, t) for n, t in named if _plain(t) and id(t) not in trained]
 
 
 def _words(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,16 +173,19 @@ class Replicas:
         self.compare_on = {"cpu": True}  # device types whose buffers are compared before a copy
 
     def _buffers(self) -> list[torch.Tensor]:
-        seen, out = set(), []
-        for b in self.core.module.buffers():
-            if _plain(b) and id(b) not in seen:
-                seen.add(id(b))
-                out.append(b)
-        return out
+        return [b for b in self.core.module.buffers() if _plain(b)]  # each once
+
+    def _source(self, mine: int, what: str) -> int:
+        """The largest of the ranks' ``mine`` (-1: not a candidate): the broadcast's source."""
+        t = torch.tensor([mine], dtype=torch.int64)
+        self.core.all_reduce(t, "max", what, group=self.core.side)
+        return int(t.item())
 
     def before_forward(self) -> None:
         """A forward of the module begins (its pre-hook): rank 0's buffers (under Join, the
-        highest training rank's) on every rank, where DDP would broadcast them."""
+        highest training rank's) on every rank, where DDP would broadcast them. Also a joined
+        rank's part of that broadcast at stages 1/2 (`JoinState` sets ``shadowing`` around
+        the call)."""
         core = self.core
         if not self.on or core.dp_size == 1:
             return
@@ -208,9 +206,7 @@ class Replicas:
         if joining:
             if core.units is None and not shadow:  # stages 1/2: told here, not in backward
                 self.join.notify_forward()
-            mine = torch.tensor([-1 if shadow else core.dp_rank], dtype=torch.int64)
-            core.all_reduce(mine, "max", "the buffers' source under Join", group=core.side)
-            src = int(mine.item())
+            src = self._source(-1 if shadow else core.dp_rank, "the buffers' source under Join")
         self.broadcast(bufs, src, keep=shadow)
 
     def after_join(self, is_last_joiner: bool) -> None:
@@ -222,16 +218,10 @@ class Replicas:
         bufs = self._buffers()
         if not bufs:
             return
-        mine = torch.tensor([self.core.dp_rank if is_last_joiner else -1], dtype=torch.int64)
-        self.core.all_reduce(mine, "max", "the last joiner's buffers", group=self.core.side)
-        self.broadcast(bufs, int(mine.item()))
+        mine = self.core.dp_rank if is_last_joiner else -1
+        self.broadcast(bufs, self._source(mine, "the last joiner's buffers"))
 
     def before_forward_hook(self, module, args) -> None:
-        self.before_forward()
-
-    def shadow(self) -> None:
-        """A joined rank's part of the others' forward at stages 1/2 (`JoinState` sets its
-        ``shadowing`` around this call)."""
         self.before_forward()
 
     @torch.no_grad()

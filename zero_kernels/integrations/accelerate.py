@@ -320,15 +320,14 @@ def prepare(accelerator, model: nn.Module, optimizer, *objects, zero=None):
     # (DistributedDataParallelKwargs; its to_kwargs() holds only the values set)
     handler = getattr(accelerator, "ddp_handler", None)
     ddp_kw = handler.to_kwargs() if handler is not None else {}
-    given = {"policy": optimizer.policy} if is_zero(optimizer) else kwargs  # a ready one: checked
-    taken = with_broadcast_buffers(
-        given,
+    value, source = (
         ddp_kw.get("broadcast_buffers"),
         "DistributedDataParallelKwargs(broadcast_buffers)",
-        _WHERE,
     )
-    if not is_zero(optimizer):
-        kwargs = taken
+    if is_zero(optimizer):  # a ready one: its choice must agree
+        with_broadcast_buffers({"policy": optimizer.policy}, value, source, _WHERE)
+    else:
+        kwargs = with_broadcast_buffers(kwargs, value, source, _WHERE)
     if is_zero(optimizer) and zero is not None:
         raise ValueError(
             f"{_WHERE}: zero={zero!r} given with a ready ZeroOptimizer; its options are set. "
