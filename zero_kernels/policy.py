@@ -198,8 +198,9 @@ class CommPolicy:
     reduce-scatter] in `zero_kernels.comm.quant`); grad_error_feedback: with quantize_grads, what
     each quantization drops is kept per rank and added to the next step's gradient before it
     is quantized ([Note: error feedback] in `zero_kernels.comm.quant`); broadcast_buffers: rank
-    0's buffers broadcast to every rank before each forward with gradients, outside no_sync(),
-    as DDP's option of that name ([Note: replicated module state] in `zero_kernels.replicas`)."""
+    0's buffers broadcast to every rank before a forward that follows a training forward (and
+    before the first), as DDP's option of that name ([Note: replicated module state] in
+    `zero_kernels.replicas`)."""
 
     bucket_size_mb: float = 25.0
     overlap_comm: bool = True
