@@ -17,6 +17,8 @@ Quantizers (--cands):
     jitter       exact, each element times (1 + 1e-3 N(0, 1)): how far a tiny perturbation moves
                  the final loss (the noise floor of the comparison)
     int4sr_bB    stochastic rounding: q = floor(y / scale + u), u ~ U[0, 1) (unbiased: E[deq] = y)
+    int4sq_bB    square-law levels (the int8 state's map, `zero_kernels.ops.lowbit`):
+                 x = q |q| A / 49, q = sign(x) rne(sqrt(|x| 49 / A)), A the block's max |x|
     qw8+G        gradients as G, and each step's forward and backward on int8-quantized weights
                  (blocks of 256, every chunk: `quantize_weights="int8"` with hpZ's
                  ``own_exact=False``); the masters stay exact; qw8bB+G: weight blocks of B;
@@ -65,13 +67,22 @@ def _parse(name: str) -> tuple:
     if grads == "jitter":
         return name, -1, 0, False, wblock, persist
     kind, _, blk = grads.partition("_b")
-    if kind not in ("int4", "int8", "int4sr", "int8sr") or not blk.isdigit():
+    if kind not in ("int4", "int8", "int4sr", "int8sr", "int4sq", "int8sq") or not blk.isdigit():
         raise SystemExit(f"--cands: unknown quantizer {name!r}")
-    return name, int(kind[3]), int(blk), kind.endswith("sr"), wblock, persist
+    how = "sq" if kind.endswith("sq") else kind.endswith("sr")
+    return name, int(kind[3]), int(blk), how, wblock, persist
 
 
 def _round_trip(x: torch.Tensor, bits: int, block: int, stochastic: bool, gen) -> torch.Tensor:
     """``x`` (fp32, flat) quantized and dequantized."""
+    if stochastic == "sq":  # square-law levels, rounded in the root's domain
+        qmax = 127 if bits == 8 else 7
+        n = x.numel()
+        y = torch.nn.functional.pad(x, (0, -n % block)).view(-1, block)
+        s = y.abs().amax(dim=1, keepdim=True) / qmax**2
+        inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
+        q = torch.round(torch.sqrt(y.abs() * inv)).clamp_(max=qmax)
+        return (torch.sign(y) * q * q * s).view(-1)[:n]
     if not stochastic:
         q, s = quantize_blockwise(x, bits, block)
         return dequantize_blockwise(q, s, bits, block, x.numel())
