@@ -81,6 +81,33 @@ def train(cls, out: str, *, steps=6, model=None, resume=None, save_steps=None, t
     return tr, losses
 
 
+def other_arch(kind: str, seed: int = 0):
+    """A small Llama (grouped-query attention, rotary embeddings' non-persistent ``inv_freq``
+    buffer, tied embeddings) or Mixtral (experts as 3-D params, a router, its auxiliary loss)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+    )
+    if kind == "llama":
+        return LlamaForCausalLM(LlamaConfig(tie_word_embeddings=True, **common))
+    cfg = MixtralConfig(
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        output_router_logits=True,
+        router_aux_loss_coef=0.01,
+        **common,
+    )
+    return MixtralForCausalLM(cfg)
+
+
 def rel(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b) and a, (len(a), len(b))
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
@@ -135,6 +162,27 @@ def parity_stage2(rank, world):
 
 def parity_stage3(rank, world):
     return _parity(3, rank, world)
+
+
+def parity_llama_mixtral(rank, world):
+    """Two more architectures at stage 3 against Trainer's DDP run: per-step losses and the
+    final weights (a Llama; a Mixtral, whose loss holds the router's auxiliary loss)."""
+    from transformers import Trainer
+
+    from zero_kernels.integrations.transformers import ZeroTrainer
+
+    out = {}
+    for kind in ("llama", "mixtral"):
+        ddp, want = train(Trainer, f"{TMP}/{kind}_ddp", steps=4, model=other_arch(kind))
+        tr, got = train(
+            ZeroTrainer, f"{TMP}/{kind}_z3", steps=4, model=other_arch(kind), zero={"stage": 3}
+        )
+        assert tr.zero_optimizer.stage == 3 and tr.model_wrapped is tr.model
+        gap, wgap = rel(got, want), max_diff(weights(tr), weights(ddp))
+        assert gap <= 1e-5, (kind, gap, got, want)
+        assert wgap <= 1e-5, (kind, wgap)
+        out[kind] = {"loss_rel": gap, "weights_abs": wgap}
+    return out
 
 
 def _resume(stage, dtype, stage_after=None):
@@ -305,6 +353,7 @@ CHECKS = [
     parity_stage1,
     parity_stage2,
     parity_stage3,
+    parity_llama_mixtral,
     checkpointing_stage3,
     resume_stage3_fp32,
     resume_stage2_bf16,
