@@ -185,6 +185,35 @@ def parity_llama_mixtral(rank, world):
     return out
 
 
+def evaluate_stage3(rank, world):
+    """eval_strategy="steps": evaluations between optimizer steps (no-grad forwards of the
+    sharded model) give Trainer's DDP eval losses, and training goes on as DDP's."""
+    from transformers import Trainer, TrainerCallback
+
+    from zero_kernels.integrations.transformers import ZeroTrainer
+
+    class Evals(TrainerCallback):
+        def __init__(self):
+            self.losses = []
+
+        def on_evaluate(self, args, state, control, metrics=None, **kw):
+            self.losses.append(metrics["eval_loss"])
+
+    ev = {"eval_strategy": "steps", "eval_steps": 2, "per_device_eval_batch_size": 3}
+    runs = {}
+    for name, cls, kw in (("ddp", Trainer, {}), ("z3", ZeroTrainer, {"zero": {"stage": 3}})):
+        cb = Evals()
+        tr, losses = train(
+            cls, f"{TMP}/eval_{name}", targs=ev, eval_dataset=dataset(10), callbacks=[cb], **kw
+        )
+        runs[name] = (losses, cb.losses, weights(tr))
+    (got, got_ev, w), (want, want_ev, w_ddp) = runs["z3"], runs["ddp"]
+    assert len(got_ev) == len(want_ev) == 3, (got_ev, want_ev)
+    gaps = (rel(got, want), rel(got_ev, want_ev), max_diff(w, w_ddp))
+    assert gaps[0] <= 1e-5 and gaps[1] <= 1e-5 and gaps[2] <= 1e-5, gaps
+    return {"loss_rel": gaps[0], "eval_loss_rel": gaps[1], "weights_abs": gaps[2]}
+
+
 def _resume(stage, dtype, stage_after=None):
     """checkpoint-4 of an 8-step run, resumed by a fresh trainer over a model of other values:
     its steps 5-8 repeat the uninterrupted run's."""
@@ -354,6 +383,7 @@ CHECKS = [
     parity_stage2,
     parity_stage3,
     parity_llama_mixtral,
+    evaluate_stage3,
     checkpointing_stage3,
     resume_stage3_fp32,
     resume_stage2_bf16,
