@@ -69,3 +69,54 @@ def check_orders(rank: int, world: int) -> dict:
             zo.close()
             del ddp
     return out
+
+
+def _type_error(fn, *words) -> str:
+    try:
+        fn()
+    except TypeError as e:
+        msg = str(e)
+        assert all(w in msg for w in words), msg
+        return "raised"
+    raise AssertionError(f"no error: {words}")
+
+
+def check_fsdp_and_dtensor(rank: int, world: int) -> dict:
+    """A model under FSDP (FullyShardedDataParallel's flat params; FSDP2's fully_shard) or
+    tensor parallelism (DTensor params or buffers): a TypeError naming the param or module at
+    every stage, before any collective. (Before: FSDP2 and tensor-parallel params failed in
+    the constructor with "got mixed torch.Tensor and DTensor", FSDP1's at the first step with
+    a size mismatch.)"""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    out = {}
+    mesh = init_device_mesh("cpu", (world,))
+    for stage in (1, 2, 3):
+
+        def build(model, stage=stage):
+            return lambda: ZeroOptimizer(model, torch.optim.AdamW, stage=stage, lr=1e-2)
+
+        f1 = FSDP(_Net(), device_id=torch.device("cpu"))
+        out[f"stage {stage} FSDP"] = _type_error(
+            build(f1), "the model is a FullyShardedDataParallel"
+        )
+        if stage != 3:  # params only: stage 3 needs the model
+            flat = list(f1.parameters())
+            out[f"stage {stage} FSDP params"] = _type_error(build(flat), "flat parameter")
+        f2 = _Net()
+        fully_shard(f2.blocks[0])
+        out[f"stage {stage} fully_shard"] = _type_error(
+            build(f2), "param blocks.0.weight is a DTensor", "Shard(dim=0)"
+        )
+        tp = _Net()
+        parallelize_module(tp, mesh, {"head": ColwiseParallel()})
+        out[f"stage {stage} tensor parallel"] = _type_error(build(tp), "param head.weight")
+        frozen = _Net()  # a DTensor buffer beside plain trainable params
+        frozen.register_buffer("table", distribute_tensor(torch.ones(4, 2), mesh))
+        assert isinstance(frozen.table, DTensor)
+        out[f"stage {stage} DTensor buffer"] = _type_error(build(frozen), "buffer table")
+    return out

@@ -82,10 +82,57 @@ def check_kwargs(optimizer_class, defaults: dict) -> None:
         )
 
 
+def _dtensor_message(what: str, t: torch.Tensor) -> str:
+    mesh = getattr(t, "device_mesh", None)
+    shape = tuple(mesh.shape) if mesh is not None else "?"
+    return (
+        f"{what} is a DTensor (placements {tuple(getattr(t, 'placements', ()))} on a device mesh "
+        f"of shape {shape}), made by tensor parallelism (parallelize_module) or FSDP2's "
+        "fully_shard: ZeroOptimizer shards plain tensors over its own process group and does "
+        "not combine with either (it would copy the DTensor's local shard as if it were the "
+        "whole tensor). Build the ZeroOptimizer over the model without them, or use FSDP2 "
+        "alone for a DTensor model"
+    )
+
+
+def _is_dtensor(t) -> bool:
+    return any(c.__name__ == "DTensor" for c in type(t).__mro__)
+
+
+_FSDP1 = (
+    "is FSDP's flat parameter (FullyShardedDataParallel): FSDP reduces and shards the gradients "
+    "and the params itself and swaps the flat parameter's data in each forward (a ZeroOptimizer "
+    "over it failed at the first step with a size mismatch). Use one of the two: a "
+    "ZeroOptimizer over the model without FSDP replaces it"
+)
+
+
 def check_params(params: dict[int, torch.Tensor], names: dict[int, str], module) -> None:
-    """Parameters ZeroOptimizer can shard: leaves, floating point, materialised, dense grads."""
+    """Parameters ZeroOptimizer can shard: leaves, floating point, materialised, dense grads,
+    plain tensors (no DTensor, no FSDP flat parameter; with the module: no FSDP wrapper in it,
+    no DTensor among its frozen params and buffers either)."""
+    if isinstance(module, nn.Module):
+        for mname, m in module.named_modules():
+            if type(m).__name__ == "FullyShardedDataParallel":
+                what = f"module {mname}" if mname else "the model"
+                raise TypeError(
+                    f"{what} is a FullyShardedDataParallel: a "
+                    "ZeroOptimizer shards the model itself and does not combine with FSDP; "
+                    "build it over the model without FSDP"
+                )
+        for kind, items in (
+            ("param", module.named_parameters()),
+            ("buffer", module.named_buffers()),
+        ):
+            for n, t in items:
+                if _is_dtensor(t):
+                    raise TypeError(_dtensor_message(f"{kind} {n}", t))
     for p in params.values():
         name = names.get(id(p)) or f"of shape {tuple(p.shape)}"
+        if _is_dtensor(p):
+            raise TypeError(_dtensor_message(f"param {name}", p))
+        if getattr(p, "_is_flat_param", False):
+            raise TypeError(f"param {name} {_FSDP1}")
         if not p.is_leaf:
             raise ValueError(
                 f"param {name} is not a leaf tensor (it was computed from others, "

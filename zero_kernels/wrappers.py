@@ -21,9 +21,12 @@ error on every rank, found three ways:
   forward pre-hook on the model (when it has the model) sees DDP's forward running
   (``DistributedDataParallel._active_ddp_module``) over its params and raises.
 
-FSDP (``fully_shard``, ``FullyShardedDataParallel``) replaces the params or their data, which the
-optimizer already refuses at the next step (`zero_kernels.validate.check_intact`, whose message
-names FSDP when the new params are DTensors or flat parameters).
+FSDP (``fully_shard``, ``FullyShardedDataParallel``) applied after the optimizer replaces the
+params or their data, which the optimizer refuses at the next step
+(`zero_kernels.validate.check_intact`, whose message names FSDP when the new params are DTensors
+or flat parameters); applied before, its flat parameters, its wrapper module or its DTensor
+params are refused by the constructor (`zero_kernels.validate.check_params`), as are tensor
+parallelism's DTensor params and buffers.
 """
 
 from __future__ import annotations
