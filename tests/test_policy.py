@@ -130,3 +130,18 @@ def test_policy_and_keywords_not_both():
         ZeroOptimizer(m, torch.optim.SGD, policy=pol, stage=3, bucket_size_mb=1, lr=0.1)
     with pytest.raises(TypeError, match="policy must be a zero_kernels.policy.ZeroPolicy"):
         ZeroOptimizer(m, torch.optim.SGD, policy={"stage": 3}, lr=0.1)
+
+
+def test_optimizer_and_params_arguments_named():
+    """An optimizer instance where the class goes, and params that are no iterable: errors that
+    name the argument and say what to pass (before: the instance's whole repr; 'NoneType' object
+    is not iterable)."""
+    m = nn.Linear(4, 2)
+    with pytest.raises(TypeError, match=r"got an instance of AdamW: pass the class"):
+        ZeroOptimizer(m, torch.optim.AdamW(m.parameters()), lr=0.1)
+    with pytest.raises(TypeError, match=r"optimizer_class=.adamw."):
+        ZeroOptimizer(m, "adamw", lr=0.1)
+    with pytest.raises(TypeError, match=r"params must be an nn.Module or an iterable .*NoneType"):
+        ZeroOptimizer(None, torch.optim.AdamW, lr=0.1)
+    with pytest.raises(TypeError, match=r"got a single Tensor"):
+        ZeroOptimizer(m.weight, torch.optim.AdamW, lr=0.1)

@@ -20,7 +20,13 @@ def param_groups(params) -> tuple[list[dict], dict[int, str]]:
         raise TypeError(
             "params must be an iterable of tensors or dicts, or an nn.Module, got a single Tensor"
         )
-    params = list(params)
+    try:
+        params = list(params)
+    except TypeError:
+        raise TypeError(
+            "params must be an nn.Module or an iterable of tensors or dicts (param groups), "
+            f"got {type(params).__name__}"
+        ) from None
     if not params:
         raise ValueError("ZeroOptimizer got an empty parameter list")
     groups = [dict(g) for g in params] if isinstance(params[0], dict) else [{"params": params}]

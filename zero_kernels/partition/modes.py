@@ -41,6 +41,15 @@ _CLOSURE_ONLY = tuple(getattr(torch.optim, n) for n in ("LBFGS",) if hasattr(tor
 
 def choose_mode(optimizer_class, partition: str = "auto") -> tuple[str, str]:
     """``(mode, reason)`` for ``optimizer_class``; raises for optimizers this layer cannot run."""
+    if isinstance(optimizer_class, torch.optim.Optimizer):
+        name = type(optimizer_class).__name__
+        raise TypeError(
+            f"optimizer_class must be a torch.optim.Optimizer subclass, got an instance of "
+            f"{name}: pass the class and its arguments as keywords, e.g. "
+            f"ZeroOptimizer(model, {type(optimizer_class).__module__}.{name}, lr=...), and "
+            "param groups as the first argument: the ZeroOptimizer builds the optimizer over "
+            "each rank's shards"
+        )
     if not (
         isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)
     ):
