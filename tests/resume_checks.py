@@ -35,10 +35,11 @@ def _batch(rank, step):
 
 
 def _train(m, zo, rank, steps):
+    dtype = next(m.parameters()).dtype
     for s in steps:
         x, y = _batch(rank, s)
         zo.zero_grad()
-        (m(x).float() - y.float()).pow(2).mean().backward()
+        (m(x.to(dtype)).float() - y.float()).pow(2).mean().backward()
         zo.step()
 
 
@@ -93,4 +94,43 @@ def check_bf16_resume(rank: int, world: int) -> dict:
     (plain(x).float() - y.float()).pow(2).mean().backward()
     to.step()
     out["plain torch loads it"] = "ok"
+    return out
+
+
+def check_shard_mismatch(rank: int, world: int) -> dict:
+    """A rank's shard (opt.state_dict()) loaded where it does not fit names what differs: another
+    bucket_size_mb (stages 1-2; stage 3 lays out by unit, so it loads there), another rank's
+    shard. Before, the message repeated the same world size, rank and mode on both sides."""
+    out = {}
+    for stage in (1, 2, 3):
+        torch.manual_seed(0)
+        base = Net()
+        m = copy.deepcopy(base)
+        zo = ZeroOptimizer(m, torch.optim.AdamW, stage=stage, bucket_size_mb=0.001, lr=1e-2)
+        _train(m, zo, rank, range(2))
+        sd = copy.deepcopy(zo.state_dict())
+        zo.close()
+        m2 = copy.deepcopy(base)
+        zo2 = ZeroOptimizer(m2, torch.optim.AdamW, stage=stage, bucket_size_mb=25, lr=1e-2)
+        try:
+            zo2.load_state_dict(sd)
+            assert stage == 3, f"stage {stage}: a shard of other buckets was loaded"
+            out[f"stage {stage} other buckets"] = "loaded (units)"
+        except ValueError as e:
+            msg = str(e)
+            assert stage != 3, msg
+            assert "buckets of" in msg and "bucket_size_mb" in msg and "save_checkpoint" in msg, msg
+            out[f"stage {stage} other buckets"] = "named"
+        zo2.close()
+        others = [None] * world
+        dist.all_gather_object(others, sd)
+        m3 = copy.deepcopy(base)
+        zo3 = ZeroOptimizer(m3, torch.optim.AdamW, stage=stage, bucket_size_mb=0.001, lr=1e-2)
+        try:
+            zo3.load_state_dict(others[(rank + 1) % world])
+            raise AssertionError(f"stage {stage}: another rank's shard was loaded")
+        except ValueError as e:
+            assert f"it is rank {(rank + 1) % world}'s shard, this is rank {rank}" in str(e), e
+            out[f"stage {stage} other rank"] = "named"
+        zo3.close()
     return out

@@ -298,11 +298,18 @@ class ShardedState:
             meta = state_dict["zero"]
             mine = Layout.from_dict(meta["layout"])
             if mine != self.layout or meta["rank"] != self.rank:
+                what = (
+                    layout_difference(mine, self.layout)
+                    if mine != self.layout
+                    else f"it is rank {meta['rank']}'s shard, this is rank {self.rank}"
+                )
                 raise ValueError(
                     "load_state_dict: shard saved at world_size="
                     f"{meta['world_size']} rank={meta['rank']} mode={meta['mode']} does not "
                     f"match this optimizer (world_size={self.world_size}, rank={self.rank}, "
-                    f"mode={self.mode}); load a consolidated_state_dict() instead"
+                    f"mode={self.mode}): {what}; load a "
+                    "consolidated_state_dict() instead, or save with zero_kernels."
+                    "save_checkpoint, which loads under any layout"
                 )
             inner.load_state_dict(state_dict["inner"])
             self._runner.adopt_state()
@@ -356,3 +363,32 @@ def _own_entries(sd: dict) -> dict:
     moments are removed from those when `resident` ends, so the state dict gets its own."""
     sd["state"] = {k: dict(v) for k, v in sd["state"].items()}
     return sd
+
+
+def layout_difference(saved: Layout, here: Layout) -> str:
+    """What differs between a saved shard's layout and this optimizer's, in a few words."""
+    if saved.world_size != here.world_size or saved.mode != here.mode:
+        return "another world size or partition mode"
+    if saved.frozen != here.frozen:
+        return f"frozen params {list(saved.frozen)[:6]} saved, here {list(here.frozen)[:6]}"
+    if len(saved.buffers) != len(here.buffers):
+        return (
+            f"{len(saved.buffers)} flat buffers saved, {len(here.buffers)} here (the param "
+            "groups or the params' dtypes differ)"
+        )
+    for i, (a, b) in enumerate(zip(saved.buffers, here.buffers)):
+        if (a.group, a.dtype) != (b.group, b.dtype):
+            return (
+                f"buffer {i} holds group {a.group} {a.dtype} saved, group {b.group} {b.dtype} here"
+            )
+        if [s.index for s in a.slots] != [s.index for s in b.slots]:
+            return f"buffer {i} holds other params (the param groups or requires_grad differ)"
+        if len(a.buckets) != len(b.buckets) or a.numel != b.numel:
+            return (
+                f"buffer {i} is cut in {len(a.buckets)} buckets of {a.numel} elements in all "
+                f"saved, {len(b.buckets)} of {b.numel} here (a different bucket_size_mb, "
+                "quantize_grads or align)"
+            )
+    if saved.align != here.align:
+        return f"align {saved.align} saved, here {here.align}"
+    return "the params' places in the buffers differ"
