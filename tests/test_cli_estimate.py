@@ -509,3 +509,29 @@ def test_shard_group_and_secondary_shard(capsys):
     assert rows[0]["shard_size"] == 16 and rows[0]["secondary_bytes"] == 0  # DDP as it is
     assert main([*argv[:-2], "--secondary-shard", "node"]) == 2
     assert "needs --nodes" in capsys.readouterr().err
+
+
+def test_frozen_params_whole_on_every_rank(tmp_path, monkeypatch, capsys):
+    """Params that do not train (a frozen base under adapters) count at every stage, whole on
+    every rank: --frozen with --params, a model's own requires_grad=False params with --model.
+    Before, the estimate left them out (a 7B frozen base: 14 GB per rank missing)."""
+    base = est.estimate(40_000_000, 8)
+    with_base = est.estimate(40_000_000, 8, frozen=7_000_000_000)
+    for a, b in zip(base.stages, with_base.stages):
+        assert b.frozen_bytes == 14e9 and b.total_bytes - a.total_bytes == 14e9, (a, b)
+    assert main(["estimate", "--params", "40M", "--frozen", "7B", "-n", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "40M params + 7B frozen" in out and "includes 14 GB of frozen params" in out, out
+    (tmp_path / "zk_adapters.py").write_text(
+        "from torch import nn\n"
+        "def build():\n"
+        "    m = nn.Sequential(nn.Linear(100, 100), nn.Linear(100, 10))\n"
+        "    m[0].requires_grad_(False)\n"
+        "    return m\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    e = est.estimate(model="zk_adapters:build", world_size=2, precision="fp32")
+    assert e.n_params == 1010 and e.frozen_params == 10100, e
+    assert all(s.frozen_bytes == 4 * 10100 for s in e.stages)
+    assert main(["estimate", "--model", "zk_adapters:build", "--frozen", "1M", "-n", "2"]) == 2
+    assert "--frozen goes with --params" in capsys.readouterr().err

@@ -180,22 +180,29 @@ class ModelInfo:
     name: str
     shapes: tuple[tuple[int, ...], ...]  # unique trainable parameters (tied ones once)
     largest_layer: int  # parameters of the largest layer (a stage-3 gather unit)
+    frozen: int = 0  # elements of the params that do not train (requires_grad=False)
 
     @property
     def n_params(self) -> int:
         return sum(math.prod(s) for s in self.shapes)
 
 
-def _shapes_of_module(module) -> tuple[tuple[tuple[int, ...], ...], int]:
+def _shapes_of_module(module) -> tuple[tuple[tuple[int, ...], ...], int, int]:
+    """(trainable shapes, the largest layer's trainable params, frozen params)."""
     import torch
     from torch import nn
 
     seen: set[int] = set()
     shapes = []
+    frozen = 0
     for p in module.parameters():  # parameters() already yields a tied tensor once
-        if p.requires_grad and id(p) not in seen:
-            seen.add(id(p))
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if p.requires_grad:
             shapes.append(tuple(p.shape))
+        else:
+            frozen += p.numel()
 
     # A "layer" is what stage 3 gathers at once: an element of a ModuleList/Sequential (a block),
     # else a leaf module.
@@ -212,7 +219,7 @@ def _shapes_of_module(module) -> tuple[tuple[tuple[int, ...], ...], int]:
         layers = [m for m in module.modules() if not list(m.children())]
     largest = max((count(m) for m in layers), default=0)
     del torch
-    return tuple(shapes), largest
+    return tuple(shapes), largest, frozen
 
 
 def _from_factory(spec: str) -> ModelInfo:
@@ -251,8 +258,8 @@ def _from_factory(spec: str) -> ModelInfo:
         raise ValueError(
             f"--model: {spec!r} returned {type(model).__name__}, not a torch.nn.Module"
         )
-    shapes, largest = _shapes_of_module(model)
-    return ModelInfo(spec, shapes, largest)
+    shapes, largest, frozen = _shapes_of_module(model)
+    return ModelInfo(spec, shapes, largest, frozen)
 
 
 def _config_shapes(cfg: dict) -> tuple[tuple[tuple[int, ...], ...], int]:
@@ -424,6 +431,9 @@ class StageEstimate:
     # and an fp32 param shard down too: it has no master)
     offload_host_bytes: float = 0.0
     offload_bus_bytes: float = 0.0
+    # params that do not train (a frozen base under adapters): whole on every rank at every
+    # stage (ZeroOptimizer's stage 3 does not shard them either); in total_bytes
+    frozen_bytes: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -457,6 +467,7 @@ def estimate_stage(
     state_dtype: str = "fp32",
     shard_size: int | None = None,
     secondary_shard: int | None = None,
+    frozen_params: int = 0,
 ) -> StageEstimate:
     """Per-rank model-state bytes, comm buffers and per-step communication of one stage (see
     the Note above); ``bucket_mb`` / ``max_inflight_buckets`` / ``reshard_after_forward`` as
@@ -485,7 +496,10 @@ def estimate_stage(
     ``secondary_shard=S`` (stage 3, hpZ, [Note: secondary shard]): each rank keeps 1/S of every
     unit's gathered params from its forward to its backward (``secondary_bytes``, all but the
     root unit's ``root_params``: the peak, at the end of the forward), and the backward's
-    all-gathers run over the S ranks of its block."""
+    all-gathers run over the S ranks of its block.
+    ``frozen_params``: params that do not train, at the params' dtype, whole on every rank at
+    every stage (``frozen_bytes``, in the total): they have no gradient or optimizer state,
+    and ZeroOptimizer's stage 3 keeps them whole (FSDP and DeepSpeed's ZeRO-3 shard them)."""
     if offload_params not in (None, "nvme", "cpu"):
         raise ValueError(f"--offload-params must be nvme or cpu; got {offload_params!r}")
 
@@ -583,7 +597,10 @@ def estimate_stage(
         disk += pb + masters
         io += 4 * pb + 2 * masters
         pb, ob = 0.0, ob - masters
-    total = pb + gb + ob + live + staging + second
+    if not isinstance(frozen_params, int) or frozen_params < 0:
+        raise ValueError(f"--frozen must be a param count >= 0; got {frozen_params!r}")
+    frozen = frozen_params * prec.param_bytes
+    total = pb + gb + ob + live + staging + second + frozen
     comm_bytes = 2 * ar + rs + ag  # an all-reduce is a reduce-scatter plus an all-gather
     buffers = 0.0
     if stage == 2:
@@ -633,6 +650,7 @@ def estimate_stage(
         shard_size=shard_size,
         offload_host_bytes=host,
         offload_bus_bytes=bus,
+        frozen_bytes=frozen,
     )
 
 
@@ -646,6 +664,7 @@ class Estimate:
     largest_layer: int | None
     stages: list[StageEstimate] = field(default_factory=list)
     bucket_mb: float = DEFAULT_BUCKET_MB
+    frozen_params: int = 0
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -672,21 +691,29 @@ def estimate(
     state_block: int = 256,
     shard_size: int | None = None,
     secondary_shard: int | None = None,
+    frozen: int | None = None,
 ) -> Estimate:
     """All stages for a parameter count or a model spec (see `model_info`); with
     ``offload_optimizer``, stages 1-3 offload (DDP's row stays as it is); with
     ``offload_params``, stage 3's params and masters too; with ``state_dtype`` (adam), stages
     1-3 keep the moments in bf16 or int8 (DDP's row stays torch's fp32 state); with
     ``shard_size`` (hierarchical sharding) stages 1-3 shard over groups of that many ranks;
-    with ``secondary_shard``, stage 3 keeps hpZ's secondary shard."""
+    with ``secondary_shard``, stage 3 keeps hpZ's secondary shard; ``frozen`` (with a param
+    count; a model counts its own requires_grad=False params) adds params that do not train."""
     shapes = None
     largest = None
     if model is not None:
+        if frozen is not None:
+            raise ValueError(
+                "--frozen goes with --params; --model counts the model's own frozen params "
+                "(requires_grad=False)"
+            )
         info = model_info(model)
         shapes, largest = info.shapes, info.largest_layer
-        n_params = info.n_params
+        n_params, frozen = info.n_params, info.frozen
     if n_params is None:
         raise ValueError("give --params or --model")
+    frozen = frozen or 0
     prec = _choice("--precision", precision, PRECISIONS, _PRECISION_ALIASES)
     opt = _choice("--optimizer", optimizer, OPTIMIZERS, {"sgd_momentum": "sgd-momentum"})
     k = optimizer_state_bytes(opt, prec, n_params, shapes)
@@ -711,10 +738,11 @@ def estimate(
             state_dtype=state_dtype if s else "fp32",
             shard_size=shard_size if s else None,
             secondary_shard=secondary_shard if s == 3 else None,
+            frozen_params=frozen,
         )
         for s in stages
     ]
-    return Estimate(n_params, world_size, prec, opt, model, largest, rows, bucket_mb)
+    return Estimate(n_params, world_size, prec, opt, model, largest, rows, bucket_mb, frozen)
 
 
 # the bytes across the nodes' links per configuration: zero_kernels/estimate_links.py

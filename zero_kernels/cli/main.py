@@ -229,6 +229,13 @@ def _build_parser() -> argparse.ArgumentParser:
         help="stage 3 with hpZ's secondary shard over K ranks (ZeroOptimizer(secondary_shard=K);"
         " 'node': the ranks of one of --nodes)",
     )
+    e.add_argument(
+        "--frozen",
+        default=None,
+        help="with --params: params that do not train beside them (a frozen base under "
+        "adapters: 7B), whole on every rank at every stage (stage 3 too); --model counts its "
+        "own requires_grad=False params",
+    )
     e.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     b = sub.add_parser(
@@ -281,6 +288,7 @@ def _cmd_estimate(args) -> int:
             "--world-size (-n) is required: the number of data-parallel ranks, e.g. --world-size 8"
         )
     n_params = est.parse_count(args.params) if args.params else None
+    frozen = est.parse_count(args.frozen, name="--frozen") if args.frozen is not None else None
     gpu_mem = est.parse_bytes(args.gpu_mem) if args.gpu_mem is not None else None
     if args.world_size < 1:
         raise ValueError(f"--world-size must be >= 1; got {args.world_size}")
@@ -314,6 +322,7 @@ def _cmd_estimate(args) -> int:
         offload_params=args.offload_params,
         state_dtype=args.state_dtype,
         state_block=args.state_block,
+        frozen=frozen,
     )
     if args.nodes is not None:
         cross = est.cross_node(
@@ -334,8 +343,12 @@ def _cmd_estimate(args) -> int:
     }[e.precision]
     k = e.stages[0].optim_bytes / e.n_params
     count = f"{e.n_params / 1e9:.4g}B" if e.n_params >= 1e9 else f"{e.n_params / 1e6:.4g}M"
+    frozen_txt = ""
+    if e.frozen_params:
+        fz = e.frozen_params
+        frozen_txt = f" + {fz / 1e9:.4g}B frozen" if fz >= 1e9 else f" + {fz / 1e6:.4g}M frozen"
     print(
-        f"{count} params"
+        f"{count} params{frozen_txt}"
         + (f" ({e.model})" if e.model else "")
         + f", {e.world_size} ranks, {prec}, {e.optimizer} (K = {k:.3g} bytes/param)"
     )
@@ -361,6 +374,12 @@ def _cmd_estimate(args) -> int:
         if gpu_mem is not None:
             row += f"{'yes' if s.fits else 'no':>16}"
         print(row)
+    if e.frozen_params:
+        print(
+            f"{'frozen':<8}every stage's total includes {f(e.stages[0].frozen_bytes)} of frozen "
+            "params per rank: whole on every rank (ZeroOptimizer's stage 3 does not shard "
+            "them; FSDP and DeepSpeed's ZeRO-3 do)"
+        )
     hier = [s for s in e.stages if s.stage and s.shard_size != e.world_size]
     if hier:
         print(
