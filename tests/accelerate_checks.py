@@ -285,6 +285,45 @@ def check_errors_and_passthrough(rank, world) -> dict:
     return {"accelerate": __import__("accelerate").__version__}
 
 
+def check_save_model(rank, world) -> dict:
+    """``accelerator.save_model`` (safetensors) and ``accelerator.save(model.state_dict(),
+    safe_serialization=True)`` write every tensor at stages 1-3, as under DDP. At stages 1/2 the
+    params share one flat buffer, and accelerate dropped all but one of them as "shared"
+    ([Note: state dict copies] in zero_kernels/param_access.py)."""
+    from safetensors.torch import load_file
+
+    out = {}
+    d = _tmpdir(rank)
+    try:
+        for stage in (1, 2, 3):
+            accelerator = _accelerator()
+            torch.manual_seed(0)
+            model = _Net()
+            opt = torch.optim.AdamW(model.parameters(), lr=2e-2)
+            model, opt = zka.prepare(accelerator, model, opt, zero={"stage": stage})
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            opt.step()
+            want = {k: v.clone() for k, v in model.state_dict().items()}  # collective at 3
+            if stage != 3:  # every trained param's entry is a tensor of its own
+                ptrs = {v.untyped_storage().data_ptr() for v in model.state_dict().values()}
+                assert len(ptrs) == len(want), (stage, len(ptrs), len(want))
+            accelerator.save_model(model, f"{d}/s{stage}")
+            sd = model.state_dict()
+            accelerator.save(sd, f"{d}/s{stage}.safetensors", safe_serialization=True)
+            torch.distributed.barrier()
+            for path in (f"{d}/s{stage}/model.safetensors", f"{d}/s{stage}.safetensors"):
+                got = load_file(path)
+                assert sorted(got) == sorted(want), (stage, path, sorted(got))
+                assert all(torch.equal(got[k], want[k]) for k in want), (stage, path)
+            opt.optimizer.close()
+            out[f"stage {stage}"] = len(want)
+    finally:
+        torch.distributed.barrier()
+        if rank == 0:
+            shutil.rmtree(d, ignore_errors=True)
+    return out
+
+
 def run(rank: int, world: int) -> dict:
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world)
@@ -299,5 +338,6 @@ def run(rank: int, world: int) -> dict:
             check_parity_vs_ddp,
             check_resume,
             check_bf16_autocast_vs_ddp,
+            check_save_model,
         ],
     )

@@ -28,3 +28,7 @@ def test_resume_from_save_state_repeats_the_run():
 
 def test_bf16_autocast_equals_ddp():
     RUN.check(2, "check_bf16_autocast_vs_ddp")
+
+
+def test_save_model_writes_every_tensor():
+    RUN.check(2, "check_save_model")

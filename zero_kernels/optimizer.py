@@ -389,6 +389,9 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
             self._hook_handles.append(
                 m.register_load_state_dict_post_hook(_call_args(me, "parts.params.load_post_hook"))
             )
+            self._hook_handles.append(  # [Note: state dict copies]
+                m._register_state_dict_hook(_call_args(me, "parts.params.state_dict_copies_hook"))
+            )
             if self.policy.gather.overlap_param_gather:
                 self._hook_handles += params.gather_wait_hooks(me)
         self._building = True

@@ -1,7 +1,22 @@
 """`ParamAccess`, a part of `ZeroOptimizer` ([Note: parts]): its params beyond the step, made
 whole on request (`gathered`, ``model.state_dict()`` where params are resharded), the values a
 loaded model brings (the fp32 masters), and the all-gathers left in flight after a step
-(``overlap_param_gather``). Also the small weak-reference hook helpers the optimizer uses."""
+(``overlap_param_gather``). Also the small weak-reference hook helpers the optimizer uses.
+
+[Note: state dict copies]
+At stages 1/2 every trained param is a view into one flat buffer per (param group, dtype), so
+the tensors ``model.state_dict()`` returned (torch's ``param.detach()``) shared one storage.
+Serializers that drop tensors sharing a storage, as if they were tied weights, then lost the
+model: accelerate's ``save_model`` and ``save(state_dict, safe_serialization=True)`` (its
+``clean_state_dict_for_safetensors``) wrote one tensor of a 3-layer MLP's 6 and one of a small
+GPT-2's 28, with only a log line; safetensors' ``save_model`` and huggingface_hub refused
+("None is covering the entire storage"). So at stages 1/2 the module's state_dict hook replaces
+each trained param's entry with a copy (one copy per param: tied names share it, as they share
+the param under DDP). Stage 3 already returns copies (gathered). The price: the params' bytes
+once more while the dict is held (DDP's dict aliases the params), the same as DeepSpeed's
+stage 1/2 through accelerate (its ``clone_tensors_for_torch_save``). Buffers and frozen params
+are the module's own tensors, returned as torch returns them.
+"""
 
 from __future__ import annotations
 
@@ -99,6 +114,19 @@ class ParamAccess:
             if prefix + n in state_dict and id(p) in trainable:
                 key0 = prefix + names[id(p)]
                 state_dict[prefix + n] = state_dict[key0]
+        return state_dict
+
+    def state_dict_copies_hook(self, module, state_dict, prefix, local_metadata):
+        """Stages 1/2: ``model.state_dict()`` gets a copy of each trained param, as stage 3's
+        gathered tensors are, not a view into the flat buffer ([Note: state dict copies])."""
+        trainable = {id(q) for q in self.core.trainable.values()}
+        copies: dict[int, torch.Tensor] = {}  # a tied param: one copy under each of its names
+        for n, p in module.named_parameters(remove_duplicate=False):
+            key = prefix + n
+            if id(p) in trainable and key in state_dict:
+                if id(p) not in copies:
+                    copies[id(p)] = state_dict[key].clone()
+                state_dict[key] = copies[id(p)]
         return state_dict
 
     def load_pre_hook(self, *args, **kwargs):
