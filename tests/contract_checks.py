@@ -68,6 +68,38 @@ def check_torch_clip_and_zero_grad(rank: int, world: int) -> dict:
     return {}
 
 
+def check_clip_value_and_detach(rank: int, world: int) -> dict:
+    """torch.nn.utils.clip_grad_value_ (foreach and per tensor) and norms of p.grad.detach() /
+    p.grad.data (Lightning's grad_norm reads them): DDP's values and result. Before, clamp_ was
+    refused and detach raised "Boolean value of Tensor with more than one value is
+    ambiguous"."""
+    out = {}
+    for stage in (1, 2):
+        for foreach in (True, False):
+            m1, m2, zo, ddp, to = _pair(stage)
+            for step in range(3):
+                for m in (m1, m2):
+                    m.zero_grad()
+                m1(_x(rank, step)).pow(2).mean().backward()
+                ddp(_x(rank, step)).pow(2).mean().backward()
+                for (n, p), q in zip(m1.named_parameters(), m2.parameters()):
+                    for a, b in ((p.grad.detach(), q.grad.detach()), (p.grad.data, q.grad.data)):
+                        na, nb = float(a.norm()), float(b.norm())
+                        assert abs(na - nb) <= 1e-5 * nb + 1e-12, (stage, n, na, nb)
+                torch.nn.utils.clip_grad_value_(m1.parameters(), 2e-3, foreach=foreach)
+                torch.nn.utils.clip_grad_value_(m2.parameters(), 2e-3, foreach=foreach)
+                for p, q in zip(m1.parameters(), m2.parameters()):
+                    assert torch.allclose(zo.full_grad(p), q.grad, rtol=1e-5, atol=5e-8)
+                top = max(float(q.grad.abs().max()) for q in m2.parameters())
+                assert abs(top - 2e-3) < 1e-9, top  # the clip acted
+                zo.step()
+                to.step()
+            assert_params_close(m1, m2, 1e-6, f"clip_grad_value_ stage={stage} foreach={foreach}")
+            zo.close()
+            out[f"stage {stage} foreach={foreach}"] = "DDP's"
+    return out
+
+
 def _one_backward(stage, rank):
     m1, m2, zo, ddp, to = _pair(stage)
     m1(_x(rank, 0)).pow(2).mean().backward()
@@ -644,6 +676,7 @@ def contract_checks(world: int) -> tuple:
     many = world > 1  # ranks that disagree, a lone rank, a rank that joined: two ranks at least
     return (
         check_torch_clip_and_zero_grad,
+        check_clip_value_and_detach,
         check_read_grads,
         check_edit_grads,
         check_grad_scaler,

@@ -28,7 +28,9 @@ Lightning's loop stays as it is; the strategy swaps the parts DDP would play:
 - clipping: the precision plugin's ``clip_grad_by_norm`` is pointed at ``opt.clip_grad_norm_``
   (the global norm over the shards, DDP's result), so ``gradient_clip_val`` and a
   ``configure_gradient_clipping`` that calls ``self.clip_gradients`` both use it;
-  ``gradient_clip_algorithm="value"`` raises (not offered on shards).
+  ``gradient_clip_algorithm="value"`` runs torch's ``clip_grad_value_``, element-wise on each
+  rank's pieces of the averaged gradient (DDP's values; [Note: gradients] in
+  `zero_kernels.partition.grads`).
 - checkpoints: ``trainer.save_checkpoint(path)`` (and `ModelCheckpoint`) make ``path`` a
   directory: `zero_kernels.save_checkpoint` writes the model and optimizer there (collective,
   every rank writes its pieces; ``keep_last=1``: a path saved again is replaced), and rank 0
@@ -326,14 +328,6 @@ def _build(pl_name: str, fabric_name: str) -> type:
                     "optimization) is not supported; the strategy drives the ZeroOptimizer "
                     "through Lightning's automatic loop"
                 )
-            if trainer.gradient_clip_val and str(trainer.gradient_clip_algorithm) in (
-                "value",
-                "GradClipAlgorithmType.VALUE",
-            ):
-                raise NotImplementedError(
-                    f"{name}: gradient_clip_algorithm='value' (gradient_clip_val="
-                    f"{trainer.gradient_clip_val!r}) is not supported; use the default 'norm'"
-                )
 
         def setup_optimizers(self, trainer) -> None:
             """``configure_optimizers``'s plain optimizer turned into a `ZeroOptimizer`; the
@@ -378,12 +372,13 @@ def _build(pl_name: str, fabric_name: str) -> type:
             self._patch_clipping()
 
         def _patch_clipping(self) -> None:
-            """The precision plugin's clipping on our optimizer: norm by
-            ``opt.clip_grad_norm_``, value refused (see [Note: the Lightning strategy])."""
+            """The precision plugin's clipping by norm on our optimizer: ``opt.clip_grad_norm_``
+            (see [Note: the Lightning strategy]); by value it is Lightning's own
+            ``clip_grad_value_`` over the ShardedGrads."""
             p = self.precision_plugin
             if self._clip_patched is p:
                 return
-            by_norm, by_value = p.clip_grad_by_norm, p.clip_grad_by_value
+            by_norm = p.clip_grad_by_norm
 
             def clip_grad_by_norm(optimizer, clip_val):
                 opt = getattr(optimizer, "_optimizer", optimizer)
@@ -391,16 +386,7 @@ def _build(pl_name: str, fabric_name: str) -> type:
                     return opt.clip_grad_norm_(float(clip_val))
                 return by_norm(optimizer, clip_val)
 
-            def clip_grad_by_value(optimizer, clip_val):
-                opt = getattr(optimizer, "_optimizer", optimizer)
-                if is_zero(opt):
-                    raise NotImplementedError(
-                        f"{type(self).__name__}: gradient clipping by value (clip_val="
-                        f"{clip_val!r}) is not supported on sharded gradients; clip by norm"
-                    )
-                return by_value(optimizer, clip_val)
-
-            p.clip_grad_by_norm, p.clip_grad_by_value = clip_grad_by_norm, clip_grad_by_value
+            p.clip_grad_by_norm = clip_grad_by_norm
             self._clip_patched = p
 
         # ------------------------------------------------------------------ training

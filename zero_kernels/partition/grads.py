@@ -22,9 +22,11 @@ implemented exactly, over all ranks (every rank must make the call, as every ran
 does): norms (``torch.linalg.vector_norm``, ``Tensor.norm``, ``torch._foreach_norm``: one
 all-reduce), in-place scaling by a number or 0-dim tensor (``mul_``, ``div_`` and their
 ``_foreach`` forms), ``zero_``/``fill_``, ``copy_``/``add_`` of a whole tensor (each rank takes its
-piece), ``detach``, and GradScaler's ``_amp_foreach_non_finite_check_and_unscale_`` (found_inf
-all-reduced, so every rank skips alike). So ``torch.nn.utils.clip_grad_norm_``,
-``model.zero_grad()`` (either ``set_to_none``) and ``torch.amp.GradScaler`` give DDP's result.
+piece), ``detach``, element-wise clamps by numbers (``clamp_``, ``clamp_min_``, ``clamp_max_``
+and their ``_foreach`` forms), and GradScaler's ``_amp_foreach_non_finite_check_and_unscale_``
+(found_inf all-reduced, so every rank skips alike). So ``torch.nn.utils.clip_grad_norm_``,
+``clip_grad_value_``, ``model.zero_grad()`` (either ``set_to_none``) and ``torch.amp.GradScaler``
+give DDP's result.
 Norms read nothing back to the host: each tensor's partial result is a float64 device tensor
 (`zero_kernels.syncfree.pow_sum`: no float64 copy of a piece, [Note: accurate norms]),
 all-reduced on the device, and the norms come back as device tensors. Where the optimizer's
@@ -309,8 +311,45 @@ def _add_(t, other, *, alpha=1):
 
 def _detach(t):
     t = _sg(t)
-    owner = t._owner()
-    return owner.view_for(t._index) or t
+    view = t._owner().view_for(t._index)  # (never `or`: a tensor's truth value is ambiguous)
+    return view if view is not None else t
+
+
+def _bound(x, what: str):
+    if x is None:
+        return None
+    if isinstance(x, torch.Tensor):
+        raise ShardedGradError(_advice(f"{what} with a tensor bound"))
+    return float(x)
+
+
+def _clamp_(t, min=None, max=None):
+    """Element-wise, so each rank's pieces of the averaged gradient clamp to DDP's values
+    (``torch.nn.utils.clip_grad_value_``)."""
+    t = _sg(t)
+    lo, hi = _bound(min, "clamp_"), _bound(max, "clamp_")
+    t._owner().normalize()
+    for piece, _ in _pieces(t):
+        piece.clamp_(min=lo, max=hi)
+    return t
+
+
+def _clamp_min_(t, min):
+    return _clamp_(t, min=min)
+
+
+def _clamp_max_(t, max):
+    return _clamp_(t, max=max)
+
+
+def _foreach_clamp_min_(ts, scalar):
+    for t in ts:
+        _clamp_(t, min=scalar)
+
+
+def _foreach_clamp_max_(ts, scalar):
+    for t in ts:
+        _clamp_(t, max=scalar)
 
 
 def _identity(t, *a, **k):
@@ -362,6 +401,11 @@ _IMPLS = {
     aten.add_.Tensor: _add_,
     aten.detach.default: _detach,
     aten.detach_.default: _identity,
+    aten.clamp_.default: _clamp_,
+    aten.clamp_min_.default: _clamp_min_,
+    aten.clamp_max_.default: _clamp_max_,
+    aten._foreach_clamp_min_.Scalar: _foreach_clamp_min_,
+    aten._foreach_clamp_max_.Scalar: _foreach_clamp_max_,
     aten.alias.default: _detach,
     aten._amp_foreach_non_finite_check_and_unscale_.default: _unscale,
 }
