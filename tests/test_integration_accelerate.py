@@ -32,3 +32,7 @@ def test_bf16_autocast_equals_ddp():
 
 def test_save_model_writes_every_tensor():
     RUN.check(2, "check_save_model")
+
+
+def test_clip_value_at_sync_and_mid_window_refused():
+    RUN.check(2, "check_clipping")

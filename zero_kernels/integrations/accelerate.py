@@ -40,9 +40,11 @@ which with ``cpu=True`` at several ranks is ``cpu:<rank>``, a different device f
   data, scheduler stepping (``num_processes`` times per step unless ``split_batches``) and
   ``skip_first_batches`` are accelerate's own, the same as with DDP.
 
-``accelerator.clip_grad_norm_`` needs nothing: without fp16 it is
-``torch.nn.utils.clip_grad_norm_``, which works on the ShardedGrads (the norm is reduced over the
-shards).
+``accelerator.clip_grad_norm_`` and ``clip_grad_value_`` need nothing: without fp16 they are
+torch's ``clip_grad_norm_``/``clip_grad_value_``, which work on the ShardedGrads (the norm is
+reduced over the shards; the clamp is element-wise). Called on a micro-batch that does not end
+an accumulation window they raise (`_clip_at_sync`): DDP clips each rank's partial gradient
+there, which a ZeroOptimizer does not hold.
 
 [Note: accelerate checkpoints]
 ``accelerator.save_state`` saves ``model.state_dict()`` on rank 0 only (collective at stage 3: it
@@ -358,7 +360,31 @@ def prepare(accelerator, model: nn.Module, optimizer, *objects, zero=None):
     accelerator._zero_kernels = _Registered(model, zopt, schedulers)
     accelerator.save_state = functools.partial(save_state, accelerator)
     accelerator.load_state = functools.partial(load_state, accelerator)
+    for name in ("clip_grad_norm_", "clip_grad_value_"):
+        setattr(accelerator, name, _clip_at_sync(accelerator, getattr(accelerator, name), name))
     return (model, wrapped, *prepared)
+
+
+def _clip_at_sync(accelerator, clip, name: str):
+    """``accelerator.clip_grad_norm_``/``clip_grad_value_`` on a micro-batch that does not end an
+    accumulation window (``accelerator.sync_gradients`` False) is an error: there DDP clips each
+    rank's own partial gradient, which a ZeroOptimizer does not hold (stage 1 keeps no ``.grad``
+    until the window ends, so torch's clip saw nothing and returned 0; stages 2-3 hold the
+    average over the ranks so far). Measured before this check, clipping every micro-batch of a
+    window of 2: weights 13.9% (stage 1) and 0.58% (stages 2-3) from DDP's, with no error."""
+
+    @functools.wraps(clip)
+    def guarded(*args, **kwargs):
+        if not accelerator.sync_gradients:
+            raise RuntimeError(
+                f"accelerator.{name} on a micro-batch that does not end an accumulation window "
+                "(accelerator.sync_gradients is False): a ZeroOptimizer holds no per-rank "
+                "partial gradient to clip there, as DDP's would. Clip once per optimizer step: "
+                f"`if accelerator.sync_gradients: accelerator.{name}(...)`"
+            )
+        return clip(*args, **kwargs)
+
+    return guarded
 
 
 def _registered(accelerator, where: str) -> _Registered:
