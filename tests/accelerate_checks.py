@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
-from accelerate.utils import AutocastKwargs, DistributedType
+from accelerate.utils import AutocastKwargs, DataLoaderConfiguration, DistributedType
 from dist_utils import run_checks
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -282,6 +282,27 @@ def check_errors_and_passthrough(rank, world) -> dict:
         "differ",
     )
     zo.close()
+    # even_batches=False at stage 3: ranks with fewer batches left the others in an all-gather
+    # until the timeout (the process group's, 30 min by default); refused, naming it
+    model = _Net()
+    _raises(
+        ValueError,
+        lambda: zka.prepare(
+            _accelerator(dataloader_config=DataLoaderConfiguration(even_batches=False)),
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            zero={"stage": 3},
+        ),
+        "even_batches=False",
+        "stage 3",
+    )
+    _, opt = zka.prepare(  # stages 1-2 run it (their forwards have no collective)
+        _accelerator(dataloader_config=DataLoaderConfiguration(even_batches=False)),
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        zero={"stage": 2},
+    )
+    opt.optimizer.close()
     return {"accelerate": __import__("accelerate").__version__}
 
 

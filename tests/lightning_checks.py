@@ -102,10 +102,10 @@ def _fit(
     **kw,
 ):
     """Fit a fresh model (built after ``seed_everything(seed)``): (losses, model, trainer)."""
-    trainer_kw = trainer_kw or {}
+    trainer_kw = dict(trainer_kw or {})
     L.seed_everything(seed, verbose=False)
     model = _module(L)(**kw)
-    callbacks = []
+    callbacks = list(trainer_kw.pop("callbacks", []))
     if ckpt_dir is not None:
         callbacks.append(
             L.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_epochs=1, save_top_k=top_k)
@@ -355,6 +355,14 @@ def check_errors_at_fit(rank, world):
         trainer.fit(_module(L)(), _data(world))
 
     _raises(bad_precision, NotImplementedError, "DeepSpeedPrecision")
+    # a callback that averages the params between steps, at stage 3 (NaN placeholders there)
+    for cb in (L.callbacks.EMAWeightAveraging(), L.callbacks.StochasticWeightAveraging(1e-2)):
+        _raises(
+            lambda cb=cb: _fit(L, ZeroStrategy(stage=3), world, trainer_kw={"callbacks": [cb]}),
+            NotImplementedError,
+            type(cb).__name__,
+            "stage 3",
+        )
     _raises(
         lambda: _fit(L, s, world, ckpt_path=__file__), ValueError, "ckpt_path=", "not a directory"
     )

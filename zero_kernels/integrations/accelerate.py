@@ -342,6 +342,14 @@ def prepare(accelerator, model: nn.Module, optimizer, *objects, zero=None):
     else:
         shard = ShardPolicy.of_stage(kwargs.get("stage", 2))
     _check_autocast(accelerator, resharded=not shard.params)
+    if not shard.params and not accelerator.even_batches:
+        raise ValueError(
+            f"{_WHERE}: Accelerator(even_batches=False) with stage 3: its data loaders give the "
+            "ranks different numbers of batches, and stage 3 all-gathers the params in every "
+            "forward (evaluation included), so a rank with fewer batches leaves the others "
+            "waiting until the timeout. Keep even_batches=True (the default) at stage 3, or "
+            "use stage 1 or 2"
+        )
     _place(accelerator, model, optimizer)
     zopt = from_torch_optimizer(model, optimizer, kwargs, _WHERE)
     if not is_zero(optimizer):

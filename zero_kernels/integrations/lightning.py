@@ -31,6 +31,9 @@ Lightning's loop stays as it is; the strategy swaps the parts DDP would play:
   ``gradient_clip_algorithm="value"`` runs torch's ``clip_grad_value_``, element-wise on each
   rank's pieces of the averaged gradient (DDP's values; [Note: gradients] in
   `zero_kernels.partition.grads`).
+- stage 3 refuses the weight-averaging callbacks (``WeightAveraging``/``EMAWeightAveraging``,
+  ``StochasticWeightAveraging``) at fit: they read and copy the params between steps, where
+  stage 3 leaves NaN placeholders (reads were NaN, the in-place copy failed in torch).
 - checkpoints: ``trainer.save_checkpoint(path)`` (and `ModelCheckpoint`) make ``path`` a
   directory: `zero_kernels.save_checkpoint` writes the model and optimizer there (collective,
   every rank writes its pieces; ``keep_last=1``: a path saved again is replaced), and rank 0
@@ -320,8 +323,32 @@ def _build(pl_name: str, fabric_name: str) -> type:
                 self.setup_optimizers(trainer)
             self.setup_precision_plugin()
 
+        def _params_sharded(self) -> bool:
+            """Whether the ZeroOptimizer will reshard the params (stage 3)."""
+            from ..policy import ShardPolicy
+
+            opts = self._zero_options
+            shard = (
+                opts["policy"].shard
+                if "policy" in opts
+                else ShardPolicy.of_stage(opts.get("stage", 2))
+            )
+            return not shard.params
+
         def _check_fit(self, trainer, lm) -> None:
             name = type(self).__name__
+            if self._params_sharded():
+                from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
+
+                for cb in trainer.callbacks:
+                    if isinstance(cb, (WeightAveraging, StochasticWeightAveraging)):
+                        raise NotImplementedError(
+                            f"{name}: the {type(cb).__name__} callback at stage 3: it reads and "
+                            "writes the model's params between steps, where stage 3 holds "
+                            "them sharded (they read as NaN placeholders, and its in-place "
+                            "copy failed with torch's 'more than one element ... refers to "
+                            "a single memory location'); use stage 1 or 2 with it"
+                        )
             if not lm.automatic_optimization:
                 raise NotImplementedError(
                     f"{name}: {type(lm).__name__}.automatic_optimization=False (manual "
