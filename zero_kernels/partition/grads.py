@@ -50,6 +50,15 @@ it one (Adam's momentum and weight decay still move it), as with torch's optimiz
 
 ``step()`` does not consume gradients: they stay until ``zero_grad`` (torch's rule), and a second
 backward without ``zero_grad`` adds to them.
+
+Inside an accumulation window (``no_sync()``) a DDP rank's ``.grad`` is its own partial sum. Here
+stage 1 leaves ``.grad`` None until the window ends (its reduction waits for the last
+micro-batch), and stages 2-3 show the average over the ranks of the micro-batches so far (they
+reduce each one into the shard). Both reach DDP's values when the window ends; what a script
+reads or clips before that differs from DDP's (measured by probes of Lightning's
+``on_after_backward``: norms 0.410 on both ranks against DDP's 0.230 / 0.684). accelerate's
+``clip_grad_norm_``/``clip_grad_value_`` inside a window raise for that reason
+(`zero_kernels.integrations.accelerate`).
 """
 
 from __future__ import annotations
