@@ -119,4 +119,19 @@ def check_fsdp_and_dtensor(rank: int, world: int) -> dict:
         frozen.register_buffer("table", distribute_tensor(torch.ones(4, 2), mesh))
         assert isinstance(frozen.table, DTensor)
         out[f"stage {stage} DTensor buffer"] = _type_error(build(frozen), "buffer table")
+    # FSDP applied after the optimizer: the next step's error names FSDP (FSDP1's flat params
+    # read as plain Parameters by class name, so before this only FSDP2's were named)
+    for kind in ("FullyShardedDataParallel", "fully_shard"):
+        m = _Net()
+        zo = ZeroOptimizer(m, torch.optim.AdamW, stage=2, lr=1e-2)
+        if kind == "fully_shard":
+            fully_shard(m)
+        else:
+            FSDP(m, device_id=torch.device("cpu"))
+        try:
+            zo.step()
+            raise AssertionError(f"{kind} after the optimizer: no error")
+        except RuntimeError as e:
+            assert "were replaced" in str(e) and "FSDP's now" in str(e), e
+        out[f"{kind} after the optimizer"] = "raised"
     return out

@@ -99,6 +99,11 @@ def _is_dtensor(t) -> bool:
     return any(c.__name__ == "DTensor" for c in type(t).__mro__)
 
 
+def _is_flat_param(t) -> bool:
+    """FSDP1's FlatParameter (its class reads as Parameter: a metaclass checks this flag)."""
+    return bool(getattr(t, "_is_flat_param", False))
+
+
 _FSDP1 = (
     "is FSDP's flat parameter (FullyShardedDataParallel): FSDP reduces and shards the gradients "
     "and the params itself and swaps the flat parameter's data in each forward (a ZeroOptimizer "
@@ -120,6 +125,12 @@ def check_params(params: dict[int, torch.Tensor], names: dict[int, str], module)
                     "ZeroOptimizer shards the model itself and does not combine with FSDP; "
                     "build it over the model without FSDP"
                 )
+            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse:
+                if m.weight.requires_grad:
+                    raise NotImplementedError(
+                        f"module {mname or type(m).__name__} has sparse=True: ZeroOptimizer "
+                        "reduce-scatters dense gradients; build it with sparse=False"
+                    )
         for kind, items in (
             ("param", module.named_parameters()),
             ("buffer", module.named_buffers()),
@@ -131,7 +142,7 @@ def check_params(params: dict[int, torch.Tensor], names: dict[int, str], module)
         name = names.get(id(p)) or f"of shape {tuple(p.shape)}"
         if _is_dtensor(p):
             raise TypeError(_dtensor_message(f"param {name}", p))
-        if getattr(p, "_is_flat_param", False):
+        if _is_flat_param(p):
             raise TypeError(f"param {name} {_FSDP1}")
         if not p.is_leaf:
             raise ValueError(
@@ -147,14 +158,6 @@ def check_params(params: dict[int, torch.Tensor], names: dict[int, str], module)
             raise TypeError(f"param {name} has dtype {p.dtype}: ZeroOptimizer takes float params")
         if p.layout != torch.strided:
             raise TypeError(f"param {name} has layout {p.layout}: ZeroOptimizer takes dense params")
-    if isinstance(module, nn.Module):
-        for mname, m in module.named_modules():
-            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse:
-                if m.weight.requires_grad:
-                    raise NotImplementedError(
-                        f"module {mname or type(m).__name__} has sparse=True: ZeroOptimizer "
-                        "reduce-scatters dense gradients; build it with sparse=False"
-                    )
 
 
 def check_launch() -> None:
@@ -204,9 +207,7 @@ def check_intact(core, expected: dict, module_params: list | None) -> None:
     if core.module is not None:
         now = [id(p) for p in core.module.parameters()]
         if now != module_params:
-            fsdp = any(
-                type(p).__name__ in ("DTensor", "FlatParameter") for p in core.module.parameters()
-            )
+            fsdp = any(_is_dtensor(p) or _is_flat_param(p) for p in core.module.parameters())
             raise RuntimeError(
                 "the module's parameters were replaced after ZeroOptimizer was built (e.g. "
                 "load_state_dict(assign=True) or a new nn.Parameter): the optimizer holds "

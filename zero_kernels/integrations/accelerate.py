@@ -86,11 +86,11 @@ except ImportError as e:  # pragma: no cover - exercised without accelerate inst
         "zero_kernels.integrations.accelerate needs accelerate (pip install accelerate)"
     ) from e
 
-from ..policy import ShardPolicy
 from .common import (
     check_not_wrapped,
     from_torch_optimizer,
     is_zero,
+    shard_of,
     with_broadcast_buffers,
     zero_kwargs,
 )
@@ -335,12 +335,7 @@ def prepare(accelerator, model: nn.Module, optimizer, *objects, zero=None):
             f"{_WHERE}: zero={zero!r} given with a ready ZeroOptimizer; its options are set. "
             "Pass zero only with a plain torch optimizer"
         )
-    if is_zero(optimizer):
-        shard = optimizer.policy.shard
-    elif "policy" in kwargs:
-        shard = kwargs["policy"].shard
-    else:
-        shard = ShardPolicy.of_stage(kwargs.get("stage", 2))
+    shard = optimizer.policy.shard if is_zero(optimizer) else shard_of(kwargs)
     _check_autocast(accelerator, resharded=not shard.params)
     if not shard.params and not accelerator.even_batches:
         raise ValueError(

@@ -167,3 +167,13 @@ def from_torch_optimizer(model: nn.Module, optimizer, zero: dict, where: str):
     optimizer.param_groups = z.param_groups
     optimizer._opt_called = True  # the scheduler's "step before optimizer.step" check
     return z
+
+
+def shard_of(kwargs: dict):
+    """The `ShardPolicy` a ZeroOptimizer built from ``kwargs`` (`zero_kwargs`'s dict) will have:
+    its policy's, else its stage's (default 2)."""
+    from ..policy import ShardPolicy
+
+    if "policy" in kwargs:
+        return kwargs["policy"].shard
+    return ShardPolicy.of_stage(kwargs.get("stage", 2))

@@ -78,7 +78,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .common import from_torch_optimizer, is_zero, zero_kwargs
+from .common import from_torch_optimizer, is_zero, shard_of, zero_kwargs
 
 __all__ = ["ZeroStrategy", "PyTorchLightningZeroStrategy", "strategy_class"]
 
@@ -323,21 +323,9 @@ def _build(pl_name: str, fabric_name: str) -> type:
                 self.setup_optimizers(trainer)
             self.setup_precision_plugin()
 
-        def _params_sharded(self) -> bool:
-            """Whether the ZeroOptimizer will reshard the params (stage 3)."""
-            from ..policy import ShardPolicy
-
-            opts = self._zero_options
-            shard = (
-                opts["policy"].shard
-                if "policy" in opts
-                else ShardPolicy.of_stage(opts.get("stage", 2))
-            )
-            return not shard.params
-
         def _check_fit(self, trainer, lm) -> None:
             name = type(self).__name__
-            if self._params_sharded():
+            if not shard_of(self._zero_options).params:  # stage 3
                 from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
 
                 for cb in trainer.callbacks:
