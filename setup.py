@@ -100,7 +100,15 @@ setup(
     # the versions the integrations are tested with, and pins torch to the installed build in the
     # same pip command, so that none of them can replace it.
     extras_require={
-        "test": ["pytest", "pytest-benchmark", "triton", *integrations, torch_pin],
+        # peft: LoRA over a frozen base, for stage 3's shard_frozen tests
+        "test": [
+            "pytest",
+            "pytest-benchmark",
+            "triton",
+            *integrations,
+            "peft>=0.13,<=0.18.0",
+            torch_pin,
+        ],
         "transformers": [integrations[0], integrations[1], torch_pin],
         "accelerate": [integrations[1], torch_pin],
         "lightning": [integrations[2], torch_pin],

@@ -535,3 +535,22 @@ def test_frozen_params_whole_on_every_rank(tmp_path, monkeypatch, capsys):
     assert all(s.frozen_bytes == 4 * 10100 for s in e.stages)
     assert main(["estimate", "--model", "zk_adapters:build", "--frozen", "1M", "-n", "2"]) == 2
     assert "--frozen goes with --params" in capsys.readouterr().err
+
+
+def test_shard_frozen_divides_the_frozen_bytes_at_stage_3(capsys):
+    """--shard-frozen (ZeroOptimizer(shard_frozen=True)): stage 3 holds 1/N of the frozen params
+    and all-gathers them twice per step (forward and backward) as it does the trained ones;
+    stages 0-2 keep them whole."""
+    whole = est.estimate(40_000_000, 8, frozen=7_000_000_000)
+    sharded = est.estimate(40_000_000, 8, frozen=7_000_000_000, shard_frozen=True)
+    for a, b in zip(whole.stages, sharded.stages):
+        if a.stage != 3:
+            assert a == b, (a, b)
+            continue
+        assert b.frozen_bytes == 14e9 / 8, b
+        assert a.total_bytes - b.total_bytes == 14e9 * 7 / 8, (a, b)
+        assert b.comm_bytes - a.comm_bytes == 2 * 14e9, (a, b)
+        assert abs(b.wire_bytes - a.wire_bytes - 2 * 14e9 * 7 / 8) < 1, (a, b)
+    assert main(["estimate", "--params", "40M", "--frozen", "7B", "-n", "8", "--shard-frozen"]) == 0
+    out = capsys.readouterr().out
+    assert "1/N at stage 3 (1.75 GB" in out, out

@@ -97,10 +97,24 @@ def lay_out(
         specs = [dataclasses.replace(s, unit=unit_of[s.index]) for s in specs]
     if not any(s.requires_grad for s in specs):
         raise ValueError("ZeroOptimizer: no parameter has requires_grad=True")
-    devices = {p.device for p in by_index.values() if not p.is_meta}
+    frozen, fspecs = {}, []  # shard_frozen: the frozen params sharded ([Note: frozen shards])
+    if gather.shard_frozen:
+        frozen, fspecs = _frozen_shards(
+            module, specs, by_index, unit_modules, unit_of, gather.persist_below, vectors
+        )
+        if fspecs and policy.offload.offload_params == "nvme":
+            raise NotImplementedError(
+                "shard_frozen=True with offload_params='nvme': the param file holds the "
+                "trained params' shards only; use offload_params='cpu' or shard_frozen=False"
+            )
+    stored = [*by_index.values(), *frozen.values()]
+    devices = {p.device for p in stored if not p.is_meta}
     if len(devices) > 1:
-        raise ValueError(f"ZeroOptimizer: all params must be on one device, got {devices}")
-    meta = any(p.is_meta for p in by_index.values())
+        raise ValueError(
+            f"ZeroOptimizer: all params must be on one device, got {devices}"
+            + (" (with shard_frozen=True the frozen params too)" if frozen else "")
+        )
+    meta = any(p.is_meta for p in stored)
     device = devices.pop() if devices else comm.default_device(process_group)
     if gather.overlap_param_gather and module is None:
         raise ValueError(
@@ -123,6 +137,9 @@ def lay_out(
                 repr([(s.group, s.dtype, s.shape, s.requires_grad) for s in specs]).encode()
             ),
             "number of params": len(specs),
+            "frozen params sharded (unit, dtype, shape) crc32": zlib.crc32(
+                repr([(s.unit, s.dtype, s.shape) for s in fspecs]).encode()
+            ),
         },
         process_group,
         device,
@@ -139,6 +156,15 @@ def lay_out(
         by_unit=not shard.params,
         vectors_apart=cp.quantize_grads is not None,  # their buckets reduced exact
     )
+    store_layout = layout  # the param store's: the trained buffers, then the frozen ones
+    if fspecs:
+        fl = build_layout(
+            fspecs,
+            world_size,
+            bucket_numel=max(1, int(cp.bucket_size_mb * 2**20) // 4),
+            by_unit=True,
+        )
+        store_layout = dataclasses.replace(layout, buffers=layout.buffers + fl.buffers)
     log.info(
         "ZeroOptimizer: stage %d, %s mode (%s), %d flat buffer(s), %d bucket(s), sharded over "
         "%d rank(s) x %d replica(s)",
@@ -170,6 +196,8 @@ def lay_out(
         layout=layout,
         params=by_index,
         trainable={s.index: by_index[s.index] for s in specs if s.requires_grad},
+        frozen=frozen,
+        store_layout=store_layout,
         group_indices=group_indices,
         module=module,
         unit_of=unit_of,
@@ -178,6 +206,36 @@ def lay_out(
         sync_free=device.type != "cpu",
     )
     return core, user_groups, meta
+
+
+def _frozen_shards(module, specs, by_index, unit_modules, unit_of, persist_below, vectors):
+    """shard_frozen ([Note: frozen shards]): index -> param of the model's params that do not
+    train and are sharded with their unit (not those kept whole: ``persist_below``, vectors
+    under quantized communication), and their specs (``requires_grad=True`` only so that
+    `build_layout` lays them out). A frozen param given to the optimizer keeps its index; the
+    others are numbered after the optimizer's. Adds their units to ``unit_of``."""
+    trained = {id(by_index[s.index]) for s in specs if s.requires_grad}
+    given = {id(p): i for i, p in by_index.items()}
+    candidates, names, seen = {}, {}, set()
+    nxt = len(specs)
+    for n, p in module.named_parameters():
+        if id(p) in trained or id(p) in seen:
+            continue
+        seen.add(id(p))
+        i = given.get(id(p))
+        if i is None:
+            i, nxt = nxt, nxt + 1
+        candidates[i], names[i] = p, n
+    units = unit_assignment(unit_modules, candidates, persist_below, vectors)
+    whole = len(unit_modules) + 1
+    frozen, fspecs = {}, []
+    for i, p in candidates.items():
+        if units[i] == whole:
+            continue
+        frozen[i] = p
+        unit_of[i] = units[i]
+        fspecs.append(ParamSpec(i, 0, str(p.dtype), tuple(p.shape), names[i], True, units[i]))
+    return frozen, fspecs
 
 
 def comm_sizes(core: Core) -> list[tuple[str, int]]:
@@ -189,6 +247,10 @@ def comm_sizes(core: Core) -> list[tuple[str, int]]:
         for b in buf.buckets:
             n = b.shard_numel * core.layout.world_size
             out += [("reduce_scatter", n * rdt.itemsize), ("all_gather", n * pdt.itemsize)]
+    for buf in core.store_layout.buffers[len(core.layout.buffers) :]:  # frozen: gathered only
+        for b in buf.buckets:
+            n = b.shard_numel * core.layout.world_size
+            out.append(("all_gather", n * dtype_of(buf.dtype).itemsize))
     return out
 
 
@@ -200,7 +262,8 @@ def store(core: Core, *, meta: bool, init_fn, seed: int) -> ParamStore:
     add to the first step's peak)."""
     comm.probe_ahead(comm_sizes(core), group=core.shard_group, device=core.device)
     sharded = not core.policy.shard.params
-    group, module, params, layout = core.group, core.module, core.params, core.layout
+    group, module, layout = core.group, core.module, core.store_layout
+    params = {**core.params, **core.frozen}  # the store's params: the frozen sharded ones too
     if meta and not sharded:  # whole params anyway
         materialize_modules_(module.named_modules(), core.device, seed, init_fn)
     by_unit: dict[int, list[tuple[int, int]]] = {}
@@ -497,15 +560,19 @@ def units(core: Core) -> UnitScheduler | None:
     ]
     persistent = Unit(len(found), "<persistent>", module, persistent=True)
     found.append(persistent)
-    for i, buf in enumerate(core.layout.buffers):
+    trained = len(core.layout.buffers)
+    for i, buf in enumerate(core.store_layout.buffers):
         for b in buf.buckets:
             u = core.unit_index(buf.slots[b.slots[0]].index) if b.slots else 0
             found[u].buckets.append((i, b.index))
+            if i >= trained:  # shard_frozen: gathered with the unit, never reduced
+                found[u].frozen.add((i, b.index))
     if persistent.buckets:  # gathered at construction, kept whole
         persistent.move(UnitState.GATHERING)  # all-gathered by `store`
         persistent.move(UnitState.GATHERED)
-    # the root unit's sharded params (frozen ones stay whole)
-    in_root = {id(p) for i, p in core.trainable.items() if core.unit_index(i) == 0}
+    # the root unit's sharded params (frozen ones too with shard_frozen)
+    sharded = {**core.trainable, **core.frozen}
+    in_root = {id(p) for i, p in sharded.items() if core.unit_index(i) == 0}
     root_members = [
         (name, m)
         for name, m in module.named_modules()

@@ -75,6 +75,10 @@ class Core:
     module: nn.Module | None
     unit_of: dict  # stage 3: param index -> unit index (0: the root unit)
     unit_modules: list  # stage 3: (name, module) of each unit after the root
+    # shard_frozen: index -> frozen param sharded with its unit ([Note: frozen shards]); the
+    # store's layout is ``layout`` with their buffers after the trained ones
+    frozen: dict = dataclasses.field(default_factory=dict)
+    store_layout: object = None
     store: object = None  # buffers.ParamStore
     grads: object = None  # buffers.GradStore
     reducer: object = None  # partition.Reducer
@@ -88,6 +92,10 @@ class Core:
 
     def where(self) -> str:
         return f"ZeroOptimizer step {self.steps.n} (rank {self.dp_rank})"
+
+    def __post_init__(self):
+        if self.store_layout is None:
+            self.store_layout = self.layout
 
     def unit_index(self, index: int) -> int:
         """Stage 3: the unit of param ``index`` (0, the root unit, elsewhere)."""
@@ -111,7 +119,7 @@ class Core:
             for s in b.slots:
                 if s.index == index:
                     return s.name or f"#{index} {s.shape}"
-        p = self.params[index]
+        p = self.params[index] if index in self.params else self.frozen[index]
         if self.module is not None:  # a frozen param has no slot: its name in the module
             for n, q in self.module.named_parameters(remove_duplicate=False):
                 if q is p:

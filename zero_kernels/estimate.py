@@ -468,6 +468,7 @@ def estimate_stage(
     shard_size: int | None = None,
     secondary_shard: int | None = None,
     frozen_params: int = 0,
+    shard_frozen: bool = False,
 ) -> StageEstimate:
     """Per-rank model-state bytes, comm buffers and per-step communication of one stage (see
     the Note above); ``bucket_mb`` / ``max_inflight_buckets`` / ``reshard_after_forward`` as
@@ -499,7 +500,9 @@ def estimate_stage(
     all-gathers run over the S ranks of its block.
     ``frozen_params``: params that do not train, at the params' dtype, whole on every rank at
     every stage (``frozen_bytes``, in the total): they have no gradient or optimizer state,
-    and ZeroOptimizer's stage 3 keeps them whole (FSDP and DeepSpeed's ZeRO-3 shard them)."""
+    and ZeroOptimizer's stage 3 keeps them whole unless ``shard_frozen`` (stage 3: 1/N per
+    rank, all-gathered with their units as the trained params are: their bytes join
+    ``comm_bytes`` and ``wire_bytes``; the live window counts the trained params only)."""
     if offload_params not in (None, "nvme", "cpu"):
         raise ValueError(f"--offload-params must be nvme or cpu; got {offload_params!r}")
 
@@ -600,6 +603,14 @@ def estimate_stage(
     if not isinstance(frozen_params, int) or frozen_params < 0:
         raise ValueError(f"--frozen must be a param count >= 0; got {frozen_params!r}")
     frozen = frozen_params * prec.param_bytes
+    if shard_frozen and stage == 3:  # [Note: frozen shards]: gathered as the trained params
+        gathers = 2 if reshard_after_forward else 1
+        ag += gathers * frozen
+        comm_bytes_frozen = gathers * frozen
+        wire += ring * comm_bytes_frozen
+        frozen = frozen / n
+    elif shard_frozen and stage != 3 and stage != 0:
+        raise ValueError(f"--shard-frozen is a stage-3 option; got stage {stage}")
     total = pb + gb + ob + live + staging + second + frozen
     comm_bytes = 2 * ar + rs + ag  # an all-reduce is a reduce-scatter plus an all-gather
     buffers = 0.0
@@ -692,6 +703,7 @@ def estimate(
     shard_size: int | None = None,
     secondary_shard: int | None = None,
     frozen: int | None = None,
+    shard_frozen: bool = False,
 ) -> Estimate:
     """All stages for a parameter count or a model spec (see `model_info`); with
     ``offload_optimizer``, stages 1-3 offload (DDP's row stays as it is); with
@@ -699,7 +711,8 @@ def estimate(
     1-3 keep the moments in bf16 or int8 (DDP's row stays torch's fp32 state); with
     ``shard_size`` (hierarchical sharding) stages 1-3 shard over groups of that many ranks;
     with ``secondary_shard``, stage 3 keeps hpZ's secondary shard; ``frozen`` (with a param
-    count; a model counts its own requires_grad=False params) adds params that do not train."""
+    count; a model counts its own requires_grad=False params) adds params that do not train,
+    which ``shard_frozen`` shards at stage 3."""
     shapes = None
     largest = None
     if model is not None:
@@ -739,6 +752,7 @@ def estimate(
             shard_size=shard_size if s else None,
             secondary_shard=secondary_shard if s == 3 else None,
             frozen_params=frozen,
+            shard_frozen=shard_frozen and s == 3,
         )
         for s in stages
     ]

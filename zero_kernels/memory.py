@@ -14,7 +14,7 @@ def memory_report(core) -> dict:
     pb += core.store.nbytes()
     for i in core.layout.frozen:
         p = core.params[i]
-        if id(p) not in seen:
+        if id(p) not in seen and i not in core.frozen:  # shard_frozen: in the store's bytes
             seen.add(id(p))
             pb += p.numel() * p.element_size()
     g = core.grads

@@ -148,6 +148,12 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
             from its forward to its backward (``memory_report()["secondary_shard_bytes"]``);
             results equal those without it (with ``quantize_weights`` every rank's gathered
             values are then the dequantized ones, its own chunk too: [Note: secondary shard]).
+        shard_frozen: stage 3 (default False). The model's params that do not train
+            (``requires_grad=False``, passed to the optimizer or not: a frozen base under
+            LoRA adapters) are sharded too, 1/N per rank, and gathered and freed with their
+            unit as FSDP and DeepSpeed's ZeRO-3 do; False keeps them whole on every rank.
+            They have no gradient or optimizer state; read them between steps through
+            ``gathered_params()`` ([Note: frozen shards] in `zero_kernels.partition.units`).
         host_cache: with params on the CPU, make the host block cache torch's CPU allocator
             for blocks of 1 MiB and more (process-wide; see [Note: host block cache] in
             `zero_kernels.hostmem`): freed gradient-sized blocks are reused by size instead of
@@ -229,6 +235,7 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
         persist_below: int = 0,
         check_order: str | None = None,
         secondary_shard=None,
+        shard_frozen: bool = False,
         reduce_dtype: torch.dtype | None = None,
         state_dtype: str = "fp32",
         state_block: int = 256,
@@ -272,6 +279,7 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
             persist_below=persist_below,
             check_order=check_order,
             secondary_shard=secondary_shard,
+            shard_frozen=shard_frozen,
             reduce_dtype=reduce_dtype,
             state_dtype=state_dtype,
             state_block=state_block,

@@ -48,8 +48,9 @@ class ParamAccess:
                 f"modifier_rank must be a rank in [0, {self.core.dp_size}) or None, "
                 f"got modifier_rank={modifier_rank!r}"
             )
+        sharded = {**self.core.trainable, **self.core.frozen}  # frozen: shard_frozen's
         if module_or_params is None:
-            wanted = set(self.core.trainable)
+            wanted = set(sharded)
         else:
             ps = (
                 module_or_params.parameters()
@@ -57,7 +58,7 @@ class ParamAccess:
                 else module_or_params
             )
             ids = {id(p) for p in ps}
-            wanted = {i for i, p in self.core.trainable.items() if id(p) in ids}
+            wanted = {i for i, p in sharded.items() if id(p) in ids}
         sched = self.core.units
         covered, mine = [], []  # the units of ``wanted``; those this call gathers (and frees)
         if sched is not None:
@@ -109,9 +110,9 @@ class ParamAccess:
             if was:
                 sched.free(u)
         # tied params: every name of a param gets its value
-        trainable = {id(q) for q in self.core.trainable.values()}
+        sharded = {id(q) for q in [*self.core.trainable.values(), *self.core.frozen.values()]}
         for n, p in module.named_parameters(remove_duplicate=False):
-            if prefix + n in state_dict and id(p) in trainable:
+            if prefix + n in state_dict and id(p) in sharded:
                 key0 = prefix + names[id(p)]
                 state_dict[prefix + n] = state_dict[key0]
         return state_dict

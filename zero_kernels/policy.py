@@ -95,6 +95,10 @@ class GatherPolicy:
         blocks of K ranks of the shard group), and the unit's backward all-gathers them inside
         those K ranks instead of across the shard group ([Note: secondary shard] in
         `zero_kernels.partition.secondary`).
+    shard_frozen: stage 3: the model's params that do not train (``requires_grad=False``: a
+        frozen base under adapters) are sharded and gathered with their unit as the trained
+        ones are, instead of kept whole on every rank ([Note: frozen shards] in
+        `zero_kernels.partition.units`).
     """
 
     reshard_after_forward: bool = True
@@ -103,6 +107,7 @@ class GatherPolicy:
     check_order: str | None = None
     overlap_param_gather: bool = False
     secondary_shard: object = None
+    shard_frozen: bool = False
 
     def __post_init__(self):
         if not isinstance(self.reshard_after_forward, bool):
@@ -121,6 +126,8 @@ class GatherPolicy:
                 "check_order must be 'pass', 'every' or 'first', got "
                 f"check_order={self.check_order!r}"
             )
+        if not isinstance(self.shard_frozen, bool):
+            raise TypeError(f"shard_frozen must be a bool, got shard_frozen={self.shard_frozen!r}")
         ss = self.secondary_shard
         if ss not in (None, "node") and (isinstance(ss, bool) or not isinstance(ss, int) or ss < 1):
             raise ValueError(
@@ -340,6 +347,7 @@ class ZeroPolicy:
                 ("persist_below", 0),
                 ("check_order", None),
                 ("secondary_shard", None),
+                ("shard_frozen", False),
             ):
                 if getattr(g, name) != default:
                     raise ValueError(

@@ -119,7 +119,8 @@ def sync_at_start(core: Core) -> list[str]:
     0's values ([Note: replicated module state]); returns their names (collective)."""
     if core.module is None or core.dp_size == 1:
         return []
-    trained = {id(p) for p in core.trainable.values()}
+    # shard_frozen's frozen params are sharded (rank 0's values, broadcast by the store)
+    trained = {id(p) for p in [*core.trainable.values(), *core.frozen.values()]}
     named = unsharded(core.module, trained)
     count = torch.tensor([len(named), -len(named)], dtype=torch.int64)
     comm.all_reduce(count, "max", group=core.side)

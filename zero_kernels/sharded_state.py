@@ -14,6 +14,7 @@ one flat tensor per bucket, loaded values go straight into those views (`state_t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -244,6 +245,32 @@ class ShardedState:
 
     def scaler_state(self) -> dict:
         return self._scaler.state_dict()
+
+    @contextlib.contextmanager
+    def frozen_whole(self, write: bool = False):
+        """shard_frozen ([Note: frozen shards]): inside, the frozen params sharded with their
+        units are whole (the units holding them gathered, exact), for a checkpoint to read or
+        write them as the module's own tensors; ``write``: their values taken back into the
+        shards after (every rank wrote the same). Collective over the shard group; nothing
+        without frozen shards. Holds every frozen param whole while inside."""
+        c = self._core
+        units = [u for u in c.units.all_units if u.frozen] if c.units is not None else []
+        mine = []
+        try:
+            for u in units:
+                if u.sharded:
+                    mine.append(u)
+                with c.runner.exact():
+                    c.units.wait(u)
+            yield
+            if write and units:
+                with c.runner.resident():
+                    for u in units:
+                        for i, b in sorted(u.frozen):
+                            c.store.take_shard(i, b)
+        finally:
+            for u in mine:
+                c.units.free(u)
 
     # ---- the optimizer's state_dict() and load_state_dict()
     def resident(self):

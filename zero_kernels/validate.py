@@ -219,12 +219,12 @@ def check_intact(core, expected: dict, module_params: list | None) -> None:
                     else ""
                 )
             )
-    for i in core.layout.frozen:
-        p = core.params[i]
+    frozen = {i: core.params[i] for i in core.layout.frozen} | core.frozen
+    for i, p in frozen.items():
         if p.grad is not None and p.requires_grad:
             raise RuntimeError(
                 f"param {core.param_name(i)} was frozen (requires_grad=False) when "
-                "ZeroOptimizer was built, so it is not sharded or reduced, but it now has a "
+                "ZeroOptimizer was built, so its gradient is not reduced, but it now has a "
                 "gradient; build the ZeroOptimizer after unfreezing it"
             )
 

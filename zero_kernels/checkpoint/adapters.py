@@ -145,6 +145,11 @@ class Adapter:
         tensors, _ = module_state(self.model)
         return {n: t for n, t in tensors.items() if id(t) not in skip}
 
+    def frozen_whole(self, write: bool = False):
+        """A context in which the model's frozen params are whole (`ShardedState.frozen_whole`
+        for a ZeroOptimizer that shards them; collective there)."""
+        return contextlib.nullcontext()
+
     def model_values(self) -> dict[str, nn.Module]:
         """``<prefix>_extra_state`` -> module, for modules with non-tensor extra state."""
         return module_state(self.model)[1]
@@ -246,6 +251,9 @@ class ZeroAdapter(Adapter):
 
     def resident(self):
         return self.state.resident()
+
+    def frozen_whole(self, write: bool = False):
+        return self.state.frozen_whole(write)
 
     def windows(self, read: bool = True, write: bool = True):
         return self.state.windows(read, write)

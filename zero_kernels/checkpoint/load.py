@@ -80,7 +80,8 @@ def load_checkpoint(
         # offloaded state streams in bucket by bucket ([Note: streamed checkpoints] in save.py)
         _agree(ctl, lambda: _read_windows(plan, ad, rd), "reading the pieces")
         ad.finish_install(decode(plan.meta["param_groups"]), plan.meta)
-        _load_model_state(plan, ad, rd)
+        with ad.frozen_whole(write=True):  # shard_frozen: written whole, then re-sharded
+            _load_model_state(plan, ad, rd)
         if scheduler is not None and plan.meta.get("scheduler") is not None:
             scheduler.load_state_dict(decode(plan.meta["scheduler"]))
         if ad.rank < plan.meta["world_size"]:

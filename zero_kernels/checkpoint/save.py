@@ -95,7 +95,10 @@ def save_checkpoint(
     ctl.arrive(f"save_checkpoint (step {step})")
     name, tmp = _on_rank0(ctl, lambda: _prepare(root, step), "the temp directory from rank 0")
     # hierarchical sharding: the first shard group writes, the others hold copies of its state
-    info = _try(lambda: _write_rank(ad, tmp)) if ad.writer else ("ok", {"files": {}, "schema": {}})
+    info = ("ok", {"files": {}, "schema": {}})
+    if ad.writer:
+        with ad.frozen_whole():  # shard_frozen: rank 0 writes them whole (collective)
+            info = _try(lambda: _write_rank(ad, tmp))
     infos = ctl.gather(info, "every rank's files, on rank 0")
     meta = _meta(ad, name, groups_json, sched_json, extra_json) if ctl.rank == 0 else None
     return _on_rank0(

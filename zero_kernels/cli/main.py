@@ -233,8 +233,13 @@ def _build_parser() -> argparse.ArgumentParser:
         "--frozen",
         default=None,
         help="with --params: params that do not train beside them (a frozen base under "
-        "adapters: 7B), whole on every rank at every stage (stage 3 too); --model counts its "
-        "own requires_grad=False params",
+        "adapters: 7B), whole on every rank at every stage (stage 3 too, unless "
+        "--shard-frozen); --model counts its own requires_grad=False params",
+    )
+    e.add_argument(
+        "--shard-frozen",
+        action="store_true",
+        help="stage 3 shards the frozen params too (ZeroOptimizer(shard_frozen=True))",
     )
     e.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
@@ -323,6 +328,7 @@ def _cmd_estimate(args) -> int:
         state_dtype=args.state_dtype,
         state_block=args.state_block,
         frozen=frozen,
+        shard_frozen=args.shard_frozen,
     )
     if args.nodes is not None:
         cross = est.cross_node(
@@ -375,10 +381,17 @@ def _cmd_estimate(args) -> int:
             row += f"{'yes' if s.fits else 'no':>16}"
         print(row)
     if e.frozen_params:
+        s3 = [s for s in e.stages if s.stage == 3 and s.frozen_bytes < e.stages[0].frozen_bytes]
+        where = (
+            f"whole on every rank at stages 0-2, 1/N at stage 3 ({f(s3[0].frozen_bytes)}, "
+            "--shard-frozen: all-gathered with their units, in its comm)"
+            if s3
+            else "whole on every rank (stage 3 too: ZeroOptimizer(shard_frozen=True), "
+            "--shard-frozen here, shards them, as FSDP and DeepSpeed's ZeRO-3 do)"
+        )
         print(
             f"{'frozen':<8}every stage's total includes {f(e.stages[0].frozen_bytes)} of frozen "
-            "params per rank: whole on every rank (ZeroOptimizer's stage 3 does not shard "
-            "them; FSDP and DeepSpeed's ZeRO-3 do)"
+            f"params per rank: {where}"
         )
     hier = [s for s in e.stages if s.stage and s.shard_size != e.world_size]
     if hier:

@@ -107,6 +107,51 @@ the bf16 activations); bf16 params 762.5 MB. Before the recipes, autocast was +6
 Tested against DDP under the same autocast, cache on and off (tests/stage3_checks.py: resharding
 on and off, a reused module, checkpointing; compiled units), and in-process
 (tests/test_zero_stage3.py: recipes made again, values, the warning, a raising unit).
+
+[Note: frozen shards]
+With ``shard_frozen=True`` the model's params that do not train (given to the optimizer with
+``requires_grad=False``, or not given at all: a frozen base under LoRA adapters) are laid out
+by unit as the trained ones are, in buffers of their own after the trained buffers
+(`Core.store_layout`, the param store's; `Core.layout`, which the gradients, the reducer, the
+step and the optimizer's state read, keeps the trained ones only). A unit's frozen buckets
+(`Unit.frozen`) are gathered and freed with it: prefetch, the secondary shard, quantized
+all-gathers and the exact gathers that hand params out all apply; they have no gradient,
+reduce-scatter or optimizer state. Those that ``persist_below`` (or, under quantized
+communication, the one-dimensional rule) keeps whole stay whole, unsharded.
+
+The backward is the hard part. A unit of trained params is freed when every gradient of its
+buckets arrived: every node that reads a trained weight also gives that weight's gradient, so
+the weight's accumulation comes after its last read. A frozen weight gives no such signal. In a
+LoRA linear, ``base(x) + B(A(x))`` as PEFT adds them, autograd runs the adapters' nodes (made
+last) before the base's input-gradient node, which reads the frozen weight; freed at the
+adapters' last gradient, that weight read as the NaN placeholder and every gradient below it
+was NaN (tests/frozen_checks.check_parity fails so without the rule below). So a unit with
+frozen buckets is freed in the backward when both (a) its trained buckets are done, as before,
+and (b) the gradients of the inputs of each of its forwards that need one are computed: a
+multi-grad hook (``mode="all"``) on its positional and keyword tensor arguments, registered in
+every forward and in a re-entrant checkpoint's recomputation (a non-re-entrant one's
+recomputation keeps the forward's hook), counted only once the unit's backward has begun on
+this rank. A node that reads a frozen weight of the unit leads to the unit's inputs (covered by
+(b)) or to its trained params (covered by (a)); not covered is a path to a tensor that reaches
+the unit another way than its arguments (an attribute another module set, a closure), which
+does not occur in the transformer stacks we test. Inputs that need no gradient make (b) hold at
+once; a unit whose hooks did not fire is freed at the end of the backward (later, never
+earlier). A unit of frozen params only whose inputs need no gradient (blocks before the first
+adapter) runs no backward: freed after its forward.
+
+Checkpoints: `save_checkpoint` and `load_checkpoint` gather every unit holding frozen params
+(`zero_kernels.sharded_state.ShardedState.frozen_whole`): rank 0 writes them whole into the
+model file as before, a load writes them on every rank and takes the shards back, so a
+checkpoint does not depend on ``shard_frozen``. Inside, every frozen param is whole on every
+rank (``model.state_dict()`` at stage 3 holds every param whole too). Not built:
+``offload_params="nvme"`` with frozen shards (a NotImplementedError); under autocast the casts
+of frozen fp32 weights are saved as autograd saves them ([Note: autocast] recognises casts of
+trained params by their gradient accumulator, which a frozen param has none of). Construction
+gives every rank rank 0's frozen values (the store's broadcast) without the warning that
+`zero_kernels.replicas.sync_at_start` gives for the frozen params kept whole.
+Tested against DDP (tests/frozen_checks.py: plain, both checkpointings, a frozen unit called
+twice, prefetch 2, no resharding after forward, int8 weights; memory held and freed; state
+dicts; a checkpoint resumed into another base; ``close``).
 """
 
 from __future__ import annotations
@@ -160,6 +205,7 @@ class Unit:
         self.index, self.name, self.module = index, name, module
         self.persistent = persistent
         self.buckets: list[tuple[int, int]] = []
+        self.frozen: set[tuple[int, int]] = set()  # [Note: frozen shards]: its frozen buckets
         self.state = UnitState.SHARDED
         self.handles: list = []
 
@@ -246,6 +292,10 @@ class UnitScheduler:
         }
         self._kept: set[int] = set()
         self._entered: set[int] = set()
+        # [Note: frozen shards]: per unit with frozen buckets, the input hooks of this pass not
+        # yet fired (the unit's backward may still read its frozen params until they have)
+        self._inputs_pending: dict[int, int] = {}
+        self._reached: set[int] = set()  # units whose backward (or recomputation) began
         self._containers = [u for u in units if is_container(u.module)]
         self._guard = ReadGuard(self._guard_read)
         self._all_modules = list(model.modules())  # any compiled: no guard (it stops dynamo)
@@ -254,10 +304,16 @@ class UnitScheduler:
         for u in units:
             if is_container(u.module):  # entered by its members (see [Note: external params])
                 for c in container_members(u.module):
-                    self.handles.append(c.register_forward_pre_hook(_pre(me, u.index, True)))
+                    self.handles.append(
+                        c.register_forward_pre_hook(
+                            _pre(me, u.index, True), with_kwargs=bool(u.frozen)
+                        )
+                    )
                     self.handles.append(c.register_forward_hook(_post(me, u.index, True)))
                 continue
-            self.handles.append(u.module.register_forward_pre_hook(_pre(me, u.index)))
+            self.handles.append(
+                u.module.register_forward_pre_hook(_pre(me, u.index), with_kwargs=bool(u.frozen))
+            )
             self.handles.append(u.module.register_forward_hook(_post(me, u.index)))
         self.handles.append(model.register_forward_pre_hook(_root_pre(me), with_kwargs=True))
         self.handles.append(model.register_forward_hook(_root_post(me)))
@@ -426,6 +482,7 @@ class UnitScheduler:
         u = self.by_index[k]
         if self.phase.backward:  # activation checkpointing: recomputation inside backward
             self.wait(u)
+            self._reached.add(k)
             return
         if self.order is None:
             if comm.world_size(self.group) > 1:
@@ -494,6 +551,8 @@ class UnitScheduler:
             self.on_forward_start(args, kwargs or {})
         self.pos = 0
         self.bwd_units, self.bwd_next = [], 0  # the last forward's backward is the next one
+        self._inputs_pending.clear()
+        self._reached.clear()
         self._entered.clear()
         self.drop_secondary()  # of a forward whose backward did not run
         self.pop_recast()  # left by a forward that raised
@@ -559,10 +618,12 @@ class UnitScheduler:
         at = next((j for j in range(top, -1, -1) if fwd[j] == k), None)
         if at is None:  # not expected here (a second call's hook, or out of order)
             self.wait(u)
+            self._reached.add(k)
             return
         self._pass_over(fwd[at + 1 : top + 1][::-1], fwd[:at])
         self.bwd_next = len(fwd) - at
         self.wait(u)
+        self._reached.add(k)
         for j in fwd[max(0, at - self.prefetch) : at][::-1]:
             self.gather(self.by_index[j])
 
@@ -589,15 +650,53 @@ class UnitScheduler:
 
     def bucket_done(self, i: int, b: int) -> None:
         """Every gradient of bucket (i, b) arrived: its unit's params are not needed any more
-        in this backward once all of the unit's buckets are done."""
+        in this backward once all of the unit's buckets are done (and, with frozen params, its
+        inputs' gradients computed: [Note: frozen shards])."""
         u = self.bucket_unit.get((i, b))
         if u is None or u is self.root or u.persistent:
             return
         self._done.add((i, b))
-        if all(bk in self._done for bk in u.buckets):
+        self._free_if_done(u)
+
+    def _free_if_done(self, u: Unit) -> None:
+        if self._inputs_pending.get(u.index, 0):
+            return
+        if all(bk in self._done for bk in u.buckets if bk not in u.frozen):
             self.free(u)
 
+    # ---- frozen shards ([Note: frozen shards])
+    def watch_inputs(self, k: int, args, kwargs) -> None:
+        """Unit ``k`` (with frozen buckets) starts a forward that a backward will follow: a
+        hook on its inputs that need a gradient tells when its backward has used them all."""
+        u = self.by_index[k]
+        if not u.frozen or not torch.is_grad_enabled():
+            return
+        if self.phase.backward and self._inputs_pending.get(k, 0):
+            return  # a recomputation (non-reentrant checkpoint): the forward's hook stands
+        ts = [
+            t
+            for t in tree_flatten((args, kwargs or {}))[0]
+            if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        if not ts:
+            return
+        self._inputs_pending[k] = self._inputs_pending.get(k, 0) + 1
+        me = weakref.ref(self)
+        torch.autograd.graph.register_multi_grad_hook(ts, _inputs_done(me, k), mode="all")
+
+    def inputs_done(self, k: int) -> None:
+        """The gradients of one forward's inputs of unit ``k`` are computed."""
+        left = self._inputs_pending.get(k, 0)
+        if left <= 0:  # a hook of an earlier pass
+            return
+        self._inputs_pending[k] = left - 1
+        u = self.by_index[k]
+        if left == 1 and u is not self.root and not u.persistent and k in self._reached:
+            self._free_if_done(u)
+
     def end_backward(self) -> None:
+        # the frozen shards' counts stay until the next forward: a re-entrant checkpoint's
+        # inner backward ends the reducer's backward early ([Note: frozen shards])
         self._done = set()
         self.bwd_units, self.bwd_next = [], 0
         self._kept.clear()
@@ -658,13 +757,23 @@ def _opaque(hook):
 def _pre(me, k, member: bool = False):
     """Unit ``k``'s forward pre-hook (``member``: on a member of container unit ``k``)."""
 
-    def hook(module, args):
+    def hook(module, args, kwargs=None):
         s = me()
         if s is not None:
             (s.member_pre if member else s.pre_forward)(k)
             s.push_recast(k)
+            s.watch_inputs(k, args, kwargs)
 
     return _opaque(hook)
+
+
+def _inputs_done(me, k):
+    def hook(grads):
+        s = me()
+        if s is not None:
+            s.inputs_done(k)
+
+    return hook
 
 
 def _post(me, k, member: bool = False):

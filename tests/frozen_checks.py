@@ -1,0 +1,320 @@
+"""Stage 3 with ``shard_frozen=True`` (spawned gloo ranks): a LoRA-shaped model whose frozen base
+is sharded with its units, against DDP on the same model ([Note: frozen shards] in
+zero_kernels/partition/units.py)."""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.utils.checkpoint as ckpt
+from dist_utils import run_checks
+from numerics import rel_err
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from zero_kernels import ZeroOptimizer, load_checkpoint, save_checkpoint
+
+V, D, R = 19, 16, 4
+
+
+class Lora(nn.Module):
+    """A frozen linear plus a trainable low-rank update (its output added after the base's,
+    as PEFT does: the adapters' gradients come before the base's input gradient)."""
+
+    def __init__(self, d_in: int, d_out: int, adapted: bool = True):
+        super().__init__()
+        self.base = nn.Linear(d_in, d_out)
+        self.base.requires_grad_(False)
+        self.A = nn.Linear(d_in, R, bias=False) if adapted else None
+        self.B = nn.Linear(R, d_out, bias=False) if adapted else None
+        if adapted:
+            nn.init.normal_(self.B.weight, std=0.1)
+
+    def forward(self, x):
+        y = self.base(x)
+        return y if self.A is None else y + self.B(self.A(x))
+
+
+class Block(nn.Module):
+    def __init__(self, adapted: bool):
+        super().__init__()
+        self.ln = nn.LayerNorm(D)
+        self.ln.requires_grad_(False)
+        self.up = Lora(D, 2 * D, adapted)
+        self.down = Lora(2 * D, D, adapted)
+
+    def forward(self, h):
+        return h + self.down(torch.tanh(self.up(self.ln(h))))
+
+
+class LoraNet(nn.Module):
+    """Frozen embedding and final norm (root unit), blocks 0 and 2 frozen whole (block 0 before
+    anything trains: no backward; block 2 between adapted blocks: a backward for its input
+    gradient only), blocks 1 and 3 with adapters, a trainable head."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.emb.requires_grad_(False)
+        self.blocks = nn.ModuleList(Block(adapted=k % 2 == 1) for k in range(4))
+        self.norm = nn.LayerNorm(D)
+        self.norm.requires_grad_(False)
+        self.head = nn.Linear(D, V)
+        self.ckpt = None  # None | "reentrant" | "plain"
+        self.reuse = False  # block 2 (frozen whole) runs twice
+
+    def forward(self, x):
+        h = self.emb(x)
+        for k, b in enumerate(self.blocks):
+            if self.ckpt is not None and k > 0:
+                h = ckpt.checkpoint(b, h, use_reentrant=self.ckpt == "reentrant")
+            else:
+                h = b(h)
+            if self.reuse and k == 2:
+                h = b(h)
+        return self.head(self.norm(h))
+
+
+def _batch(rank: int, step: int):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randint(0, V, (3, 6), generator=g), torch.randint(0, V, (3, 6), generator=g)
+
+
+def _loss(model, x, y):
+    return nn.functional.cross_entropy(model(x).reshape(-1, V), y.reshape(-1))
+
+
+def _frozen_bytes(m: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in m.parameters() if not p.requires_grad)
+
+
+def _pair(setup=None, **kw):
+    torch.manual_seed(0)
+    base = LoraNet()
+    if setup:
+        setup(base)
+    m1, m2 = copy.deepcopy(base), copy.deepcopy(base)
+    trained = [p for p in m1.parameters() if p.requires_grad]
+    zo = ZeroOptimizer(
+        trained, torch.optim.AdamW, stage=3, module=m1, shard_frozen=True, lr=1e-2, **kw
+    )
+    static = m2.ckpt == "reentrant"  # DDP needs a static graph for re-entrant checkpointing
+    ddp = DDP(m2, static_graph=static)
+    to = torch.optim.AdamW([p for p in m2.parameters() if p.requires_grad], lr=1e-2)
+    return zo, m1, ddp, to
+
+
+def _train(rank, zo, m1, ddp, to, steps, start=0, peak=None):
+    losses = []
+    for step in range(start, start + steps):
+        x, y = _batch(rank, step)
+        zo.zero_grad()
+        to.zero_grad()
+        l1 = _loss(m1, x, y)
+        l1.backward()
+        if peak is not None:
+            peak.append(zo.parts.core.store.peak_gathered)
+        l2 = _loss(ddp, x, y)
+        l2.backward()
+        zo.step()
+        to.step()
+        kept = zo.parts.core.units.persistent  # vectors kept whole (quantize_weights)
+        left = zo.parts.core.store.live - set(kept.buckets if kept is not None else ())
+        assert not left, f"left gathered: {left}"
+        losses.append((float(l1), float(l2)))
+    return losses
+
+
+def _same_params(zo, m1, m2, tol, what):
+    with zo.gathered_params():
+        for (n, a), (_, b) in zip(m1.named_parameters(), m2.named_parameters()):
+            assert rel_err(a, b) <= tol, f"{what}: {n} {rel_err(a, b):.3g}"
+
+
+def check_parity(rank: int, world: int) -> dict:
+    """Losses and every param (frozen ones included) as DDP's over 4 steps: plain, with
+    re-entrant and non-re-entrant activation checkpointing, a frozen block run twice, prefetch
+    2 and no resharding after forward."""
+    cases = {
+        "plain": (None, {}),
+        "checkpoint reentrant": (lambda m: setattr(m, "ckpt", "reentrant"), {}),
+        "checkpoint plain": (lambda m: setattr(m, "ckpt", "plain"), {}),
+        "frozen block twice": (lambda m: setattr(m, "reuse", True), {}),
+        "prefetch 2": (None, {"prefetch": 2}),
+        "no reshard after forward": (None, {"reshard_after_forward": False}),
+    }
+    out = {}
+    for name, (setup, kw) in cases.items():
+        zo, m1, ddp, to = _pair(setup, **kw)
+        losses = _train(rank, zo, m1, ddp, to, 4)
+        worst = max(abs(a - b) / abs(b) for a, b in losses)
+        assert worst <= 1e-5, f"{name}: losses {losses}"
+        _same_params(zo, m1, ddp.module, 1e-5, name)
+        out[name] = worst
+        zo.close()
+    return out
+
+
+def check_sharded(rank: int, world: int) -> dict:
+    """The frozen params are sharded: a rank's store holds 1/N of them (padding aside), they
+    read NaN between steps, the peak gathered in a step is below the whole model (units are
+    freed in the backward, the frozen-only one once its input gradient is computed), and
+    ``gathered_params``, ``model.state_dict()`` and ``close()`` give them whole."""
+    zo, m1, ddp, to = _pair()
+    core = zo.parts.core
+    frozen = _frozen_bytes(m1)
+    assert core.frozen, "no frozen param was sharded"
+    names = {n for n, p in m1.named_parameters() if not p.requires_grad}
+    sharded = {n for n, p in m1.named_parameters() if any(p is q for q in core.frozen.values())}
+    assert sharded == names, sorted(names - sharded)
+    held = core.store.nbytes()
+    trained = sum(p.numel() * 4 for p in m1.parameters() if p.requires_grad)
+    # 1/N of everything, plus at most one alignment block (16 elements) per bucket and rank
+    buckets = sum(len(b.buckets) for b in core.store_layout.buffers)
+    assert held <= (frozen + trained) / world + buckets * 16 * 4, (held, frozen, trained)
+    # block 2 (frozen whole) is freed once its input gradient is computed: before block 1's
+    # adapters get theirs
+    frozen2 = next(u for u in zo.parts.core.units.units if u.module is m1.blocks[2])
+    seen = []
+    m1.blocks[1].up.A.weight.register_hook(
+        lambda g: seen.append(any(k in core.store.live for k in frozen2.buckets))
+    )
+    peaks: list[int] = []
+    _train(rank, zo, m1, ddp, to, 2, peak=peaks)
+    assert seen == [False, False], f"block 2 still gathered in block 1's backward: {seen}"
+    whole = sum(b.numel(world) * 4 for buf in core.store_layout.buffers for b in buf.buckets)
+    assert 0 < peaks[-1] < whole, (peaks, whole)
+    w = m1.blocks[2].up.base.weight
+    assert torch.isnan(w).all(), "a frozen param between steps should read NaN"
+    with zo.gathered_params(m1.blocks[2]):
+        assert torch.equal(w, ddp.module.blocks[2].up.base.weight)
+    sd1, sd2 = m1.state_dict(), ddp.module.state_dict()
+    assert sd1.keys() == sd2.keys()
+    for k in sd1:
+        assert rel_err(sd1[k], sd2[k]) <= 1e-5, k
+        assert "base" not in k or torch.equal(sd1[k], sd2[k]), k
+    zo.close()
+    for (n, a), (_, b) in zip(m1.named_parameters(), ddp.module.named_parameters()):
+        assert rel_err(a, b) <= 1e-5 and not torch.isnan(a).any(), f"after close: {n}"
+        assert "base" not in n or torch.equal(a, b), f"after close: {n}"
+    return {"held": held, "frozen": frozen, "peak": peaks[-1], "whole": whole}
+
+
+def check_checkpoint(rank: int, world: int) -> dict:
+    """save_checkpoint / load_checkpoint with sharded frozen params: the model file holds them
+    whole, and a fresh model (another frozen base) loads them and resumes as the uninterrupted
+    run."""
+    zo, m1, ddp, to = _pair()
+    _train(rank, zo, m1, ddp, to, 2)
+    d = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(d, 0)
+    save_checkpoint(d[0], m1, zo)
+    after = _train(rank, zo, m1, ddp, to, 2, start=2)
+    torch.manual_seed(1)  # another base: the load must bring the saved one
+    m3 = LoraNet()
+    zo3 = ZeroOptimizer(
+        [p for p in m3.parameters() if p.requires_grad],
+        torch.optim.AdamW,
+        stage=3,
+        module=m3,
+        shard_frozen=True,
+        lr=1e-2,
+    )
+    load_checkpoint(d[0], m3, zo3)
+    resumed = []
+    for step in range(2, 4):
+        x, y = _batch(rank, step)
+        zo3.zero_grad()
+        loss = _loss(m3, x, y)
+        loss.backward()
+        zo3.step()
+        resumed.append(float(loss))
+    assert resumed == [a for a, _ in after], (resumed, after)
+    with zo.gathered_params(), zo3.gathered_params():
+        for (n, a), (_, b) in zip(m1.named_parameters(), m3.named_parameters()):
+            assert torch.equal(a, b), n
+    zo.close()
+    zo3.close()
+    if rank == 0:
+        files = os.listdir(d[0])
+        assert files, "nothing saved"
+    return {"resumed": resumed}
+
+
+def check_quantized(rank: int, world: int) -> dict:
+    """quantize_weights="int8" reaches the frozen params' all-gathers too (ZeRO++'s qwZ
+    quantizes every weight it gathers): the losses stay finite and near DDP's exact ones;
+    ``gathered_params`` hands the frozen params out exact."""
+    zo, m1, ddp, to = _pair(quantize_weights="int8")
+    losses = _train(rank, zo, m1, ddp, to, 3)
+    worst = max(abs(a - b) / abs(b) for a, b in losses)
+    assert all(torch.isfinite(torch.tensor(a)) for a, _ in losses) and worst < 5e-2, losses
+    with zo.gathered_params():
+        for (n, a), (_, b) in zip(m1.named_parameters(), ddp.module.named_parameters()):
+            assert "base" not in n or torch.equal(a, b), n
+    zo.close()
+    return {"worst": worst}
+
+
+def frozen_all(rank: int, world: int) -> dict:
+    checks = [check_parity, check_sharded, check_checkpoint, check_quantized, check_peft_llama]
+    return run_checks(rank, world, checks)
+
+
+def _peft_llama(seed: int = 0):
+    """The tests' small Llama (transformers_checks.other_arch: grouped-query attention, tied
+    embeddings) under PEFT's LoRA on q_proj, v_proj and down_proj: every other weight frozen."""
+    from peft import LoraConfig, get_peft_model
+    from transformers_checks import other_arch
+
+    model = other_arch("llama", seed)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    model = get_peft_model(model, lora)
+    for n, p in model.named_parameters():  # B starts at zero in PEFT: A would get no gradient
+        if "lora_B" in n:
+            nn.init.normal_(p, std=0.05, generator=torch.Generator().manual_seed(len(n)))
+    return model
+
+
+def check_peft_llama(rank: int, world: int) -> dict:
+    """PEFT LoRA on a Llama: stage 3 with shard_frozen against DDP, without and with the
+    model's own gradient checkpointing (re-entrant, with PEFT's input-require-grads hook, and
+    not): losses and every param over 3 steps."""
+    out = {}
+    for gc in (None, True, False):
+        base = _peft_llama()
+        if gc is not None:
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": gc})
+            base.enable_input_require_grads()
+        m1, m2 = copy.deepcopy(base), copy.deepcopy(base)
+        m1.train()
+        m2.train()
+        trained1 = [p for p in m1.parameters() if p.requires_grad]
+        zo = ZeroOptimizer(
+            trained1, torch.optim.AdamW, stage=3, module=m1, shard_frozen=True, lr=1e-2
+        )
+        assert len(zo.parts.core.frozen) > 10, len(zo.parts.core.frozen)
+        ddp = DDP(m2, static_graph=gc is True)
+        to = torch.optim.AdamW([p for p in m2.parameters() if p.requires_grad], lr=1e-2)
+        worst = 0.0
+        for step in range(3):
+            x, _ = _batch(rank, step)
+            zo.zero_grad()
+            to.zero_grad()
+            l1 = m1(input_ids=x, labels=x).loss
+            l1.backward()
+            l2 = ddp(input_ids=x, labels=x).loss
+            l2.backward()
+            zo.step()
+            to.step()
+            worst = max(worst, abs(float(l1) - float(l2)) / abs(float(l2)))
+            assert torch.isfinite(l1), (gc, step, float(l1))
+        assert worst <= 1e-5, (gc, worst)
+        _same_params(zo, m1, m2, 1e-5, f"gradient checkpointing {gc}")
+        zo.close()
+        out[str(gc)] = worst
+    return out

@@ -1,0 +1,32 @@
+"""Stage 3's ``shard_frozen=True``: frozen params sharded with their units ([Note: frozen
+shards]); spawned ranks against DDP (tests/frozen_checks.py) and bad input in-process."""
+
+import frozen_checks
+import pytest
+import torch
+from dist_utils import SharedRun
+from torch import nn
+
+from zero_kernels import ZeroOptimizer
+from zero_kernels.policy import GatherPolicy
+
+_RUN = SharedRun(frozen_checks.frozen_all, timeout=600)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "name",
+    ["check_parity", "check_sharded", "check_checkpoint", "check_quantized", "check_peft_llama"],
+)
+def test_frozen_shards(name):
+    rep = _RUN.check(3, name)[0]
+    assert rep, name
+
+
+def test_frozen_shards_arguments():
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    m[0].requires_grad_(False)
+    with pytest.raises(ValueError, match="shard_frozen= is a stage-3 option"):
+        ZeroOptimizer(m, torch.optim.SGD, stage=2, shard_frozen=True, lr=0.1)
+    with pytest.raises(TypeError, match="shard_frozen must be a bool, got shard_frozen='yes'"):
+        GatherPolicy(shard_frozen="yes")
