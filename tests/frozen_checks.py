@@ -138,7 +138,7 @@ def _same_params(zo, m1, m2, tol, what):
 def check_parity(rank: int, world: int) -> dict:
     """Losses and every param (frozen ones included) as DDP's over 4 steps: plain, with
     re-entrant and non-re-entrant activation checkpointing, a frozen block run twice, prefetch
-    2 and no resharding after forward."""
+    2, no resharding after forward, and the shards in host memory (offload_params="cpu")."""
     cases = {
         "plain": (None, {}),
         "checkpoint reentrant": (lambda m: setattr(m, "ckpt", "reentrant"), {}),
@@ -146,6 +146,7 @@ def check_parity(rank: int, world: int) -> dict:
         "frozen block twice": (lambda m: setattr(m, "reuse", True), {}),
         "prefetch 2": (None, {"prefetch": 2}),
         "no reshard after forward": (None, {"reshard_after_forward": False}),
+        "host tier": (None, {"offload_optimizer": "cpu", "offload_params": "cpu"}),
     }
     out = {}
     for name, (setup, kw) in cases.items():

@@ -1,6 +1,7 @@
 """ZeroTrainer (zero_kernels.integrations.transformers, issue 24) at 2 ranks against Trainer's own
 DDP run: per-step losses and weights at stages 1-3 with clipping and accumulation 2 (a GPT-2; a
-Llama and a Mixtral at stage 3), evaluations between steps at stage 3, resumes from
+Llama and a Mixtral at stage 3; PEFT's LoRA over a Llama with shard_frozen=True, its adapter
+file from save_model), evaluations between steps at stage 3, resumes from
 checkpoint-N (fp32, bf16 params, another stage), save_model at stage 3 read by from_pretrained,
 a plain torch optimizer handed in, refusals. One spawned group (tests/transformers_checks.py)."""
 

@@ -185,6 +185,42 @@ def parity_llama_mixtral(rank, world):
     return out
 
 
+def lora_shard_frozen(rank, world):
+    """PEFT's LoRA over a Llama through ZeroTrainer at stage 3 with shard_frozen=True, against
+    Trainer's DDP run: per-step losses, every weight (the frozen base's included), and
+    ``save_model`` (PEFT's adapter file, read through the model's gathered state dict)."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+    from transformers import Trainer
+
+    from zero_kernels.integrations.transformers import ZeroTrainer
+
+    def lora():
+        cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+        m = get_peft_model(other_arch("llama"), cfg)
+        for n, p in m.named_parameters():  # B starts at zero in PEFT: A would get no gradient
+            if "lora_B" in n:
+                torch.nn.init.normal_(p, std=0.05, generator=torch.Generator().manual_seed(len(n)))
+        return m
+
+    ddp, want = train(Trainer, f"{TMP}/lora_ddp", steps=4, model=lora())
+    zero = {"stage": 3, "shard_frozen": True}
+    tr, got = train(ZeroTrainer, f"{TMP}/lora_z3", steps=4, model=lora(), zero=zero)
+    core = tr.zero_optimizer.parts.core
+    assert len(core.frozen) > 10 and all(not p.requires_grad for p in core.frozen.values())
+    gap, wgap = rel(got, want), max_diff(weights(tr), weights(ddp))
+    assert gap <= 1e-5, (gap, got, want)
+    assert wgap <= 1e-5, wgap
+    tr.save_model(f"{TMP}/lora_z3/final")
+    ddp.save_model(f"{TMP}/lora_ddp/final")
+    if rank == 0:
+        a = load_file(f"{TMP}/lora_z3/final/adapter_model.safetensors")
+        b = load_file(f"{TMP}/lora_ddp/final/adapter_model.safetensors")
+        assert a.keys() == b.keys() and len(a) == 12, sorted(a)  # 2 layers x 3 x (A, B)
+        assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-5
+    return {"loss_rel": gap, "weights_abs": wgap}
+
+
 def evaluate_stage3(rank, world):
     """eval_strategy="steps": evaluations between optimizer steps (no-grad forwards of the
     sharded model) give Trainer's DDP eval losses, and training goes on as DDP's."""
@@ -383,6 +419,7 @@ CHECKS = [
     parity_stage2,
     parity_stage3,
     parity_llama_mixtral,
+    lora_shard_frozen,
     evaluate_stage3,
     checkpointing_stage3,
     resume_stage3_fp32,

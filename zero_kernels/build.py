@@ -357,6 +357,7 @@ def communication(core: Core) -> None:
         core.layout, core.params, core.grads, core.rank, core.rs_group, core.comm_log, core.mesh
     )
     core.reducer.overlap = bool(p.comm.overlap_comm)
+    core.reducer.phase = core.phase
     core.reducer.timeout = core.op_timeout
 
 

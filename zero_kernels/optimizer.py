@@ -33,6 +33,7 @@ import weakref
 import torch
 from torch import nn
 from torch.distributed.algorithms.join import Joinable, JoinHook
+from torch.utils._pytree import tree_flatten
 
 from . import build, comm, hostmem, regroup, replicas, validate, wrappers
 from .buffers import release_free_heap, storage_id
@@ -394,6 +395,9 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
                 m.register_load_state_dict_post_hook(_call_args(me, "parts.params.load_post_hook")),
             ]
         elif m is not None:  # a loaded model's values reach the fp32 masters
+            # the backward's first hook in its own graph task ([Note: nested backwards])
+            mark = torch.compiler.disable(_mark_backward(me), recursive=True)
+            self._hook_handles.append(m.register_forward_hook(mark))
             self._hook_handles.append(
                 m.register_load_state_dict_post_hook(_call_args(me, "parts.params.load_post_hook"))
             )
@@ -781,3 +785,23 @@ def _remove_hooks(handles: list, params: dict) -> None:
     for p in params.values():
         if isinstance(p.grad, ShardedGrad):
             p.grad = None
+
+
+def _mark_backward(me):
+    """Stages 1/2 with the model: a forward hook putting a hook on the model's outputs that
+    enters the backward phase from the outer graph task ([Note: nested backwards])."""
+
+    def enter(grad):
+        o = me()
+        if o is not None and not o._closed:
+            o._core.phase.enter_backward()
+
+    def hook(module, args, output):
+        if not torch.is_grad_enabled():
+            return
+        flat = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+        ts = [t for t in flat if t.requires_grad]
+        if ts:
+            torch.autograd.graph.register_multi_grad_hook(ts, enter, mode="any")
+
+    return hook

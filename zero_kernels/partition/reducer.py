@@ -169,6 +169,7 @@ class Reducer:
         self.on_bucket_ready = None  # stage 3: every grad of a bucket arrived (free its params)
         self.timeout: float | None = None  # bound on each wait (the optimizer's ``timeout``)
         self.describe = lambda: ""  # where we are, for a timeout's message ("step 3")
+        self.phase = None  # the optimizer's PhaseTracker ([Note: nested backwards])
         self._hooks = []
         self._hook_cache: dict = {}
         self._gap_cache: dict = {}
@@ -254,7 +255,10 @@ class Reducer:
             syncing = self.sync or not self.whole
             if syncing and not self.callback_queued:
                 self.callback_queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+                if self.phase is not None and self.phase.nested():  # [Note: nested backwards]
+                    self.phase.defer(self.finish)
+                else:
+                    torch.autograd.Variable._execution_engine.queue_callback(self.finish)
             if bk.launched:  # a second grad for it in this pass (retain_graph)
                 self.wait_all()
                 bk.launched = False
