@@ -123,7 +123,9 @@ def worker(rank, world, port, args, q):
         "final_loss": float(loss),
     }
     if report is not None:
-        out["param_bytes_MB"] = report.memory_report()["param_bytes"] / MB
+        mr = report.memory_report()
+        out["param_bytes_MB"] = mr["param_bytes"] / MB
+        out["gathered_peak_MB"] = mr["gathered_param_peak_bytes"] / MB
         report.close()
     dist.barrier()
     q.put((rank, out))
@@ -152,10 +154,12 @@ def main():
         r0 = res[0]
         rows.append({k: round(x, 3) if isinstance(x, float) else x for k, x in r0.items()})
         print(rows[-1], flush=True)
-    keys = ["variant", "rss_after_step0_MB", "peak_rss_MB", "param_bytes_MB", "step_s"]
+    keys = ["variant", "rss_after_step0_MB", "peak_rss_MB", "param_bytes_MB", "gathered_peak_MB"]
+    keys.append("step_s")
     keys.append("final_loss")
     for r in rows:
         r.setdefault("param_bytes_MB", "")
+        r.setdefault("gathered_peak_MB", "")
     payload = {
         **run_info(os.path.basename(__file__)),
         "config": {k: v for k, v in vars(args).items() if k != "variant"},
