@@ -261,8 +261,35 @@ def check_quantized(rank: int, world: int) -> dict:
     return {"worst": worst}
 
 
+def check_meta(rank: int, world: int) -> dict:
+    """A model built on the meta device: the frozen params are materialised unit by unit into
+    their buckets (never whole), with the values the frozen-kept-whole construction gives."""
+    got = []
+    for shard in (False, True):
+        with torch.device("meta"):
+            m = LoraNet()
+        zo = ZeroOptimizer(
+            [p for p in m.parameters() if p.requires_grad],
+            torch.optim.AdamW,
+            stage=3,
+            module=m,
+            shard_frozen=shard,
+            seed=3,
+            lr=1e-2,
+        )
+        assert bool(zo.parts.core.frozen) == shard
+        assert not any(p.is_meta for p in m.parameters())
+        with zo.gathered_params():
+            got.append({n: p.detach().clone() for n, p in m.named_parameters()})
+        zo.close()
+    for n, t in got[0].items():
+        assert torch.equal(t, got[1][n]), n
+    return {"params": len(got[0])}
+
+
 def frozen_all(rank: int, world: int) -> dict:
     checks = [check_parity, check_sharded, check_checkpoint, check_quantized, check_peft_llama]
+    checks.append(check_meta)
     return run_checks(rank, world, checks)
 
 

@@ -16,7 +16,14 @@ _RUN = SharedRun(frozen_checks.frozen_all, timeout=600)
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     "name",
-    ["check_parity", "check_sharded", "check_checkpoint", "check_quantized", "check_peft_llama"],
+    [
+        "check_parity",
+        "check_sharded",
+        "check_checkpoint",
+        "check_quantized",
+        "check_peft_llama",
+        "check_meta",
+    ],
 )
 def test_frozen_shards(name):
     rep = _RUN.check(3, name)[0]
