@@ -289,7 +289,7 @@ def check_meta(rank: int, world: int) -> dict:
 
 def frozen_all(rank: int, world: int) -> dict:
     checks = [check_parity, check_sharded, check_checkpoint, check_quantized, check_peft_llama]
-    checks.append(check_meta)
+    checks += [check_meta, check_two_forwards_and_double_backward]
     return run_checks(rank, world, checks)
 
 
@@ -345,4 +345,51 @@ def check_peft_llama(rank: int, world: int) -> dict:
         _same_params(zo, m1, m2, 1e-5, f"gradient checkpointing {gc}")
         zo.close()
         out[str(gc)] = worst
+    return out
+
+
+def check_two_forwards_and_double_backward(rank: int, world: int) -> dict:
+    """The same units run twice before one backward (two views through one model, a contrastive
+    loss), and one forward with two backwards (``retain_graph=True``): a unit holding frozen
+    params is freed only once every use of them in the backward is done. Against plain torch
+    on every rank's batches (the ranks' average gradient)."""
+    out = {}
+    for mode in ("two forwards", "two backwards"):
+        torch.manual_seed(0)
+        base = LoraNet()
+        m1, ref = copy.deepcopy(base), copy.deepcopy(base)
+        zo = ZeroOptimizer(
+            [p for p in m1.parameters() if p.requires_grad],
+            torch.optim.AdamW,
+            stage=3,
+            module=m1,
+            shard_frozen=True,
+            lr=1e-2,
+        )
+        to = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+
+        def loss_of(model, r, step, mode=mode):
+            x, y = _batch(r, step)
+            if mode == "two forwards":
+                return _loss(model, x, y) + _loss(model, y, x)
+            return _loss(model, x, y)
+
+        for step in range(3):
+            zo.zero_grad()
+            to.zero_grad()
+            if mode == "two forwards":
+                loss_of(m1, rank, step).backward()
+                sum(loss_of(ref, r, step) for r in range(world)).div(world).backward()
+            else:
+                lz = loss_of(m1, rank, step)
+                lz.backward(retain_graph=True)
+                lz.mul(0.5).backward()
+                lr = sum(loss_of(ref, r, step) for r in range(world)).div(world)
+                lr.backward(retain_graph=True)
+                lr.mul(0.5).backward()
+            zo.step()
+            to.step()
+        _same_params(zo, m1, ref, 1e-5, mode)
+        zo.close()
+        out[mode] = "ok"
     return out

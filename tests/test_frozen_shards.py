@@ -23,6 +23,7 @@ _RUN = SharedRun(frozen_checks.frozen_all, timeout=600)
         "check_quantized",
         "check_peft_llama",
         "check_meta",
+        "check_two_forwards_and_double_backward",
     ],
 )
 def test_frozen_shards(name):

@@ -128,16 +128,20 @@ adapters' last gradient, that weight read as the NaN placeholder and every gradi
 was NaN (tests/frozen_checks.check_parity fails so without the rule below). So a unit with
 frozen buckets is freed in the backward when both (a) its trained buckets are done, as before,
 and (b) the gradients of the inputs of each of its forwards that need one are computed: a
-multi-grad hook (``mode="all"``) on its positional and keyword tensor arguments, registered in
-every forward and in a re-entrant checkpoint's recomputation (a non-re-entrant one's
-recomputation keeps the forward's hook), counted only once the unit's backward has begun on
-this rank. A node that reads a frozen weight of the unit leads to the unit's inputs (covered by
-(b)) or to its trained params (covered by (a)); not covered is a path to a tensor that reaches
-the unit another way than its arguments (an attribute another module set, a closure), which
-does not occur in the transformer stacks we test. Inputs that need no gradient make (b) hold at
-once; a unit whose hooks did not fire is freed at the end of the backward (later, never
-earlier). A unit of frozen params only whose inputs need no gradient (blocks before the first
-adapter) runs no backward: freed after its forward.
+multi-grad hook (``mode="all"``) on its positional and keyword tensor arguments, armed in every
+forward since the last backward ended (two forwards before one backward, two views of a
+contrastive loss, arm two) and in a re-entrant checkpoint's recomputation (a non-re-entrant
+one's recomputation keeps the forward's hook), each firing counted per backward (a second
+backward of the same graph, ``retain_graph=True``, fires them again), and only once the unit's
+backward has begun on this rank (a rank whose loss skips the unit must not free a prefetched
+gather the others still wait on). Measured before the counting: two forwards then one backward
+read NaN, as the adapters-first order did. A node that reads a frozen weight of the unit leads
+to the unit's inputs (covered by (b)) or to its trained params (covered by (a)); not covered is
+a path to a tensor that reaches the unit another way than its arguments (an attribute another
+module set, a closure), which does not occur in the transformer stacks we test. Inputs that
+need no gradient make (b) hold at once; a unit whose hooks did not fire is freed at the end of
+the backward (later, never earlier). A unit of frozen params only whose inputs need no
+gradient (blocks before the first adapter) runs no backward: freed after its forward.
 
 Checkpoints: `save_checkpoint` and `load_checkpoint` gather every unit holding frozen params
 (`zero_kernels.sharded_state.ShardedState.frozen_whole`): rank 0 writes them whole into the
@@ -292,10 +296,14 @@ class UnitScheduler:
         }
         self._kept: set[int] = set()
         self._entered: set[int] = set()
-        # [Note: frozen shards]: per unit with frozen buckets, the input hooks of this pass not
-        # yet fired (the unit's backward may still read its frozen params until they have)
-        self._inputs_pending: dict[int, int] = {}
-        self._reached: set[int] = set()  # units whose backward (or recomputation) began
+        # [Note: frozen shards]: per unit with frozen buckets, the input hooks armed by the
+        # forwards since the last backward ended, and those fired in this backward (the
+        # unit's backward may read its frozen params until every one has); the units whose
+        # backward (or recomputation) began in this backward
+        self._armed: dict[int, int] = {}
+        self._fired: dict[int, int] = {}
+        self._rearm = False  # a backward ended since the hooks were armed
+        self._reached: set[int] = set()
         self._containers = [u for u in units if is_container(u.module)]
         self._guard = ReadGuard(self._guard_read)
         self._all_modules = list(model.modules())  # any compiled: no guard (it stops dynamo)
@@ -551,8 +559,9 @@ class UnitScheduler:
             self.on_forward_start(args, kwargs or {})
         self.pos = 0
         self.bwd_units, self.bwd_next = [], 0  # the last forward's backward is the next one
-        self._inputs_pending.clear()
-        self._reached.clear()
+        if self._rearm:  # the first forward after a backward: its own hooks from here
+            self._armed.clear()
+            self._rearm = False
         self._entered.clear()
         self.drop_secondary()  # of a forward whose backward did not run
         self.pop_recast()  # left by a forward that raised
@@ -659,7 +668,7 @@ class UnitScheduler:
         self._free_if_done(u)
 
     def _free_if_done(self, u: Unit) -> None:
-        if self._inputs_pending.get(u.index, 0):
+        if self._fired.get(u.index, 0) < self._armed.get(u.index, 0):
             return
         if all(bk in self._done for bk in u.buckets if bk not in u.frozen):
             self.free(u)
@@ -671,7 +680,7 @@ class UnitScheduler:
         u = self.by_index[k]
         if not u.frozen or not torch.is_grad_enabled():
             return
-        if self.phase.backward and self._inputs_pending.get(k, 0):
+        if self.phase.backward and self._armed.get(k, 0):
             return  # a recomputation (non-reentrant checkpoint): the forward's hook stands
         ts = [
             t
@@ -680,24 +689,23 @@ class UnitScheduler:
         ]
         if not ts:
             return
-        self._inputs_pending[k] = self._inputs_pending.get(k, 0) + 1
+        self._armed[k] = self._armed.get(k, 0) + 1
         me = weakref.ref(self)
         torch.autograd.graph.register_multi_grad_hook(ts, _inputs_done(me, k), mode="all")
 
     def inputs_done(self, k: int) -> None:
-        """The gradients of one forward's inputs of unit ``k`` are computed."""
-        left = self._inputs_pending.get(k, 0)
-        if left <= 0:  # a hook of an earlier pass
-            return
-        self._inputs_pending[k] = left - 1
+        """The gradients of one forward's inputs of unit ``k`` are computed (in this
+        backward)."""
+        self._fired[k] = self._fired.get(k, 0) + 1
         u = self.by_index[k]
-        if left == 1 and u is not self.root and not u.persistent and k in self._reached:
+        if u is not self.root and not u.persistent and k in self._reached:
             self._free_if_done(u)
 
     def end_backward(self) -> None:
-        # the frozen shards' counts stay until the next forward: a re-entrant checkpoint's
-        # inner backward ends the reducer's backward early ([Note: frozen shards])
         self._done = set()
+        self._fired.clear()  # a second backward of the same graph fires the hooks again
+        self._reached.clear()
+        self._rearm = True
         self.bwd_units, self.bwd_next = [], 0
         self._kept.clear()
         self.free_all()
