@@ -396,8 +396,7 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
             ]
         elif m is not None:  # a loaded model's values reach the fp32 masters
             # the backward's first hook in its own graph task ([Note: nested backwards])
-            mark = torch.compiler.disable(_mark_backward(me), recursive=True)
-            self._hook_handles.append(m.register_forward_hook(mark))
+            self._hook_handles.append(m.register_forward_hook(_mark_backward(me)))
             self._hook_handles.append(
                 m.register_load_state_dict_post_hook(_call_args(me, "parts.params.load_post_hook"))
             )
@@ -797,7 +796,9 @@ def _mark_backward(me):
             o._core.phase.enter_backward()
 
     def hook(module, args, output):
-        if not torch.is_grad_enabled():
+        # traced by torch.compile: nothing (a disabled hook would break a fullgraph model; a
+        # compiled model keeps the reduction per inner backward of re-entrant checkpointing)
+        if torch.compiler.is_compiling() or not torch.is_grad_enabled():
             return
         flat = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
         ts = [t for t in flat if t.requires_grad]

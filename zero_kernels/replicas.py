@@ -168,7 +168,13 @@ class Replicas:
 
     def __init__(self, core: Core, join):
         self.core, self.join = core, join
-        self.on = bool(core.policy.comm.broadcast_buffers) and core.module is not None
+        # a model without buffers has nothing to broadcast: no hook (one would also stop a
+        # torch.compile(fullgraph=True) of it, the hook being a graph break)
+        self.on = (
+            bool(core.policy.comm.broadcast_buffers)
+            and core.module is not None
+            and any(_plain(b) for b in core.module.buffers())
+        )
         # DDP's require_forward_param_sync: the last forward had gradients, outside no_sync()
         self.pending = True
         self.compare_on = {"cpu": True}  # device types whose buffers are compared before a copy
