@@ -393,3 +393,23 @@ def check_two_forwards_and_double_backward(rank: int, world: int) -> dict:
         zo.close()
         out[mode] = "ok"
     return out
+
+
+def check_secondary(rank: int, world: int) -> dict:
+    """secondary_shard=2 (hpZ) keeps a slice of the frozen buckets too between a unit's forward
+    and its backward, whose all-gathers then stay inside blocks of 2 ranks: DDP's losses and
+    params."""
+    assert world % 2 == 0 and world > 2, f"needs an even world of 4 or more, got {world}"
+    zo, m1, ddp, to = _pair(secondary_shard=2)
+    losses = _train(rank, zo, m1, ddp, to, 3)
+    worst = max(abs(a - b) / abs(b) for a, b in losses)
+    assert worst <= 1e-5, losses
+    _same_params(zo, m1, ddp.module, 1e-5, "secondary_shard=2")
+    sec = zo.comm_stats["secondary_all_gather_calls"]
+    assert sec > 0, zo.comm_stats
+    zo.close()
+    return {"worst": worst, "secondary_all_gathers": sec}
+
+
+def frozen_secondary(rank: int, world: int) -> dict:
+    return run_checks(rank, world, [check_secondary])

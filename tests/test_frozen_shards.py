@@ -53,3 +53,12 @@ def test_frozen_shards_arguments(tmp_path):
     zo = ZeroOptimizer(m, torch.optim.SGD, stage=3, units=[nn.Linear], shard_frozen=True, lr=0.1)
     assert set(zo.parts.core.frozen.values()) == set(m[0].parameters())
     zo.close()
+
+
+_RUN4 = SharedRun(frozen_checks.frozen_secondary, timeout=600)
+
+
+@pytest.mark.distributed
+def test_frozen_shards_secondary():
+    rep = _RUN4.check(4, "check_secondary")[0]
+    assert rep["secondary_all_gathers"] > 0, rep
