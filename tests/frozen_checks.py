@@ -289,7 +289,7 @@ def check_meta(rank: int, world: int) -> dict:
 
 def frozen_all(rank: int, world: int) -> dict:
     checks = [check_parity, check_sharded, check_checkpoint, check_quantized, check_peft_llama]
-    checks += [check_meta, check_two_forwards_and_double_backward]
+    checks += [check_meta, check_two_forwards_and_double_backward, check_external_read]
     return run_checks(rank, world, checks)
 
 
@@ -413,3 +413,53 @@ def check_secondary(rank: int, world: int) -> dict:
 
 def frozen_secondary(rank: int, world: int) -> dict:
     return run_checks(rank, world, [check_secondary])
+
+
+class _ExternalRead(LoraNet):
+    """The forward reads frozen params of later units outside them ([Note: external params]):
+    a norm's gain before the blocks and between them, a frozen weight through F.linear."""
+
+    def __init__(self, where: str):
+        super().__init__()
+        self.where = where
+        self.scale = nn.Parameter(torch.full((D,), 1.1))  # trained, in the root unit
+
+    def forward(self, x):
+        h = self.emb(x) * self.scale
+        if self.where == "before":
+            h = h * self.blocks[3].ln.weight
+            w = self.blocks[2].up.base.weight
+            h = h + 0.1 * nn.functional.linear(h, w)[..., :D]
+        for k, b in enumerate(self.blocks):
+            if self.where == "between" and k == 2:
+                h = h * self.blocks[3].ln.weight
+            h = b(h)
+        return self.head(self.norm(h))
+
+
+def check_external_read(rank: int, world: int) -> dict:
+    """A frozen param read outside its unit, whose read's backward runs after the unit's own:
+    the unit stays gathered to the end of the backward (freed at its own backward, the read's
+    gradient was NaN from the second step, or wrong where the storage was gathered again)."""
+    out = {}
+    for where in ("before", "between"):
+        torch.manual_seed(0)
+        base = _ExternalRead(where)
+        m1, m2 = copy.deepcopy(base), copy.deepcopy(base)
+        zo = ZeroOptimizer(
+            [p for p in m1.parameters() if p.requires_grad],
+            torch.optim.AdamW,
+            stage=3,
+            module=m1,
+            shard_frozen=True,
+            lr=1e-2,
+        )
+        ddp = DDP(m2)
+        to = torch.optim.AdamW([p for p in m2.parameters() if p.requires_grad], lr=1e-2)
+        losses = _train(rank, zo, m1, ddp, to, 3)
+        worst = max(abs(a - b) / abs(b) for a, b in losses)
+        assert worst <= 1e-5, (where, losses)
+        _same_params(zo, m1, m2, 1e-5, where)
+        zo.close()
+        out[where] = worst
+    return out

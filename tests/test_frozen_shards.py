@@ -24,6 +24,7 @@ _RUN = SharedRun(frozen_checks.frozen_all, timeout=600)
         "check_peft_llama",
         "check_meta",
         "check_two_forwards_and_double_backward",
+        "check_external_read",
     ],
 )
 def test_frozen_shards(name):

@@ -141,7 +141,11 @@ a path to a tensor that reaches the unit another way than its arguments (an attr
 module set, a closure), which does not occur in the transformer stacks we test. Inputs that
 need no gradient make (b) hold at once; a unit whose hooks did not fire is freed at the end of
 the backward (later, never earlier). A unit of frozen params only whose inputs need no
-gradient (blocks before the first adapter) runs no backward: freed after its forward.
+gradient (blocks before the first adapter) runs no backward: freed after its forward. A unit
+with frozen params that the forward read outside the unit ([Note: external params], the read
+guard keeps it gathered) stays gathered to the end of the backward: the read's backward may
+come after the unit's own, and a frozen param has no accumulation to wait for (freed at its
+own backward, the read's gradient was NaN, or wrong where the storage was gathered again).
 
 Checkpoints: `save_checkpoint` and `load_checkpoint` gather every unit holding frozen params
 (`zero_kernels.sharded_state.ShardedState.frozen_whole`): rank 0 writes them whole into the
@@ -668,6 +672,8 @@ class UnitScheduler:
         self._free_if_done(u)
 
     def _free_if_done(self, u: Unit) -> None:
+        if u.frozen and u.index in self._kept:  # read outside its forward: to the end
+            return
         if self._fired.get(u.index, 0) < self._armed.get(u.index, 0):
             return
         if all(bk in self._done for bk in u.buckets if bk not in u.frozen):
