@@ -237,7 +237,7 @@ def check_errors_and_passthrough(rank, world) -> dict:
     assert m is model and opt.optimizer is zo
     assert [p.data_ptr() for p in model.parameters()] == ptrs, "params copied"
     assert opt.stage == 1 and callable(opt.no_sync) and opt in acc._optimizers
-    _raises(ValueError, lambda: zka.prepare(acc, model, zo), "already has a ZeroOptimizer")
+    _raises(ValueError, lambda: zka.prepare(acc, model, zo), "already has", "free_memory()")
     # accumulate(model) enters the ZeroOptimizer's no_sync on micro-batches (stage 1: no reduce)
     reducer = zo._core.reducer
     seen = []
@@ -247,6 +247,16 @@ def check_errors_and_passthrough(rank, world) -> dict:
         seen.append(reducer.sync)
     assert seen == [False, True], seen
     _raises(ValueError, lambda: zka.save_state(_accelerator(), "x"), "was not given")
+    # accelerator.free_memory() lets go of it: the next prepare closes it (the params whole
+    # again, no hooks left) and takes another model
+    m, opt = acc.free_memory(m, opt)
+    assert m is None and opt is None and zo.closed is False
+    model2 = _Net()
+    m2, opt2 = zka.prepare(acc, model2, torch.optim.AdamW(model2.parameters(), lr=1e-2))
+    assert zo.closed
+    m2(torch.randn(4, 8)).pow(2).mean().backward()
+    opt2.step()
+    opt2.optimizer.close()
     zo.close()
     # DDP's broadcast_buffers as the accelerator's DistributedDataParallelKwargs set it: taken
     # (default: True, as DDP's), a different zero= value or ready optimizer an error

@@ -389,20 +389,13 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
             sched.describe = core.where
             sched.on_skip = _call_args(me, "parts.params.skip_unit")
             sched.on_forward_start = _call_args(me, "parts.join.forward_start")
-            sched.handles += [
-                m._register_state_dict_hook(_call_args(me, "parts.params.state_dict_hook")),
-                m._register_load_state_dict_pre_hook(_call_args(me, "parts.params.load_pre_hook")),
-                m.register_load_state_dict_post_hook(_call_args(me, "parts.params.load_post_hook")),
-            ]
-        elif m is not None:  # a loaded model's values reach the fp32 masters
+            sched.handles += params.module_hooks(me)  # [Note: module state dicts]
+        elif m is not None:
             # the backward's first hook in its own graph task ([Note: nested backwards])
             self._hook_handles.append(m.register_forward_hook(_mark_backward(me)))
-            self._hook_handles.append(
-                m.register_load_state_dict_post_hook(_call_args(me, "parts.params.load_post_hook"))
-            )
-            self._hook_handles.append(  # [Note: state dict copies]
-                m._register_state_dict_hook(_call_args(me, "parts.params.state_dict_copies_hook"))
-            )
+            # a loaded model's values reach the fp32 masters; state dicts hold copies ([Note:
+            # state dict copies]); on every module ([Note: module state dicts])
+            self._hook_handles += params.module_hooks(me)
             if self.policy.gather.overlap_param_gather:
                 self._hook_handles += params.gather_wait_hooks(me)
         self._building = True

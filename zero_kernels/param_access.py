@@ -16,6 +16,21 @@ the param under DDP). Stage 3 already returns copies (gathered). The price: the 
 once more while the dict is held (DDP's dict aliases the params), the same as DeepSpeed's
 stage 1/2 through accelerate (its ``clone_tensors_for_torch_save``). Buffers and frozen params
 are the module's own tensors, returned as torch returns them.
+
+[Note: module state dicts]
+``state_dict()`` and ``load_state_dict()`` are also called on modules inside the model (a
+block saved or loaded alone, a pretrained head). The hooks were on the model only, so such a
+call saw the params as they sit between steps: at stage 3 a module's ``state_dict()`` held the
+NaN placeholders of its sharded params (silently) and its ``load_state_dict()`` failed in
+torch's copy into a placeholder; at stages 1/2 a module's load did not reach the fp32 masters of
+bf16 params, so the next step put the old values back (silently). Now every module holding
+params of the optimizer has the hooks, and the outermost call does the work once for its whole
+subtree (torch calls a module's hooks at every level of its recursion; the module the call was
+made on runs its pre-hook first and its state-dict hook last): stage 3 gathers the units
+holding the module's params (collective: every rank calls it, as for the model), copies whole
+values under every name of each param, and frees them; a load gathers them first and, after,
+takes the shards back and reloads the masters. Tested at stages 1-3, fp32 and bf16, frozen
+shards (tests/module_sd_checks.py: a block, a layer inside a unit, several units, the head).
 """
 
 from __future__ import annotations
@@ -93,60 +108,151 @@ class ParamAccess:
                     comm.broadcast(f, src, group=self.core.group)
             self.core.runner.load_masters()
 
-    def state_dict_hook(self, module, state_dict, prefix, local_metadata):
-        """Stage 3: ``model.state_dict()`` gets whole tensors, gathered unit by unit."""
-        comm.check_arrival(self.core.side, "model.state_dict() at stage 3", self.core.timeout)
-        sched = self.core.units
-        names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
-        for u in sched.all_units:
+    # ------------------------------------------------------------------ module state dicts
+    def module_hooks(self, me) -> list:
+        """``state_dict()`` / ``load_state_dict()`` hooks on the model and on every module of it
+        holding params of this optimizer ([Note: module state dicts])."""
+        model = self.core.module
+        mine = {id(p) for p in [*self.core.trainable.values(), *self.core.frozen.values()]}
+        self._parents: dict[int, list[nn.Module]] = {}
+        for m in model.modules():
+            for c in m.children():
+                self._parents.setdefault(id(c), []).append(m)
+        self._owner: dict[str, nn.Module | None] = {"save": None, "load": None}
+        self._loading: list = []
+        handles = []
+        for m in model.modules():
+            if not any(id(p) in mine for p in m.parameters()):
+                continue
+            handles += [
+                m.register_state_dict_pre_hook(_call_args(me, "parts.params.save_pre")),
+                m._register_state_dict_hook(_call_args(me, "parts.params.save_post")),
+                m._register_load_state_dict_pre_hook(
+                    _call_args(me, "parts.params.load_pre"), with_module=True
+                ),
+                m.register_load_state_dict_post_hook(_call_args(me, "parts.params.load_post")),
+            ]
+        return handles
+
+    def _outermost(self, kind: str, module: nn.Module) -> bool:
+        """A pre-hook of ``kind`` on ``module``: whether this call is the outermost one (the
+        module ``state_dict``/``load_state_dict`` was called on), which then owns the work. A
+        call inside the owner's (one of its submodules, reached by torch's recursion) is not;
+        an owner left by a call that raised is replaced by the next call it does not enclose
+        (and always by the model's own)."""
+        owner = self._owner[kind]
+        if owner is None or module is self.core.module or not self._encloses(owner, module):
+            self._owner[kind] = module
+            return True
+        return False
+
+    def _encloses(self, owner: nn.Module, module: nn.Module) -> bool:
+        todo, seen = [module], set()
+        while todo:
+            m = todo.pop()
+            if m is owner:
+                return True
+            if id(m) not in seen:
+                seen.add(id(m))
+                todo += self._parents.get(id(m), [])
+        return False
+
+    def _units_of(self, module: nn.Module) -> list:
+        """Stage 3: the units holding params of ``module`` (in the scheduler's order: the same
+        on every rank)."""
+        ids = {id(p) for p in module.parameters()}
+        store, sched = self.core.store, self.core.units
+        return [
+            u
+            for u in sched.all_units
+            if any(id(p) in ids for key in u.buckets for p, _, _ in store.members.get(key, ()))
+        ]
+
+    def save_pre(self, module, prefix, keep_vars):
+        if self._outermost("save", module):
+            self.wait()  # overlap_param_gather: the last step's values first
+
+    def save_post(self, module, state_dict, prefix, local_metadata):
+        """The outermost call's module: its trained params' entries become copies of their
+        whole values (stage 3: gathered unit by unit; stages 1/2: [Note: state dict copies])."""
+        if self._owner["save"] is not module:
+            return state_dict
+        try:
+            names: dict[int, list[str]] = {}
+            for n, p in module.named_parameters(remove_duplicate=False):
+                names.setdefault(id(p), []).append(prefix + n)
+            if self.core.units is None:
+                self._copies(names, state_dict)
+            else:
+                self._gathered(module, names, state_dict)
+        finally:
+            self._owner["save"] = None
+        return state_dict
+
+    def _copies(self, names: dict, state_dict: dict) -> None:
+        """Stages 1/2: a copy of each trained param, not a view into its flat buffer (one copy
+        per param: tied names share it, as they share the param under DDP)."""
+        for q in self.core.trainable.values():
+            keys = [k for k in names.get(id(q), ()) if k in state_dict]
+            if keys:
+                c = state_dict[keys[0]].clone()
+                for k in keys:
+                    state_dict[k] = c
+
+    def _gathered(self, module: nn.Module, names: dict, state_dict: dict) -> None:
+        """Stage 3: whole tensors, gathered unit by unit (collective)."""
+        comm.check_arrival(self.core.side, "state_dict() at stage 3", self.core.timeout)
+        sched, store = self.core.units, self.core.store
+        for u in self._units_of(module):
             was = u.sharded
             with self.core.runner.exact():  # a state dict holds no quantization
                 sched.wait(u)
-            for i, b in u.buckets:
-                for p, _, _ in self.core.store.members.get((i, b), ()):
-                    key = prefix + names.get(id(p), "")
-                    if key in state_dict:
-                        state_dict[key] = p.detach().clone()
+            for key in u.buckets:
+                for p, _, _ in store.members.get(key, ()):
+                    keys = [k for k in names.get(id(p), ()) if k in state_dict]
+                    if keys:
+                        c = p.detach().clone()
+                        for k in keys:  # tied: every name of a param gets its value
+                            state_dict[k] = c
             if was:
                 sched.free(u)
-        # tied params: every name of a param gets its value
-        sharded = {id(q) for q in [*self.core.trainable.values(), *self.core.frozen.values()]}
-        for n, p in module.named_parameters(remove_duplicate=False):
-            if prefix + n in state_dict and id(p) in sharded:
-                key0 = prefix + names[id(p)]
-                state_dict[prefix + n] = state_dict[key0]
-        return state_dict
 
-    def state_dict_copies_hook(self, module, state_dict, prefix, local_metadata):
-        """Stages 1/2: ``model.state_dict()`` gets a copy of each trained param, as stage 3's
-        gathered tensors are, not a view into the flat buffer ([Note: state dict copies])."""
-        trainable = {id(q) for q in self.core.trainable.values()}
-        copies: dict[int, torch.Tensor] = {}  # a tied param: one copy under each of its names
-        for n, p in module.named_parameters(remove_duplicate=False):
-            key = prefix + n
-            if id(p) in trainable and key in state_dict:
-                if id(p) not in copies:
-                    copies[id(p)] = state_dict[key].clone()
-                state_dict[key] = copies[id(p)]
-        return state_dict
-
-    def load_pre_hook(self, *args, **kwargs):
-        if self.core.units is not None:
-            with self.core.runner.exact():  # the shards take these values back after
-                for u in self.core.units.all_units:
-                    self.core.units.wait(u)
-
-    def load_post_hook(self, module, incompatible_keys):
+    def load_pre(self, module, *args):
+        """Stage 3: the outermost call gathers the units of its module's params (exact), so the
+        load writes whole params; the shards take the values back after (`load_post`)."""
+        if not self._outermost("load", module):
+            return
+        self.wait()
+        self._loading = []
         sched = self.core.units
         if sched is None:
-            self.core.runner.load_masters()
             return
-        with self.core.runner.resident():  # offloaded shards: read in, written back
-            for u in sched.all_units:
-                for i, b in u.buckets:
-                    self.core.store.take_shard(i, b)
-                sched.free(u)
-            self.core.runner.load_masters()
+        with self.core.runner.exact():
+            for u in self._units_of(module):
+                self._loading.append((u, u.sharded))
+                sched.wait(u)
+
+    def load_post(self, module, incompatible_keys):
+        """The outermost call's module: the loaded values reach the shards (stage 3) and the
+        fp32 masters, whichever module was loaded."""
+        if self._owner["load"] is not module:
+            return
+        try:
+            sched = self.core.units
+            if sched is None:
+                self.core.runner.load_masters()
+                return
+            with self.core.runner.resident():  # offloaded shards: read in, written back
+                for u, _ in self._loading:
+                    for i, b in u.buckets:
+                        self.core.store.take_shard(i, b)
+                for u, was in self._loading:
+                    if was:
+                        sched.free(u)
+                self.core.runner.load_masters()
+        finally:
+            self._owner["load"] = None
+            self._loading = []
 
     def skip_unit(self, unit) -> None:
         """Stage 3: this rank's backward skipped ``unit`` (see [Note: backward gathers]): the

@@ -40,6 +40,11 @@ which with ``cpu=True`` at several ranks is ``cpu:<rank>``, a different device f
   data, scheduler stepping (``num_processes`` times per step unless ``split_batches``) and
   ``skip_first_batches`` are accelerate's own, the same as with DDP.
 
+One model and one optimizer per Accelerator at a time: a second `prepare` is refused while the
+first is registered; after ``accelerator.free_memory()`` (which drops accelerate's references)
+it closes the earlier ZeroOptimizer (collective: its hooks leave that model, whose params are
+whole again) and prepares the new one.
+
 ``accelerator.clip_grad_norm_`` and ``clip_grad_value_`` need nothing: without fp16 they are
 torch's ``clip_grad_norm_``/``clip_grad_value_``, which work on the ShardedGrads (the norm is
 reduced over the shards; the clamp is element-wise). Called on a micro-batch that does not end
@@ -301,11 +306,18 @@ def prepare(accelerator, model: nn.Module, optimizer, *objects, zero=None):
     if not isinstance(model, nn.Module):
         raise TypeError(f"{_WHERE}: model must be an nn.Module, got {type(model).__name__}")
     check_not_wrapped(model, _WHERE)
-    if getattr(accelerator, "_zero_kernels", None) is not None:
-        raise ValueError(
-            f"{_WHERE}: this Accelerator already has a ZeroOptimizer from an earlier prepare; "
-            "one model and one optimizer per Accelerator"
-        )
+    old = getattr(accelerator, "_zero_kernels", None)
+    if old is not None:
+        if any(getattr(o, "optimizer", None) is old.optimizer for o in accelerator._optimizers):
+            raise ValueError(
+                f"{_WHERE}: this Accelerator already has a ZeroOptimizer from an earlier "
+                "prepare; one model and one optimizer at a time: to train another, call "
+                "accelerator.free_memory() first (it releases the earlier one)"
+            )
+        # accelerator.free_memory() let go of it: its hooks leave the earlier model, its
+        # params are whole again (collective, as this prepare is)
+        old.optimizer.close()
+        accelerator._zero_kernels = None
     for i, obj in enumerate(objects):
         if isinstance(obj, (nn.Module, torch.optim.Optimizer)):
             raise TypeError(
