@@ -389,10 +389,13 @@ def _cmd_estimate(args) -> int:
             else "whole on every rank (stage 3 too: ZeroOptimizer(shard_frozen=True), "
             "--shard-frozen here, shards them, as FSDP and DeepSpeed's ZeRO-3 do)"
         )
-        print(
-            f"{'frozen':<8}every stage's total includes {f(e.stages[0].frozen_bytes)} of frozen "
-            f"params per rank: {where}"
+        lead = (
+            f"the {f(e.stages[0].frozen_bytes)} of frozen params are in every stage's total"
+            if s3
+            else f"every stage's total includes {f(e.stages[0].frozen_bytes)} of frozen params "
+            "per rank"
         )
+        print(f"{'frozen':<8}{lead}: {where}")
     hier = [s for s in e.stages if s.stage and s.shard_size != e.world_size]
     if hier:
         print(
