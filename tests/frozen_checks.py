@@ -290,6 +290,7 @@ def check_meta(rank: int, world: int) -> dict:
 def frozen_all(rank: int, world: int) -> dict:
     checks = [check_parity, check_sharded, check_checkpoint, check_quantized, check_peft_llama]
     checks += [check_meta, check_two_forwards_and_double_backward, check_external_read]
+    checks.append(check_whole_frozen_warned)
     return run_checks(rank, world, checks)
 
 
@@ -463,3 +464,37 @@ def check_external_read(rank: int, world: int) -> dict:
         zo.close()
         out[where] = worst
     return out
+
+
+def check_whole_frozen_warned(rank: int, world: int) -> dict:
+    """Stage 3 keeping a frozen base whole that outweighs the trained params warns, naming
+    shard_frozen; with it, or with a model whose frozen params are few, nothing is said."""
+    import warnings
+
+    got = {}
+    for name, shard, freeze_all in (
+        ("whole", False, True),
+        ("sharded", True, True),
+        ("few frozen", False, False),
+    ):
+        torch.manual_seed(0)
+        m = LoraNet()
+        if not freeze_all:
+            for p in m.parameters():
+                p.requires_grad_(True)
+            m.norm.requires_grad_(False)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            zo = ZeroOptimizer(
+                [p for p in m.parameters() if p.requires_grad],
+                torch.optim.AdamW,
+                stage=3,
+                module=m,
+                shard_frozen=shard,
+                lr=1e-2,
+            )
+        said = [str(x.message) for x in w if "shard_frozen=True" in str(x.message)]
+        got[name] = len(said)
+        zo.close()
+    assert got == {"whole": 1, "sharded": 0, "few frozen": 0}, got
+    return got

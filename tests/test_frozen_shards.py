@@ -25,6 +25,7 @@ _RUN = SharedRun(frozen_checks.frozen_all, timeout=600)
         "check_meta",
         "check_two_forwards_and_double_backward",
         "check_external_read",
+        "check_whole_frozen_warned",
     ],
 )
 def test_frozen_shards(name):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import warnings
 import zlib
 
 import torch
@@ -156,6 +157,8 @@ def lay_out(
         by_unit=not shard.params,
         vectors_apart=cp.quantize_grads is not None,  # their buckets reduced exact
     )
+    if not shard.params and not gather.shard_frozen and world_size > 1:
+        _warn_frozen_whole(module, by_index, specs)
     store_layout = layout  # the param store's: the trained buffers, then the frozen ones
     if fspecs:
         fl = build_layout(
@@ -206,6 +209,29 @@ def lay_out(
         sync_free=device.type != "cpu",
     )
     return core, user_groups, meta
+
+
+def _warn_frozen_whole(module, by_index, specs) -> None:
+    """Stage 3 without shard_frozen: a warning where the frozen params kept whole on every rank
+    outweigh the trained ones (a frozen base under adapters), naming the option."""
+    trained = {id(by_index[s.index]) for s in specs if s.requires_grad}
+    seen, frozen, mine = set(), 0, 0
+    for p in module.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        n = p.numel() * p.element_size()
+        if id(p) in trained:
+            mine += n
+        else:
+            frozen += n
+    if frozen > mine:
+        warnings.warn(
+            f"ZeroOptimizer stage 3: the model's frozen params ({frozen / 1e6:.1f} MB) are kept "
+            f"whole on every rank, more than the trained ones it shards ({mine / 1e6:.1f} MB); "
+            "shard_frozen=True shards them too, as FSDP and DeepSpeed's ZeRO-3 do",
+            stacklevel=4,
+        )
 
 
 def _frozen_shards(module, specs, by_index, unit_modules, unit_of, persist_below, vectors):
