@@ -9,5 +9,6 @@ from dist_utils import run_workers
 
 @pytest.mark.distributed
 def test_module_state_dicts():
-    rep = run_workers(module_sd_checks.worker, 2, timeout=300)[0]["check_module_state_dicts"]
-    assert rep == {k: "ok" for k in module_sd_checks.CASES}, rep
+    rep = run_workers(module_sd_checks.worker, 2, timeout=300)[0]
+    assert rep["check_module_state_dicts"] == {k: "ok" for k in module_sd_checks.CASES}, rep
+    assert rep["check_after_a_raise"] == {f"stage {s}": "ok" for s in (1, 2, 3)}, rep

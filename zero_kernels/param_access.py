@@ -29,13 +29,19 @@ subtree (torch calls a module's hooks at every level of its recursion; the modul
 made on runs its pre-hook first and its state-dict hook last): stage 3 gathers the units
 holding the module's params (collective: every rank calls it, as for the model), copies whole
 values under every name of each param, and frees them; a load gathers them first and, after,
-takes the shards back and reloads the masters. Tested at stages 1-3, fp32 and bf16, frozen
-shards (tests/module_sd_checks.py: a block, a layer inside a unit, several units, the head).
+takes the shards back and reloads the masters. A call is nested only while its owner's call
+is on the stack (a call that raised midway leaves an owner behind, which the next call
+replaces: taken for nested, it read NaN and lost its load). ``keep_vars=True`` gives the
+Parameters at stages 1/2, as torch does, and copies at stage 3 (its Parameters read NaN between
+steps); ``load_state_dict(assign=True)`` is refused (it would replace the Parameters the
+optimizer holds). Tested at stages 1-3, fp32 and bf16, frozen shards (tests/module_sd_checks.py:
+a block, a layer inside a unit, several units, the head; after a call that raised).
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 from torch import nn
@@ -119,6 +125,7 @@ class ParamAccess:
             for c in m.children():
                 self._parents.setdefault(id(c), []).append(m)
         self._owner: dict[str, nn.Module | None] = {"save": None, "load": None}
+        self._keep_vars = False
         self._loading: list = []
         handles = []
         for m in model.modules():
@@ -137,14 +144,19 @@ class ParamAccess:
     def _outermost(self, kind: str, module: nn.Module) -> bool:
         """A pre-hook of ``kind`` on ``module``: whether this call is the outermost one (the
         module ``state_dict``/``load_state_dict`` was called on), which then owns the work. A
-        call inside the owner's (one of its submodules, reached by torch's recursion) is not;
-        an owner left by a call that raised is replaced by the next call it does not enclose
-        (and always by the model's own)."""
+        call inside the owner's (one of its submodules, reached by torch's recursion while the
+        owner's call is on the stack) is not; an owner left by a call that raised is replaced
+        by the next call, and the model's own call always owns."""
         owner = self._owner[kind]
-        if owner is None or module is self.core.module or not self._encloses(owner, module):
+        nested = (
+            owner is not None
+            and module is not self.core.module
+            and self._encloses(owner, module)
+            and _on_stack(owner, _CALLS[kind])
+        )
+        if not nested:
             self._owner[kind] = module
-            return True
-        return False
+        return not nested
 
     def _encloses(self, owner: nn.Module, module: nn.Module) -> bool:
         todo, seen = [module], set()
@@ -170,6 +182,7 @@ class ParamAccess:
 
     def save_pre(self, module, prefix, keep_vars):
         if self._outermost("save", module):
+            self._keep_vars = keep_vars
             self.wait()  # overlap_param_gather: the last step's values first
 
     def save_post(self, module, state_dict, prefix, local_metadata):
@@ -182,8 +195,9 @@ class ParamAccess:
             for n, p in module.named_parameters(remove_duplicate=False):
                 names.setdefault(id(p), []).append(prefix + n)
             if self.core.units is None:
-                self._copies(names, state_dict)
-            else:
+                if not self._keep_vars:  # keep_vars: the Parameters themselves, as torch's
+                    self._copies(names, state_dict)
+            else:  # keep_vars too: between steps the Parameters read NaN
                 self._gathered(module, names, state_dict)
         finally:
             self._owner["save"] = None
@@ -217,9 +231,15 @@ class ParamAccess:
             if was:
                 sched.free(u)
 
-    def load_pre(self, module, *args):
+    def load_pre(self, module, state_dict, prefix, local_metadata, *args):
         """Stage 3: the outermost call gathers the units of its module's params (exact), so the
         load writes whole params; the shards take the values back after (`load_post`)."""
+        if local_metadata.get("assign_to_params_buffers"):
+            raise RuntimeError(
+                "load_state_dict(assign=True) on a model under ZeroOptimizer: it would replace "
+                "the Parameters the optimizer holds (their values live in its buffers); load "
+                "in place (assign=False), or build the ZeroOptimizer after loading"
+            )
         if not self._outermost("load", module):
             return
         self.wait()
@@ -227,6 +247,7 @@ class ParamAccess:
         sched = self.core.units
         if sched is None:
             return
+        comm.check_arrival(self.core.side, "load_state_dict() at stage 3", self.core.timeout)
         with self.core.runner.exact():
             for u in self._units_of(module):
                 self._loading.append((u, u.sharded))
@@ -298,6 +319,20 @@ class ParamAccess:
         before reading params between ``step()`` and the next forward (EMA, logging, saving
         tensors yourself); model.state_dict() and this optimizer's own methods call it."""
         self.core.kept.wait_all()
+
+
+_CALLS = {"save": "state_dict", "load": "load_state_dict"}
+
+
+def _on_stack(module: nn.Module, name: str) -> bool:
+    """Whether ``module.<name>(...)`` (torch's ``state_dict``/``load_state_dict``) is running
+    on this thread, further up the stack."""
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code.co_name == name and f.f_locals.get("self") is module:
+            return True
+        f = f.f_back
+    return False
 
 
 def _resolve(o, path: str):
