@@ -409,8 +409,9 @@ def check_failed_constructor(rank: int, world: int) -> dict:
 
 
 def check_replaced_params(rank: int, world: int) -> dict:
-    """Replaced param data (.data =, module.to(), load_state_dict(assign=True)): a clear error
-    at the next step, never a model that stops training."""
+    """Replaced param data (.data =, module.to()): a clear error at the next step, never a
+    model that stops training; load_state_dict(assign=True): refused at the load itself
+    ([Note: module state dicts]), the params left as they were."""
     m = _model()
     for how in ("data", "to", "assign"):
         z4 = ZeroOptimizer(m, O.SGD, stage=2, lr=0.1)
@@ -419,7 +420,15 @@ def check_replaced_params(rank: int, world: int) -> dict:
         elif how == "to":
             m.to(torch.float64)
         else:
-            m.load_state_dict({k: v.clone() for k, v in m.state_dict().items()}, assign=True)
+            before = [p for p in m.parameters()]
+            try:
+                m.load_state_dict({k: v.clone() for k, v in m.state_dict().items()}, assign=True)
+                raise AssertionError("load_state_dict(assign=True) accepted")
+            except RuntimeError as e:
+                assert "assign=True" in str(e), e
+            assert all(p is q for p, q in zip(m.parameters(), before))
+            z4.close()
+            continue
         m(_x(rank, 5, next(m.parameters()).dtype)).sum().backward()
         try:
             z4.step()
