@@ -158,8 +158,11 @@ trained params by their gradient accumulator, which a frozen param has none of).
 gives every rank rank 0's frozen values (the store's broadcast) without the warning that
 `zero_kernels.replicas.sync_at_start` gives for the frozen params kept whole.
 Tested against DDP (tests/frozen_checks.py: plain, both checkpointings, a frozen unit called
-twice, prefetch 2, no resharding after forward, int8 weights; memory held and freed; state
-dicts; a checkpoint resumed into another base; ``close``).
+twice, prefetch 2, no resharding after forward, host-memory shards, int8 weights, hpZ at 4
+ranks, meta-device construction, two forwards before one backward, two backwards of one
+forward, frozen params read outside their unit; memory held and freed; state dicts; a
+checkpoint resumed into another base; ``close``; PEFT's LoRA over a Llama with and without
+gradient checkpointing; ZeroTrainer in tests/transformers_checks.py).
 """
 
 from __future__ import annotations
