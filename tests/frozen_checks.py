@@ -92,20 +92,27 @@ def _frozen_bytes(m: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in m.parameters() if not p.requires_grad)
 
 
-def _pair(setup=None, **kw):
+def _zero(model: nn.Module, **kw) -> ZeroOptimizer:
+    """Stage 3 AdamW over ``model``'s trained params, its frozen ones sharded unless ``kw``
+    says otherwise."""
+    kw = {"shard_frozen": True, "lr": 1e-2, **kw}
+    trained = [p for p in model.parameters() if p.requires_grad]
+    return ZeroOptimizer(trained, torch.optim.AdamW, stage=3, module=model, **kw)
+
+
+def _adamw(model: nn.Module) -> torch.optim.AdamW:
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+
+
+def _pair(setup=None, make=LoraNet, **kw):
+    """``make()`` twice from one seed: one under `_zero` (``kw``), one under DDP with AdamW."""
     torch.manual_seed(0)
-    base = LoraNet()
+    base = make()
     if setup:
         setup(base)
     m1, m2 = copy.deepcopy(base), copy.deepcopy(base)
-    trained = [p for p in m1.parameters() if p.requires_grad]
-    zo = ZeroOptimizer(
-        trained, torch.optim.AdamW, stage=3, module=m1, shard_frozen=True, lr=1e-2, **kw
-    )
     static = m2.ckpt == "reentrant"  # DDP needs a static graph for re-entrant checkpointing
-    ddp = DDP(m2, static_graph=static)
-    to = torch.optim.AdamW([p for p in m2.parameters() if p.requires_grad], lr=1e-2)
-    return zo, m1, ddp, to
+    return _zero(m1, **kw), m1, DDP(m2, static_graph=static), _adamw(m2)
 
 
 def _train(rank, zo, m1, ddp, to, steps, start=0, peak=None):
@@ -217,14 +224,7 @@ def check_checkpoint(rank: int, world: int) -> dict:
     after = _train(rank, zo, m1, ddp, to, 2, start=2)
     torch.manual_seed(1)  # another base: the load must bring the saved one
     m3 = LoraNet()
-    zo3 = ZeroOptimizer(
-        [p for p in m3.parameters() if p.requires_grad],
-        torch.optim.AdamW,
-        stage=3,
-        module=m3,
-        shard_frozen=True,
-        lr=1e-2,
-    )
+    zo3 = _zero(m3)
     load_checkpoint(d[0], m3, zo3)
     resumed = []
     for step in range(2, 4):
@@ -268,15 +268,7 @@ def check_meta(rank: int, world: int) -> dict:
     for shard in (False, True):
         with torch.device("meta"):
             m = LoraNet()
-        zo = ZeroOptimizer(
-            [p for p in m.parameters() if p.requires_grad],
-            torch.optim.AdamW,
-            stage=3,
-            module=m,
-            shard_frozen=shard,
-            seed=3,
-            lr=1e-2,
-        )
+        zo = _zero(m, shard_frozen=shard, seed=3)
         assert bool(zo.parts.core.frozen) == shard
         assert not any(p.is_meta for p in m.parameters())
         with zo.gathered_params():
@@ -322,13 +314,9 @@ def check_peft_llama(rank: int, world: int) -> dict:
         m1, m2 = copy.deepcopy(base), copy.deepcopy(base)
         m1.train()
         m2.train()
-        trained1 = [p for p in m1.parameters() if p.requires_grad]
-        zo = ZeroOptimizer(
-            trained1, torch.optim.AdamW, stage=3, module=m1, shard_frozen=True, lr=1e-2
-        )
+        zo = _zero(m1)
         assert len(zo.parts.core.frozen) > 10, len(zo.parts.core.frozen)
-        ddp = DDP(m2, static_graph=gc is True)
-        to = torch.optim.AdamW([p for p in m2.parameters() if p.requires_grad], lr=1e-2)
+        ddp, to = DDP(m2, static_graph=gc is True), _adamw(m2)
         worst = 0.0
         for step in range(3):
             x, _ = _batch(rank, step)
@@ -359,15 +347,7 @@ def check_two_forwards_and_double_backward(rank: int, world: int) -> dict:
         torch.manual_seed(0)
         base = LoraNet()
         m1, ref = copy.deepcopy(base), copy.deepcopy(base)
-        zo = ZeroOptimizer(
-            [p for p in m1.parameters() if p.requires_grad],
-            torch.optim.AdamW,
-            stage=3,
-            module=m1,
-            shard_frozen=True,
-            lr=1e-2,
-        )
-        to = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+        zo, to = _zero(m1), _adamw(ref)
 
         def loss_of(model, r, step, mode=mode):
             x, y = _batch(r, step)
@@ -444,23 +424,11 @@ def check_external_read(rank: int, world: int) -> dict:
     gradient was NaN from the second step, or wrong where the storage was gathered again)."""
     out = {}
     for where in ("before", "between"):
-        torch.manual_seed(0)
-        base = _ExternalRead(where)
-        m1, m2 = copy.deepcopy(base), copy.deepcopy(base)
-        zo = ZeroOptimizer(
-            [p for p in m1.parameters() if p.requires_grad],
-            torch.optim.AdamW,
-            stage=3,
-            module=m1,
-            shard_frozen=True,
-            lr=1e-2,
-        )
-        ddp = DDP(m2)
-        to = torch.optim.AdamW([p for p in m2.parameters() if p.requires_grad], lr=1e-2)
+        zo, m1, ddp, to = _pair(make=lambda where=where: _ExternalRead(where))
         losses = _train(rank, zo, m1, ddp, to, 3)
         worst = max(abs(a - b) / abs(b) for a, b in losses)
         assert worst <= 1e-5, (where, losses)
-        _same_params(zo, m1, m2, 1e-5, where)
+        _same_params(zo, m1, ddp.module, 1e-5, where)
         zo.close()
         out[where] = worst
     return out
@@ -485,14 +453,7 @@ def check_whole_frozen_warned(rank: int, world: int) -> dict:
             m.norm.requires_grad_(False)
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
-            zo = ZeroOptimizer(
-                [p for p in m.parameters() if p.requires_grad],
-                torch.optim.AdamW,
-                stage=3,
-                module=m,
-                shard_frozen=shard,
-                lr=1e-2,
-            )
+            zo = _zero(m, shard_frozen=shard)
         said = [str(x.message) for x in w if "shard_frozen=True" in str(x.message)]
         got[name] = len(said)
         zo.close()

@@ -310,12 +310,12 @@ def test_stage3_autocast_casts_made_again_in_backward(monkeypatch):
     """fp32 params under autocast: the casts autograd saves are recipes, made again in the
     backward ([Note: autocast]); values as without ZeRO; the hooks are off after the forward,
     also after a unit's forward that raised."""
-    from zero_kernels.partition import units
+    from zero_kernels.partition import recast
 
     made = []
-    unpack = units._Recast.unpack
+    unpack = recast._Recast.unpack
     monkeypatch.setattr(
-        units._Recast, "unpack", staticmethod(lambda x: made.append(type(x)) or unpack(x))
+        recast._Recast, "unpack", staticmethod(lambda x: made.append(type(x)) or unpack(x))
     )
     top = torch._C._autograd._top_saved_tensors_default_hooks
 
@@ -354,7 +354,7 @@ def test_stage3_autocast_casts_made_again_in_backward(monkeypatch):
         torch.testing.assert_close(out, r)
         out.float().pow(2).sum().backward()
         r.float().pow(2).sum().backward()
-        assert made.count(units._Cast) == 2, made  # each unit's weight, made again once
+        assert made.count(recast._Cast) == 2, made  # each unit's weight, made again once
         for p, q in zip(m.parameters(), ref.parameters()):
             torch.testing.assert_close(zo.full_grad(p), q.grad)
         zo.zero_grad()

@@ -604,12 +604,11 @@ def estimate_stage(
         raise ValueError(f"--frozen must be a param count >= 0; got {frozen_params!r}")
     frozen = frozen_params * prec.param_bytes
     if shard_frozen and stage == 3:  # [Note: frozen shards]: gathered as the trained params
-        gathers = 2 if reshard_after_forward else 1
-        ag += gathers * frozen
-        comm_bytes_frozen = gathers * frozen
-        wire += ring * comm_bytes_frozen
+        gathered = (2 if reshard_after_forward else 1) * frozen
+        ag += gathered
+        wire += ring * gathered
         frozen = frozen / n
-    elif shard_frozen and stage != 3 and stage != 0:
+    elif shard_frozen:
         raise ValueError(f"--shard-frozen is a stage-3 option; got stage {stage}")
     total = pb + gb + ob + live + staging + second + frozen
     comm_bytes = 2 * ar + rs + ag  # an all-reduce is a reduce-scatter plus an all-gather

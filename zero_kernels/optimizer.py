@@ -33,7 +33,6 @@ import weakref
 import torch
 from torch import nn
 from torch.distributed.algorithms.join import Joinable, JoinHook
-from torch.utils._pytree import tree_flatten
 
 from . import build, comm, hostmem, regroup, replicas, validate, wrappers
 from .buffers import release_free_heap, storage_id
@@ -44,6 +43,7 @@ from .loss_scale import LossScaler
 from .memory import memory_report
 from .param_access import ParamAccess, _call, _call_args
 from .partition.grads import ShardedGrad
+from .partition.phase import backward_marker
 from .policy import ZeroPolicy, resolve_given
 from .sharded_state import ShardedState
 from .state_access import FullState
@@ -392,7 +392,8 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
             sched.handles += params.module_hooks(me)  # [Note: module state dicts]
         elif m is not None:
             # the backward's first hook in its own graph task ([Note: nested backwards])
-            self._hook_handles.append(m.register_forward_hook(_mark_backward(me)))
+            mark = backward_marker(lambda: _phase_of(me))
+            self._hook_handles.append(m.register_forward_hook(mark))
             # a loaded model's values reach the fp32 masters; state dicts hold copies ([Note:
             # state dict copies]); on every module ([Note: module state dicts])
             self._hook_handles += params.module_hooks(me)
@@ -779,23 +780,6 @@ def _remove_hooks(handles: list, params: dict) -> None:
             p.grad = None
 
 
-def _mark_backward(me):
-    """Stages 1/2 with the model: a forward hook putting a hook on the model's outputs that
-    enters the backward phase from the outer graph task ([Note: nested backwards])."""
-
-    def enter(grad):
-        o = me()
-        if o is not None and not o._closed:
-            o._core.phase.enter_backward()
-
-    def hook(module, args, output):
-        # traced by torch.compile: nothing (a disabled hook would break a fullgraph model; a
-        # compiled model keeps the reduction per inner backward of re-entrant checkpointing)
-        if torch.compiler.is_compiling() or not torch.is_grad_enabled():
-            return
-        flat = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
-        ts = [t for t in flat if t.requires_grad]
-        if ts:
-            torch.autograd.graph.register_multi_grad_hook(ts, enter, mode="any")
-
-    return hook
+def _phase_of(me):
+    o = me()
+    return None if o is None or o._closed else o._core.phase

@@ -44,8 +44,9 @@ from __future__ import annotations
 import enum
 
 import torch
+from torch.utils._pytree import tree_flatten
 
-__all__ = ["Phase", "PhaseTracker"]
+__all__ = ["Phase", "PhaseTracker", "backward_marker"]
 
 
 class Phase(enum.Enum):
@@ -166,3 +167,25 @@ class PhaseTracker:
     def end_step(self) -> None:
         if self._now is Phase.STEP:
             self._now = Phase.IDLE
+
+
+def backward_marker(get_phase):
+    """Stages 1/2 with the model: a forward hook putting a hook on the model's outputs that
+    enters the backward phase (``get_phase()``: the optimizer's tracker, None once closed)
+    from the outer graph task ([Note: nested backwards]). Traced by torch.compile it does
+    nothing (a disabled hook would break a fullgraph model)."""
+
+    def enter(grad):
+        phase = get_phase()
+        if phase is not None:
+            phase.enter_backward()
+
+    def hook(module, args, output):
+        if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+            return
+        flat = tree_flatten(output)[0]
+        ts = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
+        if ts:
+            torch.autograd.graph.register_multi_grad_hook(ts, enter, mode="any")
+
+    return hook

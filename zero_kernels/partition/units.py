@@ -76,37 +76,7 @@ are the compiled part, as with FSDP2's per-block ``fully_shard`` + compile. Comp
 (which traces the backward hooks too) is refused, see `_NO_COMPILED_AUTOGRAD`. Tested against
 DDP: tests/compiled_checks.py, ``check_compiled_forward_hooks``.
 
-[Note: autocast]
-Under ``torch.autocast`` a unit's fp32 weights are cast for each matmul, and autograd saves the
-cast copy for the backward (the matmul's input gradient needs it). Freeing the gathered fp32
-params after the forward does not free those copies: at the end of the forward every rank would
-hold a low-precision copy of the whole model, 2 bytes per parameter, as much as the whole sharded
-Adam state at 8 ranks (FSDP2 does under autocast; its answer is a bf16 param dtype). So from a
-unit's pre-forward to its post-forward, under autocast with grad on, stage 3 pushes saved-tensor
-hooks (`_Recast`): a saved tensor that is a cast of one of the unit's fp32 params (or a view of
-one: linear saves ``weight.t()``; found by its ``ToCopyBackward0`` node over the param's
-``AccumulateGrad``) is saved as a recipe (`_Cast`: the param, the dtype, the view's size, stride
-and offset) and made again when the backward unpacks it. That is when the unit runs its
-backward, so it is gathered, as it must be for the fp32 params autograd saves without autocast;
-the same values round to the same bits. Not pushed where other saved-tensor hooks are on top
-(non-reentrant checkpointing, ``save_on_cpu``): those decide what is saved. A forward that raised
-leaves its hooks pushed; the next forward (or the model's post-forward, or ``close``) pops them.
-
-Autocast's cache (on by default) also holds every cast until the autocast region exits, so the
-copies still peak at the forward's end unless ``cache_enabled=False`` is passed; stage 3 warns
-once. Clearing the cache after each unit's forward would free them too, but a weight cast again
-after a clear (a module called twice) gets two cast nodes whose bf16 gradients are summed in
-fp32 instead of one node summing them in bf16: 1.5e-3 away from DDP's gradient under the same
-autocast. So the cache is the user's: with it off, DDP is off too, and the results agree.
-torch without ``_top_saved_tensors_default_hooks`` keeps the copies, with a warning once.
-
-Measured (bench/stage3_autocast.py, ``MALLOC_MMAP_THRESHOLD_=65536`` against glibc's heap noise;
-2 ranks, 33.5M params in 16 units; peak RSS of the third step): fp32 726.4 MB; bf16 autocast
-787.7 MB with its cache (+61), 739.5 MB with ``cache_enabled=False`` (+13: one unit's copies and
-the bf16 activations); bf16 params 762.5 MB. Before the recipes, autocast was +67 MB either way.
-Tested against DDP under the same autocast, cache on and off (tests/stage3_checks.py: resharding
-on and off, a reused module, checkpointing; compiled units), and in-process
-(tests/test_zero_stage3.py: recipes made again, values, the warning, a raising unit).
+[Note: autocast]: in `zero_kernels.partition.recast`.
 
 [Note: frozen shards]
 With ``shard_frozen=True`` the model's params that do not train (given to the optimizer with
@@ -169,7 +139,6 @@ from __future__ import annotations
 
 import enum
 import sys
-import warnings
 import weakref
 
 import torch
@@ -179,6 +148,7 @@ from torch.utils._pytree import tree_flatten
 from .. import comm
 from .external import ReadGuard, container_members, is_container, returns_own_params, under_dynamo
 from .phase import PhaseTracker
+from .recast import Recasts
 from .unit_find import find_units, unit_assignment, unit_members
 
 __all__ = ["UnitState", "Unit", "UnitScheduler", "find_units", "unit_assignment", "unit_members"]
@@ -285,10 +255,7 @@ class UnitScheduler:
         self.check = None  # SequenceCheck: every launch compared across ranks first
         self.secondary = None  # SecondaryShard with secondary_shard ([Note: secondary shard])
         self.phase = PhaseTracker()  # the optimizer's ([Note: phase]), set by the builder
-        # [Note: autocast]: saved-tensor hooks pushed in a unit's forward, (unit, hooks)
-        self._recasts: list[tuple[int, _Recast]] = []
-        self._fp32_ids: dict[int, set[int]] = {}
-        self._autocast_warned = False
+        self.recasts = Recasts()  # [Note: autocast]: the hooks units' forwards push
         # [Note: external params]: each param's unit, each unit's params, the units kept
         # gathered past their forward in this pass, the container units entered in this forward
         self._param_unit = {
@@ -431,65 +398,13 @@ class UnitScheduler:
             )
 
     def push_recast(self, k: int) -> None:
-        """After unit ``k``'s pre-forward: under autocast, autograd saves the casts of its fp32
-        params as recipes, made again in its backward (see [Note: autocast])."""
-        if not torch.is_grad_enabled() or self.phase.backward:
-            return
-        if not _autocast_enabled(self.store.device.type):
-            return
-        ids = self._fp32_ids.get(k)
-        if ids is None:
-            ids = self._fp32_ids[k] = {
-                id(p) for p in self.by_index[k].module.parameters() if p.dtype == torch.float32
-            }
-        if not ids:
-            return
-        top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-        if top is None:  # an older torch: the copies stay (warned once)
-            self._warn_autocast()
-            return
-        if torch.is_autocast_cache_enabled():  # it keeps them, whoever saves what
-            self._warn_autocast(cache=True)
-        if top(False) is not None:  # another's hooks (checkpointing) decide what is saved
-            return
-        rec = _Recast(ids)
-        torch._C._autograd._push_saved_tensors_default_hooks(rec.pack, rec.unpack)
-        self._recasts.append((k, rec))
+        """After unit ``k``'s pre-forward: the autocast recipes on ([Note: autocast])."""
+        if torch.is_grad_enabled() and not self.phase.backward:
+            self.recasts.push(k, self.by_index[k].module, self.store.device.type)
 
     def pop_recast(self, k: int | None = None) -> None:
-        """Before unit ``k``'s post-forward (None: every one left, after an exception): the
-        hooks off. Autocast's cache is left alone (see [Note: autocast])."""
-        while self._recasts and (k is None or self._recasts[-1][0] == k):
-            _, rec = self._recasts.pop()
-            top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-            if top is not None and top[0] == rec.pack:
-                torch._C._autograd._pop_saved_tensors_default_hooks()
-            if k is not None:
-                return
-
-    def _warn_autocast(self, cache: bool = False) -> None:
-        if self._autocast_warned:
-            return
-        self._autocast_warned = True
-        if cache:
-            msg = (
-                "ZeroOptimizer stage 3 under torch.autocast with fp32 params and autocast's "
-                "cache on: the cache keeps the low-precision copy of every unit's weights until "
-                "the autocast region ends (about 2 bytes per parameter of the whole model on "
-                "every rank at the end of the forward). Pass cache_enabled=False to "
-                "torch.autocast: stage 3 then holds one unit's copies and makes them again in "
-                "the backward (same values)"
-            )
-        else:
-            msg = (
-                f"ZeroOptimizer stage 3 under torch.autocast with fp32 params on torch "
-                f"{torch.__version__}: autograd keeps autocast's low-precision copy of each "
-                "unit's weights from the unit's forward to its backward (about 2 bytes per "
-                "parameter of the whole model on every rank at the end of the forward); a "
-                "newer torch has what stage 3 needs to make them again in the backward. Or "
-                "make the params bf16 (model.to(torch.bfloat16); fp32 master shards are kept)"
-            )
-        warnings.warn(msg, stacklevel=2)
+        """Before unit ``k``'s post-forward (None: every one left, after an exception)."""
+        self.recasts.pop(k)
 
     def pre_forward(self, k: int) -> None:
         if _compiled_autograd():
@@ -532,7 +447,9 @@ class UnitScheduler:
             ts = [t for t in flat if t.requires_grad]
             if ts:
                 me = weakref.ref(self)
-                torch.autograd.graph.register_multi_grad_hook(ts, _pre_bwd(me, k), mode="any")
+                torch.autograd.graph.register_multi_grad_hook(
+                    ts, _grad_hook(me, "pre_backward", k), mode="any"
+                )
                 self.bwd_units.append(k)
             if self.reshard_after_forward and free:
                 self.free(u, keep=bool(ts))
@@ -700,7 +617,9 @@ class UnitScheduler:
             return
         self._armed[k] = self._armed.get(k, 0) + 1
         me = weakref.ref(self)
-        torch.autograd.graph.register_multi_grad_hook(ts, _inputs_done(me, k), mode="all")
+        torch.autograd.graph.register_multi_grad_hook(
+            ts, _grad_hook(me, "inputs_done", k), mode="all"
+        )
 
     def inputs_done(self, k: int) -> None:
         """The gradients of one forward's inputs of unit ``k`` are computed (in this
@@ -757,15 +676,6 @@ def _compiled(m: nn.Module) -> bool:
     return getattr(m, "_compiled_call_impl", None) is not None
 
 
-def _autocast_enabled(device_type: str) -> bool:
-    try:
-        return torch.is_autocast_enabled(device_type)
-    except TypeError:  # torch < 2.4 took no device type
-        if device_type == "cpu":
-            return torch.is_autocast_cpu_enabled()
-        return torch.is_autocast_enabled()
-
-
 def _opaque(hook):
     """The hook, run as Python where torch.compile traces the model (see [Note: torch.compile])."""
     return torch.compiler.disable(hook, recursive=True)
@@ -784,15 +694,6 @@ def _pre(me, k, member: bool = False):
     return _opaque(hook)
 
 
-def _inputs_done(me, k):
-    def hook(grads):
-        s = me()
-        if s is not None:
-            s.inputs_done(k)
-
-    return hook
-
-
 def _post(me, k, member: bool = False):
     def hook(module, args, output):
         s = me()
@@ -801,38 +702,6 @@ def _post(me, k, member: bool = False):
             s.post_forward(k, output, free=not member)
 
     return _opaque(hook)
-
-
-class _Cast:
-    """A saved tensor autocast made from a unit's param: the recipe to make it again."""
-
-    __slots__ = ("param", "dtype", "size", "stride", "offset")
-
-    def __init__(self, param, dtype, size, stride, offset):
-        self.param, self.dtype = param, dtype
-        self.size, self.stride, self.offset = size, stride, offset
-
-
-class _Recast:
-    """Saved-tensor hooks of one unit's forward under autocast ([Note: autocast])."""
-
-    def __init__(self, ids: set[int]):
-        self.ids = ids  # the unit's fp32 params
-
-    def pack(self, t: torch.Tensor):
-        base = t._base if t._is_view() else t
-        fn = base.grad_fn
-        if fn is not None and fn.name() == "ToCopyBackward0":
-            p = getattr(fn.next_functions[0][0], "variable", None)
-            if p is not None and id(p) in self.ids and base.dtype != p.dtype:
-                return _Cast(p, base.dtype, t.size(), t.stride(), t.storage_offset())
-        return t
-
-    @staticmethod
-    def unpack(x):
-        if type(x) is _Cast:  # the unit is gathered: its backward is running
-            return x.param.to(x.dtype).as_strided(x.size, x.stride, x.offset)
-        return x
 
 
 def _root_pre(me):
@@ -883,10 +752,13 @@ def _root_bwd(me):
     return hook
 
 
-def _pre_bwd(me, k):
+def _grad_hook(me, method: str, k: int):
+    """A gradient hook calling the scheduler's ``method(k)`` (a unit's backward starts:
+    ``pre_backward``; its inputs' gradients are computed: ``inputs_done``)."""
+
     def hook(grad):
         s = me()
         if s is not None:
-            s.pre_backward(k)
+            getattr(s, method)(k)
 
     return hook
