@@ -306,11 +306,9 @@ def _worker(args) -> None:
     if cand.startswith("ours_stage"):
         opt.close()
     dist.barrier()
-    # the results are written: leave without torch's teardown, where FSDP2 on gloo once aborted
-    # ("terminate called without an active exception", a rank of the plain fsdp2 candidate)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # the results are written: leave without the interpreter's teardown, where gloo's worker
+    # threads can abort the process ([Note: leaving a rank] in zero_kernels/comm)
+    comm.exit_process(0)
 
 
 # -- the controller

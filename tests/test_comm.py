@@ -409,3 +409,31 @@ def test_size_classes():
         "[4 MiB, 16 MiB)",
         ">= 16 MiB",
     ]
+
+
+def test_exit_process_runs_exit_handlers_and_flushes(tmp_path):
+    """[Note: leaving a rank]: exit_process runs the exit handlers (the shm files' unlink lives
+    there), flushes what is buffered, exits with the code given, and skips the interpreter's
+    finalization (an object's __del__, which finalization would run, does not)."""
+    import subprocess
+    import sys
+
+    mark = tmp_path / "handler_ran"
+    fin = tmp_path / "finalizer_ran"
+    code = (
+        "import atexit, sys\n"
+        "from zero_kernels import comm\n"
+        "assert not comm.joined_here()\n"
+        f"atexit.register(lambda: open({str(mark)!r}, 'w').write('ok'))\n"
+        "class K:\n"
+        f"    def __del__(self, _open=open): _open({str(fin)!r}, 'w').write('x')\n"
+        "k = K()\n"
+        "sys.stdout.write('buffered, no newline')\n"
+        "comm.exit_process(3)\n"
+        "print('not reached')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 3, r.stderr
+    assert r.stdout == "buffered, no newline"
+    assert mark.read_text() == "ok"
+    assert not fin.exists()

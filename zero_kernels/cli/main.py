@@ -515,10 +515,14 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `zero-kernels` console script; returns the exit code."""
     try:
         try:
-            return _main(argv)
+            rc = _main(argv)
         finally:  # a closed pipe shows here, not as a traceback at interpreter exit
             if sys.stdout is not None:
                 sys.stdout.flush()
+        comm = sys.modules.get("zero_kernels.comm")
+        if comm is not None and comm.joined_here():  # a rank under torchrun (demo, tune)
+            comm.exit_process(rc)  # [Note: leaving a rank] in zero_kernels/comm
+        return rc
     except BrokenPipeError:
         # The reader went away: stop quietly. Point stdout at /dev/null so the interpreter's
         # final flush of what is still buffered does not raise again.

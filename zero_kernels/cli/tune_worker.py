@@ -315,3 +315,6 @@ def rank_main(local_rank: int, nproc: int, port: int, job: dict, queue) -> None:
         queue.join_thread()  # the message must leave before this process does
         sys.stderr.flush()
         os._exit(1)
+    queue.close()
+    queue.join_thread()  # rank 0's result must leave before this process does
+    comm.exit_process(0)  # [Note: leaving a rank] in zero_kernels/comm

@@ -19,6 +19,7 @@ probe: [Note: choosing the algorithm]); the functions callers use are here.
 from __future__ import annotations
 
 import datetime
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -196,8 +197,12 @@ def all_reduce_future(t: torch.Tensor, *, group=None) -> torch.futures.Future:
     return dist.all_reduce(t, group=group, async_op=True).get_future().then(lambda f: f.value()[0])
 
 
+_JOINED_HERE = False  # init() joined the default group in this process (the command's ranks)
+
+
 def init(backend: str, rank: int, world_size: int, timeout_s: float) -> None:
     """Join the default process group (env:// rendezvous: MASTER_ADDR, MASTER_PORT) if not yet."""
+    global _JOINED_HERE
     if not is_initialized():
         dist.init_process_group(
             backend,
@@ -205,6 +210,12 @@ def init(backend: str, rank: int, world_size: int, timeout_s: float) -> None:
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
+        _JOINED_HERE = True
+
+
+def joined_here() -> bool:
+    """Whether `init` joined a process group in this process (a rank of the command)."""
+    return _JOINED_HERE
 
 
 def barrier(*, group=None) -> None:
@@ -217,6 +228,40 @@ def shutdown() -> None:
     if is_initialized():
         _reset_choices()
         dist.destroy_process_group()
+
+
+def exit_process(code: int) -> NoReturn:
+    """End this rank's process with ``code`` now: run the exit handlers (they unlink our
+    shared-memory files and offload files, and join multiprocessing's queue feeders), flush
+    stdout and stderr, and leave without the interpreter's finalization. For the command's rank
+    processes only (the demo, tune), never called by the library.
+
+    [Note: leaving a rank]
+    gloo's worker threads drop a finished collective's work object a moment after the caller's
+    wait returned; a barrier's work holds the works that were in flight when it was queued. A
+    work that held a tensor made in Python gives the tensor's last reference back through the
+    Python object, which needs the GIL. If the main thread has meanwhile reached the
+    interpreter's finalization, the worker thread is ended while taking the GIL and the process
+    aborts: "terminate called without an active exception" (core dump of a demo rank: thread
+    ProcessGroupGloo::runLoop in ~AsyncBarrierWork -> ~AsyncGatherWork (gather_object's tensors)
+    -> TensorImpl::decref_pyobject -> take_gil -> pthread_exit during Py_FinalizeEx; 1 exit in 33
+    of a 2-rank demo, after destroy_process_group). torch PR 179291 describes the same abort.
+    Leaving with os._exit once every result is written skips the finalization it races with.
+    """
+    import atexit
+    import os
+    import sys
+
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                if stream is not None:
+                    stream.flush()
+            except (OSError, ValueError):  # closed or gone: nothing left to write
+                pass
+        os._exit(code)
 
 
 def gather_object(obj, dst: int, *, group=None) -> list | None:
