@@ -9,12 +9,21 @@ peak over the timed steps (VmHWM, reset through /proc/self/clear_refs at the fir
 the param bytes of ``memory_report()`` (ours), the median step time, and the final loss (every
 variant trains the same model on the same batches: their losses agree).
 
+``--autocast``: every variant's forward and backward under ``torch.autocast("cpu", bf16,
+cache_enabled=False)`` over the fp32 model (the frozen weights are cast for each matmul). The
+variants with the suffix ``_saved`` (``stage3_saved``, ``stage3_shard_frozen_saved``) turn off
+what [Note: frozen casts] (zero_kernels/partition/recast.py) does, so that autograd saves the
+frozen weights' casts as it did before it: the same code otherwise, side by side.
+
     python bench/bench_frozen_shards.py [--world 2] [--steps 6] [--tag frozen_shards]
+    python bench/bench_frozen_shards.py --autocast --variants \
+        ddp,fsdp2,stage3,stage3_saved,stage3_shard_frozen,stage3_shard_frozen_saved
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -89,15 +98,24 @@ def worker(rank, world, port, args, q):
         run = m
         opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4)
     else:
+        if v.endswith("_saved"):  # the frozen casts saved as autograd saves them
+            from zero_kernels.partition.units import UnitScheduler
+
+            UnitScheduler._frozen_casts = lambda self, u: []
         zo = ZeroOptimizer(
             trained,
             torch.optim.AdamW,
             stage=3,
             module=m,
             lr=1e-4,
-            shard_frozen=v.endswith("shard_frozen"),
+            shard_frozen=v.removesuffix("_saved").endswith("shard_frozen"),
         )
         run, opt, report = m, zo, zo
+    cast = (
+        torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False)
+        if args.autocast
+        else contextlib.nullcontext()
+    )
     g = torch.Generator().manual_seed(rank)
     times, loss = [], None
     built = 0
@@ -106,8 +124,9 @@ def worker(rank, world, port, args, q):
         if step == 1:
             _reset_hwm()
         t0 = time.perf_counter()
-        loss = run(input_ids=x, labels=x).loss
-        loss.backward()
+        with cast:
+            loss = run(input_ids=x, labels=x).loss
+            loss.backward()
         opt.step()
         opt.zero_grad()
         dt = time.perf_counter() - t0
@@ -141,6 +160,7 @@ def main():
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--vocab", type=int, default=8000)
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--autocast", action="store_true", help="bf16 autocast, its cache off")
     args = ap.parse_args()
     m = _model(args)
     frozen = sum(p.numel() for p in m.parameters() if not p.requires_grad)

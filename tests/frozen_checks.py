@@ -66,8 +66,15 @@ class LoraNet(nn.Module):
         self.head = nn.Linear(D, V)
         self.ckpt = None  # None | "reentrant" | "plain"
         self.reuse = False  # block 2 (frozen whole) runs twice
+        self.cast = False  # the blocks under bf16 autocast (its cache off)
 
     def forward(self, x):
+        if self.cast:
+            with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+                return self._forward(x).float()
+        return self._forward(x)
+
+    def _forward(self, x):
         h = self.emb(x)
         for k, b in enumerate(self.blocks):
             if self.ckpt is not None and k > 0:
@@ -145,7 +152,9 @@ def _same_params(zo, m1, m2, tol, what):
 def check_parity(rank: int, world: int) -> dict:
     """Losses and every param (frozen ones included) as DDP's over 4 steps: plain, with
     re-entrant and non-re-entrant activation checkpointing, a frozen block run twice, prefetch
-    2, no resharding after forward, and the shards in host memory (offload_params="cpu")."""
+    2, no resharding after forward, the shards in host memory (offload_params="cpu"), and under
+    bf16 autocast (the frozen weights' casts made again in the backward), with and without
+    checkpointing."""
     cases = {
         "plain": (None, {}),
         "checkpoint reentrant": (lambda m: setattr(m, "ckpt", "reentrant"), {}),
@@ -154,6 +163,12 @@ def check_parity(rank: int, world: int) -> dict:
         "prefetch 2": (None, {"prefetch": 2}),
         "no reshard after forward": (None, {"reshard_after_forward": False}),
         "host tier": (None, {"offload_optimizer": "cpu", "offload_params": "cpu"}),
+        # [Note: frozen casts]: the frozen weights' casts are made again in the backward
+        "autocast": (lambda m: setattr(m, "cast", True), {}),
+        "autocast, checkpoint reentrant": (
+            lambda m: (setattr(m, "cast", True), setattr(m, "ckpt", "reentrant")),
+            {},
+        ),
     }
     out = {}
     for name, (setup, kw) in cases.items():

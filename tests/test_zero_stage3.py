@@ -299,6 +299,109 @@ def test_unfrozen_after_construction_raises_naming_it(stage):
     zo.close()
 
 
+@pytest.mark.parametrize("shard_frozen", [False, True])
+def test_stage3_autocast_frozen_casts_made_again(monkeypatch, shard_frozen):
+    """[Note: frozen casts]: under autocast the casts of frozen fp32 weights (a LoRA base) are
+    saved as recipes too, found by comparing them bit for bit with the weight cast again; a
+    saved low-precision tensor of a frozen weight's shape that is not its cast is kept as saved;
+    gradients and outputs as without ZeRO, every step."""
+    from zero_kernels.partition import recast
+
+    packed, made = [], []
+    pack, unpack = recast._Recast.pack, recast._Recast.unpack
+
+    def counting_pack(self, t):
+        out = pack(self, t)
+        packed.append((type(out), tuple(t.shape), t.dtype))
+        return out
+
+    monkeypatch.setattr(recast._Recast, "pack", counting_pack)
+    monkeypatch.setattr(
+        recast._Recast, "unpack", staticmethod(lambda x: made.append(type(x)) or unpack(x))
+    )
+
+    class Lora(nn.Module):
+        def __init__(self, odd=False):
+            super().__init__()
+            self.base = nn.Linear(8, 8)
+            self.a = nn.Linear(8, 2, bias=False)
+            self.b = nn.Linear(2, 8, bias=False)
+            self.odd = odd
+            self.base.requires_grad_(False)
+
+        def forward(self, x):
+            y = self.base(x) + self.b(self.a(x))
+            if self.odd:  # bf16, no history, the base weight's shape, not its cast: kept
+                w = self.base.weight.to(torch.bfloat16) * 2
+                y = y + x.to(torch.bfloat16) @ w.t()
+            return torch.tanh(y)
+
+    torch.manual_seed(0)
+    m = nn.Sequential(Lora(), Lora(odd=True), nn.Linear(8, 3))
+    ref = nn.Sequential(Lora(), Lora(odd=True), nn.Linear(8, 3))
+    ref.load_state_dict(m.state_dict())
+    for mod in (m, ref):
+        for blk in mod[:2]:
+            blk.base.requires_grad_(False)
+    zo = ZeroOptimizer(m, torch.optim.SGD, stage=3, units=[Lora], shard_frozen=shard_frozen, lr=0.1)
+    ro = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1)
+    nocache = dict(device_type="cpu", dtype=torch.bfloat16, cache_enabled=False)
+    x = torch.randn(4, 8, requires_grad=True)  # so that the first block's base is saved too
+    for _ in range(3):
+        packed.clear()
+        made.clear()
+        with torch.autocast(**nocache):
+            out = m(x)
+        with torch.autocast(**nocache):
+            r = ref(x)
+        assert torch.equal(out, r)
+        kept = [(shape, dt) for kind, shape, dt in packed if kind is not recast._Cast]
+        casts = [shape for kind, shape, _ in packed if kind is recast._Cast]
+        # each block's base weight (saved as weight.t(), an (8, 8) view) is a recipe; the odd
+        # block's `w` (the same shape, twice the cast) is kept as saved
+        assert casts.count((8, 8)) == 2, packed
+        assert [s for s, dt in kept if s == (8, 8) and dt == torch.bfloat16] == [(8, 8)], kept
+        out.float().pow(2).sum().backward()
+        r.float().pow(2).sum().backward()
+        assert made.count(recast._Cast) == len(casts)
+        for (name, p), q in zip(m.named_parameters(), ref.parameters()):
+            if q.requires_grad:
+                torch.testing.assert_close(zo.full_grad(p), q.grad, rtol=0, atol=0, msg=name)
+        zo.step()
+        ro.step()
+        zo.zero_grad()
+        ro.zero_grad()
+    zo.close()
+    for p, q in zip(m.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_is_cast_of_compares_every_bit():
+    """[Note: frozen casts]'s test of a saved tensor: equal to the param cast again, bit for bit,
+    at odd sizes and both half dtypes; one element off (the last, or -0.0 saved as +0.0), or a
+    NaN's payload changed, is not a cast."""
+    from zero_kernels.partition.recast import _CHUNK, _is_cast_of
+
+    g = torch.Generator().manual_seed(0)
+    for shape in [(1,), (7, 13), (3, 5, 7), (2 * _CHUNK + 3,), (_CHUNK + 4,)]:
+        p = torch.randn(shape, generator=g)
+        p.view(-1)[0] = -0.0
+        for dt in (torch.bfloat16, torch.float16):
+            b = p.to(dt)
+            assert _is_cast_of(b, p), (shape, dt)
+            assert not _is_cast_of(b.t() if b.dim() == 2 else b[..., :0], p)
+            for k, v in ((-1, 2.0), (0, 0.0)):
+                c = b.clone()
+                c.view(-1)[k] = c.view(-1)[k] * 2 + 1 if v == 2.0 else v
+                assert not _is_cast_of(c, p), (shape, dt, k)
+    p = torch.tensor([1.0, float("nan"), 2.0])
+    b = p.to(torch.bfloat16)
+    assert _is_cast_of(b, p)
+    c = b.clone()
+    c.view(torch.int16)[1] ^= 1  # another NaN
+    assert not _is_cast_of(c, p)
+
+
 @contextlib.contextmanager
 def _no_warning():
     with warnings.catch_warnings():

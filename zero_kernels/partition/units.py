@@ -123,8 +123,8 @@ model file as before, a load writes them on every rank and takes the shards back
 checkpoint does not depend on ``shard_frozen``. Inside, every frozen param is whole on every
 rank (``model.state_dict()`` at stage 3 holds every param whole too). Not built:
 ``offload_params="nvme"`` with frozen shards (a NotImplementedError); under autocast the casts
-of frozen fp32 weights are saved as autograd saves them ([Note: autocast] recognises casts of
-trained params by their gradient accumulator, which a frozen param has none of). Construction
+of frozen fp32 weights are recipes made again in the backward ([Note: frozen casts] in
+recast.py). Construction
 gives every rank rank 0's frozen values (the store's broadcast) without the warning that
 `zero_kernels.replicas.sync_at_start` gives for the frozen params kept whole.
 Tested against DDP (tests/frozen_checks.py: plain, both checkpointings, a frozen unit called
@@ -270,6 +270,7 @@ class UnitScheduler:
         }
         self._kept: set[int] = set()
         self._entered: set[int] = set()
+        self._frozen_fp32: dict[int, list] = {}  # per unit: see `_frozen_casts`
         # [Note: frozen shards]: per unit with frozen buckets, the input hooks armed by the
         # forwards since the last backward ended, and those fired in this backward (the
         # unit's backward may read its frozen params until every one has); the units whose
@@ -400,7 +401,23 @@ class UnitScheduler:
     def push_recast(self, k: int) -> None:
         """After unit ``k``'s pre-forward: the autocast recipes on ([Note: autocast])."""
         if torch.is_grad_enabled() and not self.phase.backward:
-            self.recasts.push(k, self.by_index[k].module, self.store.device.type)
+            u = self.by_index[k]
+            self.recasts.push(k, u.module, self.store.device.type, self._frozen_casts(u))
+
+    def _frozen_casts(self, u: Unit) -> list:
+        """The fp32 params of unit ``u``'s module that may not train whose autocast casts can
+        be recipes in its forward ([Note: autocast]): those held whole (no unit's bucket, or a
+        kept unit's) and those of its own buckets, gathered in its backward. Not a nested
+        unit's sharded params: the unit's backward does not gather them."""
+        got = self._frozen_fp32.get(u.index)
+        if got is None:
+            got = self._frozen_fp32[u.index] = [
+                p
+                for p in u.module.parameters()
+                if p.dtype == torch.float32
+                and (self._param_unit.get(id(p)) in (None, u) or self._param_unit[id(p)].persistent)
+            ]
+        return got
 
     def pop_recast(self, k: int | None = None) -> None:
         """Before unit ``k``'s post-forward (None: every one left, after an exception)."""
