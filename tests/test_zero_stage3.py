@@ -376,6 +376,29 @@ def test_stage3_autocast_frozen_casts_made_again(monkeypatch, shard_frozen):
         assert torch.equal(p, q)
 
 
+@pytest.mark.parametrize("cast", [False, True])
+def test_stage3_frozen_weight_changed_before_backward_raises(cast):
+    """A frozen weight changed in place between the forward and the backward: torch raises for
+    a tensor autograd saved; so do the frozen casts' recipes and the frozen params saved as they
+    are ([Note: frozen casts]), instead of using the new values."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 2))
+    m[1].requires_grad_(False)
+    for shard in (False, True):
+        if not cast and not shard:
+            continue  # the frozen param saved as it is: torch's own check
+        zo = ZeroOptimizer(m, torch.optim.SGD, stage=3, shard_frozen=shard, lr=0.1)
+        x = torch.randn(4, 8)
+        nocache = dict(device_type="cpu", dtype=torch.bfloat16, cache_enabled=False)
+        with torch.autocast(**nocache) if cast else contextlib.nullcontext():
+            out = m(x).float().sum()
+        with zo.gathered_params(), torch.no_grad():
+            m[1].weight.mul_(0.5)
+        with pytest.raises(RuntimeError, match="modified in place"):
+            out.backward()
+        zo.close()
+
+
 def test_is_cast_of_compares_every_bit():
     """[Note: frozen casts]'s test of a saved tensor: equal to the param cast again, bit for bit,
     at odd sizes and both half dtypes; one element off (the last, or -0.0 saved as +0.0), or a
@@ -457,7 +480,8 @@ def test_stage3_autocast_casts_made_again_in_backward(monkeypatch):
         torch.testing.assert_close(out, r)
         out.float().pow(2).sum().backward()
         r.float().pow(2).sum().backward()
-        assert made.count(recast._Cast) == 2, made  # each unit's weight, made again once
+        # each unit's weight and the root's last Linear (the root unit's own), made again once
+        assert made.count(recast._Cast) == 3, made
         for p, q in zip(m.parameters(), ref.parameters()):
             torch.testing.assert_close(zo.full_grad(p), q.grad)
         zo.zero_grad()

@@ -40,7 +40,15 @@ more cast of each frozen weight per forward (and the compare), where autocast ca
 use anyway. The candidates are the unit's frozen params held whole and those of its own
 buckets (gathered in its backward, as [Note: frozen shards] keeps them until the unit's input
 gradients are computed); a nested unit's sharded params are left out: this unit's backward does
-not gather them. Measured (bench/bench_frozen_shards.py --autocast, a 24-layer LoRA Llama, 81M
+not gather them. The same hooks are pushed, autocast or not, for every unit holding frozen
+buckets (``shard_frozen=True``): a frozen param of its own buckets that autograd saves as it is
+(`_Held`), and every frozen cast's recipe, is checked at unpack: its unit must be gathered (a
+unit no backward was expected for, freed after its forward, raises, naming the param: [Note:
+frozen shards]'s uncovered path), and the param unchanged in place since the forward (torch's
+own check of a saved tensor, which the hooks take the place of). The root unit pushes them too,
+for its own params only (a frozen ``lm_head``'s cast: the largest frozen matrix of a language
+model; the root unit is gathered from the model's forward to the end of its backward).
+Measured (bench/bench_frozen_shards.py --autocast, a 24-layer LoRA Llama, 81M
 frozen params, 2 ranks): peak RSS -153 MB with the base whole or sharded (963 / 864 MB; FSDP2
 990), step +7-12% at 2 x 64 tokens (about 1 ns per frozen param per step on one Zen 4 core).
 
@@ -71,33 +79,53 @@ class Recasts:
         self._fp32_ids: dict[int, set[int]] = {}  # per unit: its fp32 params
         self._warned = False
 
-    def push(self, k: int, module: nn.Module, device_type: str, frozen=()) -> None:
+    def push(
+        self,
+        k: int,
+        module: nn.Module,
+        device_type: str,
+        frozen=(),
+        *,
+        held=frozenset(),
+        check=None,
+        ids: set[int] | None = None,
+    ) -> None:
         """After unit ``k``'s pre-forward (``module``: the unit's), in a forward with grad on:
         under autocast, autograd saves the casts of its fp32 params as recipes, made again in
         its backward (see [Note: autocast]). ``frozen``: the fp32 params that do not train
-        whose casts may be recipes here (held whole, or in the unit's own buckets)."""
-        if not _autocast_enabled(device_type):
+        whose casts may be recipes here (held whole, or in the unit's own buckets). ``held``:
+        the ids of the unit's sharded frozen params, whose saved uses are checked (``check(p,
+        version)`` raises where the backward would read one freed or changed: [Note: frozen
+        casts]), autocast or not. ``ids``: the params whose casts are recipes (default: the
+        module's fp32 params)."""
+        cast = _autocast_enabled(device_type)
+        if not cast and not held:
             return
-        ids = self._fp32_ids.get(k)
-        if ids is None:
-            ids = self._fp32_ids[k] = {
-                id(p) for p in module.parameters() if p.dtype == torch.float32
-            }
+        if cast and ids is None:
+            ids = self._fp32_ids.get(k)
+            if ids is None:
+                ids = self._fp32_ids[k] = {
+                    id(p) for p in module.parameters() if p.dtype == torch.float32
+                }
         by_shape: dict[tuple, list] = {}
-        for p in frozen:
-            if not p.requires_grad and p.dtype == torch.float32:
-                by_shape.setdefault(tuple(p.shape), []).append(p)
-        if not ids and not by_shape:
+        if cast:
+            for p in frozen:
+                if not p.requires_grad and p.dtype == torch.float32:
+                    by_shape.setdefault(tuple(p.shape), []).append(p)
+        ids = ids if cast else set()
+        if not ids and not by_shape and not held:
             return
         top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
         if top is None:  # an older torch: the copies stay (warned once)
-            self._warn()
+            if ids or by_shape:
+                self._warn()
             return
-        if torch.is_autocast_cache_enabled():  # it keeps them, whoever saves what
+        if (ids or by_shape) and torch.is_autocast_cache_enabled():  # it keeps them all
             self._warn(cache=True)
-        if top(False) is not None:  # another's hooks (checkpointing) decide what is saved
-            return
-        rec = _Recast(ids, by_shape)
+        on_top = top(False)
+        if on_top is not None and not isinstance(getattr(on_top[0], "__self__", None), _Recast):
+            return  # another's hooks (checkpointing, save_on_cpu) decide what is saved
+        rec = _Recast(ids, by_shape, held, check)
         torch._C._autograd._push_saved_tensors_default_hooks(rec.pack, rec.unpack)
         self._recasts.append((k, rec))
 
@@ -187,24 +215,44 @@ def _is_cast_of(base: torch.Tensor, p: torch.Tensor) -> bool:
 
 
 class _Cast:
-    """A saved tensor autocast made from a unit's param: the recipe to make it again."""
+    """A saved tensor autocast made from a unit's param: the recipe to make it again (a frozen
+    param's with ``check``: see `_Held`)."""
 
-    __slots__ = ("param", "dtype", "size", "stride", "offset")
+    __slots__ = ("param", "dtype", "size", "stride", "offset", "version", "check")
 
-    def __init__(self, param, dtype, size, stride, offset):
+    def __init__(self, param, dtype, size, stride, offset, check=None):
         self.param, self.dtype = param, dtype
         self.size, self.stride, self.offset = size, stride, offset
+        self.version, self.check = param._version, check
+
+
+class _Held:
+    """A frozen param of the unit's own buckets (or a view of one: linear saves ``weight.t()``)
+    that autograd saves as it is: handed back by the unpack only once ``check(param, version)``
+    passed (the unit gathered, the param not changed in place since: what autograd's own check
+    of a saved tensor would say). ``view``: None for the param itself, else its size, stride
+    and offset."""
+
+    __slots__ = ("param", "version", "check", "view")
+
+    def __init__(self, param, check, view=None):
+        self.param, self.version, self.check, self.view = param, param._version, check, view
 
 
 class _Recast:
-    """Saved-tensor hooks of one unit's forward under autocast ([Note: autocast])."""
+    """Saved-tensor hooks of one unit's forward ([Note: autocast], [Note: frozen casts])."""
 
-    def __init__(self, ids: set[int], frozen: dict[tuple, list] | None = None):
-        self.ids = ids  # the unit's fp32 params
+    def __init__(self, ids: set[int], frozen=None, held=frozenset(), check=None):
+        self.ids = ids  # the unit's fp32 params whose casts are recipes
         self.frozen = frozen or {}  # its fp32 params that do not train, by shape
+        self.held, self.check = held, check  # its sharded frozen params (ids), their check
 
     def pack(self, t: torch.Tensor):
         base = t._base if t._is_view() else t
+        if id(base) in self.held:
+            if base is t:
+                return _Held(t, self.check)
+            return _Held(base, self.check, (t.size(), t.stride(), t.storage_offset()))
         fn = base.grad_fn
         if fn is not None:
             if fn.name() == "ToCopyBackward0":
@@ -214,11 +262,18 @@ class _Recast:
         elif self.frozen and base.dtype in _LOW and not base.requires_grad:
             for p in self.frozen.get(tuple(base.shape), ()):
                 if _is_cast_of(base, p):
-                    return _Cast(p, base.dtype, t.size(), t.stride(), t.storage_offset())
+                    return _Cast(
+                        p, base.dtype, t.size(), t.stride(), t.storage_offset(), self.check
+                    )
         return t
 
     @staticmethod
     def unpack(x):
         if type(x) is _Cast:  # the unit is gathered: its backward is running
+            if x.check is not None:
+                x.check(x.param, x.version)
             return x.param.to(x.dtype).as_strided(x.size, x.stride, x.offset)
+        if type(x) is _Held:
+            x.check(x.param, x.version)
+            return x.param if x.view is None else x.param.as_strided(*x.view)
         return x

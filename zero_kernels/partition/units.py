@@ -101,14 +101,22 @@ and (b) the gradients of the inputs of each of its forwards that need one are co
 multi-grad hook (``mode="all"``) on its positional and keyword tensor arguments, armed in every
 forward since the last backward ended (two forwards before one backward, two views of a
 contrastive loss, arm two) and in a re-entrant checkpoint's recomputation (a non-re-entrant
-one's recomputation keeps the forward's hook), each firing counted per backward (a second
-backward of the same graph, ``retain_graph=True``, fires them again), and only once the unit's
-backward has begun on this rank (a rank whose loss skips the unit must not free a prefetched
-gather the others still wait on). Measured before the counting: two forwards then one backward
-read NaN, as the adapters-first order did. A node that reads a frozen weight of the unit leads
-to the unit's inputs (covered by (b)) or to its trained params (covered by (a)); not covered is
-a path to a tensor that reaches the unit another way than its arguments (an attribute another
-module set, a closure), which does not occur in the transformer stacks we test. Inputs that
+one's recomputation keeps the forward's hook), each firing counted in this optimizer's
+backward only (a gradient of a leaf input taken outside it, ``torch.autograd.grad``, counted
+and freed the unit early in the next backward), and only once the unit's backward has begun on
+this rank (a rank whose loss skips the unit must not free a prefetched gather the others still
+wait on). The hooks are removed at the backward's end: a leaf input (a param passed to a unit as
+it is) kept them, one more per step, and torch refuses ``torch.autograd.grad`` over a leaf with
+one (tests/frozen_checks.check_leaf_input); a second backward of the same graph
+(``retain_graph=True``) thus keeps such units gathered to its end. Measured before the counting:
+two forwards then one backward read NaN, as the adapters-first order did. A node that reads a
+frozen weight of the unit leads to the unit's inputs (covered by (b)) or to its trained params
+(covered by (a)); not covered is a path to a tensor that reaches the unit another way than its
+arguments (an attribute another module set, a closure), which does not occur in the transformer
+stacks we test: there the backward reading a freed frozen param raises, naming it (the unit's
+forward saves its frozen params through `zero_kernels.partition.recast`'s hooks, which check
+at unpack that the unit is gathered; the gradient was silently wrong before, and NaN under
+autocast; tests/frozen_checks.check_side_output_raises). Inputs that
 need no gradient make (b) hold at once; a unit whose hooks did not fire is freed at the end of
 the backward (later, never earlier). A unit of frozen params only whose inputs need no
 gradient (blocks before the first adapter) runs no backward: freed after its forward. A unit
@@ -271,11 +279,15 @@ class UnitScheduler:
         self._kept: set[int] = set()
         self._entered: set[int] = set()
         self._frozen_fp32: dict[int, list] = {}  # per unit: see `_frozen_casts`
+        self._held: dict[int, frozenset] = {}  # per unit: see `_held_ids`
+        self._root_ids: set[int] | None = None  # see `_root_fp32`
         # [Note: frozen shards]: per unit with frozen buckets, the input hooks armed by the
         # forwards since the last backward ended, and those fired in this backward (the
         # unit's backward may read its frozen params until every one has); the units whose
         # backward (or recomputation) began in this backward
         self._armed: dict[int, int] = {}
+        self._arm_handles: list = []  # their handles, removed at the backward's end
+        self._unhooked = False  # armed, and the hooks removed (a second backward of a graph)
         self._fired: dict[int, int] = {}
         self._rearm = False  # a backward ended since the hooks were armed
         self._reached: set[int] = set()
@@ -402,7 +414,41 @@ class UnitScheduler:
         """After unit ``k``'s pre-forward: the autocast recipes on ([Note: autocast])."""
         if torch.is_grad_enabled() and not self.phase.backward:
             u = self.by_index[k]
-            self.recasts.push(k, u.module, self.store.device.type, self._frozen_casts(u))
+            self.recasts.push(
+                k, u.module, self.store.device.type, self._frozen_casts(u),
+                held=self._held_ids(u), check=self._check_saved,
+            )  # fmt: skip
+
+    def _held_ids(self, u: Unit) -> frozenset:
+        """The ids of unit ``u``'s frozen params in its own buckets ([Note: frozen casts])."""
+        got = self._held.get(u.index)
+        if got is None:
+            got = self._held[u.index] = frozenset(
+                id(p) for key in u.frozen for p, _, _ in self.store.members.get(key, ())
+            )
+        return got
+
+    def _check_saved(self, p: torch.Tensor, version: int) -> None:
+        """The backward reads frozen param ``p`` that its unit's forward saved (or a cast of it,
+        [Note: frozen casts]): its unit must be gathered, and ``p`` unchanged since."""
+        u = self._param_unit.get(id(p))
+        if u is not None and not u.persistent and u.state is not UnitState.GATHERED:
+            name = next((n for n, q in u.module.named_parameters() if q is p), "?")
+            raise RuntimeError(
+                f"stage 3 (shard_frozen=True): the backward reads frozen param "
+                f"{(u.name + '.' if u.name else '') + name!r} ({tuple(p.shape)}) after its unit "
+                f"{u.name!r} was freed: none of the unit's outputs needed a gradient, so no "
+                "backward of it was expected, but a tensor made in its forward from one that "
+                "reached it another way than its arguments (an attribute, a closure, a global) "
+                "needs it. Pass that tensor as an argument of the unit's forward, or use "
+                "shard_frozen=False"
+            )
+        if p._version != version:
+            raise RuntimeError(
+                f"a frozen param of shape {tuple(p.shape)} saved by the forward for the backward "
+                f"was modified in place since (version {version} -> {p._version}); change it "
+                "after the backward (torch raises the same for a tensor autograd saved)"
+            )
 
     def _frozen_casts(self, u: Unit) -> list:
         """The fp32 params of unit ``u``'s module that may not train whose autocast casts can
@@ -501,7 +547,7 @@ class UnitScheduler:
         self.pos = 0
         self.bwd_units, self.bwd_next = [], 0  # the last forward's backward is the next one
         if self._rearm:  # the first forward after a backward: its own hooks from here
-            self._armed.clear()
+            self._disarm()
             self._rearm = False
         self._entered.clear()
         self.drop_secondary()  # of a forward whose backward did not run
@@ -513,6 +559,25 @@ class UnitScheduler:
                 self.gather(self.by_index[j])
         if not (under_dynamo() or any(_compiled(m) for m in self._all_modules)):
             self._guard.push()  # params read outside their unit ([Note: external params])
+        if torch.is_grad_enabled():  # the root unit's casts (a frozen lm_head's) as recipes
+            r = self.root
+            self.recasts.push(
+                r.index, r.module, self.store.device.type, self._frozen_casts(r),
+                held=self._held_ids(r), check=self._check_saved,
+                ids=self._root_fp32(),
+            )  # fmt: skip
+
+    def _root_fp32(self) -> set[int]:
+        """The ids of the root unit's own fp32 params: only they are gathered through the whole
+        forward and backward (a unit's, read at the root's level, may be freed by then)."""
+        got = self._root_ids
+        if got is None:
+            own = self._own_ids[self.root.index]
+            got = self._root_ids = {
+                id(p) for p in self.root.module.parameters()
+                if id(p) in own and p.dtype == torch.float32
+            }  # fmt: skip
+        return got
 
     def root_member(self, name: str) -> None:
         """A module whose own params are in the root unit is called: they are whole only from
@@ -611,7 +676,9 @@ class UnitScheduler:
     def _free_if_done(self, u: Unit) -> None:
         if u.frozen and u.index in self._kept:  # read outside its forward: to the end
             return
-        if self._fired.get(u.index, 0) < self._armed.get(u.index, 0):
+        if self._fired.get(u.index, 0) < self._armed.get(u.index, 0) or (
+            self._unhooked and self._armed.get(u.index, 0)
+        ):  # inputs' gradients not all computed, or no hook left to say (`_unhook`)
             return
         if all(bk in self._done for bk in u.buckets if bk not in u.frozen):
             self.free(u)
@@ -634,21 +701,44 @@ class UnitScheduler:
             return
         self._armed[k] = self._armed.get(k, 0) + 1
         me = weakref.ref(self)
-        torch.autograd.graph.register_multi_grad_hook(
-            ts, _grad_hook(me, "inputs_done", k), mode="all"
+        self._arm_handles.append(
+            torch.autograd.graph.register_multi_grad_hook(
+                ts, _grad_hook(me, "inputs_done", k), mode="all"
+            )
         )
 
     def inputs_done(self, k: int) -> None:
         """The gradients of one forward's inputs of unit ``k`` are computed (in this
-        backward)."""
+        backward). A leaf input keeps its hooks past the backward: fired by another backward
+        (another model's, or ``torch.autograd.grad`` of that input), they count for nothing."""
+        if not self.phase.backward:
+            return
         self._fired[k] = self._fired.get(k, 0) + 1
         u = self.by_index[k]
         if u is not self.root and not u.persistent and k in self._reached:
             self._free_if_done(u)
 
+    def _unhook(self) -> None:
+        """The input hooks off their tensors at the end of a backward: a leaf input (a param
+        passed to a unit as it is) keeps its hooks past the backward, one more per step, all
+        fired by each later backward, and torch refuses ``torch.autograd.grad`` over a leaf
+        holding one. A second backward of the same graph (``retain_graph``) then has no input
+        hooks to count: its units with frozen buckets stay gathered to its end."""
+        for h in self._arm_handles:
+            h.remove()
+        self._arm_handles.clear()
+        self._unhooked = bool(self._armed)
+
+    def _disarm(self) -> None:
+        """The first forward after a backward: its own input hooks from here."""
+        self._unhook()
+        self._armed.clear()
+        self._unhooked = False
+
     def end_backward(self) -> None:
         self._done = set()
-        self._fired.clear()  # a second backward of the same graph fires the hooks again
+        self._fired.clear()
+        self._unhook()
         self._reached.clear()
         self._rearm = True
         self.bwd_units, self.bwd_next = [], 0
@@ -656,6 +746,7 @@ class UnitScheduler:
         self.free_all()
 
     def remove(self) -> None:
+        self._disarm()
         self.drop_secondary()
         self.pop_recast()
         self._guard.pop()
