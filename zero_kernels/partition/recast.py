@@ -49,8 +49,8 @@ own check of a saved tensor, which the hooks take the place of). The root unit p
 for its own params only (a frozen ``lm_head``'s cast: the largest frozen matrix of a language
 model; the root unit is gathered from the model's forward to the end of its backward).
 Measured (bench/bench_frozen_shards.py --autocast, a 24-layer LoRA Llama, 81M
-frozen params, 2 ranks): peak RSS -153 MB with the base whole or sharded (963 / 864 MB; FSDP2
-990), step +7-12% at 2 x 64 tokens (about 1 ns per frozen param per step on one Zen 4 core).
+frozen params, 2 ranks): peak RSS -162 / -169 MB with the base whole / sharded (954 / 841 MB;
+FSDP2 990), step +14-18% at 2 x 64 tokens (1-2 ns per frozen param per step on one Zen 4 core).
 
 Measured (bench/stage3_autocast.py, ``MALLOC_MMAP_THRESHOLD_=65536`` against glibc's heap noise;
 2 ranks, 33.5M params in 16 units; peak RSS of the third step): fp32 726.4 MB; bf16 autocast
