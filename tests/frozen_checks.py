@@ -299,6 +299,7 @@ def frozen_all(rank: int, world: int) -> dict:
     checks = [check_parity, check_sharded, check_checkpoint, check_quantized, check_peft_llama]
     checks += [check_meta, check_two_forwards_and_double_backward, check_external_read]
     checks += [check_whole_frozen_warned, check_leaf_input, check_side_output_raises]
+    checks.append(check_input_gradients)
     return run_checks(rank, world, checks)
 
 
@@ -488,6 +489,54 @@ def check_leaf_input(rank: int, world: int) -> dict:
     assert max(hooks) <= 1, f"input hooks on the leaf per step: {hooks}"
     zo.close()
     return {"worst": worst, "hooks": hooks}
+
+
+class _FromEmbeddings(LoraNet):
+    """LoraNet fed embeddings (an input that needs a gradient) instead of token ids."""
+
+    def forward(self, e):
+        h = e
+        for b in self.blocks:
+            h = b(h)
+        return self.head(self.norm(h))
+
+
+def check_input_gradients(rank: int, world: int) -> dict:
+    """``torch.autograd.grad`` of the loss over the model's input before the backward: a
+    gradient penalty (``create_graph=True``, the penalty's graph reads the params again in the
+    backward) and a saliency map (``retain_graph=True``, then the loss's backward). The grad
+    call's input hooks counted into the next backward and freed units early (NaN params); a
+    unit freed while the penalty's graph was built left that graph reading NaN. Against plain
+    torch over every rank's batches."""
+    out = {}
+    for mode in ("penalty", "saliency"):
+        torch.manual_seed(0)
+        base = _FromEmbeddings()
+        m1, ref = copy.deepcopy(base), copy.deepcopy(base)
+        zo, to = _zero(m1), _adamw(ref)
+
+        def total(model, r, step, mode=mode):
+            _, y = _batch(r, step)
+            g = torch.Generator().manual_seed(1000 * step + r)
+            e = torch.randn(3, 6, D, generator=g).requires_grad_() * 1.0
+            loss = nn.functional.cross_entropy(model(e).reshape(-1, V), y.reshape(-1))
+            if mode == "penalty":
+                (ge,) = torch.autograd.grad(loss, e, create_graph=True)
+                return loss + 10 * ge.pow(2).sum()
+            torch.autograd.grad(loss, e, retain_graph=True)
+            return loss
+
+        for step in range(3):
+            zo.zero_grad()
+            to.zero_grad()
+            total(m1, rank, step).backward()
+            sum(total(ref, r, step) for r in range(world)).div(world).backward()
+            zo.step()
+            to.step()
+        _same_params(zo, m1, ref, 1e-5, mode)
+        zo.close()
+        out[mode] = "ok"
+    return out
 
 
 class _SideBlock(Block):

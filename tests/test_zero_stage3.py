@@ -399,6 +399,48 @@ def test_stage3_frozen_weight_changed_before_backward_raises(cast):
         zo.close()
 
 
+def test_stage3_hooks_leave_autograd_stack_under_users_hooks():
+    """A user's saved-tensor hooks entered in a forward pre-hook of the model and left in its
+    forward hook, both registered after the optimizer's: the root unit's hooks, under theirs at
+    the forward's end, are taken off all the same (they stayed, one more per forward, and
+    torch.func refused to run under them)."""
+
+    class Root(nn.Module):  # a param of the root unit itself, cast under autocast
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(8, 8))
+            self.lin = nn.Linear(8, 2)
+
+        def forward(self, x):
+            return self.lin(x @ self.w)
+
+    torch.manual_seed(0)
+    m = Root()
+    zo = ZeroOptimizer(m, torch.optim.SGD, stage=3, units=[nn.Linear], lr=0.1)
+    ctx = {}
+
+    def pre(mod, args):
+        ctx["c"] = torch.autograd.graph.save_on_cpu()
+        ctx["c"].__enter__()
+
+    def post(mod, args, out):
+        ctx.pop("c").__exit__(None, None, None)
+
+    m.register_forward_pre_hook(pre)
+    m.register_forward_hook(post)
+    top = torch._C._autograd._top_saved_tensors_default_hooks
+    nocache = dict(device_type="cpu", dtype=torch.bfloat16, cache_enabled=False)
+    for _ in range(3):
+        with torch.autocast(**nocache):
+            out = m(torch.randn(4, 8))
+        assert top(False) is None
+        out.float().sum().backward()
+        zo.step()
+        zo.zero_grad()
+    torch.func.grad(lambda t: (t * t).sum())(torch.ones(3))
+    zo.close()
+
+
 def test_is_cast_of_compares_every_bit():
     """[Note: frozen casts]'s test of a saved tensor: equal to the param cast again, bit for bit,
     at odd sizes and both half dtypes; one element off (the last, or -0.0 saved as +0.0), or a

@@ -134,9 +134,7 @@ class Recasts:
         hooks off. Autocast's cache is left alone (see [Note: autocast])."""
         while self._recasts and (k is None or self._recasts[-1][0] == k):
             _, rec = self._recasts.pop()
-            top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-            if top is not None and top[0] == rec.pack:
-                torch._C._autograd._pop_saved_tensors_default_hooks()
+            _unstack(rec)
             if k is not None:
                 return
 
@@ -163,6 +161,23 @@ class Recasts:
                 "make the params bf16 (model.to(torch.bfloat16); fp32 master shards are kept)"
             )
         warnings.warn(msg, stacklevel=2)
+
+
+def _unstack(rec: _Recast) -> None:
+    """``rec``'s hooks off autograd's stack of saved-tensor hooks, wherever they are in it: a
+    user's hooks pushed after them and still on (activation offloading entered in a forward
+    pre-hook of the model, left in its forward hook, both registered after ours) are taken off
+    and put back in their order. Left there, ours stayed on, one more per forward, and every
+    later ``torch.func`` transform refused to run under saved-tensor hooks."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks
+    above = []
+    while (hooks := top(False)) is not None and hooks[0] != rec.pack:
+        above.append(hooks)
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+    if hooks is not None:  # ours (not found: popped by someone, nothing to do)
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+    for pack, unpack in reversed(above):
+        torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
 
 
 def _autocast_enabled(device_type: str) -> bool:

@@ -155,7 +155,7 @@ from torch.utils._pytree import tree_flatten
 
 from .. import comm
 from .external import ReadGuard, container_members, is_container, returns_own_params, under_dynamo
-from .phase import PhaseTracker
+from .phase import PhaseTracker, _graph_task
 from .recast import Recasts
 from .unit_find import find_units, unit_assignment, unit_members
 
@@ -288,6 +288,11 @@ class UnitScheduler:
         self._armed: dict[int, int] = {}
         self._arm_handles: list = []  # their handles, removed at the backward's end
         self._unhooked = False  # armed, and the hooks removed (a second backward of a graph)
+        self._task = -1  # the last graph task the model's outputs got a gradient in
+        self._ended_task = -1  # the graph task of the last end_backward
+        self._keep_frozen = False  # see `_task_ended`
+        self._keep_all = False  # likewise
+        self._building = False  # the graph task `task_started` saw has create_graph=True
         self._fired: dict[int, int] = {}
         self._rearm = False  # a backward ended since the hooks were armed
         self._reached: set[int] = set()
@@ -676,10 +681,12 @@ class UnitScheduler:
     def _free_if_done(self, u: Unit) -> None:
         if u.frozen and u.index in self._kept:  # read outside its forward: to the end
             return
+        if self._keep_all or torch.is_grad_enabled():  # a graph of gradients reads them later
+            return  # (`_task_ended`): to the end of the backward
         if self._fired.get(u.index, 0) < self._armed.get(u.index, 0) or (
-            self._unhooked and self._armed.get(u.index, 0)
-        ):  # inputs' gradients not all computed, or no hook left to say (`_unhook`)
-            return
+            (self._unhooked and self._armed.get(u.index, 0)) or (self._keep_frozen and u.frozen)
+        ):  # inputs' gradients not all computed, or nothing left to say (`_unhook`,
+            return  # `_task_ended`)
         if all(bk in self._done for bk in u.buckets if bk not in u.frozen):
             self.free(u)
 
@@ -735,7 +742,46 @@ class UnitScheduler:
         self._armed.clear()
         self._unhooked = False
 
+    def task_started(self) -> None:
+        """The model's outputs got a gradient in a graph task of autograd: at its end (after
+        the reducer's own end, if any), `_task_ended`."""
+        task = _graph_task()
+        if task == -1 or task == self._task:
+            return
+        self._task = task
+        self._building = torch.is_grad_enabled()  # create_graph=True: see `_task_ended`
+        me = weakref.ref(self)
+
+        def first() -> None:  # queued before the reducer's end: go after it
+            torch.autograd.Variable._execution_engine.queue_callback(last)
+
+        def last() -> None:
+            s = me()
+            if s is not None:
+                s._task_ended(task)
+
+        torch.autograd.Variable._execution_engine.queue_callback(first)
+
+    def _task_ended(self, task: int) -> None:
+        """[Note: frozen shards]: a graph task through the model that reduced nothing (a
+        ``torch.autograd.grad`` of an input: a gradient penalty, a saliency map) fired the
+        units' input hooks and began their backwards; counted into the next backward, they freed
+        a unit with frozen buckets before that backward was done with its weights (NaN params).
+        The counts are dropped and, until a backward's end, such units stay gathered. A task
+        that built a graph (``create_graph=True``) freed no unit while it ran (`_free_if_done`),
+        and until the next backward's end none is freed either: the gradient graph it built
+        reads the params it saved, frozen and trained, in that backward, in no order the hooks
+        can tell (freed, they read NaN)."""
+        if self._ended_task == task:
+            return
+        self._fired.clear()
+        self._reached.clear()
+        self._keep_frozen = True
+        self._keep_all = self._keep_all or self._building
+
     def end_backward(self) -> None:
+        self._ended_task = _graph_task()
+        self._keep_frozen = self._keep_all = False
         self._done = set()
         self._fired.clear()
         self._unhook()
@@ -855,6 +901,7 @@ def _root_bwd(me):
         s = me()
         if s is not None:
             s.phase.enter_backward()
+            s.task_started()
             s.wait(s.root)
 
     return hook
