@@ -123,6 +123,15 @@ def _pair(setup=None, make=LoraNet, **kw):
     return _zero(m1, **kw), m1, DDP(m2, static_graph=static), _adamw(m2)
 
 
+def _plain_pair(make):
+    """``make()`` twice from one seed: one under `_zero`, one plain with AdamW (a reference fed
+    every rank's batches, where DDP cannot run the pattern)."""
+    torch.manual_seed(0)
+    base = make()
+    m1, ref = copy.deepcopy(base), copy.deepcopy(base)
+    return _zero(m1), m1, ref, _adamw(ref)
+
+
 def _train(rank, zo, m1, ddp, to, steps, start=0, peak=None):
     losses = []
     for step in range(start, start + steps):
@@ -361,10 +370,7 @@ def check_two_forwards_and_double_backward(rank: int, world: int) -> dict:
     on every rank's batches (the ranks' average gradient)."""
     out = {}
     for mode in ("two forwards", "two backwards"):
-        torch.manual_seed(0)
-        base = LoraNet()
-        m1, ref = copy.deepcopy(base), copy.deepcopy(base)
-        zo, to = _zero(m1), _adamw(ref)
+        zo, m1, ref, to = _plain_pair(LoraNet)
 
         def loss_of(model, r, step, mode=mode):
             x, y = _batch(r, step)
@@ -510,10 +516,7 @@ def check_input_gradients(rank: int, world: int) -> dict:
     torch over every rank's batches."""
     out = {}
     for mode in ("penalty", "saliency"):
-        torch.manual_seed(0)
-        base = _FromEmbeddings()
-        m1, ref = copy.deepcopy(base), copy.deepcopy(base)
-        zo, to = _zero(m1), _adamw(ref)
+        zo, m1, ref, to = _plain_pair(_FromEmbeddings)
 
         def total(model, r, step, mode=mode):
             _, y = _batch(r, step)
