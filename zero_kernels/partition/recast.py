@@ -26,31 +26,33 @@ autocast. So the cache is the user's: with it off, DDP is off too, and the resul
 torch without ``_top_saved_tensors_default_hooks`` keeps the copies, with a warning once.
 
 [Note: frozen casts]
-A param that does not train (a LoRA run's frozen base) has no gradient accumulator, so its cast
-has no ``ToCopyBackward0`` node to be recognised by: autograd saves a plain low-precision tensor
-with no history. Saved as it is, every frozen fp32 weight's cast stays from the unit's forward
-to its backward, 2 bytes per frozen param of the whole model at the forward's end, which is
-more than the frozen shards themselves hold past 2 ranks (``shard_frozen=True``: 4/N bytes)
-and a third of the frozen params' bytes when they are kept whole. So a saved bf16/fp16 tensor
-without history and without grad, contiguous, of the shape of one of the unit's frozen fp32
-params, is compared with that param cast again, bit for bit (`_is_cast_of`); equal, it is saved
-as the same recipe as a trained param's cast. The comparison makes this exact whatever the
-tensor is: a recipe is kept only where making it again gives the saved bits. Its cost is one
-more cast of each frozen weight per forward (and the compare), where autocast casts it once per
-use anyway. The candidates are the unit's frozen params held whole and those of its own
-buckets (gathered in its backward, as [Note: frozen shards] keeps them until the unit's input
-gradients are computed); a nested unit's sharded params are left out: this unit's backward does
-not gather them. The same hooks are pushed, autocast or not, for every unit holding frozen
-buckets (``shard_frozen=True``): a frozen param of its own buckets that autograd saves as it is
-(`_Held`), and every frozen cast's recipe, is checked at unpack: its unit must be gathered (a
-unit no backward was expected for, freed after its forward, raises, naming the param: [Note:
-frozen shards]'s uncovered path), and the param unchanged in place since the forward (torch's
-own check of a saved tensor, which the hooks take the place of). The root unit pushes them too,
-for its own params only (a frozen ``lm_head``'s cast: the largest frozen matrix of a language
-model; the root unit is gathered from the model's forward to the end of its backward).
-Measured (bench/bench_frozen_shards.py --autocast, a 24-layer LoRA Llama, 81M
-frozen params, 2 ranks): peak RSS -162 / -169 MB with the base whole / sharded (954 / 841 MB;
-FSDP2 990), step +14-18% at 2 x 64 tokens (1-2 ns per frozen param per step on one Zen 4 core).
+A param that does not train (a LoRA run's frozen base) has no gradient accumulator, so its cast has
+no ``ToCopyBackward0`` node to be recognised by: autograd saves a plain low-precision tensor with no
+history. Saved as it is, every frozen fp32 weight's cast stays from the unit's forward to its
+backward, 2 bytes per frozen param of the whole model at the forward's end, which is more than the
+frozen shards themselves hold past 2 ranks (``shard_frozen=True``: 4/N bytes) and a third of the
+frozen params' bytes when they are kept whole. So a saved bf16/fp16 tensor without history and
+without grad, contiguous, of the shape of one of the unit's frozen fp32 params, is compared with
+that param cast again, bit for bit (`_is_cast_of`); equal, it is saved as the same recipe as a
+trained param's cast. The comparison makes this exact whatever the tensor is: a recipe is kept only
+where making it again gives the saved bits. Its cost is one more cast of each frozen weight per
+forward (and the compare), where autocast casts it once per use anyway. The candidates are the
+unit's frozen params held whole and those of its own buckets (gathered in its backward, as [Note:
+frozen shards] keeps them until the unit's input gradients are computed); a nested unit's sharded
+params are left out: this unit's backward does not gather them. CPU params only: on a GPU the
+compare's answer is needed at once, a host sync per frozen weight in every forward (the GPU drained,
+its queue lost); that cost is not measured yet, so there the casts stay saved as before
+(bench/gpu_check.sh is where to measure it). The same hooks are pushed, autocast or not, for every
+unit holding frozen buckets (``shard_frozen=True``): a frozen param of its own buckets that autograd
+saves as it is (`_Held`), and every frozen cast's recipe, is checked at unpack: its unit must be
+gathered (a unit no backward was expected for, freed after its forward, raises, naming the param:
+[Note: frozen shards]'s uncovered path), and the param unchanged in place since the forward (torch's
+own check of a saved tensor, which the hooks take the place of). The root unit pushes them too, for
+its own params only (a frozen ``lm_head``'s cast: the largest frozen matrix of a language model; the
+root unit is gathered from the model's forward to the end of its backward). Measured
+(bench/bench_frozen_shards.py --autocast, a 24-layer LoRA Llama, 81M frozen params, 2 ranks): peak
+RSS -162 / -169 MB with the base whole / sharded (954 / 841 MB; FSDP2 990), step +14-18% at 2 x 64
+tokens (1-2 ns per frozen param per step on one Zen 4 core).
 
 Measured (bench/stage3_autocast.py, ``MALLOC_MMAP_THRESHOLD_=65536`` against glibc's heap noise;
 2 ranks, 33.5M params in 16 units; peak RSS of the third step): fp32 726.4 MB; bf16 autocast
@@ -108,7 +110,7 @@ class Recasts:
                     id(p) for p in module.parameters() if p.dtype == torch.float32
                 }
         by_shape: dict[tuple, list] = {}
-        if cast:
+        if cast and device_type == "cpu":  # elsewhere the compare waits for the device
             for p in frozen:
                 if not p.requires_grad and p.dtype == torch.float32:
                     by_shape.setdefault(tuple(p.shape), []).append(p)
