@@ -1,6 +1,6 @@
 """LoRA over a frozen base at stage 3: what ``shard_frozen=True`` saves per rank, and costs in step
 time, against the frozen base kept whole, DDP and FSDP2 (``fully_shard`` per layer, which shards
-frozen params too); [Note: frozen shards] in zero_kernels/partition/units.py.
+frozen params too); [Note: frozen shards] in zero_kernels/partition/frozen.py.
 
 A Llama (transformers, random weights; ``--layers``, ``--hidden``, ``--vocab``) under PEFT's LoRA
 (r=8 on q_proj, v_proj, down_proj), fp32, AdamW, batch 2 x 64 tokens, on ``--world`` gloo ranks.

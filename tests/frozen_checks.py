@@ -1,6 +1,6 @@
 """Stage 3 with ``shard_frozen=True`` (spawned gloo ranks): a LoRA-shaped model whose frozen base
 is sharded with its units, against DDP on the same model ([Note: frozen shards] in
-zero_kernels/partition/units.py)."""
+zero_kernels/partition/frozen.py)."""
 
 from __future__ import annotations
 
@@ -130,6 +130,18 @@ def _plain_pair(make):
     base = make()
     m1, ref = copy.deepcopy(base), copy.deepcopy(base)
     return _zero(m1), m1, ref, _adamw(ref)
+
+
+def _train_plain(rank, world, zo, m1, ref, to, loss_of, backward=torch.Tensor.backward, steps=3):
+    """``steps`` steps of `_plain_pair`'s two: ``zo`` over this rank's ``loss_of(m1, rank,
+    step)``, the plain twin over the mean of every rank's, each loss through ``backward``."""
+    for step in range(steps):
+        zo.zero_grad()
+        to.zero_grad()
+        backward(loss_of(m1, rank, step))
+        backward(sum(loss_of(ref, r, step) for r in range(world)).div(world))
+        zo.step()
+        to.step()
 
 
 def _train(rank, zo, m1, ddp, to, steps, start=0, peak=None):
@@ -378,21 +390,12 @@ def check_two_forwards_and_double_backward(rank: int, world: int) -> dict:
                 return _loss(model, x, y) + _loss(model, y, x)
             return _loss(model, x, y)
 
-        for step in range(3):
-            zo.zero_grad()
-            to.zero_grad()
-            if mode == "two forwards":
-                loss_of(m1, rank, step).backward()
-                sum(loss_of(ref, r, step) for r in range(world)).div(world).backward()
-            else:
-                lz = loss_of(m1, rank, step)
-                lz.backward(retain_graph=True)
-                lz.mul(0.5).backward()
-                lr = sum(loss_of(ref, r, step) for r in range(world)).div(world)
-                lr.backward(retain_graph=True)
-                lr.mul(0.5).backward()
-            zo.step()
-            to.step()
+        def twice(loss):  # one forward, two backwards
+            loss.backward(retain_graph=True)
+            loss.mul(0.5).backward()
+
+        backward = twice if mode == "two backwards" else torch.Tensor.backward
+        _train_plain(rank, world, zo, m1, ref, to, loss_of, backward)
         _same_params(zo, m1, ref, 1e-5, mode)
         zo.close()
         out[mode] = "ok"
@@ -529,13 +532,7 @@ def check_input_gradients(rank: int, world: int) -> dict:
             torch.autograd.grad(loss, e, retain_graph=True)
             return loss
 
-        for step in range(3):
-            zo.zero_grad()
-            to.zero_grad()
-            total(m1, rank, step).backward()
-            sum(total(ref, r, step) for r in range(world)).div(world).backward()
-            zo.step()
-            to.step()
+        _train_plain(rank, world, zo, m1, ref, to, total)
         _same_params(zo, m1, ref, 1e-5, mode)
         zo.close()
         out[mode] = "ok"

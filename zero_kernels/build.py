@@ -620,6 +620,7 @@ def units(core: Core) -> UnitScheduler | None:
     )
     sched.timeout = core.op_timeout
     sched.phase = core.phase
+    core.phase.task_ended = sched.task_ended  # [Note: frozen shards]
     if gather.secondary_shard is not None:  # [Note: secondary shard]
         sec = comm.hier.secondary_groups(core.mesh, gather.secondary_shard)
         if sec is not None:

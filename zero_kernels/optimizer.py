@@ -154,7 +154,7 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
             LoRA adapters) are sharded too, 1/N per rank, and gathered and freed with their
             unit as FSDP and DeepSpeed's ZeRO-3 do; False keeps them whole on every rank.
             They have no gradient or optimizer state; read them between steps through
-            ``gathered_params()`` ([Note: frozen shards] in `zero_kernels.partition.units`).
+            ``gathered_params()`` ([Note: frozen shards] in `zero_kernels.partition.frozen`).
         host_cache: with params on the CPU, make the host block cache torch's CPU allocator
             for blocks of 1 MiB and more (process-wide; see [Note: host block cache] in
             `zero_kernels.hostmem`): freed gradient-sized blocks are reused by size instead of

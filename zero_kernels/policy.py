@@ -98,7 +98,7 @@ class GatherPolicy:
     shard_frozen: stage 3: the model's params that do not train (``requires_grad=False``: a
         frozen base under adapters) are sharded and gathered with their unit as the trained
         ones are, instead of kept whole on every rank ([Note: frozen shards] in
-        `zero_kernels.partition.units`).
+        `zero_kernels.partition.frozen`).
     """
 
     reshard_after_forward: bool = True

@@ -74,6 +74,10 @@ class PhaseTracker:
         self._task = -1  # the graph task of the BACKWARD phase
         self.stale = 0  # backward phases found over without their end (a backward that raised)
         self._deferred: list = []  # callbacks for the end of the outer backward (`defer`)
+        # (task, built) at the end of each graph task the phase entered its backward in, after
+        # the reducer's end, if any (stage 3's `UnitScheduler.task_ended`); built: the task
+        # runs with create_graph=True
+        self.task_ended = None
 
     @property
     def now(self) -> Phase:
@@ -125,7 +129,8 @@ class PhaseTracker:
         self._now, self._task = Phase.BACKWARD, task
         self._deferred = []
         if task != -1:
-            torch.autograd.Variable._execution_engine.queue_callback(self._requeue(task))
+            built = torch.is_grad_enabled()  # in autograd's engine: create_graph
+            torch.autograd.Variable._execution_engine.queue_callback(self._requeue(task, built))
 
     def nested(self) -> bool:
         """Inside a graph task nested in the backward's own (a re-entrant checkpoint's inner
@@ -140,7 +145,7 @@ class PhaseTracker:
         is called from ([Note: nested backwards])."""
         self._deferred.append(fn)
 
-    def _requeue(self, task: int):
+    def _requeue(self, task: int, built: bool):
         def first() -> None:  # the reducer's callback was queued after this one: go after it
             fns, self._deferred = self._deferred, []
             for fn in fns:  # deferred from nested graph tasks: before the phase ends
@@ -150,6 +155,8 @@ class PhaseTracker:
         def last() -> None:
             if self._now is Phase.BACKWARD and self._task == task:
                 self._now, self._task = Phase.IDLE, -1
+            if self.task_ended is not None:
+                self.task_ended(task, built)
 
         return first
 

@@ -78,69 +78,7 @@ DDP: tests/compiled_checks.py, ``check_compiled_forward_hooks``.
 
 [Note: autocast]: in `zero_kernels.partition.recast`.
 
-[Note: frozen shards]
-With ``shard_frozen=True`` the model's params that do not train (given to the optimizer with
-``requires_grad=False``, or not given at all: a frozen base under LoRA adapters) are laid out
-by unit as the trained ones are, in buffers of their own after the trained buffers
-(`Core.store_layout`, the param store's; `Core.layout`, which the gradients, the reducer, the
-step and the optimizer's state read, keeps the trained ones only). A unit's frozen buckets
-(`Unit.frozen`) are gathered and freed with it: prefetch, the secondary shard, quantized
-all-gathers and the exact gathers that hand params out all apply; they have no gradient,
-reduce-scatter or optimizer state. Those that ``persist_below`` (or, under quantized
-communication, the one-dimensional rule) keeps whole stay whole, unsharded.
-
-The backward is the hard part. A unit of trained params is freed when every gradient of its
-buckets arrived: every node that reads a trained weight also gives that weight's gradient, so
-the weight's accumulation comes after its last read. A frozen weight gives no such signal. In a
-LoRA linear, ``base(x) + B(A(x))`` as PEFT adds them, autograd runs the adapters' nodes (made
-last) before the base's input-gradient node, which reads the frozen weight; freed at the
-adapters' last gradient, that weight read as the NaN placeholder and every gradient below it
-was NaN (tests/frozen_checks.check_parity fails so without the rule below). So a unit with
-frozen buckets is freed in the backward when both (a) its trained buckets are done, as before,
-and (b) the gradients of the inputs of each of its forwards that need one are computed: a
-multi-grad hook (``mode="all"``) on its positional and keyword tensor arguments, armed in every
-forward since the last backward ended (two forwards before one backward, two views of a
-contrastive loss, arm two) and in a re-entrant checkpoint's recomputation (a non-re-entrant
-one's recomputation keeps the forward's hook), each firing counted in this optimizer's
-backward only (a gradient of a leaf input taken outside it, ``torch.autograd.grad``, counted
-and freed the unit early in the next backward), and only once the unit's backward has begun on
-this rank (a rank whose loss skips the unit must not free a prefetched gather the others still
-wait on). The hooks are removed at the backward's end: a leaf input (a param passed to a unit as
-it is) kept them, one more per step, and torch refuses ``torch.autograd.grad`` over a leaf with
-one (tests/frozen_checks.check_leaf_input); a second backward of the same graph
-(``retain_graph=True``) thus keeps such units gathered to its end. Measured before the counting:
-two forwards then one backward read NaN, as the adapters-first order did. A node that reads a
-frozen weight of the unit leads to the unit's inputs (covered by (b)) or to its trained params
-(covered by (a)); not covered is a path to a tensor that reaches the unit another way than its
-arguments (an attribute another module set, a closure), which does not occur in the transformer
-stacks we test: there the backward reading a freed frozen param raises, naming it (the unit's
-forward saves its frozen params through `zero_kernels.partition.recast`'s hooks, which check
-at unpack that the unit is gathered; the gradient was silently wrong before, and NaN under
-autocast; tests/frozen_checks.check_side_output_raises). Inputs that
-need no gradient make (b) hold at once; a unit whose hooks did not fire is freed at the end of
-the backward (later, never earlier). A unit of frozen params only whose inputs need no
-gradient (blocks before the first adapter) runs no backward: freed after its forward. A unit
-with frozen params that the forward read outside the unit ([Note: external params], the read
-guard keeps it gathered) stays gathered to the end of the backward: the read's backward may
-come after the unit's own, and a frozen param has no accumulation to wait for (freed at its
-own backward, the read's gradient was NaN, or wrong where the storage was gathered again).
-
-Checkpoints: `save_checkpoint` and `load_checkpoint` gather every unit holding frozen params
-(`zero_kernels.sharded_state.ShardedState.frozen_whole`): rank 0 writes them whole into the
-model file as before, a load writes them on every rank and takes the shards back, so a
-checkpoint does not depend on ``shard_frozen``. Inside, every frozen param is whole on every
-rank (``model.state_dict()`` at stage 3 holds every param whole too). Not built:
-``offload_params="nvme"`` with frozen shards (a NotImplementedError); under autocast the casts
-of frozen fp32 weights are recipes made again in the backward ([Note: frozen casts] in
-recast.py). Construction
-gives every rank rank 0's frozen values (the store's broadcast) without the warning that
-`zero_kernels.replicas.sync_at_start` gives for the frozen params kept whole.
-Tested against DDP (tests/frozen_checks.py: plain, both checkpointings, a frozen unit called
-twice, prefetch 2, no resharding after forward, host-memory shards, int8 weights, hpZ at 4
-ranks, meta-device construction, two forwards before one backward, two backwards of one
-forward, frozen params read outside their unit; memory held and freed; state dicts; a
-checkpoint resumed into another base; ``close``; PEFT's LoRA over a Llama with and without
-gradient checkpointing; ZeroTrainer in tests/transformers_checks.py).
+[Note: frozen shards]: in `zero_kernels.partition.frozen`.
 """
 
 from __future__ import annotations
@@ -155,7 +93,8 @@ from torch.utils._pytree import tree_flatten
 
 from .. import comm
 from .external import ReadGuard, container_members, is_container, returns_own_params, under_dynamo
-from .phase import PhaseTracker, _graph_task
+from .frozen import InputWatch
+from .phase import PhaseTracker
 from .recast import Recasts
 from .unit_find import find_units, unit_assignment, unit_members
 
@@ -281,19 +220,9 @@ class UnitScheduler:
         self._frozen_fp32: dict[int, list] = {}  # per unit: see `_frozen_casts`
         self._held: dict[int, frozenset] = {}  # per unit: see `_held_ids`
         self._root_ids: set[int] | None = None  # see `_root_fp32`
-        # [Note: frozen shards]: per unit with frozen buckets, the input hooks armed by the
-        # forwards since the last backward ended, and those fired in this backward (the
-        # unit's backward may read its frozen params until every one has); the units whose
+        # [Note: frozen shards]: the input hooks of units with frozen buckets; the units whose
         # backward (or recomputation) began in this backward
-        self._armed: dict[int, int] = {}
-        self._arm_handles: list = []  # their handles, removed at the backward's end
-        self._unhooked = False  # armed, and the hooks removed (a second backward of a graph)
-        self._task = -1  # the last graph task the model's outputs got a gradient in
-        self._ended_task = -1  # the graph task of the last end_backward
-        self._keep_frozen = False  # see `_task_ended`
-        self._keep_all = False  # likewise
-        self._building = False  # the graph task `task_started` saw has create_graph=True
-        self._fired: dict[int, int] = {}
+        self.inputs = InputWatch()
         self._rearm = False  # a backward ended since the hooks were armed
         self._reached: set[int] = set()
         self._containers = [u for u in units if is_container(u.module)]
@@ -552,7 +481,7 @@ class UnitScheduler:
         self.pos = 0
         self.bwd_units, self.bwd_next = [], 0  # the last forward's backward is the next one
         if self._rearm:  # the first forward after a backward: its own hooks from here
-            self._disarm()
+            self.inputs.disarm()
             self._rearm = False
         self._entered.clear()
         self.drop_secondary()  # of a forward whose backward did not run
@@ -681,110 +610,46 @@ class UnitScheduler:
     def _free_if_done(self, u: Unit) -> None:
         if u.frozen and u.index in self._kept:  # read outside its forward: to the end
             return
-        if self._keep_all or torch.is_grad_enabled():  # a graph of gradients reads them later
-            return  # (`_task_ended`): to the end of the backward
-        if self._fired.get(u.index, 0) < self._armed.get(u.index, 0) or (
-            (self._unhooked and self._armed.get(u.index, 0)) or (self._keep_frozen and u.frozen)
-        ):  # inputs' gradients not all computed, or nothing left to say (`_unhook`,
-            return  # `_task_ended`)
+        if self.inputs.holds(u):  # [Note: frozen shards]
+            return
         if all(bk in self._done for bk in u.buckets if bk not in u.frozen):
             self.free(u)
 
-    # ---- frozen shards ([Note: frozen shards])
+    # ---- frozen shards ([Note: frozen shards] in `zero_kernels.partition.frozen`)
     def watch_inputs(self, k: int, args, kwargs) -> None:
         """Unit ``k`` (with frozen buckets) starts a forward that a backward will follow: a
         hook on its inputs that need a gradient tells when its backward has used them all."""
         u = self.by_index[k]
         if not u.frozen or not torch.is_grad_enabled():
             return
-        if self.phase.backward and self._armed.get(k, 0):
+        if self.phase.backward and self.inputs.armed.get(k, 0):
             return  # a recomputation (non-reentrant checkpoint): the forward's hook stands
         ts = [
             t
             for t in tree_flatten((args, kwargs or {}))[0]
             if isinstance(t, torch.Tensor) and t.requires_grad
         ]
-        if not ts:
-            return
-        self._armed[k] = self._armed.get(k, 0) + 1
-        me = weakref.ref(self)
-        self._arm_handles.append(
-            torch.autograd.graph.register_multi_grad_hook(
-                ts, _grad_hook(me, "inputs_done", k), mode="all"
-            )
-        )
+        if ts:
+            self.inputs.arm(k, ts, _grad_hook(weakref.ref(self), "inputs_done", k))
 
     def inputs_done(self, k: int) -> None:
-        """The gradients of one forward's inputs of unit ``k`` are computed (in this
-        backward). A leaf input keeps its hooks past the backward: fired by another backward
-        (another model's, or ``torch.autograd.grad`` of that input), they count for nothing."""
-        if not self.phase.backward:
+        """The gradients of one forward's inputs of unit ``k`` are computed (counted in this
+        optimizer's backward only: `InputWatch.fire`)."""
+        if not self.inputs.fire(k, self.phase.backward):
             return
-        self._fired[k] = self._fired.get(k, 0) + 1
         u = self.by_index[k]
         if u is not self.root and not u.persistent and k in self._reached:
             self._free_if_done(u)
 
-    def _unhook(self) -> None:
-        """The input hooks off their tensors at the end of a backward: a leaf input (a param
-        passed to a unit as it is) keeps its hooks past the backward, one more per step, all
-        fired by each later backward, and torch refuses ``torch.autograd.grad`` over a leaf
-        holding one. A second backward of the same graph (``retain_graph``) then has no input
-        hooks to count: its units with frozen buckets stay gathered to its end."""
-        for h in self._arm_handles:
-            h.remove()
-        self._arm_handles.clear()
-        self._unhooked = bool(self._armed)
-
-    def _disarm(self) -> None:
-        """The first forward after a backward: its own input hooks from here."""
-        self._unhook()
-        self._armed.clear()
-        self._unhooked = False
-
-    def task_started(self) -> None:
-        """The model's outputs got a gradient in a graph task of autograd: at its end (after
-        the reducer's own end, if any), `_task_ended`."""
-        task = _graph_task()
-        if task == -1 or task == self._task:
-            return
-        self._task = task
-        self._building = torch.is_grad_enabled()  # create_graph=True: see `_task_ended`
-        me = weakref.ref(self)
-
-        def first() -> None:  # queued before the reducer's end: go after it
-            torch.autograd.Variable._execution_engine.queue_callback(last)
-
-        def last() -> None:
-            s = me()
-            if s is not None:
-                s._task_ended(task)
-
-        torch.autograd.Variable._execution_engine.queue_callback(first)
-
-    def _task_ended(self, task: int) -> None:
-        """[Note: frozen shards]: a graph task through the model that reduced nothing (a
-        ``torch.autograd.grad`` of an input: a gradient penalty, a saliency map) fired the
-        units' input hooks and began their backwards; counted into the next backward, they freed
-        a unit with frozen buckets before that backward was done with its weights (NaN params).
-        The counts are dropped and, until a backward's end, such units stay gathered. A task
-        that built a graph (``create_graph=True``) freed no unit while it ran (`_free_if_done`),
-        and until the next backward's end none is freed either: the gradient graph it built
-        reads the params it saved, frozen and trained, in that backward, in no order the hooks
-        can tell (freed, they read NaN)."""
-        if self._ended_task == task:
-            return
-        self._fired.clear()
-        self._reached.clear()
-        self._keep_frozen = True
-        self._keep_all = self._keep_all or self._building
+    def task_ended(self, task: int, built: bool) -> None:
+        """The phase's end of a graph task through the model (after the reducer's end, if
+        any): one that reduced nothing leaves no count behind (`InputWatch.task_ended`)."""
+        if self.inputs.task_ended(task, built):
+            self._reached.clear()
 
     def end_backward(self) -> None:
-        self._ended_task = _graph_task()
-        self._keep_frozen = self._keep_all = False
+        self.inputs.backward_ended()
         self._done = set()
-        self._fired.clear()
-        self._unhook()
         self._reached.clear()
         self._rearm = True
         self.bwd_units, self.bwd_next = [], 0
@@ -792,7 +657,7 @@ class UnitScheduler:
         self.free_all()
 
     def remove(self) -> None:
-        self._disarm()
+        self.inputs.disarm()
         self.drop_secondary()
         self.pop_recast()
         self._guard.pop()
@@ -901,7 +766,6 @@ def _root_bwd(me):
         s = me()
         if s is not None:
             s.phase.enter_backward()
-            s.task_started()
             s.wait(s.root)
 
     return hook
