@@ -16,7 +16,12 @@ Quantizers (--cands):
     int8_bB      the same, int8
     jitter       exact, each element times (1 + 1e-3 N(0, 1)): how far a tiny perturbation moves
                  the final loss (the noise floor of the comparison)
+    anoiseE      exact plus Gaussian noise of std E% of the averaged gradient's RMS (per bucket
+                 with --layout units): an unbiased error of relative L2 size E% that, unlike a
+                 quantizer's, has no structure; how large an error the final loss tolerates
     int4sr_bB    stochastic rounding: q = floor(y / scale + u), u ~ U[0, 1) (unbiased: E[deq] = y)
+    hint4_bB     (any gradient quantizer with an h in front) the two-hop form: each chunk summed
+                 exact inside its owner's node (2 ranks), every other node's sum quantized once
     int4sq_bB    square-law levels (the int8 state's map, `zero_kernels.ops.lowbit`):
                  x = q |q| A / 49, q = sign(x) rne(sqrt(|x| 49 / A)), A the block's max |x|
     qw8+G        gradients as G, and each step's forward and backward on int8-quantized weights
@@ -63,14 +68,17 @@ def _parse(name: str) -> tuple:
             raise SystemExit(f"--cands: unknown weight quantizer in {name!r}")
         wblock, persist = int(m.group(1) or 256), int(m.group(2) or 0)
     if grads == "exact":
-        return name, 0, 0, False, wblock, persist
+        return name, 0, 0, False, wblock, persist, False
     if grads == "jitter":
-        return name, -1, 0, False, wblock, persist
-    kind, _, blk = grads.partition("_b")
+        return name, -1, 0, False, wblock, persist, False
+    if re.fullmatch(r"anoise\d+(\.\d+)?", grads):  # additive noise, std in % of the RMS
+        return name, -2, float(grads[6:]), False, wblock, persist, False
+    hier = grads.startswith("h")
+    kind, _, blk = grads.removeprefix("h").partition("_b")
     if kind not in ("int4", "int8", "int4sr", "int8sr", "int4sq", "int8sq") or not blk.isdigit():
         raise SystemExit(f"--cands: unknown quantizer {name!r}")
     how = "sq" if kind.endswith("sq") else kind.endswith("sr")
-    return name, int(kind[3]), int(blk), how, wblock, persist
+    return name, int(kind[3]), int(blk), how, wblock, persist, hier
 
 
 def _round_trip(x: torch.Tensor, bits: int, block: int, stochastic: bool, gen) -> torch.Tensor:
@@ -97,15 +105,33 @@ def _round_trip(x: torch.Tensor, bits: int, block: int, stochastic: bool, gen) -
     return (q * scale).view(-1)[:n]
 
 
-def _reduce(grads: list[torch.Tensor], cand, gen) -> torch.Tensor:
-    """The averaged gradient the quantized reduce-scatter of ``grads`` (one flat per rank) gives."""
+def _reduce(grads: list[torch.Tensor], cand, gen, node: int = 2) -> torch.Tensor:
+    """The averaged gradient the quantized reduce-scatter of ``grads`` (one flat per rank) gives.
+    A hierarchical candidate (``h`` prefix) sums each chunk exactly inside its owner's node (the
+    ranks ``node`` at a time) and adds every other node's sum quantized once (the two-hop form)."""
     _, bits, block, sr = cand[:4]
     n = len(grads)
+    if bits > 0 and cand[6]:
+        grads = [sum(grads[h * node : (h + 1) * node]) for h in range(n // node)]
+        c = -(-grads[0].numel() // n)
+        out = torch.empty_like(grads[0])
+        for k in range(n):
+            lo, hi = k * c, min((k + 1) * c, grads[0].numel())
+            acc = grads[k // node][lo:hi].clone()  # the owner's node: exact
+            for h in range(n // node):
+                if h != k // node:
+                    acc += _round_trip(grads[h][lo:hi].contiguous(), bits, block, sr, gen)
+            out[lo:hi] = acc / n
+        return out
     if bits == 0:
         return torch.stack(grads).mean(0)
     if bits == -1:  # exact, each element times (1 + 1e-3 N(0, 1)): the trajectory's sensitivity
         g = torch.stack(grads).mean(0)
         return g * (1 + 1e-3 * torch.randn(g.shape, generator=gen))
+    if bits == -2:  # exact + N(0, (block% of the exact average's RMS)^2): rel. L2 error block%
+        g = torch.stack(grads).mean(0)
+        rms = g.pow(2).mean().sqrt()
+        return g + (block / 100) * rms * torch.randn(g.shape, generator=gen)
     c = -(-grads[0].numel() // n)
     out = torch.empty_like(grads[0])
     for k in range(n):

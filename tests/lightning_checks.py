@@ -41,12 +41,13 @@ def _module(L, **kw):
     """A LightningModule class of framework ``L`` (lightning or pytorch_lightning)."""
 
     class Net(L.LightningModule):
-        def __init__(self, manual=False, no_opt=False, zero_opt=False):
+        def __init__(self, manual=False, no_opt=False, zero_opt=False, after_step=False):
             super().__init__()
             self.blocks = nn.ModuleList([nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 16)])
             self.head = nn.Linear(16, 1)
             self.automatic_optimization = not manual
             self.no_opt, self.zero_opt = no_opt, zero_opt
+            self.after_step: list[float] | None = [] if after_step else None
             self.losses: list[float] = []
             self.val_losses: list[float] = []
 
@@ -59,7 +60,19 @@ def _module(L, **kw):
             x, y = batch
             loss = nn.functional.mse_loss(self(x).float(), y.float())
             self.losses.append(loss.item())
-            return loss
+            if self.automatic_optimization:
+                return loss
+            # manual: 2 micro-batches per step, clipped by norm, the scheduler per step
+            opt, sched = self.optimizers(), self.lr_schedulers()
+            self.manual_backward(loss / 2)
+            if batch_idx % 2 == 1:
+                self.clip_gradients(opt, gradient_clip_val=CLIP, gradient_clip_algorithm="norm")
+                opt.step()
+                opt.zero_grad()
+                sched.step()
+                if self.after_step is not None:  # the model again, inside the same step
+                    with torch.no_grad():
+                        self.after_step.append(nn.functional.mse_loss(self(x), y).item())
 
         def validation_step(self, batch, batch_idx):
             x, y = batch
@@ -326,17 +339,48 @@ def _raises(fn, exc, *words) -> str:
     raise AssertionError(f"{fn} did not raise {exc.__name__}")
 
 
+def check_manual_optimization(rank, world):
+    """``automatic_optimization = False``: the user's manual_backward (2 micro-batches
+    accumulated), clip_gradients, opt.step, zero_grad and scheduler give DDP's losses at stages
+    1-3, and the model called again after the step inside the same training step gives DDP's
+    values at stages 1/2; at stage 3, where the step reshards the root unit, that call raises
+    (the head's params are in the root unit) instead of reading placeholders."""
+    L = _lightning()
+
+    kw = dict(manual=True, clip=None, accum=1)  # the Trainer's clip/accumulation: automatic only
+    ddp, ddp_model, _ = _fit(L, "ddp", world, after_step=True, **kw)
+    out = {}
+    for stage in (1, 2, 3):
+        s = f"zero_kernels_stage_{stage}"
+        with _count_clips() as clips:
+            got, model, trainer = _fit(L, s, world, after_step=stage < 3, **kw)
+        assert len(clips) == EPOCHS * 2 and clips[0] == (CLIP,), clips
+        assert trainer.global_step == EPOCHS * 2, trainer.global_step
+        assert trainer.strategy.zero_optimizer.sharded_state.stage == stage
+        out[f"stage{stage}"] = _rel(got, ddp)
+        assert out[f"stage{stage}"] < 1e-5, (stage, got, ddp)
+        if stage < 3:
+            out[f"stage{stage}_after_step"] = _rel(model.after_step, ddp_model.after_step)
+            assert out[f"stage{stage}_after_step"] < 1e-5, (model.after_step, ddp_model.after_step)
+        trainer.strategy.close()
+    _raises(
+        lambda: _fit(L, "zero_kernels_stage_3", world, after_step=True, **kw),
+        RuntimeError,
+        "'module.head'",
+        "root unit",
+    )
+    # each step moved the params: the batch's loss after it differs from the one before it
+    before = ddp_model.losses[1::2]
+    assert all(abs(a - b) > 1e-6 for a, b in zip(ddp_model.after_step, before)), before
+    return out
+
+
 def check_errors_at_fit(rank, world):
     """What the strategy cannot honour raises at fit, on every rank, naming the setting."""
     L = _lightning()
     from zero_kernels.integrations.lightning import ZeroStrategy
 
     s = "zero_kernels_stage_2"
-    _raises(
-        lambda: _fit(L, s, world, manual=True, clip=0.0, accum=1),
-        NotImplementedError,
-        "automatic_optimization",
-    )
     _raises(lambda: _fit(L, s, world, no_opt=True), ValueError, "no optimizer")
     _raises(lambda: _fit(L, s, world, zero_opt=True), TypeError, "plain")
 
@@ -397,6 +441,7 @@ CHECKS = [
     check_resume_fp32,
     check_resume_bf16_params,
     check_after_fit,
+    check_manual_optimization,
     check_errors_at_fit,
     check_pytorch_lightning,
 ]

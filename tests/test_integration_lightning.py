@@ -65,6 +65,12 @@ def test_after_fit_test_validate_and_a_second_trainer(reports):
 
 
 @pytest.mark.distributed
+def test_manual_optimization_matches_ddp(reports):
+    for rep in _check(reports, "check_manual_optimization"):
+        assert len(rep) == 5 and all(v < 1e-5 for v in rep.values()), rep
+
+
+@pytest.mark.distributed
 def test_unsupported_settings_raise_at_fit(reports):
     _check(reports, "check_errors_at_fit")
 

@@ -56,7 +56,17 @@ Lightning's loop stays as it is; the strategy swaps the parts DDP would play:
   and so does another trainer's ``ZeroStrategy`` set up on the same LightningModule.
   ``ZeroStrategy.close()`` hands the params back whole at any time.
 
-Not supported (each raises, naming the setting): manual optimization, several optimizers, a
+- manual optimization (``automatic_optimization = False``): ``self.optimizers()`` is the
+  ZeroOptimizer behind Lightning's wrapper; ``manual_backward`` reduces in the optimizer's hooks
+  (and scales the loss where it keeps a loss scale), ``self.clip_gradients`` clips through
+  ``opt.clip_grad_norm_`` as above, ``opt.step()``/``opt.zero_grad()`` and the schedulers are
+  the user's, and gradients accumulate across backwards until ``zero_grad`` (DDP's values,
+  stages 1-3, tests/lightning_checks.py). At stage 3 the training step runs inside the root's
+  forward (see the model above) and ``opt.step()`` reshards the root unit: a call of a module
+  whose params are in the root unit after the step, inside the same training step, raises
+  (units are gathered again by their own forward, with the stepped values).
+
+Not supported (each raises, naming the setting): several optimizers, a
 custom ``CheckpointIO``, ``ckpt_path`` outside ``fit`` without a live optimizer, a ``.ckpt``
 file from another strategy.
 """
@@ -337,12 +347,6 @@ def _build(pl_name: str, fabric_name: str) -> type:
                             "copy failed with torch's 'more than one element ... refers to "
                             "a single memory location'); use stage 1 or 2 with it"
                         )
-            if not lm.automatic_optimization:
-                raise NotImplementedError(
-                    f"{name}: {type(lm).__name__}.automatic_optimization=False (manual "
-                    "optimization) is not supported; the strategy drives the ZeroOptimizer "
-                    "through Lightning's automatic loop"
-                )
 
         def setup_optimizers(self, trainer) -> None:
             """``configure_optimizers``'s plain optimizer turned into a `ZeroOptimizer`; the
