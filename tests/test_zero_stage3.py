@@ -2,6 +2,7 @@
 construction, ranks that disagree (spawned gloo ranks), and bad input (in-process)."""
 
 import contextlib
+import copy
 import warnings
 
 import pytest
@@ -528,4 +529,41 @@ def test_stage3_autocast_casts_made_again_in_backward(monkeypatch):
             torch.testing.assert_close(zo.full_grad(p), q.grad)
         zo.zero_grad()
         ref.zero_grad()
+    zo.close()
+
+
+def test_stage3_step_after_a_forward_without_backward_raises():
+    """A forward with gradients on whose backward has not run (an evaluation outside no_grad)
+    holds its units gathered: a step then raises, naming them (it said the params' data had
+    been replaced). Once that output is backwarded, the step gives plain torch's values; a
+    forward under no_grad between backward and step holds nothing."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    ref = copy.deepcopy(m)
+    zo = ZeroOptimizer(m, torch.optim.SGD, stage=3, lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.randn(4, 8)
+    m(x).pow(2).sum().backward()
+    ev = m(x).pow(2).mean()  # gradients on, no backward yet
+    with pytest.raises(RuntimeError, match=r"step\(\) while unit\(s\) <root> are gathered"):
+        zo.step()
+    ev.backward()
+    zo.step()
+    zo.zero_grad()
+    ref(x).pow(2).sum().backward()
+    ref(x).pow(2).mean().backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+    for _ in range(2):  # an evaluation under no_grad between backward and step: no error
+        m(x).pow(2).sum().backward()
+        with torch.no_grad():
+            m(x)
+        zo.step()
+        zo.zero_grad()
+        ref(x).pow(2).sum().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    with zo.gathered_params():
+        for p, q in zip(m.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
     zo.close()

@@ -603,6 +603,8 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
         phase = self._core.phase
         phase.enter_step()  # raises inside a backward, before anything reads a param
         try:
+            if self._core.units is not None:
+                self._core.units.check_step()  # stage 3: nothing gathered by a forward
             validate.check_intact(self._core, self._expected, self._module_params)
             self.parts.stepper.step(self.param_groups, kwargs)
         finally:

@@ -310,6 +310,26 @@ class UnitScheduler:
             for u in self.all_units:
                 self._drop(u)
 
+    def check_step(self) -> None:
+        """Before a step: a unit still gathered (outside the persistent one) was gathered by a
+        forward with gradients on whose backward has not run, or by ``gathered_params()``. Its
+        whole params would keep the values from before the step, and that forward's graph saved
+        them: raise, naming them (before, the step's own check reported them as params whose
+        data had been replaced)."""
+        held = [
+            u.name
+            for u in self.all_units
+            if not u.persistent and u.state in (UnitState.GATHERED, UnitState.GATHERING)
+        ]
+        if held:
+            raise RuntimeError(
+                f"stage 3: step() while unit(s) {', '.join(held)} are gathered, by a forward "
+                "with gradients on whose backward has not run (an evaluation forward outside "
+                "torch.no_grad(), say) or inside gathered_params(); their whole params would "
+                "keep the values from before the step. Run such forwards under "
+                "torch.no_grad(), or call backward on their output, before the step"
+            )
+
     def free_all(self) -> None:
         for u in self.all_units:
             self.free(u)
