@@ -1,6 +1,7 @@
 """``ZeroOptimizer.step(closure=None, **kwargs)`` (issue 21): keywords reach the inner optimizer's
 step and the keys it adds to its param groups reach ``opt.param_groups``, flat and whole mode,
-against the same optimizer unsharded under DDP; an unknown keyword is a TypeError naming it."""
+against the same optimizer unsharded under DDP; an unknown keyword is a TypeError naming it. A
+step changes the params' versions as torch's in-place step does (in-process, stages 1-3)."""
 
 import pytest
 import step_api_checks
@@ -18,3 +19,34 @@ def test_step_kwargs():
         "AdamW fused=True": "ok",
         "AdamW fused=False": "ok",
     }, rep
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_graph_from_before_a_step_backwarded_after_it_raises(stage):
+    """The step changes the params as torch's in-place step does: a graph saved before it and
+    backwarded after it raises torch's in-place error, at every stage, as under plain torch
+    (it computed with the stepped values, silently). Graphs made after the step backward."""
+    import torch
+    from torch import nn
+
+    from zero_kernels import ZeroOptimizer
+
+    for plain in (True, False):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+        if plain:
+            opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        else:
+            opt = ZeroOptimizer(m, torch.optim.SGD, stage=stage, lr=0.1)
+        x = torch.randn(4, 8)
+        m(x).pow(2).sum().backward()
+        early = m(x).pow(2).mean()  # saved before the step
+        opt.step()
+        opt.zero_grad()
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            early.backward()
+        opt.zero_grad()
+        m(x).pow(2).sum().backward()  # after the step: trains on
+        opt.step()
+        if not plain:
+            opt.close()

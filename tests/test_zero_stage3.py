@@ -532,38 +532,33 @@ def test_stage3_autocast_casts_made_again_in_backward(monkeypatch):
     zo.close()
 
 
-def test_stage3_step_after_a_forward_without_backward_raises():
-    """A forward with gradients on whose backward has not run (an evaluation outside no_grad)
-    holds its units gathered: a step then raises, naming them (it said the params' data had
-    been replaced). Once that output is backwarded, the step gives plain torch's values; a
-    forward under no_grad between backward and step holds nothing."""
+def test_stage3_step_after_a_forward_without_backward():
+    """A forward with gradients on whose backward has not run (an evaluation outside no_grad,
+    between backward and step) left its units gathered: the step frees them, so the next
+    forward reads the stepped values (plain torch's, 3 steps); a backward through that
+    forward's graph after the step raises torch's in-place error, as in plain torch (before,
+    the step raised that the params' data had been replaced). A step inside gathered_params()
+    raises."""
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
     ref = copy.deepcopy(m)
     zo = ZeroOptimizer(m, torch.optim.SGD, stage=3, lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     x = torch.randn(4, 8)
-    m(x).pow(2).sum().backward()
-    ev = m(x).pow(2).mean()  # gradients on, no backward yet
-    with pytest.raises(RuntimeError, match=r"step\(\) while unit\(s\) <root> are gathered"):
-        zo.step()
-    ev.backward()
-    zo.step()
-    zo.zero_grad()
-    ref(x).pow(2).sum().backward()
-    ref(x).pow(2).mean().backward()
-    ref_opt.step()
-    ref_opt.zero_grad()
-    for _ in range(2):  # an evaluation under no_grad between backward and step: no error
-        m(x).pow(2).sum().backward()
-        with torch.no_grad():
-            m(x)
-        zo.step()
-        zo.zero_grad()
-        ref(x).pow(2).sum().backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+    for model, opt in ((m, zo), (ref, ref_opt)):
+        evals = []
+        for _ in range(3):
+            model(x).pow(2).sum().backward()
+            evals.append(model(x).pow(2).mean())  # gradients on, never backwarded
+            opt.step()
+            opt.zero_grad()
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            evals[-1].backward()
+        opt.zero_grad()
     with zo.gathered_params():
         for p, q in zip(m.parameters(), ref.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+    m(x).pow(2).sum().backward()
+    with zo.gathered_params(), pytest.raises(RuntimeError, match="inside gathered_params"):
+        zo.step()
     zo.close()

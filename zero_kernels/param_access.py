@@ -90,9 +90,13 @@ class ParamAccess:
                         mine.append(u)
                     with self.core.runner.exact():  # handed out: never quantized
                         sched.wait(u)
+        if sched is not None:
+            sched.handed_out += 1  # a step inside the block raises (`release_for_step`)
         try:
             yield
         finally:
+            if sched is not None:
+                sched.handed_out -= 1
             if modifier_rank is not None:  # the edits of every unit covered, not only of mine
                 self.take_edits(
                     modifier_rank, [b for u in covered for b in u.buckets] if sched else None

@@ -217,6 +217,7 @@ class UnitScheduler:
         }
         self._kept: set[int] = set()
         self._entered: set[int] = set()
+        self.handed_out = 0  # gathered_params() blocks open (`release_for_step`)
         self._frozen_fp32: dict[int, list] = {}  # per unit: see `_frozen_casts`
         self._held: dict[int, frozenset] = {}  # per unit: see `_held_ids`
         self._root_ids: set[int] | None = None  # see `_root_fp32`
@@ -310,25 +311,34 @@ class UnitScheduler:
             for u in self.all_units:
                 self._drop(u)
 
-    def check_step(self) -> None:
+    def release_for_step(self) -> None:
         """Before a step: a unit still gathered (outside the persistent one) was gathered by a
-        forward with gradients on whose backward has not run, or by ``gathered_params()``. Its
-        whole params would keep the values from before the step, and that forward's graph saved
-        them: raise, naming them (before, the step's own check reported them as params whose
-        data had been replaced)."""
+        forward with gradients on whose backward has not run (an evaluation outside no_grad
+        between backward and step, say), or by ``gathered_params()``. The first kind is
+        freed: the next forward gathers the stepped values, as DDP's next forward reads them.
+        Its params' versions are bumped, as the step's in-place update bumps DDP's, so a later
+        backward through that forward's graph raises torch's "modified by an inplace
+        operation" as it does under DDP. Inside ``gathered_params()`` the step raises: the
+        block's params would keep the values from before it."""
+        from ..ops.library import _bump
+
         held = [
-            u.name
+            u
             for u in self.all_units
             if not u.persistent and u.state in (UnitState.GATHERED, UnitState.GATHERING)
         ]
-        if held:
+        if not held:
+            return
+        if self.handed_out:
             raise RuntimeError(
-                f"stage 3: step() while unit(s) {', '.join(held)} are gathered, by a forward "
-                "with gradients on whose backward has not run (an evaluation forward outside "
-                "torch.no_grad(), say) or inside gathered_params(); their whole params would "
-                "keep the values from before the step. Run such forwards under "
-                "torch.no_grad(), or call backward on their output, before the step"
+                "stage 3: step() inside gathered_params(): the params it made whole "
+                f"(units {', '.join(u.name for u in held)}) would keep the values from before "
+                "the step; step outside the block"
             )
+        for u in held:
+            self.free(u)
+            _bump([p for key in u.buckets for p, _, _ in self.store.members.get(key, ())])
+        self._kept.clear()
 
     def free_all(self) -> None:
         for u in self.all_units:
