@@ -111,18 +111,6 @@ def _reduce(grads: list[torch.Tensor], cand, gen, node: int = 2) -> torch.Tensor
     ranks ``node`` at a time) and adds every other node's sum quantized once (the two-hop form)."""
     _, bits, block, sr = cand[:4]
     n = len(grads)
-    if bits > 0 and cand[6]:
-        grads = [sum(grads[h * node : (h + 1) * node]) for h in range(n // node)]
-        c = -(-grads[0].numel() // n)
-        out = torch.empty_like(grads[0])
-        for k in range(n):
-            lo, hi = k * c, min((k + 1) * c, grads[0].numel())
-            acc = grads[k // node][lo:hi].clone()  # the owner's node: exact
-            for h in range(n // node):
-                if h != k // node:
-                    acc += _round_trip(grads[h][lo:hi].contiguous(), bits, block, sr, gen)
-            out[lo:hi] = acc / n
-        return out
     if bits == 0:
         return torch.stack(grads).mean(0)
     if bits == -1:  # exact, each element times (1 + 1e-3 N(0, 1)): the trajectory's sensitivity
@@ -132,14 +120,16 @@ def _reduce(grads: list[torch.Tensor], cand, gen, node: int = 2) -> torch.Tensor
         g = torch.stack(grads).mean(0)
         rms = g.pow(2).mean().sqrt()
         return g + (block / 100) * rms * torch.randn(g.shape, generator=gen)
+    per = node if cand[6] else 1  # the ranks summed exactly before the quantized hop
+    srcs = grads if per == 1 else [sum(grads[h * per : (h + 1) * per]) for h in range(n // per)]
     c = -(-grads[0].numel() // n)
     out = torch.empty_like(grads[0])
     for k in range(n):
         lo, hi = k * c, min((k + 1) * c, grads[0].numel())
-        acc = grads[k][lo:hi].clone()  # the chunk's owner: exact
-        for r in range(n):
-            if r != k:
-                acc += _round_trip(grads[r][lo:hi].contiguous(), bits, block, sr, gen)
+        acc = srcs[k // per][lo:hi].clone()  # the chunk's owner (its node's sum): exact
+        for r in range(len(srcs)):
+            if r != k // per:
+                acc += _round_trip(srcs[r][lo:hi].contiguous(), bits, block, sr, gen)
         out[lo:hi] = acc / n
     return out
 

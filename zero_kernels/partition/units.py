@@ -97,6 +97,16 @@ from .frozen import InputWatch
 from .phase import PhaseTracker
 from .recast import Recasts
 from .unit_find import find_units, unit_assignment, unit_members
+from .unit_hooks import (
+    _grad_hook,
+    _post,
+    _pre,
+    _root_bwd,
+    _root_finally,
+    _root_member,
+    _root_post,
+    _root_pre,
+)
 
 __all__ = ["UnitState", "Unit", "UnitScheduler", "find_units", "unit_assignment", "unit_members"]
 
@@ -315,13 +325,10 @@ class UnitScheduler:
         """Before a step: a unit still gathered (outside the persistent one) was gathered by a
         forward with gradients on whose backward has not run (an evaluation outside no_grad
         between backward and step, say), or by ``gathered_params()``. The first kind is
-        freed: the next forward gathers the stepped values, as DDP's next forward reads them.
-        Its params' versions are bumped, as the step's in-place update bumps DDP's, so a later
-        backward through that forward's graph raises torch's "modified by an inplace
-        operation" as it does under DDP. Inside ``gathered_params()`` the step raises: the
-        block's params would keep the values from before it."""
-        from ..ops.library import _bump
-
+        freed: the next forward gathers the stepped values, as DDP's next forward reads them
+        (a backward through that forward's graph raises torch's in-place error: the step bumps
+        the trained params' versions, `ZeroOptimizer.step`). Inside ``gathered_params()`` the
+        step raises: the block's params would keep the values from before it."""
         held = [
             u
             for u in self.all_units
@@ -337,7 +344,6 @@ class UnitScheduler:
             )
         for u in held:
             self.free(u)
-            _bump([p for key in u.buckets for p, _, _ in self.store.members.get(key, ())])
         self._kept.clear()
 
     def free_all(self) -> None:
@@ -723,91 +729,3 @@ def _compiled_autograd() -> bool:
 def _compiled(m: nn.Module) -> bool:
     """``m.compile()`` was called (its calls run through dynamo)."""
     return getattr(m, "_compiled_call_impl", None) is not None
-
-
-def _opaque(hook):
-    """The hook, run as Python where torch.compile traces the model (see [Note: torch.compile])."""
-    return torch.compiler.disable(hook, recursive=True)
-
-
-def _pre(me, k, member: bool = False):
-    """Unit ``k``'s forward pre-hook (``member``: on a member of container unit ``k``)."""
-
-    def hook(module, args, kwargs=None):
-        s = me()
-        if s is not None:
-            (s.member_pre if member else s.pre_forward)(k)
-            s.push_recast(k)
-            s.watch_inputs(k, args, kwargs)
-
-    return _opaque(hook)
-
-
-def _post(me, k, member: bool = False):
-    def hook(module, args, output):
-        s = me()
-        if s is not None:
-            s.pop_recast(k)
-            s.post_forward(k, output, free=not member)
-
-    return _opaque(hook)
-
-
-def _root_pre(me):
-    def hook(module, args, kwargs):
-        s = me()
-        if s is not None:
-            s.root_pre(args, kwargs)
-
-    return _opaque(hook)
-
-
-def _root_member(me, name):
-    def hook(module, args):
-        s = me()
-        if s is not None:
-            s.root_member(name)
-
-    return _opaque(hook)
-
-
-def _root_post(me):
-    def hook(module, args, output):
-        s = me()
-        if s is not None:
-            s.root_post(output)
-
-    return _opaque(hook)
-
-
-def _root_finally(me):
-    """Also after a forward that raised: the read guard off the mode stack."""
-
-    def hook(module, args, output):
-        s = me()
-        if s is not None:
-            s._guard.pop()
-
-    return _opaque(hook)
-
-
-def _root_bwd(me):
-    def hook(grad):
-        s = me()
-        if s is not None:
-            s.phase.enter_backward()
-            s.wait(s.root)
-
-    return hook
-
-
-def _grad_hook(me, method: str, k: int):
-    """A gradient hook calling the scheduler's ``method(k)`` (a unit's backward starts:
-    ``pre_backward``; its inputs' gradients are computed: ``inputs_done``)."""
-
-    def hook(grad):
-        s = me()
-        if s is not None:
-            getattr(s, method)(k)
-
-    return hook
