@@ -25,26 +25,38 @@ def test_step_kwargs():
 def test_graph_from_before_a_step_backwarded_after_it_raises(stage):
     """The step changes the params as torch's in-place step does: a graph saved before it and
     backwarded after it raises torch's in-place error, at every stage, as under plain torch
-    (it computed with the stepped values, silently). Graphs made after the step backward."""
+    (it computed with the stepped values, silently). A graph of a param the step left alone
+    (no gradient) still backwards, as in torch. Graphs made after the step backward."""
     import torch
     from torch import nn
 
     from zero_kernels import ZeroOptimizer
 
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 2), nn.Linear(2, 2)
+
+        def forward(self, x, spare=False):
+            return self.c(self.c(x[:, :2])) if spare else self.b(torch.tanh(self.a(x)))
+
     for plain in (True, False):
         torch.manual_seed(0)
-        m = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+        m = Net()
         if plain:
             opt = torch.optim.SGD(m.parameters(), lr=0.1)
         else:
             opt = ZeroOptimizer(m, torch.optim.SGD, stage=stage, lr=0.1)
         x = torch.randn(4, 8)
-        m(x).pow(2).sum().backward()
+        m(x).pow(2).sum().backward()  # c gets no gradient: not stepped
         early = m(x).pow(2).mean()  # saved before the step
+        spare = m(x, spare=True).pow(2).sum()  # reads only c, which the step leaves alone
         opt.step()
         opt.zero_grad()
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             early.backward()
+        spare.backward()  # as in torch: that param did not change
+        opt.zero_grad()
         opt.zero_grad()
         m(x).pow(2).sum().backward()  # after the step: trains on
         opt.step()

@@ -41,7 +41,6 @@ from .grad_access import GradContract
 from .join import JoinState
 from .loss_scale import LossScaler
 from .memory import memory_report
-from .ops.library import _bump
 from .param_access import ParamAccess, _call, _call_args
 from .partition.grads import ShardedGrad
 from .partition.phase import backward_marker
@@ -608,10 +607,6 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
                 self._core.units.release_for_step()  # stage 3: units a forward left gathered
             validate.check_intact(self._core, self._expected, self._module_params)
             self.parts.stepper.step(self.param_groups, kwargs)
-            # the params changed, as torch's in-place step changes them: a graph saved before
-            # the step and backwarded after it raises torch's in-place error (it computed with
-            # the stepped values, silently)
-            _bump(list(self._core.trainable.values()))
         finally:
             phase.end_step()
         return loss

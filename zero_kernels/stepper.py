@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 
 from .core import Core
+from .ops.library import _bump
 
 __all__ = ["Stepper"]
 
@@ -57,6 +58,11 @@ class Stepper:
             if not runner.scales_in_kernel:
                 g.apply_factor()
             handles = runner.step(g.views.active, g.factor, core.comm_log, core.shard_group, kwargs)
+            # the stepped params changed, as torch's in-place step changes them: a graph saved
+            # before the step and backwarded after it raises torch's in-place error (it
+            # computed with the stepped values, silently); params without a gradient, and a
+            # skipped step, change nothing, as in torch
+            _bump([core.trainable[i] for i in g.views.active])
             runner.take_group_keys(param_groups, hyper)
             if core.units is not None:  # stage 3: params kept whole are gathered now
                 with runner.exact():  # kept whole between steps: the model's values
