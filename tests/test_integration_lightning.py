@@ -152,3 +152,28 @@ def test_imports_with_one_framework(blocked, base, tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     # one class, on the framework there is
     assert out.stdout.split() == [f"{base}.strategies.parallel", "True"], out.stdout
+
+
+def test_fit_with_only_pytorch_lightning(tmp_path):
+    """A user with ``pytorch-lightning`` and not ``lightning`` (most tutorials' package) fits at
+    stages 1-3 with DDPStrategy's losses, and stage 3 refuses that framework's own
+    weight-averaging callback (tests/pl_only_fit.py, in a site-packages without ``lightning``)."""
+    import json
+
+    from dist_utils import free_port
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, _without(["lightning"], tmp_path)])}
+    script = os.path.join(repo, "tests", "pl_only_fit.py")
+    out = subprocess.run(
+        [sys.executable, "-S", script, str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    for stage in (1, 2, 3):
+        assert got[f"stage{stage}"] < 1e-6, got
+    assert "StochasticWeightAveraging" in got["swa"] and "stage 3" in got["swa"], got

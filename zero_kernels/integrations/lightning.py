@@ -154,6 +154,14 @@ def _build(pl_name: str, fabric_name: str) -> type:
     load_file = f("utilities.cloud_io")._load
     from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
+    # the framework's own callback classes (``WeightAveraging`` came in Lightning 2.5)
+    callbacks = m("callbacks")
+    averaging = tuple(
+        getattr(callbacks, n)
+        for n in ("WeightAveraging", "StochasticWeightAveraging")
+        if hasattr(callbacks, n)
+    )
+
     unsupported = tuple(
         getattr(prec, n)
         for n in (
@@ -336,10 +344,8 @@ def _build(pl_name: str, fabric_name: str) -> type:
         def _check_fit(self, trainer, lm) -> None:
             name = type(self).__name__
             if not shard_of(self._zero_options).params:  # stage 3
-                from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
-
                 for cb in trainer.callbacks:
-                    if isinstance(cb, (WeightAveraging, StochasticWeightAveraging)):
+                    if isinstance(cb, averaging):
                         raise NotImplementedError(
                             f"{name}: the {type(cb).__name__} callback at stage 3: it reads and "
                             "writes the model's params between steps, where stage 3 holds "
