@@ -1,7 +1,7 @@
 """Run by tests/test_integration_lightning.py::test_fit_with_only_pytorch_lightning under
 ``python -S`` with a site-packages that has ``pytorch_lightning`` and not ``lightning``: one
-process, stages 1-3 against the framework's ``DDPStrategy`` (the same losses), and stage 3's refusal of
-a weight-averaging callback (the framework's own class). Prints one JSON line."""
+process, stages 1-3 against the framework's ``DDPStrategy`` (the same losses), and stage 3's
+refusal of a weight-averaging callback (the framework's own class). Prints one JSON line."""
 
 import json
 import os
