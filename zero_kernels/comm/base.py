@@ -10,8 +10,20 @@ blocked, and the compute stream runs on until the data is needed. The tensors a 
 touches are marked as used by the comm stream (``record_stream``), so the caching allocator never
 hands their memory to another tensor while the collective may still read or write it. The
 exposed communication (how long the compute stream stalled at each wait) is timed with events
-recorded around the wait and added up when `CommLog.as_dict` is read, which is the only place
-that synchronises.
+recorded around the wait and folded into the totals as they complete ([Note: held timing
+events]); reading `CommLog.as_dict` or the ledger is the only place that synchronises.
+
+[Note: held timing events]
+Each timed CUDA wait holds two events until the GPU has passed them. Every new wait first
+queries the oldest held pairs (``query()``: never blocks) and folds the completed ones into
+the totals and into their step's ledger entry, so a run holds about as many pairs as the host
+is waits ahead of the GPU. At most `TIMING_EVENTS_HELD` pairs are held: a wait that finds the
+bound reached is not timed (its stream still waits) and counts in ``untimed_waits``, so
+``exposed_comm_s`` is then a lower bound and says so. Synchronising on the oldest pair instead
+would keep the total exact but make the host wait for the GPU inside the step ([Note: no host
+sync] in zero_kernels/syncfree.py), precisely when the host runs far ahead, the case the bound
+exists for. Before, every pair stayed until `as_dict` was read and the ledger held the pairs of
+its 1,000 steps: host memory grew for the whole run and a late read synchronised millions.
 
 [Note: group keys]
 State kept per process group (the AVG check, the probe's results and `set_algorithm`'s choices,
@@ -54,9 +66,10 @@ class CommLog:
     since the entry before, so an entry holds the bytes and calls of that step's backward (all
     its micro-batches) and of the step itself, by link, and the time its waits were exposed.
     The newest `LEDGER_STEPS` entries are kept (a bounded deque: a long run keeps a constant
-    few hundred KB). Marking reads only host counters: on CUDA the entry keeps its waits'
-    timing events and `read_ledger` resolves them (synchronising, as reading `as_dict` does),
-    so the step itself never waits for the GPU. ``reset()`` empties it.
+    few hundred KB). Marking reads only host counters: on CUDA the entry's exposed time grows
+    as its waits' timing events complete ([Note: held timing events]) and `read_ledger`
+    resolves those still held (synchronising, as reading `as_dict` does), so the step itself
+    never waits for the GPU. ``reset()`` empties it.
     """
 
     reduce_scatter_bytes: int = 0
@@ -81,23 +94,32 @@ class CommLog:
     inside_node_bytes: int = 0
     cross_node_bytes: int = 0
     exposed_comm_s: float = 0.0  # time spent waiting on collectives after they were issued
+    # CUDA waits left untimed: `TIMING_EVENTS_HELD` pairs were held ([Note: held timing events])
+    untimed_waits: int = 0
     sizes: list = field(default_factory=list)  # (kind, numel, dtype) of every call, when traced
     trace: bool = False
-    # CUDA: (start, end) events around each stream wait, turned into seconds when read (reading
-    # synchronises on them; the step itself never does): [Note: CUDA streams]
-    cuda_spans: list = field(default_factory=list, repr=False)
+    # CUDA: (start, end, its step's seconds) for the stream waits whose events the GPU may not
+    # have passed yet, oldest first ([Note: held timing events])
+    _timings: collections.deque = field(default_factory=collections.deque, repr=False)
     # [Note: the step ledger]: one entry per step (the newest LEDGER_STEPS), each the counters'
     # growth since the one before
     ledger: collections.deque = field(
         default_factory=lambda: collections.deque(maxlen=LEDGER_STEPS), repr=False
     )
     _at_mark: dict = field(default_factory=dict, repr=False)
-    _step_spans: list = field(default_factory=list, repr=False)  # CUDA waits since the mark
+    # the CUDA waits' seconds since the mark (one element, shared with the held pairs)
+    _step_cuda_s: list = field(default_factory=lambda: [0.0], repr=False)
     _host_waited_s: float = field(default=0.0, repr=False)  # host waits (exposed_comm_s' part)
 
     def as_dict(self) -> dict:
-        self._resolve()
+        self._fold(sync=True)
         return self._counters()
+
+    @property
+    def held_timing_events(self) -> int:
+        """How many CUDA timing events are held, not yet folded into the totals (a debug view:
+        [Note: held timing events])."""
+        return 2 * len(self._timings)
 
     def _counters(self) -> dict:
         return {k: getattr(self, k) for k in COUNTERS}
@@ -106,23 +128,44 @@ class CommLog:
         for k, v in CommLog()._counters().items():
             setattr(self, k, v)
         self.sizes.clear()
-        self.cuda_spans.clear()
+        self._timings.clear()
         self.ledger.clear()
         self._at_mark = {}
-        self._step_spans = []
+        self._step_cuda_s = [0.0]
         self._host_waited_s = 0.0
 
-    def _resolve(self) -> None:
-        spans, self.cuda_spans = self.cuda_spans, []
-        self.exposed_comm_s += _elapsed(spans)
+    def _fold(self, sync: bool = False) -> None:
+        """Fold the held timing events the GPU has passed into the totals, oldest first; with
+        ``sync``, all of them, waiting for each ([Note: held timing events])."""
+        held = self._timings
+        while held:
+            e0, e1, step_s = held[0]
+            if sync:
+                e1.synchronize()
+            elif not e1.query():
+                return
+            s = e0.elapsed_time(e1) / 1e3
+            self.exposed_comm_s += s
+            step_s[0] += s
+            held.popleft()
 
     def _waited(self, seconds: float) -> None:
         self.exposed_comm_s += seconds
         self._host_waited_s += seconds
 
-    def _span(self, e0, e1) -> None:
-        self.cuda_spans.append((e0, e1))
-        self._step_spans.append((e0, e1))
+    def _timed_wait(self, stream, event) -> None:
+        """``stream`` waits for ``event``, the stall timed by events around it while fewer
+        than `TIMING_EVENTS_HELD` pairs are held ([Note: held timing events])."""
+        self._fold()
+        if len(self._timings) >= TIMING_EVENTS_HELD:
+            stream.wait_event(event)
+            self.untimed_waits += 1
+            return
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record(stream)
+        stream.wait_event(event)
+        e1.record(stream)
+        self._timings.append((e0, e1, self._step_cuda_s))
 
     def _sent(self, kind: str, nbytes: int, group) -> None:
         """Count what this rank sends in a collective of send pattern ``kind`` over a full
@@ -137,25 +180,26 @@ class CommLog:
         """Close the ledger's entry of step ``step`` (``outcome``: "stepped", "skipped" for
         non-finite gradients, "raised"): what the counters grew by since the last mark
         ([Note: the step ledger])."""
+        self._fold()
         now = self._counters()
-        now["exposed_comm_s"] = self._host_waited_s  # the CUDA waits: the entry's spans
+        now["exposed_comm_s"] = self._host_waited_s  # the CUDA waits: the entry's own seconds
         last = self._at_mark
         entry = {"step": step, "outcome": outcome}
         for k, v in now.items():
             entry[k] = v - last.get(k, 0)
-        entry["_spans"], self._step_spans = self._step_spans, []
+        entry["_cuda_s"], self._step_cuda_s = self._step_cuda_s, [0.0]
         self._at_mark = now
         self.ledger.append(entry)
 
     def read_ledger(self) -> list[dict]:
-        """The ledger's entries, oldest first (CUDA: reading waits for the timing events of
-        the steps' waits, as `as_dict` does)."""
+        """The ledger's entries, oldest first (CUDA: reading waits for the timing events
+        still held, as `as_dict` does)."""
+        self._fold(sync=True)
         out = []
         for e in self.ledger:
-            spans = e.pop("_spans", None)
-            if spans:
-                e["exposed_comm_s"] += _elapsed(spans)
-            out.append({k: v for k, v in e.items() if k != "_spans"})
+            d = {k: v for k, v in e.items() if k != "_cuda_s"}
+            d["exposed_comm_s"] += e["_cuda_s"][0]
+            out.append(d)
         return out
 
     def count_broadcast(self, nbytes: int, src: int, group) -> None:
@@ -191,16 +235,10 @@ COUNTERS = (
     "inside_node_bytes",
     "cross_node_bytes",
     "exposed_comm_s",
+    "untimed_waits",
 )
 LEDGER_STEPS = 1000
-
-
-def _elapsed(spans) -> float:
-    s = 0.0
-    for e0, e1 in spans:
-        e1.synchronize()
-        s += e0.elapsed_time(e1) / 1e3
-    return s
+TIMING_EVENTS_HELD = 4096  # most CUDA wait timings held unresolved ([Note: held timing events])
 
 
 class Handle:
@@ -243,11 +281,7 @@ class Handle:
             if self.log is None:
                 cur.wait_event(self.event)
             else:  # the current stream's stall, timed by events around it
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record(cur)
-                cur.wait_event(self.event)
-                e1.record(cur)
-                self.log._span(e0, e1)
+                self.log._timed_wait(cur, self.event)
             self.done = True
             return self.tensors[0]
         t0 = time.perf_counter()
