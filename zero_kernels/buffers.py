@@ -39,7 +39,31 @@ included: the huge page holding a bucket's last bytes extends past them, and giv
 the bucket's own range split that page and left its tail resident. Between uses the mapping
 costs address space only. ``ZERO_KERNELS_GATHERED=allocator`` goes back to the allocator; on
 GPUs the caching allocator already keeps freed blocks for reuse, so there the storage is
-resized.
+resized ([Note: gathered memory on CUDA]).
+
+[Note: gathered memory on CUDA]
+A bucket's pages are written on the comm stream S (its all-gather) and read on the compute stream
+C (forward, backward). Allocated on C and marked ``record_stream(S)``, a freed block could not be
+reused before the caching allocator saw S's work on it finished, and nothing bounded how far the
+host ran ahead: every gather issued meanwhile took a fresh block, and reserved memory could
+climb toward the whole model (FSDP1 needed ``limit_all_gathers`` for this). So, as FSDP2 does,
+the block belongs to the stream that writes it and its reuse is ordered by streams, not by the
+host: `alloc` resizes the storage while S (``ParamStore.gather_stream``) is current (the block
+comes from, and returns to, S's pool; ``record_stream(S)`` on it is then a no-op), and `free`
+makes S wait for C's work so far (the bucket's last reads) before the storage is resized to 0.
+The block is free at once, host-side, but only an allocation on S can take it, and anything S
+runs from then on is queued after C's last use:
+
+    host   alloc U1 | AG U1 | alloc U2 | AG U2 | free U1 | alloc U3 (takes U1's block) | AG U3
+    C            ....... fwd U1 .......|.... fwd U2 ....
+    S      [AG U1]      [AG U2]  wait(C at free U1) --> [AG U3 into U1's pages]
+
+The host never waits (no event is synchronised), yet the memory gathered at any moment is what
+the scheduler holds gathered at that moment: the root unit, the unit in use, ``prefetch``
+prefetched units and, in backward, the unit whose gradients are still arriving
+(``gathered_units_peak`` in ``memory_report()``: at most ``prefetch + 2`` units beside the root
+with ``reshard_after_forward``), whatever the lag of the GPU behind the host. A bucket allocated
+without a stream (construction, CPU) is freed as before.
 """
 
 from __future__ import annotations
@@ -340,6 +364,11 @@ class ParamStore:
         self.raw: list[list[torch.Tensor]] = []
         self.maps: list[list[_Mapped | None]] = []  # sharded, CPU: each bucket's mapping
         self.live: set[tuple[int, int]] = set()  # sharded: buckets allocated now
+        # sharded, CUDA: the stream the all-gathers write on, which gathered buckets are
+        # allocated on (set by stage 3's scheduler), and the stream each live bucket was
+        # allocated on where not the current one ([Note: gathered memory on CUDA])
+        self.gather_stream = None
+        self._alloc_streams: dict[tuple[int, int], object] = {}
         self.peak_gathered = 0  # sharded: most bytes gathered at once (the live window)
         for buf in layout.buffers:
             dt = dtype_of(buf.dtype)
@@ -481,11 +510,20 @@ class ParamStore:
         return self.raw[i][b]
 
     def alloc(self, i: int, b: int) -> None:
+        """Sharded: give bucket ``b`` of buffer ``i`` its memory; on a GPU on `gather_stream`
+        where set ([Note: gathered memory on CUDA])."""
         if (i, b) in self.live:
             return
         t = self.gathered[i][b]
         if self.maps[i][b] is None:
-            t.untyped_storage().resize_(t.numel() * t.element_size())
+            nbytes = t.numel() * t.element_size()
+            stream = self.gather_stream
+            if stream is None or not t.is_cuda:
+                t.untyped_storage().resize_(nbytes)
+            else:
+                with torch.cuda.stream(stream):
+                    t.untyped_storage().resize_(nbytes)
+                self._alloc_streams[(i, b)] = stream
         self.live.add((i, b))
         self.peak_gathered = max(self.peak_gathered, self.gathered_nbytes())
         for p, view, _ in self.members.get((i, b), ()):
@@ -499,6 +537,9 @@ class ParamStore:
         if self.maps[i][b] is not None:
             self.maps[i][b].release()
         else:
+            stream = self._alloc_streams.pop((i, b), None)
+            if stream is not None:  # its pool's next user runs after the reads queued so far
+                stream.wait_stream(torch.cuda.current_stream(stream.device))
             self.gathered[i][b].untyped_storage().resize_(0)
         self.live.discard((i, b))
 

@@ -41,6 +41,10 @@ def memory_report(core) -> dict:
         total_bytes=model + comm_now,
         gathered_param_bytes=core.store.gathered_nbytes() if sharded else 0,
         gathered_param_peak_bytes=core.store.peak_gathered if sharded else 0,
+        # stage 3: most units (beside the root and the kept-whole params) gathered or being
+        # gathered at once, what bounds the gathered memory on a GPU too ([Note: gathered
+        # memory on CUDA] in zero_kernels.buffers)
+        gathered_units_peak=core.units.peak_units if core.units is not None else 0,
         # secondary_shard: the slices kept from units' forwards for their backwards
         secondary_shard_bytes=sec.nbytes if sec is not None else 0,
         secondary_shard_peak_bytes=sec.peak if sec is not None else 0,

@@ -262,6 +262,14 @@ class UnitScheduler:
             self.handles.append(m.register_forward_pre_hook(_root_member(me, name)))
         self.by_index = {u.index: u for u in self.all_units}
         self.bucket_unit = {b: u for u in self.all_units for b in u.buckets}
+        # CUDA: gathered buckets are allocated on the stream their all-gathers write on, and
+        # reused in its order ([Note: gathered memory on CUDA] in `zero_kernels.buffers`)
+        dev = torch.device(store.device)
+        if dev.type == "cuda":
+            store.gather_stream = comm.comm_stream(dev)
+        # most units beside the root and the kept-whole one gathered (or gathering) at once:
+        # `memory_report`'s gathered_units_peak
+        self.peak_units = 0
 
     # ---- gather / free
     def gather(self, u: Unit) -> None:
@@ -285,6 +293,8 @@ class UnitScheduler:
                 h = self.runner.gather(i, b, self.log, self.group, **bound)
             u.handles.append(h)
         u.move(UnitState.GATHERING)
+        held = sum(not v.sharded for v in self.units if not v.persistent)
+        self.peak_units = max(self.peak_units, held)
 
     def wait(self, u: Unit) -> None:
         self.gather(u)
