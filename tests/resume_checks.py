@@ -6,6 +6,7 @@ or the consolidated dict (issue 21). Run on spawned gloo ranks by tests/test_res
 from __future__ import annotations
 
 import copy
+import time
 
 import torch
 import torch.distributed as dist
@@ -133,4 +134,32 @@ def check_shard_mismatch(rank: int, world: int) -> dict:
             assert f"it is rank {(rank + 1) % world}'s shard, this is rank {rank}" in str(e), e
             out[f"stage {stage} other rank"] = "named"
         zo3.close()
+        # the DDP idiom: rank 0 saves opt.state_dict() once, every rank loads that file. Every
+        # rank raises the same error at once (rank 0's load fits; it must not go on into the
+        # params' all-gather alone), and the failed load changes nothing
+        box = [sd]
+        dist.broadcast_object_list(box, src=0)
+        m4, twin = copy.deepcopy(base), copy.deepcopy(base)
+        zo4 = ZeroOptimizer(m4, torch.optim.AdamW, stage=stage, bucket_size_mb=0.001, lr=1e-2)
+        zt = ZeroOptimizer(twin, torch.optim.AdamW, stage=stage, bucket_size_mb=0.001, lr=1e-2)
+        t0 = time.monotonic()
+        try:
+            zo4.load_state_dict(box[0])
+            raise AssertionError(f"stage {stage}: rank 0's shard loaded on rank {rank}")
+        except ValueError as e:
+            took = time.monotonic() - t0
+            msg = str(e)
+            assert "rank(s) 1 of 2" in msg and "it is rank 0's shard, this is rank 1" in msg, msg
+            assert "consolidated_state_dict" in msg and "save_checkpoint" in msg, msg
+            assert took < 10, f"stage {stage}: the error took {took:.1f} s"
+        _train(m4, zo4, rank, range(2))
+        _train(twin, zt, rank, range(2))
+        gap = max(
+            rel_err(zo4.full_param(a), zt.full_param(b))
+            for a, b in zip(m4.parameters(), twin.parameters())
+        )
+        assert gap == 0.0, f"stage {stage}: the failed load changed the run ({gap})"
+        zo4.close()
+        zt.close()
+        out[f"stage {stage} rank 0's shard everywhere"] = "named"
     return out

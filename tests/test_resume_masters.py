@@ -18,6 +18,6 @@ def test_bf16_resume_keeps_fp32_masters():
 def test_shard_mismatch_named():
     reps = run_workers(resume_checks.check_shard_mismatch, 2, timeout=300)
     for rep in reps:
-        assert len(rep) == 6, rep
+        assert len(rep) == 9, rep
         assert rep["stage 3 other buckets"] == "loaded (units)", rep
         assert {v for k, v in rep.items() if k != "stage 3 other buckets"} == {"named"}, rep

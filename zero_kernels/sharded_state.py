@@ -24,6 +24,7 @@ import torch
 from .layout import Layout
 from .partition import MASTER_KEY, shard_state
 from .partition.lowbit_state import INT8_KEYS
+from .validate import agree_or_raise
 
 __all__ = ["Piece", "ShardedState"]
 
@@ -308,6 +309,21 @@ class ShardedState:
             self._load_state_dict(state_dict)
 
     def _load_state_dict(self, state_dict: dict) -> None:
+        # Every check that can fail on one rank alone (rank 0's shard loaded everywhere, the
+        # DDP idiom) runs before any collective, and the ranks agree on the outcome: every rank
+        # raises the same error at once instead of one raising while the others wait in the
+        # params' all-gather for the timeout.
+        try:
+            apply, problem = self._plan_load(state_dict), None
+        except Exception as e:  # any of them: the other ranks must hear of it
+            apply, problem = None, f"{type(e).__name__}: {e}"
+        agree_or_raise(problem, self._core.group, "load_state_dict")
+        apply()
+
+    def _plan_load(self, state_dict: dict):
+        """Check ``state_dict`` against this rank's layout and build what loading it writes,
+        touching nothing; returns the function that loads it (collective: the params are made
+        whole from the loaded values). Raises on this rank alone: see `_load_state_dict`."""
         if not isinstance(state_dict, dict) or "param_groups" not in state_dict:
             raise ValueError(
                 "load_state_dict: expected a dict with 'param_groups', got "
@@ -334,46 +350,50 @@ class ShardedState:
                     "load_state_dict: shard saved at world_size="
                     f"{meta['world_size']} rank={meta['rank']} mode={meta['mode']} does not "
                     f"match this optimizer (world_size={self.world_size}, rank={self.rank}, "
-                    f"mode={self.mode}): {what}; load a "
-                    "consolidated_state_dict() instead, or save with zero_kernels."
-                    "save_checkpoint, which loads under any layout"
+                    f"mode={self.mode}): {what}; each rank loads the state_dict() it saved "
+                    "itself: save with opt.consolidated_state_dict() (one file, any world "
+                    "size) or zero_kernels.save_checkpoint (any layout) instead"
                 )
-            inner.load_state_dict(state_dict["inner"])
-            self._runner.adopt_state()
-            self._scaler.scale = float(meta.get("loss_scale", self._scaler.scale))
-            self._scaler.growth_tracker = int(meta.get("growth_tracker", 0))
-            saved = meta.get("masters")
-            if saved is not None:
-                with torch.no_grad():
-                    for m, v in zip(self._runner.masters, saved):
-                        if m is not None and v is not None:
-                            m.copy_(v)
-                self._full.refresh_params()
-        else:
-            for g, mine in zip(groups, self._core.group_indices):
-                if len(g["params"]) != len(mine):
-                    raise ValueError(
-                        f"load_state_dict: a param group has {len(g['params'])} "
-                        f"params, this optimizer's has {len(mine)}"
-                    )
-            remap = {
-                old: new
-                for g, mine in zip(groups, self._core.group_indices)
-                for old, new in zip(g["params"], mine)
-            }
-            full = {remap[int(k)]: v for k, v in state_dict["state"].items()}
-            st = shard_state(self.layout, self._runner, self.rank, full)
-            inner_groups = []
-            for i, buf in enumerate(self.layout.buffers):
-                ig = {k: v for k, v in groups[buf.group].items() if k != "params"}
-                ig["params"] = [id(p) for p in inner.param_groups[i]["params"]]
-                inner_groups.append(ig)
-            # inner indices: enumeration order of the inner params
-            k = 0
-            for ig in inner_groups:
-                ig["params"] = list(range(k, k + len(ig["params"])))
-                k += len(ig["params"])
-            masters = {j: s.pop(MASTER_KEY) for j, s in st.items() if MASTER_KEY in s}
+
+            def apply() -> None:
+                inner.load_state_dict(state_dict["inner"])
+                self._runner.adopt_state()
+                self._scaler.scale = float(meta.get("loss_scale", self._scaler.scale))
+                self._scaler.growth_tracker = int(meta.get("growth_tracker", 0))
+                saved = meta.get("masters")
+                if saved is not None:
+                    with torch.no_grad():
+                        for m, v in zip(self._runner.masters, saved):
+                            if m is not None and v is not None:
+                                m.copy_(v)
+                    self._full.refresh_params()
+                self._take_groups(groups)
+
+            return apply
+        for g, mine in zip(groups, self._core.group_indices):
+            if len(g["params"]) != len(mine):
+                raise ValueError(
+                    f"load_state_dict: a param group has {len(g['params'])} "
+                    f"params, this optimizer's has {len(mine)}"
+                )
+        remap = {
+            old: new
+            for g, mine in zip(groups, self._core.group_indices)
+            for old, new in zip(g["params"], mine)
+        }
+        full = {remap[int(k)]: v for k, v in state_dict["state"].items()}
+        st = shard_state(self.layout, self._runner, self.rank, full)
+        inner_groups = []
+        k = 0  # inner indices: enumeration order of the inner params
+        for i, buf in enumerate(self.layout.buffers):
+            ig = {key: v for key, v in groups[buf.group].items() if key != "params"}
+            n = len(inner.param_groups[i]["params"])
+            ig["params"] = list(range(k, k + n))
+            k += n
+            inner_groups.append(ig)
+        masters = {j: s.pop(MASTER_KEY) for j, s in st.items() if MASTER_KEY in s}
+
+        def apply() -> None:
             inner.load_state_dict({"state": st, "param_groups": inner_groups})
             self._runner.adopt_state()
             if masters:  # saved by consolidated_state_dict for bf16/fp16 params
@@ -382,7 +402,9 @@ class ShardedState:
                         if j in masters and self._runner.masters[i] is not None:
                             p.copy_(masters[j].to(p.dtype))
                 self._full.refresh_params()
-        self._take_groups(groups)
+            self._take_groups(groups)
+
+        return apply
 
 
 def _own_entries(sd: dict) -> dict:

@@ -188,6 +188,27 @@ def check_agree(config: dict, group, device) -> None:
         )
 
 
+def agree_or_raise(problem: str | None, group, where: str) -> None:
+    """Every rank's verdict on a call that goes on into collectives: ``problem`` (a message, or
+    None where this rank can go on). Where any rank has one, every rank raises the same
+    ValueError naming each failing rank's problem, instead of the failing rank raising alone
+    while the others wait in the next collective for its timeout. A collective itself: call it
+    on every rank, before the first collective the checks guard."""
+    every = (
+        [problem] if comm.world_size(group) == 1 else comm.all_gather_object(problem, group=group)
+    )
+    bad = [(r, p) for r, p in enumerate(every) if p is not None]
+    if not bad:
+        return
+    if len({p for _, p in bad}) == 1:
+        ranks = ", ".join(str(r) for r, _ in bad)
+        raise ValueError(f"{where} failed on rank(s) {ranks} of {len(every)}: {bad[0][1]}")
+    raise ValueError(
+        f"{where} failed on {len(bad)} of {len(every)} ranks: "
+        + "; ".join(f"rank {r}: {p}" for r, p in bad)
+    )
+
+
 def check_intact(core, expected: dict, module_params: list | None) -> None:
     """Params whose data was replaced after construction (``p.data = ...``,
     ``model.to(dtype)``, ``load_state_dict(assign=True)``) would silently stop training.
