@@ -167,7 +167,7 @@ def build(name: str, model: nn.Module, args, lr: float):
         if name.endswith("_onegroup"):  # reduce-scatters on the main group, as before the twin
             from zero_kernels import comm
 
-            comm.twin_group = lambda group=None: group
+            comm.twin_group = lambda group=None, device=None: group
             name = name[: -len("_onegroup")]
         if name.endswith("_inflight1"):  # e.g. stage3_prefetch0_inflight1: the leanest stage 3
             extra["max_inflight_buckets"] = 1

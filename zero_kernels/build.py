@@ -116,7 +116,9 @@ def lay_out(
             + (" (with shard_frozen=True the frozen params too)" if frozen else "")
         )
     meta = any(p.is_meta for p in stored)
-    device = devices.pop() if devices else comm.default_device(process_group)
+    # the params' device checked against the group's backends; meta-built: from the backends
+    # ([Note: the collectives' device] in zero_kernels/comm/base.py)
+    device = comm.collective_device(process_group, devices.pop() if devices else None)
     if gather.overlap_param_gather and module is None:
         raise ValueError(
             "overlap_param_gather=True needs the model (its forward hooks wait for each "
@@ -378,7 +380,7 @@ def communication(core: Core) -> None:
         reduce_dtype=p.precision.reduce_dtype,
     )
     if not p.shard.params and p.gather.check_order != "every":
-        core.rs_group = comm.hier.twin_of_shard(core.mesh)
+        core.rs_group = comm.hier.twin_of_shard(core.mesh, core.device)
     core.reducer = Reducer(
         core.layout, core.params, core.grads, core.rank, core.rs_group, core.comm_log, core.mesh
     )

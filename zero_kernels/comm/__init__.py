@@ -30,12 +30,16 @@ from .base import (
     CommLog,
     Handle,
     Watch,
-    _device,
     _nbytes,
     _wait,
     avg_supported,
+    backend_for,
+    backends_of,
+    choose_device,
+    collective_device,
     comm_stream,
     is_initialized,
+    parse_backends,
     rank,
     world_size,
 )
@@ -68,9 +72,13 @@ __all__ = [
     "all_reduce",
     "all_reduce_start",
     "avg_supported",
+    "backend_for",
+    "backends_of",
     "broadcast",
     "broadcast_object",
     "choose_algorithm",
+    "choose_device",
+    "collective_device",
     "probe_ahead",
     "comm_stream",
     "free_scratch",
@@ -79,6 +87,7 @@ __all__ = [
     "is_initialized",
     "kv_store",
     "learn_hosts",
+    "parse_backends",
     "probe_results",
     "rank",
     "reduce_scatter",
@@ -322,13 +331,18 @@ def is_fake(group=None) -> bool:
     return is_initialized() and str(dist.get_backend(group)) == "fake"
 
 
-def twin_group(group=None):
-    """A second gloo group over the ranks of gloo ``group``, with its timeout: collectives on it
-    form a sequence of their own (stage 3's reduce-scatters, see [Note: backward gathers] in
-    `zero_kernels.partition.units`). ``group`` itself where it is not gloo (NCCL orders
-    communicators together, so a twin would not separate the sequences) or has one rank.
-    Collective."""
-    if world_size(group) == 1 or "gloo" not in str(dist.get_backend(group)):
+def twin_group(group=None, device: torch.device | str | None = None):
+    """A second gloo group over the ranks of ``group``, with its timeout, where ``group`` runs
+    the collectives of tensors on ``device`` (default: `collective_device`'s) on gloo:
+    collectives on it form a sequence of their own (stage 3's reduce-scatters, see [Note:
+    backward gathers] in `zero_kernels.partition.units`). ``group`` itself where that backend
+    is not gloo (NCCL orders communicators together, so a twin would not separate the
+    sequences; a gloo twin of "cuda:nccl,cpu:gloo" would get CUDA tensors: [Note: the
+    collectives' device]) or it has one rank. Collective."""
+    if world_size(group) == 1:
+        return group
+    dev = collective_device(group) if device is None else torch.device(device)
+    if backend_for(group, dev) != "gloo":
         return group
     pg = group if group is not None else dist.group.WORLD
     try:
@@ -379,8 +393,3 @@ def join_notify(joinable) -> int | None:
     work.wait()
     res = work.result()
     return int(res[0].item()) if res else None
-
-
-def default_device(group=None) -> torch.device:
-    """The device collectives of ``group`` work on (CPU without a process group)."""
-    return _device(group) if is_initialized() else torch.device("cpu")

@@ -25,6 +25,19 @@ sync] in zero_kernels/syncfree.py), precisely when the host runs far ahead, the 
 exists for. Before, every pair stayed until `as_dict` was read and the ledger held the pairs of
 its 1,000 steps: host memory grew for the whole run and a late read synchronised millions.
 
+[Note: the collectives' device]
+Which device a group's collectives run on is decided in one place, `collective_device`, from
+the params and the group's backend per device type (``get_backend_config``: "cpu:gloo,cuda:nccl"),
+never from the backend's name: ``init_process_group()`` without a backend is named "undefined"
+(torch picks one per device), and "cuda:nccl,cpu:gloo" names both. The params' device wins,
+checked against the group (CUDA params with a group that has no CUDA backend: a ValueError
+naming both); params on the meta device (a stage-3 model built there) go to CUDA
+(``torch.cuda.current_device()``) where the group has a CUDA backend and CUDA is available, else
+to the CPU. What depends on the backend (the algorithm choice, the AVG probe, the twin group of
+stage 3's reduce-scatters, the byte counts by link) asks `backend_for` the backend of the
+tensors' device: on "cpu:gloo,cuda:nccl" gloo's point-to-point algorithms and twin groups serve
+CPU tensors, never CUDA ones (a gloo twin handed CUDA tensors fails).
+
 [Note: group keys]
 State kept per process group (the AVG check, the probe's results and `set_algorithm`'s choices,
 a twin's link to its parent, the point-to-point tag counters) is keyed by `group_key`: a token
@@ -425,17 +438,19 @@ def group_key(group=None) -> tuple:
     return (tok, world_size(group))
 
 
-_avg_ok: dict = {}  # group key -> whether ReduceOp.AVG works
+_avg_ok: dict = {}  # (group key, device type) -> whether ReduceOp.AVG works
 
 
-def avg_supported(group=None) -> bool:
-    """Whether reduce-scatter with ``ReduceOp.AVG`` works on ``group`` (probed once, collective)."""
-    key = group_key(group)
+def avg_supported(group=None, device: torch.device | str | None = None) -> bool:
+    """Whether reduce-scatter with ``ReduceOp.AVG`` works on ``group`` for tensors on
+    ``device`` (default: `collective_device`'s), probed once per device type, collective."""
+    dev = collective_device(group) if device is None else torch.device(device)
+    key = (group_key(group), dev.type)
     if key not in _avg_ok:
         n = world_size(group)
         ok = True
         try:
-            x = torch.ones(n, device=_device(group))
+            x = torch.ones(n, device=dev)
             out = torch.empty(1, device=x.device)
             _reduce_scatter(out, x, op=dist.ReduceOp.AVG, group=group)
             ok = bool(out.item() == 1.0)
@@ -445,11 +460,87 @@ def avg_supported(group=None) -> bool:
     return _avg_ok[key]
 
 
-def _device(group=None) -> torch.device:
-    backend = dist.get_backend(group)
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+def backends_of(group=None) -> dict[str, str]:
+    """``group``'s backend for each device type it serves, e.g. ``{"cpu": "gloo", "cuda":
+    "nccl"}`` ([Note: the collectives' device]); empty without a process group."""
+    if not is_initialized():
+        return {}
+    try:
+        config = dist.get_backend_config(group)
+    except (AttributeError, RuntimeError, ValueError):  # older torch: the name alone
+        config = str(dist.get_backend(group))
+    return parse_backends(config)
+
+
+def parse_backends(config: str) -> dict[str, str]:
+    """``"cpu:gloo,cuda:nccl"`` -> ``{"cpu": "gloo", "cuda": "nccl"}``; a bare name (``"nccl"``)
+    serves the device types torch lists for it (``Backend.backend_capability``)."""
+    caps = getattr(dist.Backend, "backend_capability", {})
+    out: dict[str, str] = {}
+    for part in str(config).split(","):
+        part = part.strip().lower()
+        if ":" in part:
+            dev, name = part.split(":", 1)
+            out[dev.strip()] = name.strip()
+        elif part and part != "undefined":
+            for dev in caps.get(part, ("cpu", "cuda") if part == "gloo" else ("cuda",)):
+                out.setdefault(dev, part)
+    return out
+
+
+def choose_device(
+    backends: dict[str, str],
+    params_device: torch.device | str | None,
+    *,
+    cuda_available: bool,
+    current_cuda: int = 0,
+) -> torch.device:
+    """The device the collectives of params on ``params_device`` run on, for a group with
+    ``backends`` (`backends_of`): that device, where the group has a backend for it, else a
+    ValueError naming both; for ``None`` (params built on the meta device) CUDA device
+    ``current_cuda`` where the group has a CUDA backend and ``cuda_available``, else the CPU.
+    Pure ([Note: the collectives' device])."""
+    if not backends:  # no process group: wherever the params are
+        return torch.device("cpu") if params_device is None else torch.device(params_device)
+    shown = ",".join(f"{d}:{b}" for d, b in backends.items())
+    if params_device is not None:
+        dev = torch.device(params_device)
+        if dev.type not in backends:
+            hint = dist.Backend.default_device_backend_map.get(dev.type, "gloo")
+            raise ValueError(
+                f"params on {dev} but the process group has no backend for {dev.type} tensors "
+                f"(its backends: {shown!r}): init_process_group with one for {dev.type} "
+                f"(e.g. backend={hint!r} or '{dev.type}:{hint},...'), or move the params"
+            )
+        return dev
+    if "cuda" in backends and cuda_available:
+        return torch.device("cuda", current_cuda)
+    if "cpu" in backends:
+        return torch.device("cpu")
+    raise ValueError(
+        f"params on the meta device and the process group's backends ({shown!r}) serve no "
+        f"device here (CUDA available: {cuda_available}): build the model on a device, or use "
+        "a group with a backend for the CPU or (on a GPU node) for CUDA"
+    )
+
+
+def collective_device(group=None, params_device: torch.device | str | None = None) -> torch.device:
+    """`choose_device` for ``group`` in this process: the one place that decides the device of
+    collectives, their probes and meta-built models ([Note: the collectives' device])."""
+    backends = backends_of(group)
+    cuda = params_device is None and "cuda" in backends and torch.cuda.is_available()
+    return choose_device(
+        backends,
+        params_device,
+        cuda_available=cuda,
+        current_cuda=torch.cuda.current_device() if cuda else 0,
+    )
+
+
+def backend_for(group, device: torch.device | str) -> str | None:
+    """The name of ``group``'s backend for tensors on ``device`` ("gloo", "nccl"...); None where
+    it has none, or without a process group."""
+    return backends_of(group).get(torch.device(device).type)
 
 
 def _nbytes(t: torch.Tensor) -> int:

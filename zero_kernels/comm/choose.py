@@ -44,6 +44,7 @@ from .base import (
     _nbytes,
     _reduce_scatter,
     avg_supported,
+    backend_for,
     launch_native,
     world_size,
 )
@@ -69,9 +70,9 @@ _logger = logging.getLogger("zero_kernels")
 def _reduce_scatter_with(algo: str, output, input, group, avg: bool, log, bound=()) -> Handle:
     n = world_size(group)
     if log is not None:  # [Note: bytes by link]
-        log._sent(links.pattern("reduce_scatter", algo, group), _nbytes(input), group)
+        log._sent(links.pattern("reduce_scatter", algo, group, input.device), _nbytes(input), group)
     if algo == "native":
-        op = dist.ReduceOp.AVG if avg and avg_supported(group) else dist.ReduceOp.SUM
+        op = dist.ReduceOp.AVG if avg and avg_supported(group, output.device) else dist.ReduceOp.SUM
         divide = float(n) if avg and op == dist.ReduceOp.SUM else 1.0
 
         def launch():
@@ -92,7 +93,7 @@ def _reduce_scatter_with(algo: str, output, input, group, avg: bool, log, bound=
 
 def _all_gather_with(algo: str, output, input, group, log, bound=()) -> Handle:
     if log is not None:  # [Note: bytes by link]
-        log._sent(links.pattern("all_gather", algo, group), _nbytes(output), group)
+        log._sent(links.pattern("all_gather", algo, group, output.device), _nbytes(output), group)
     if algo == "native":
 
         def launch():
@@ -160,7 +161,7 @@ def _env_algorithm() -> str | None:
 
 
 def _p2p_capable(group, device: torch.device) -> bool:
-    return device.type == "cpu" and "gloo" in str(dist.get_backend(group))
+    return device.type == "cpu" and backend_for(group, device) == "gloo"
 
 
 def set_algorithm(op: str, algo: str | None, group=None) -> None:

@@ -30,7 +30,16 @@ import os
 import torch
 import torch.distributed as dist
 
-from .base import CommLog, Handle, Watch, _nbytes, rank, world_size
+from .base import (
+    CommLog,
+    Handle,
+    Watch,
+    _nbytes,
+    backend_for,
+    collective_device,
+    rank,
+    world_size,
+)
 
 __all__ = ["Mesh", "Secondary", "resolve_shard_group", "secondary_groups", "split"]
 
@@ -213,15 +222,17 @@ class _QuantAllReduce:
         return self.out
 
 
-def twin_of_shard(mesh: Mesh):
-    """A second group over this rank's shard group (`zero_kernels.comm.twin_group`: stage 3's
-    reduce-scatters form a sequence of their own). With several shard groups every rank makes
-    the twin of each (a new group is collective over the whole group) and keeps its own."""
+def twin_of_shard(mesh: Mesh, device: torch.device | str | None = None):
+    """A second group over this rank's shard group for tensors on ``device``
+    (`zero_kernels.comm.twin_group`: stage 3's reduce-scatters form a sequence of their own).
+    With several shard groups every rank makes the twin of each (a new group is collective over
+    the whole group) and keeps its own."""
     from . import register_twin, twin_group
 
     if mesh.replicas is None:
-        return twin_group(mesh.shard)
-    if "gloo" not in str(dist.get_backend(mesh.shard)):
+        return twin_group(mesh.shard, device)
+    dev = collective_device(mesh.shard) if device is None else torch.device(device)
+    if backend_for(mesh.shard, dev) != "gloo":
         return mesh.shard
     glob = (
         dist.get_process_group_ranks(mesh.world)

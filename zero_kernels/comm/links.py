@@ -38,9 +38,10 @@ construction's object exchanges are not counted (a few bytes each).
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
-from .base import group_key, is_initialized, rank, world_size
+from .base import backend_for, group_key, is_initialized, rank, world_size
 
 __all__ = ["PATTERNS", "learn", "pattern", "split"]
 
@@ -69,11 +70,11 @@ def learn(group=None) -> list[list[int]]:
     return groups
 
 
-def pattern(op: str, algo: str, group=None) -> str:
-    """The send pattern of ``op`` ("reduce_scatter" or "all_gather") run by ``algo``."""
+def pattern(op: str, algo: str, group=None, device: torch.device | str = "cpu") -> str:
+    """The send pattern of ``op`` ("reduce_scatter" or "all_gather") run by ``algo`` on
+    tensors on ``device``."""
     if algo == "native":
-        backend = str(dist.get_backend(group)) if is_initialized() else ""
-        if op == "reduce_scatter" and "gloo" in backend:
+        if op == "reduce_scatter" and backend_for(group, device) == "gloo":
             return "ring_all_reduce"  # gloo's reduce_scatter_tensor: an all-reduce, cut
         return "ring"
     if algo in ("pairwise", "ring", "shm"):
