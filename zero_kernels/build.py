@@ -119,6 +119,7 @@ def lay_out(
     # the params' device checked against the group's backends; meta-built: from the backends
     # ([Note: the collectives' device] in zero_kernels/comm/base.py)
     device = comm.collective_device(process_group, devices.pop() if devices else None)
+    check_offload_device(policy.offload.offload_optimizer, policy.offload.offload_params, device)
     if gather.overlap_param_gather and module is None:
         raise ValueError(
             "overlap_param_gather=True needs the model (its forward hooks wait for each "
@@ -336,17 +337,39 @@ def store(core: Core, *, meta: bool, init_fn, seed: int) -> ParamStore:
     return st
 
 
+def check_offload_device(
+    offload_optimizer: str | None, offload_params: str | None, device: torch.device
+) -> None:
+    """The nvme tiers with params off the CPU: refused at construction, naming what works
+    there (pure: the option's values and the params' device). Both read and write the file
+    through host memory and hand what they read to the step on the params' device: with CUDA
+    params the CUDA kernel would get host moments beside device masters and gradients (it
+    failed at the first step); a pinned staging path to the device is not built yet."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return
+    if offload_optimizer == "nvme":
+        raise NotImplementedError(
+            f"offload_optimizer='nvme' with params on {device}: the moments are read from the "
+            "file into host memory, and the step on the device needs them there (staging them "
+            "to the device is not built yet); use offload_optimizer='cpu' (the host tier: "
+            "masters and moments in host memory, the step on the CPU), or keep the state on "
+            "the device (offload_optimizer=None)"
+        )
+    if offload_params == "nvme":
+        raise NotImplementedError(
+            f"offload_params='nvme' with params on {device}: the tier reads shards into host "
+            "memory mappings; GPU params (a pinned staging pool) are not built yet: use "
+            "offload_params='cpu' (with offload_optimizer='cpu')"
+        )
+
+
 def _param_swapper(core: Core, by_unit: dict, persistent: int):
     """offload_params="nvme" (stage 3): the param shards in a file between uses, those of
     the params kept whole pinned in RAM ([Note: param offload]); else None."""
     off = core.policy.offload
     if off.offload_params != "nvme":
         return None
-    if core.device.type != "cpu":
-        raise NotImplementedError(
-            f"offload_params='nvme' with params on {core.device}: the tier reads shards into "
-            "host memory mappings; GPU params (a pinned staging pool) are not built yet"
-        )
     from .offload.params import ParamSwapper
 
     pinned = set(by_unit.get(persistent, []))
