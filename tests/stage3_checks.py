@@ -310,6 +310,20 @@ def check_memory_and_comm(rank: int, world: int) -> dict:
         assert not store.live
         for p in m.parameters():
             assert torch.equal(zo.full_param(p), torch.full_like(zo.full_param(p), 0.5))
+        # a forward with gradients on and no backward (without resharding its units stay
+        # gathered for the backward), then a load: the load leaves nothing gathered, as FSDP2's
+        stale = _loss(m(x), y)
+        m.load_state_dict(new)
+        assert zo.memory_report()["gathered_param_bytes"] == 0 and not store.live, raf
+        try:  # the load changed the params in place: torch's error, as without ZeRO
+            stale.backward()
+            raise AssertionError(f"reshard={raf}: a graph from before the load backwarded")
+        except RuntimeError as e:
+            assert "modified by an inplace operation" in str(e), e
+        zo.zero_grad()
+        _loss(m(x), y).backward()
+        zo.step()
+        assert zo.memory_report()["gathered_param_bytes"] == 0 and not store.live, raf
         zo.close()
     return out
 

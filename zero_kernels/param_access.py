@@ -275,6 +275,7 @@ class ParamAccess:
                     if was:
                         sched.free(u)
                 self.core.runner.load_masters()
+            sched.release_after_load()
         finally:
             self._owner["load"] = None
             self._loading = []

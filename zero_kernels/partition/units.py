@@ -340,11 +340,7 @@ class UnitScheduler:
         the stepped params' versions, `zero_kernels.stepper.Stepper.step`). Inside
         ``gathered_params()`` the step raises: the block's params would keep the values from
         before it."""
-        held = [
-            u
-            for u in self.all_units
-            if not u.persistent and u.state in (UnitState.GATHERED, UnitState.GATHERING)
-        ]
+        held = self._gathered_units()
         if not held:
             return
         if self.handed_out:
@@ -353,6 +349,26 @@ class UnitScheduler:
                 f"(units {', '.join(u.name for u in held)}) would keep the values from before "
                 "the step; step outside the block"
             )
+        self._release(held)
+
+    def release_after_load(self) -> None:
+        """After ``model.load_state_dict`` took the loaded values into the shards: units a
+        forward left gathered (its backward not run, or ``reshard_after_forward=False``) are
+        freed, so nothing stays gathered after a load (FSDP2's state after a load); a backward
+        through that forward's graph raises torch's in-place error, as the load changed the
+        params in place. Inside ``gathered_params()`` the block frees what it gathered."""
+        if not self.handed_out:
+            self._release(self._gathered_units())
+
+    def _gathered_units(self) -> list:
+        """The units gathered now outside the persistent one."""
+        return [
+            u
+            for u in self.all_units
+            if not u.persistent and u.state in (UnitState.GATHERED, UnitState.GATHERING)
+        ]
+
+    def _release(self, held: list) -> None:
         for u in held:
             self.free(u)
         self._kept.clear()
