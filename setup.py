@@ -26,8 +26,8 @@ except ImportError as e:  # pragma: no cover - build-time message
 here = os.path.dirname(os.path.abspath(__file__))
 torch_pin = "torch==" + torch.__version__.split("+")[0]
 integrations = [
-    "transformers>=4.46,<=5.24.0",
-    "accelerate>=1.0,<=1.15.0",
+    "transformers>=5.3,<=5.25.0",
+    "accelerate>=1.0,<=1.16.0",
     "lightning>=2.4,<=2.6.6",
     "pytorch-lightning>=2.4,<=2.6.6",
 ]

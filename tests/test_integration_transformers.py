@@ -38,3 +38,61 @@ def test_figures():
     """The measured gaps, for the issue's note (printed with -s)."""
     for c in transformers_checks.CHECKS:
         print(c.__name__, RUN.check(2, c.__name__)[0])
+
+
+# ---------------------------------------------------------------------------- no process group
+def test_release_check_warns_once_for_an_untested_release(monkeypatch):
+    """A newer minor release than the tested ones runs with one warning per process; a tested
+    one and the opt-out run quietly (transformers' own Trainer passes the method check)."""
+    import warnings
+
+    import zero_kernels.integrations.transformers as zt
+
+    monkeypatch.setattr(zt, "_warned", set())
+    monkeypatch.delenv("ZERO_KERNELS_UNTESTED_TRANSFORMERS", raising=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for t in zt.TESTED:
+            zt._check_version(version=f"{t}.3")
+    with pytest.warns(UserWarning, match=r"this is 5\.99\.0.*UNTESTED_TRANSFORMERS=1"):
+        zt._check_version(version="5.99.0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        zt._check_version(version="5.99.0")  # once per process
+        monkeypatch.setenv("ZERO_KERNELS_UNTESTED_TRANSFORMERS", "1")
+        zt._check_version(version="5.98.0")
+
+
+def test_release_check_refuses_a_trainer_without_the_overridden_methods():
+    """A release whose Trainer lacks a method ZeroTrainer overrides (transformers before 5.3 has
+    no _clip_grad_norm) or takes other parameters (5.2's create_optimizer(self)) is refused,
+    naming the method, even with the opt-out set."""
+    import transformers
+
+    import zero_kernels.integrations.transformers as zt
+
+    class NoClip(transformers.Trainer):
+        _clip_grad_norm = None
+
+    class OldCreate(transformers.Trainer):
+        def create_optimizer(self):
+            return None
+
+    with pytest.raises(RuntimeError, match=r"5\.2\.0's Trainer has no _clip_grad_norm\(\)"):
+        zt._check_version(NoClip, "5.2.0")
+    with pytest.raises(RuntimeError, match=r"Trainer\.create_optimizer takes \(\)"):
+        zt._check_version(OldCreate, "5.2.0")
+
+
+def test_test_extra_pins_the_newest_tested_release():
+    """setup.py's transformers range ends at the newest release in TESTED and starts at 5.3,
+    the first whose Trainer has every method ZeroTrainer overrides."""
+    import re
+
+    import zero_kernels.integrations.transformers as zt
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(repo, "setup.py")) as f:
+        lo, hi = re.search(r'"transformers>=([\d.]+),<=([\d.]+)"', f.read()).groups()
+    newest = max(zt.TESTED, key=lambda v: tuple(map(int, v.split("."))))
+    assert hi.rsplit(".", 1)[0] == newest and lo == "5.3", (lo, hi, zt.TESTED)

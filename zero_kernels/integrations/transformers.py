@@ -43,15 +43,25 @@ loss scaler covers), a resume from a checkpoint without ``zero_kernels/`` (a pla
 
 Private Trainer methods are overridden (``_move_model_to_device``, ``_save``,
 ``_save_optimizer_and_scheduler``, ``_load_optimizer_and_scheduler``, ``_load_from_checkpoint``,
-``_clip_grad_norm``, ``_get_grad_norm``): the transformers versions this was tested with are in
-``TESTED``; another version raises at construction unless
-``ZERO_KERNELS_UNTESTED_TRANSFORMERS=1``.
+``_clip_grad_norm``, ``_get_grad_norm``), so the construction checks the installed Trainer:
+
+- a release whose Trainer lacks one of them, or takes other parameters (``OVERRIDES``; so every
+  transformers before 5.3, which has no ``_clip_grad_norm`` and whose ``create_optimizer`` takes
+  no model), raises, naming the method: the override would never be called, and clipping or
+  checkpoints would silently bypass the sharded optimizer;
+- a release in ``TESTED`` (major.minor; the test extra's upper bound is the newest of them)
+  runs quietly;
+- any other release that passes the check runs with one warning per process saying so
+  (``ZERO_KERNELS_UNTESTED_TRANSFORMERS=1`` silences it): a new minor release works on the day
+  it comes out, and tests/test_integration_transformers.py says whether it really does.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
+import warnings
 
 import torch
 import transformers
@@ -65,23 +75,59 @@ from .common import (
     zero_kwargs,
 )
 
-__all__ = ["TESTED", "ZERO_DIR", "ZeroTrainer"]
+__all__ = ["OVERRIDES", "TESTED", "ZERO_DIR", "ZeroTrainer"]
 
-TESTED = ("5.24",)  # major.minor of the transformers releases the tests ran on
+TESTED = ("5.24", "5.25")  # major.minor of the transformers releases the tests ran on
 ZERO_DIR = "zero_kernels"  # the folder inside checkpoint-N holding the sharded state
 
+# the Trainer methods ZeroTrainer overrides, with the parameters (after self) it relies on
+OVERRIDES = {
+    "create_accelerator_and_postprocess": (),
+    "_move_model_to_device": ("model", "device"),
+    "create_optimizer": ("model",),
+    "training_step": ("model", "inputs", "num_items_in_batch"),
+    "_clip_grad_norm": ("model",),
+    "_get_grad_norm": ("model", "grad_norm"),
+    "_save": ("output_dir", "state_dict"),
+    "_save_optimizer_and_scheduler": ("output_dir",),
+    "_load_from_checkpoint": ("resume_from_checkpoint", "model"),
+    "_load_optimizer_and_scheduler": ("checkpoint",),
+}
+_warned: set[str] = set()  # the untested versions warned about in this process
 
-def _check_version() -> None:
-    v = transformers.__version__
-    if ".".join(v.split(".")[:2]) in TESTED:
+
+def _check_version(trainer_cls: type | None = None, version: str | None = None) -> None:
+    """Refuse a Trainer that does not have the methods ZeroTrainer overrides (with their
+    parameters); warn once for a release outside ``TESTED``. See the module's docstring."""
+    trainer_cls = transformers.Trainer if trainer_cls is None else trainer_cls
+    version = transformers.__version__ if version is None else version
+    for name, want in OVERRIDES.items():
+        fn = getattr(trainer_cls, name, None)
+        if not callable(fn):
+            raise RuntimeError(
+                f"ZeroTrainer: transformers {version}'s Trainer has no {name}(), which ZeroTrainer "
+                "overrides (without it the sharded optimizer would be bypassed silently); "
+                f"install transformers>=5.3 (tested: {', '.join(t + '.x' for t in TESTED)})"
+            )
+        got = tuple(inspect.signature(fn).parameters)[1:]
+        if got[: len(want)] != want:
+            raise RuntimeError(
+                f"ZeroTrainer: transformers {version}'s Trainer.{name} takes {got}, ZeroTrainer "
+                f"overrides it as taking {want}; this release is not supported (tested: "
+                f"{', '.join(t + '.x' for t in TESTED)})"
+            )
+    if ".".join(version.split(".")[:2]) in TESTED or version in _warned:
         return
     if os.environ.get("ZERO_KERNELS_UNTESTED_TRANSFORMERS") == "1":
         return
-    raise RuntimeError(
-        f"ZeroTrainer overrides private Trainer methods and was tested with transformers "
-        f"{', '.join(t + '.x' for t in TESTED)}; this is transformers {v}. Install a tested "
-        "version, or set ZERO_KERNELS_UNTESTED_TRANSFORMERS=1 to run it anyway (the tests in "
-        "tests/test_integration_transformers.py say whether it still works)"
+    _warned.add(version)
+    warnings.warn(
+        f"ZeroTrainer was tested with transformers {', '.join(t + '.x' for t in TESTED)}; this "
+        f"is {version}. The Trainer methods it overrides are there with the expected "
+        "parameters, so it runs; tests/test_integration_transformers.py says whether it gives "
+        "DDP's results. ZERO_KERNELS_UNTESTED_TRANSFORMERS=1 silences this warning",
+        UserWarning,
+        stacklevel=3,
     )
 
 
