@@ -2,6 +2,9 @@
 
 python python/train_example.py [--steps 50]
 torchrun --nproc-per-node 2 python/train_example.py --stage 2   # or 1, or 3
+
+On a GPU node each rank takes the GPU of its LOCAL_RANK (set before the process group, so NCCL
+binds to it) and trains there on NCCL; elsewhere on the CPU with gloo.
 """
 
 from __future__ import annotations
@@ -30,14 +33,21 @@ def main() -> None:
     args = ap.parse_args()
 
     distributed = "WORLD_SIZE" in os.environ
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)  # before the group: NCCL binds this rank to its GPU
+    else:
+        device = torch.device("cpu")
     if distributed:
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank = dist.get_rank() if distributed else 0
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, args.width), nn.GELU(), nn.Linear(args.width, 1))
+    model.to(device)  # before the optimizer: it shards the params where they are
     if args.stage == 0:
         if distributed:
-            model = nn.parallel.DistributedDataParallel(model)
+            ids = [device.index] if device.type == "cuda" else None
+            model = nn.parallel.DistributedDataParallel(model, device_ids=ids)
         opt = zero_kernels.FusedAdamW(model.parameters(), lr=3e-3)
     else:
         if not distributed:
@@ -47,8 +57,9 @@ def main() -> None:
     gen = torch.Generator().manual_seed(1 + rank)
     w_true = torch.randn(32, 1, generator=torch.Generator().manual_seed(42))
     for step in range(1, args.steps + 1):
-        x = torch.randn(64, 32, generator=gen)
+        x = torch.randn(64, 32, generator=gen)  # drawn on the CPU: the same data on any device
         y = torch.sin(x @ w_true)
+        x, y = x.to(device), y.to(device)
         opt.zero_grad()
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
