@@ -360,6 +360,32 @@ def refusals(rank, world):
     return msgs
 
 
+def own_dir_per_rank(rank, world):
+    """Each rank's moments in a folder of its own (one NVMe drive per rank): bitwise the run
+    without offload; what changes the collectives must still agree (offload on one rank only
+    is refused on every rank)."""
+    mine = os.path.join(DIR, f"zk-own-dir-rank{rank}")
+    os.makedirs(mine, exist_ok=True)
+    runs = []
+    for off in (False, True):
+        m = model()
+        opt = build(m, 2, off, **({"offload_dir": mine} if off else {}))
+        if off:
+            assert os.path.dirname(opt.parts.core.runner.swap.path) == mine
+        train(m, opt, 3, rank)
+        runs.append(snapshot(m, opt))
+        opt.close()
+    assert same(*runs), "offloaded run with a folder per rank differs"
+    kw = {"offload_optimizer": "nvme", "offload_dir": mine} if rank == 0 else {}
+    try:
+        zero_kernels.ZeroOptimizer(model(), torch.optim.AdamW, stage=2, lr=1e-3, **kw)
+        raise AssertionError("offload on rank 0 only: accepted")
+    except ValueError as e:
+        assert "offload.offload_optimizer" in str(e) and "different settings" in str(e), e
+    os.rmdir(mine)
+    return {}
+
+
 CHECKS = [
     _bitwise(1, torch.float32),
     _bitwise(2, torch.bfloat16),
@@ -377,6 +403,7 @@ CHECKS = [
     state_dict_round_trip,
     file_lifetime,
     refusals,
+    own_dir_per_rank,
 ]
 
 

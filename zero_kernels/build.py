@@ -128,7 +128,7 @@ def lay_out(
     validate.check_agree(
         {
             "stage": policy.stage,
-            **policy.describe(),  # every field of every policy, by its name
+            **policy.must_agree(),  # every field of every policy, by its name
             "partition mode": mode,
             "optimizer_class": f"{optimizer_class.__module__}.{optimizer_class.__qualname__}",
             "nonfinite": nonfinite,

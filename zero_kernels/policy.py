@@ -402,7 +402,7 @@ class ZeroPolicy:
         return cls(shard=shard, **parts)
 
     def describe(self) -> dict:
-        """Every field, for comparing ranks and for reports (plain values)."""
+        """Every field, for reports (plain values)."""
         out = {}
         for name in ("shard", "gather", "precision", "comm", "offload"):
             for f in dataclasses.fields(getattr(self, name)):
@@ -410,6 +410,19 @@ class ZeroPolicy:
                 plain = v is None or isinstance(v, (bool, int, float, str))
                 out[f"{name}.{f.name}"] = v if plain else str(v)
         return out
+
+    def must_agree(self) -> dict:
+        """What every rank's policy must hold alike (`describe` less `RANK_LOCAL`'s values:
+        only whether each is set is compared)."""
+        out = self.describe()
+        for k in RANK_LOCAL:
+            out[k] = "set" if out[k] is not None else None
+        return out
+
+
+# Fields that name a rank's own resources and change no collective: they may differ across
+# ranks (a node with one NVMe drive per rank mounts one folder for each; nodes never share one)
+RANK_LOCAL = ("offload.offload_dir",)
 
 
 def resolve_given(stage, policy, defaults: dict, **options) -> ZeroPolicy:
