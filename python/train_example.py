@@ -41,6 +41,9 @@ def main() -> None:
     if distributed:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank = dist.get_rank() if distributed else 0
+    if rank == 0:
+        backend = dist.get_backend() if distributed else "none"
+        print(f"device {device}, process group backend {backend}", flush=True)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, args.width), nn.GELU(), nn.Linear(args.width, 1))
     model.to(device)  # before the optimizer: it shards the params where they are
