@@ -13,7 +13,13 @@ import torch
 
 from .core import Core
 from .partition.grads import GradViews
-from .syncfree import Deferred, clip_coefficient, nonfinite_flag, norm_on_device
+from .syncfree import (
+    Deferred,
+    any_nonfinite,
+    clip_coefficient,
+    nonfinite_flag,
+    norm_on_device,
+)
 
 __all__ = ["GradContract"]
 
@@ -149,11 +155,9 @@ class GradContract:
             return
         scaled = self.scaler.active
         if scaled or self.nonfinite != "step":
-            bad = torch.zeros(1, device=self.core.device)
-            for g in self.core.grads.shard_tensors():
-                if not bool(torch.isfinite(g).all()):
-                    bad.fill_(1.0)
-                    break
+            # the verdict on the device, agreed by every rank, read once: the step's one host
+            # read ([Note: no host sync]; a read per shard synchronised once per shard)
+            bad = any_nonfinite(self.core.grads.shard_tensors(), self.core.device).reshape(1)
             self.core.all_reduce(bad, "max", "step: non-finite check")
             self.overflow = bool(bad.item() != 0)
         elif self.core.sync_free:  # counted on the device, logged once the value is ready

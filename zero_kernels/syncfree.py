@@ -25,7 +25,10 @@ every host read made inside ``step()``):
 
 Loss scaling and nonfinite="skip"/"raise" decide on the host whether to step, so they read one
 flag per step (one synchronisation, as ``torch.amp.GradScaler`` does with optimizers that do not
-take ``found_inf``).
+take ``found_inf``): the shards' checks are combined on the device (`any_nonfinite`) and agreed
+by one all-reduce of the flag before the read. ``torch.amp.GradScaler``'s check-and-unscale on
+the `ShardedGrad`s reads nothing either: its ``found_inf`` is combined and all-reduced on the
+device, and the one read per step is GradScaler's own in ``scaler.step``.
 
 [Note: accurate norms]
 The gradient norm of ``clip_grad_norm_`` is taken over this rank's flat shards, each of which
@@ -58,6 +61,7 @@ import torch
 
 __all__ = [
     "Deferred",
+    "any_nonfinite",
     "clip_coefficient",
     "host_read",
     "nonfinite_flag",
@@ -83,6 +87,16 @@ def nonfinite_flag(shards: list[torch.Tensor], device: torch.device) -> torch.Te
     if not sums:
         return torch.zeros((), dtype=torch.float32, device=device)
     return (~torch.isfinite(torch.stack(sums))).any().to(torch.float32)
+
+
+def any_nonfinite(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """1.0 (fp32, 0-dim, on ``device``) when any element of ``tensors`` is inf or NaN, else
+    0.0: exact (element by element, as ``torch.amp.GradScaler``'s check), one small reduction
+    per tensor, no host read."""
+    flags = [torch.isfinite(t).all() for t in tensors if t.numel()]
+    if not flags:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return (~torch.stack(flags).all()).to(torch.float32)
 
 
 def norm_on_device(shards: list[torch.Tensor], norm_type: float, device) -> torch.Tensor:

@@ -69,7 +69,7 @@ import weakref
 import torch
 
 from .. import comm
-from ..syncfree import pow_sum
+from ..syncfree import any_nonfinite, pow_sum
 
 __all__ = ["GradViews", "ShardedGrad", "ShardedGradError"]
 
@@ -372,17 +372,18 @@ def _unscale(grads, found_inf, inv_scale):
         return
     owner = ts[0]._owner()
     owner.normalize()
-    inv = _scalar(inv_scale)
-    bad = 0.0
-    for t in ts:
-        for v, _ in _pieces(t):
-            if v.numel():
-                if not bool(torch.isfinite(v).all()):
-                    bad = 1.0
-                v.mul_(inv)
-    flag = torch.tensor([max(bad, float(found_inf.item()))], device=owner.device)
+    if not isinstance(inv_scale, torch.Tensor) or inv_scale.numel() != 1:
+        inv_scale = torch.tensor(_scalar(inv_scale))
+    # on the device, no host read ([Note: no host sync] in `zero_kernels.syncfree`): the
+    # pieces' flags and found_inf combined, agreed by one all-reduce; GradScaler's step reads it
+    inv = inv_scale.reshape(()).float()
+    vs = [v for t in ts for v, _ in _pieces(t) if v.numel()]
+    flag = torch.maximum(any_nonfinite(vs, owner.device), found_inf.reshape(()).float())
+    for v in vs:
+        v.mul_(inv)
+    flag = flag.reshape(1)
     comm.all_reduce(flag, "max", group=owner.group, log=owner.log)
-    found_inf.fill_(float(flag.item()))
+    found_inf.copy_(flag.reshape(found_inf.shape))
 
 
 _IMPLS = {

@@ -1,0 +1,70 @@
+"""Host work per step: what the step reads back from the device and copies to it.
+
+- Loss scaling, nonfinite="skip"/"raise" and torch's GradScaler decide on the host whether to
+  step: one host read per step, not one per shard or piece ([Note: no host sync] in
+  zero_kernels/syncfree.py), counted with the device-side forms switched on for CPU tensors at
+  world size 8 on torch's fake group (bench/gpu_check.sh runs clip + step under
+  ``torch.cuda.set_sync_debug_mode`` with CUDA tensors).
+- The int8 state's block tables are made once, not rebuilt or re-checked every step.
+- ``consolidated_state_dict`` hands the object collective host tensors only."""
+
+import pytest
+from fake_group import run_fake
+
+READS = """
+import sys
+sys.path.insert(0, {tests!r})
+from syncfree_checks import host_reads, _step_counters
+from torch import nn
+from zero_kernels import ZeroOptimizer
+
+torch.manual_seed(0)
+mode = {mode!r}
+m = nn.Sequential(*[nn.Linear(16, 16) for _ in range(6)])
+kw = dict(lr=1e-2, stage={stage}, bucket_size_mb=0.0005)
+if mode == "fp16":
+    m = m.half()
+    kw["loss_scale"] = "dynamic"
+elif mode in ("skip", "raise"):
+    kw["nonfinite"] = mode
+if {stage} == 3:
+    kw["units"] = [nn.Linear]
+zo = ZeroOptimizer(m, torch.optim.AdamW, **kw)
+zo.parts.core.sync_free = True  # the device-side forms, as on a GPU
+scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if mode == "scaler" else None
+per_step = []
+for step in range(4):
+    zo.zero_grad()
+    x = torch.randn(4, 16, dtype=next(m.parameters()).dtype)
+    loss = m(x).float().pow(2).mean()
+    if scaler is not None:
+        scaler.scale(loss).backward()
+    else:
+        zo.scale_loss(loss).backward()
+    with host_reads(_step_counters(zo)) as seen:
+        if scaler is not None:
+            scaler.unscale_(zo)
+            zo.clip_grad_norm_(1.0)
+            scaler.step(zo)
+            scaler.update()
+        else:
+            zo.clip_grad_norm_(1.0)
+            zo.step()
+    if step >= 1:
+        per_step.append(seen)
+print(json.dumps(dict(reads=per_step, shards=len(zo.parts.core.grads.shard_tensors()))))
+"""
+
+
+@pytest.mark.parametrize(
+    "mode,stage",
+    [("fp16", 1), ("fp16", 3), ("skip", 2), ("raise", 1), ("scaler", 1), ("scaler", 2)],
+)
+def test_one_host_read_per_step(mode, stage):
+    import pathlib
+
+    tests = str(pathlib.Path(__file__).parent)
+    r = run_fake(READS.format(tests=tests, mode=mode, stage=stage))
+    assert r["shards"] > 1 or stage > 1, r  # several shards: a read per shard would show
+    for seen in r["reads"]:
+        assert len(seen) <= 1, r["reads"]
