@@ -223,10 +223,11 @@ def check_sharded(rank: int, world: int) -> dict:
     assert held <= (frozen + trained) / world + buckets * 16 * 4, (held, frozen, trained)
     # block 2 (frozen whole) is freed once its input gradient is computed: before block 1's
     # adapters get theirs
-    frozen2 = next(u for u in zo.parts.core.units.units if u.module is m1.blocks[2])
     seen = []
     m1.blocks[1].up.A.weight.register_hook(
-        lambda g: seen.append(any(k in core.store.live for k in frozen2.buckets))
+        lambda g: seen.append(
+            next(u.state for u in zo.units() if u.module is m1.blocks[2]) != "sharded"
+        )
     )
     peaks: list[int] = []
     _train(rank, zo, m1, ddp, to, 2, peak=peaks)

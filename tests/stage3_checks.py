@@ -269,8 +269,11 @@ def check_memory_and_comm(rank: int, world: int) -> dict:
         for i, buf in enumerate(zo.layout.buffers):
             for b in buf.buckets:
                 sizes[(i, b.index)] = b.numel(world) * 4
-        root = sum(sizes[k] for k in zo.parts.core.units.root.buckets)
-        unit = max(sum(sizes[k] for k in u.buckets) for u in zo.parts.core.units.units)
+        infos = zo.units()  # the public view of the units
+        (root_info,) = [u for u in infos if u.kind == "root"]
+        units = [u for u in infos if u.kind == "unit"]
+        root, unit = root_info.gathered_bytes, max(u.gathered_bytes for u in units)
+        assert sum(u.gathered_bytes for u in infos) == sum(sizes.values()), (infos, sizes)
         peak = [0]
         store.alloc = _tracking(store, peak)
         zo.comm_log.trace = True
@@ -287,11 +290,11 @@ def check_memory_and_comm(rank: int, world: int) -> dict:
         if raf:  # the shard plus the root unit and a few units, not the model
             assert peak[0] <= root + (2 + zo.prefetch) * unit, (peak[0], root, unit)
         else:  # every unit stays gathered from its forward to its backward
-            assert peak[0] <= root + len(zo.parts.core.units.units) * unit, (peak[0], root, unit)
-        n_units = len(zo.parts.core.units.units)
+            assert peak[0] <= root + len(units) * unit, (peak[0], root, unit)
+        n_units = len(units)
         ag = sum(1 for k, _, _ in zo.comm_log.sizes if k == "all_gather")
         rs = sum(1 for k, _, _ in zo.comm_log.sizes if k == "reduce_scatter")
-        want_ag = len(zo.parts.core.units.root.buckets) + n_units * (2 if raf else 1)
+        want_ag = root_info.buckets + n_units * (2 if raf else 1)
         assert (ag, rs) == (want_ag, len(sizes)), (raf, ag, rs, want_ag, len(sizes))
         out[f"reshard={raf}"] = {"peak": peak[0], "root": root, "unit": unit, "ag": ag}
         # model.state_dict(): whole tensors, gathered unit by unit; load_state_dict into shards

@@ -562,3 +562,68 @@ def test_stage3_step_after_a_forward_without_backward():
     with zo.gathered_params(), pytest.raises(RuntimeError, match="inside gathered_params"):
         zo.step()
     zo.close()
+
+
+def test_stage3_units_public_view():
+    """opt.units(): which modules became units and which params sit in the root unit, their
+    gathered size and their state, through the public view (FSDP2's "which modules are
+    FSDPModules"); [] at stages 1/2; the kept-whole params under persist_below; frozen ones."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Linear(4, 8)
+            self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+            self.head = nn.Linear(8, 2)
+
+        def forward(self, x):
+            x = self.emb(x)
+            for b in self.blocks:
+                x = torch.tanh(b(x))
+            return self.head(x)
+
+    torch.manual_seed(0)
+    m = Net()
+    every = [n for n, _ in m.named_parameters()]
+    zo = ZeroOptimizer(m, torch.optim.AdamW, stage=3, units=list(m.blocks), lr=1e-3)
+    infos = zo.units()
+    assert [(u.name, u.kind) for u in infos] == [
+        ("", "root"),
+        ("blocks.0", "unit"),
+        ("blocks.1", "unit"),
+        ("blocks.2", "unit"),
+    ], infos
+    assert infos[0].module is m and infos[2].module is m.blocks[1]
+    assert infos[0].params == ("emb.weight", "emb.bias", "head.weight", "head.bias")
+    assert infos[1].params == ("blocks.0.weight", "blocks.0.bias")
+    assert sorted(n for u in infos for n in u.params) == sorted(every)  # each param once
+    assert sum(u.numel for u in infos) == sum(p.numel() for p in m.parameters())
+    for u in infos:
+        assert u.state == "sharded" and u.buckets >= 1 and u.gathered_bytes >= 4 * u.numel
+    with zo.gathered_params(m.blocks[1]):
+        assert [u.state for u in zo.units()] == ["sharded", "sharded", "gathered", "sharded"]
+    assert {u.state for u in zo.units()} == {"sharded"}
+    zo.close()
+    # params under persist_below are kept whole, in a unit of their own
+    m = Net()
+    zo = ZeroOptimizer(m, torch.optim.AdamW, stage=3, units=list(m.blocks), persist_below=9)
+    kept = [u for u in zo.units() if u.kind == "kept"]
+    assert len(kept) == 1 and kept[0].module is None and kept[0].state == "gathered", kept
+    assert set(kept[0].params) == {n for n in every if n.endswith("bias")}, kept
+    zo.close()
+    # frozen params sharded with their unit (shard_frozen)
+    m = Net()
+    m.blocks[0].requires_grad_(False)
+    trainable = [p for p in m.parameters() if p.requires_grad]
+    zo = ZeroOptimizer(
+        trainable, torch.optim.AdamW, stage=3, module=m, units=list(m.blocks), shard_frozen=True
+    )
+    assert next(u for u in zo.units() if u.name == "blocks.0").params == (
+        "blocks.0.weight",
+        "blocks.0.bias",
+    )
+    zo.close()
+    m = Net()
+    zo = ZeroOptimizer(m, torch.optim.AdamW, stage=2, lr=1e-3)
+    assert zo.units() == []
+    zo.close()

@@ -44,6 +44,7 @@ from .memory import memory_report
 from .param_access import ParamAccess, _call, _call_args
 from .partition.grads import ShardedGrad
 from .partition.phase import backward_marker
+from .partition.unit_view import UnitInfo, unit_infos
 from .policy import ZeroPolicy, resolve_given
 from .sharded_state import ShardedState
 from .state_access import FullState
@@ -708,6 +709,13 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
         return comm.group_or_world(self.group)
 
     # ------------------------------------------------------------------ telemetry
+    def units(self) -> list[UnitInfo]:
+        """Stage 3's units as they are now (`zero_kernels.partition.unit_view.UnitInfo`: name,
+        kind root/unit/kept, module, param names, size, state); [] at stages 1 and 2, where
+        every param stays whole. Not collective."""
+        sched = self._core.units
+        return [] if sched is None else unit_infos(sched, self._core.module)
+
     def memory_report(self) -> dict:
         """This rank's bytes of params, grads, master, optimizer state and comm buffers; with
         offload, the staging buffers (RAM) and the offload file (disk)
