@@ -37,6 +37,8 @@ bytes are negligible and biases and norms are where quantized moments would hurt
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .. import _native
@@ -200,6 +202,38 @@ def _reference_step(p, g, state, hyper: AdamHyper, state_dtype, block, out_lowp,
     encode_state(m, v, state_dtype, block, state, starts)
 
 
+# block tables checked already: id -> (a weak reference to the table, (its version, n, block)
+# when checked); a step's tables are made once and passed every step
+# (`zero_kernels.partition.lowbit_state`), so the host checks each once, not at every step (a
+# table written since has a new version); an entry goes with its table
+_checked_starts: dict[int, tuple[weakref.ref, tuple]] = {}
+
+
+def _check_starts(starts: torch.Tensor, n: int, block: int) -> int:
+    """The number of blocks of table ``starts`` for ``n`` elements, after checking it."""
+    key = (starts._version, n, block)
+    seen = _checked_starts.get(id(starts))
+    if seen is not None and seen[0]() is starts and seen[1] == key:
+        return starts.numel() - 1
+    d = starts.diff() if starts.dim() == 1 else None
+    if not (
+        starts.device.type == "cpu"
+        and starts.dtype == torch.int64
+        and starts.dim() == 1
+        and starts.numel() >= 2
+        and int(starts[0]) == 0
+        and int(starts[-1]) == n
+        and bool(((d >= 1) & (d <= block)).all())
+    ):
+        raise ValueError(
+            f"adam_step_lowbit: block_starts must be int64 from 0 to {n} with steps in "
+            f"[1, block={block}], got {starts.tolist()[:8]}..."
+        )
+    k = id(starts)
+    _checked_starts[k] = (weakref.ref(starts, lambda _, k=k: _checked_starts.pop(k, None)), key)
+    return starts.numel() - 1
+
+
 def _check(p, g, state, state_dtype, block, out_lowp, hyper, starts) -> None:
     if hyper.amsgrad:
         raise ValueError(
@@ -220,21 +254,7 @@ def _check(p, g, state, state_dtype, block, out_lowp, hyper, starts) -> None:
     if starts is not None:
         if state_dtype != "int8":
             raise ValueError("adam_step_lowbit: block_starts is for state_dtype='int8'")
-        d = starts.diff()
-        if not (
-            starts.device.type == "cpu"
-            and starts.dtype == torch.int64
-            and starts.dim() == 1
-            and starts.numel() >= 2
-            and int(starts[0]) == 0
-            and int(starts[-1]) == n
-            and bool(((d >= 1) & (d <= block)).all())
-        ):
-            raise ValueError(
-                f"adam_step_lowbit: block_starts must be int64 from 0 to {n} with steps in "
-                f"[1, block={block}], got {starts.tolist()[:8]}..."
-            )
-        nb = starts.numel() - 1
+        nb = _check_starts(starts, n, block)
     want = _STATE_TENSOR_DTYPES[state_dtype]
     for k in STATE_KEYS[state_dtype]:
         t = state.get(k)
@@ -272,7 +292,9 @@ def adam_step_lowbit(
     """One Adam/AdamW step with m, v stored as ``state_dtype`` ("bf16" or "int8"), in place.
 
     ``state`` holds the tensors of `new_state` (flat, ``param.numel()`` elements).
-    ``block_starts`` (int8, optional; a CPU tensor whatever the device): int64 ``[0, ..., n]``,
+    ``block_starts`` (int8, optional; a CPU tensor whatever the device, which the CUDA binding
+    copies to the device at each call: pass one made once, pinned, as the sharded step does;
+    it is checked once per version): int64 ``[0, ..., n]``,
     block k covering ``[block_starts[k], block_starts[k + 1])``, each at most ``block`` long; the
     scales then
     have ``len(block_starts) - 1`` entries (a sharded step's blocks follow its pieces).

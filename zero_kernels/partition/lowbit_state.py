@@ -177,9 +177,14 @@ class Int8ShardState:
         (offload: [Note: offload]) starting at element ``clo`` (a block bound)."""
         key = (i, b, lo, hi)
         run = self._runs.get(key)
-        if run is None:
+        if run is None:  # made once per run of blocks (a new layout makes a new object)
             kb0, kb1 = self.block_of(i, b, lo), self.block_of(i, b, hi)
             starts = (self.starts[(i, b)][kb0 : kb1 + 1] - lo).contiguous()
+            if torch.device(self.device).type == "cuda":
+                # the kernel's binding takes the table on the host and copies it to the device
+                # (non-blocking) on every call: from pinned memory that copy is a DMA queued on
+                # the stream, from pageable memory a staged copy the host waits for
+                starts = starts.pin_memory()
             run = (kb0, kb1, starts)
             self._runs[key] = run
         kb0, kb1, starts = run
