@@ -356,13 +356,54 @@ def check_group_churn(rank: int, world: int, rounds: int = 10) -> dict:
     return out
 
 
+def check_subgroup_then_world(rank: int, world: int, rounds: int = 6) -> dict:
+    """ZeroOptimizers in one process over a new group, then over the world group, in turn
+    (torch's ZeroRedundancyOptimizer test of a non-default group, followed by the default one):
+    each run gives DDP's params after 3 steps, whatever the earlier optimizers left (probes,
+    shared-memory channels, twin groups are per group)."""
+    gaps = []
+    for k in range(rounds):
+        torch.manual_seed(k)
+        base = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Linear(16, 2))
+        m, ref = copy.deepcopy(base), copy.deepcopy(base)
+        g = _new_group() if k % 2 == 0 else None
+        zo = ZeroOptimizer(
+            m, O.AdamW, stage=1 + k % 3, process_group=g, lr=1e-2, bucket_size_mb=1e-4
+        )
+        ddp = nn.parallel.DistributedDataParallel(ref)
+        to = O.AdamW(ref.parameters(), lr=1e-2)
+        for s in range(3):
+            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * s + rank))
+            zo.zero_grad()
+            to.zero_grad()
+            m(x).square().mean().backward()
+            ddp(x).square().mean().backward()
+            zo.step()
+            to.step()
+        gaps.append(
+            max(
+                (zo.full_param(p) - q).abs().max().item()
+                for p, q in zip(m.parameters(), ref.parameters())
+            )
+        )
+        zo.close()
+        if g is not None:
+            _destroy(g)
+    return {"gaps": gaps}
+
+
 # ---------------------------------------------------------------- one process group per world
 def check_all(rank: int, world: int) -> dict:
     """Every check above in one process group (world 2 adds the group churn, last: a hang
     there leaves the others' results standing). A check that raises reports its traceback."""
     import traceback
 
-    checks = {"edits": check_edits, "zero_grad": check_zero_grad, "meta": check_meta_buffers}
+    checks = {
+        "edits": check_edits,
+        "zero_grad": check_zero_grad,
+        "meta": check_meta_buffers,
+        "subgroup then world": check_subgroup_then_world,
+    }
     if world == 2:
         checks.update({"reused id": check_reused_id, "churn": check_group_churn})
     out = {}

@@ -125,3 +125,10 @@ def test_group_state_not_inherited_by_a_reused_id():
 @pytest.mark.distributed
 def test_groups_made_and_destroyed():
     assert [r["steps"] for r in _part(2, "churn")] == [10, 10]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 3])
+def test_subgroup_then_world_group_in_one_process(world):
+    for r in _part(world, "subgroup then world"):
+        assert len(r["gaps"]) == 6 and max(r["gaps"]) < 1e-5, r
