@@ -118,3 +118,58 @@ def test_int8_state_block_tables_made_and_checked_once(stage):
     assert r["tables"] >= 2 and r["cpu"], r
     assert r["ids"][0] == r["ids"][1] == r["ids"][2], r["ids"]
     assert r["reads"] == [[], []], r["reads"]
+
+
+PAYLOAD = """
+from torch import nn
+from zero_kernels import ZeroOptimizer, comm
+from zero_kernels.partition import state
+
+torch.manual_seed(0)
+m = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4)).to(torch.bfloat16)
+zo = ZeroOptimizer(m, torch.optim.AdamW, stage=2, lr=1e-2, bucket_size_mb=0.0005)
+m(torch.randn(4, 16, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+zo.step()
+moved, sent = set(), []
+to_host = state.to_host
+
+def spy(v):
+    out = to_host(v)
+    moved.add(id(out))
+    return out
+
+state.to_host = spy
+gather = comm.gather_object
+
+def record(obj, dst, **kw):
+    sent.append(obj)
+    return gather(obj, dst, **kw)
+
+comm.gather_object = record
+sd = zo.consolidated_state_dict()
+
+def tensors(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, dict):
+        for v in x.values():
+            yield from tensors(v)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from tensors(v)
+
+ts = [t for obj in sent for t in tensors(obj)]
+print(json.dumps(dict(sent=len(sent), tensors=len(ts), cpu=all(t.device.type == "cpu" for t in ts),
+                      moved=all(id(t) in moved for t in ts),
+                      keys=sorted(next(iter(sd["state"].values()))))))
+"""
+
+
+def test_consolidated_state_sends_host_tensors():
+    """What ``consolidated_state_dict`` hands ``gather_object`` holds host copies only (each
+    tensor made by ``to_host``): pickled CUDA tensors would be unpickled on rank 0 onto the
+    devices of the ranks that sent them."""
+    r = run_fake(PAYLOAD)
+    assert r["sent"] == 1 and r["tensors"] > 0, r
+    assert r["cpu"] and r["moved"], r
+    assert r["keys"] == ["exp_avg", "exp_avg_sq", "fp32_master", "step"], r

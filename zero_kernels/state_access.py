@@ -25,7 +25,9 @@ class FullState:
 
     def consolidated_state_dict(self, to: int = 0) -> dict | None:
         """On rank ``to``: the state dict of the unsharded ``optimizer_class`` (torch's format,
-        loadable by it); None on the other ranks. Collective: call it on every rank."""
+        loadable by it; its tensors on the host: every rank's pieces travel as host copies,
+        `zero_kernels.partition.state.to_host`); None on the other ranks. Collective: call it
+        on every rank."""
         core = self.core
         if not 0 <= to < core.dp_size:
             raise ValueError(f"to must be a rank in [0, {core.dp_size}), got to={to!r}")

@@ -24,7 +24,14 @@ import torch
 
 from ..layout import Layout
 
-__all__ = ["MASTER_KEY", "consolidate", "elementwise", "local_payload", "shard_state"]
+__all__ = [
+    "MASTER_KEY",
+    "consolidate",
+    "elementwise",
+    "local_payload",
+    "shard_state",
+    "to_host",
+]
 
 MASTER_KEY = "fp32_master"
 
@@ -43,25 +50,29 @@ def _copy(v):
     return v.detach().clone() if isinstance(v, torch.Tensor) else v
 
 
+def to_host(v):
+    """A host copy of tensor ``v`` (anything else as it is): what `local_payload` puts in the
+    payload, which goes through an object collective (pickled: a CUDA tensor is unpickled
+    onto the device index it had on the sending rank, so rank 0 would put every rank's state
+    on those ranks' GPUs)."""
+    return v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
+
+
 def local_payload(layout: Layout, runner, masters: bool = False) -> list[dict]:
     """This rank's state per flat buffer: ``{index: {"offset", "numel", "elem", "other"}}``
-    (element-wise values flattened over the piece, per-tensor values as they are); with
-    ``masters``, the fp32 master values of low-precision params as element-wise entry
-    `MASTER_KEY`."""
+    (element-wise values flattened over the piece, per-tensor values as they are), host copies
+    (`to_host`: the payload goes through object collectives); with ``masters``, the fp32
+    master values of low-precision params as element-wise entry `MASTER_KEY`."""
     out = [{} for _ in layout.buffers]
     with runner.resident():  # offloaded moments read in for the copy ([Note: offload])
         for i, _, pc, p, _ in runner.all_pieces():
             st = runner.inner.state.get(p, {})
             if not st:
                 continue
-            elem = {
-                k: v.detach().reshape(-1).clone()
-                for k, v in st.items()
-                if elementwise(k, v, p.shape)
-            }
+            elem = {k: to_host(v.reshape(-1)) for k, v in st.items() if elementwise(k, v, p.shape)}
             if masters and runner.masters[i] is not None:  # p is the piece's master view
-                elem[MASTER_KEY] = p.detach().reshape(-1).clone()
-            other = {k: _copy(v) for k, v in st.items() if k not in elem}
+                elem[MASTER_KEY] = to_host(p.reshape(-1))
+            other = {k: to_host(v) for k, v in st.items() if k not in elem}
             out[i][pc.index] = {
                 "offset": pc.offset,
                 "numel": pc.numel,
