@@ -4,7 +4,10 @@
     pip install --no-build-isolation .   # builds against that torch, never downloads one
 
 CPU kernels are always built. CUDA kernels are built when torch is a CUDA build and nvcc is found;
-ZERO_KERNELS_NO_CUDA=1 skips them, ZERO_KERNELS_CUDA_ARCH (default "80;90") picks the GPUs.
+ZERO_KERNELS_NO_CUDA=1 skips them, ZERO_KERNELS_CUDA_ARCH (default "80;90") picks the GPUs: machine
+code (sm_XY) for each, and PTX for the newest (compute_XY), which the driver compiles once for GPUs
+newer than any listed (sm_100, sm_120...). The extension's ``cuda_archs()`` lists what it holds;
+backend "auto" uses Triton on a GPU none of it runs on (zero_kernels/ops/backends.py).
 """
 
 import os
@@ -62,14 +65,29 @@ def want_cuda() -> bool:
     return True
 
 
+def cuda_images(spec: str) -> list[str]:
+    """``"80;90"`` -> ``["sm_80", "sm_90", "compute_90"]``: machine code for every arch listed,
+    and PTX for the newest, without a suffix (``90a``'s PTX would run on sm_90 only)."""
+    archs = [a.strip() for a in spec.replace(",", ";").split(";") if a.strip()]
+    nums = ["".join(c for c in a if c.isdigit()) for a in archs]
+    if not archs or not all(nums):
+        sys.exit(f"ZERO_KERNELS_CUDA_ARCH must list architectures such as 80;90, got {spec!r}")
+    return [f"sm_{a}" for a in archs] + [f"compute_{max(nums, key=int)}"]
+
+
 if want_cuda():
-    archs = os.environ.get("ZERO_KERNELS_CUDA_ARCH", "80;90").replace(",", ";").split(";")
-    gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs if a]
+    images = cuda_images(os.environ.get("ZERO_KERNELS_CUDA_ARCH", "80;90"))
+    gencode = [f"-gencode=arch=compute_{i.split('_', 1)[1]},code={i}" for i in images]
     ext = CUDAExtension(
         "zero_kernels._C",
         cpu_sources + ["csrc/adam_cuda.cu", "csrc/adam_lowbit_cuda.cu", "csrc/quant_cuda.cu"],
         define_macros=[("ZK_WITH_CUDA", "1")],
-        extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17", *gencode]},
+        extra_compile_args={
+            # the images, for cuda_archs() (bindings.cpp); on the host compiler only (nvcc's -D
+            # would split the list at its commas)
+            "cxx": [*cxx_flags, "-DZK_CUDA_ARCHS=" + ",".join(images)],
+            "nvcc": ["-O3", "-std=c++17", *gencode],
+        },
         extra_link_args=["-fopenmp"],
     )
 else:

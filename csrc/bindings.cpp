@@ -723,6 +723,19 @@ bool has_cuda() {
 #endif
 }
 
+// The CUDA images compiled in, comma-separated ("sm_80,sm_90,compute_90": machine code, and PTX
+// the driver compiles for newer GPUs), as setup.py passes them; "" without CUDA kernels or where
+// the build did not say (backend "auto" checks the device against it: ops/backends.py).
+#define ZK_STR_(...) #__VA_ARGS__
+#define ZK_STR(...) ZK_STR_(__VA_ARGS__)
+std::string cuda_archs() {
+#if defined(ZK_WITH_CUDA) && defined(ZK_CUDA_ARCHS)
+  return ZK_STR(ZK_CUDA_ARCHS);
+#else
+  return "";
+#endif
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -759,6 +772,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cpu_isa", &cpu_isa, "Instruction set the CPU kernels use now");
   m.def("set_cpu_isa", &set_cpu_isa, "Force the CPU kernels' instruction set (tests)");
   m.def("has_cuda", &has_cuda, "Whether the CUDA kernels were compiled in");
+  m.def("cuda_archs", &cuda_archs, "The CUDA images compiled in (sm_XY, compute_XY)");
   m.def("shm_post", &shm_post, "Release-store a shared word, wake its waiters");
   m.def("shm_wait_ge", &shm_wait_ge,
         "Wait (GIL released) until a shared word reaches target: 0 reached, 1 timed out, 2 "

@@ -40,3 +40,12 @@ def error() -> BaseException | None:
 def has_cuda_kernels() -> bool:
     m = load()
     return bool(m is not None and m.has_cuda())
+
+
+def cuda_archs() -> tuple[str, ...] | None:
+    """The CUDA images the extension holds ("sm_80", "sm_90", "compute_90"...); None where it
+    does not say (built before it listed them, or without CUDA kernels)."""
+    m = load()
+    fn = getattr(m, "cuda_archs", None) if m is not None else None
+    listed = fn() if fn is not None else ""
+    return tuple(a for a in listed.split(",") if a) or None
