@@ -12,6 +12,7 @@
 #   bash bench/gpu_check.sh [OUT_DIR]       # results in OUT_DIR (default bench/results)
 #   ONLY="tests offload" bash bench/gpu_check.sh OUT   # some sections only (a rerun after a fix;
 #       the build always runs, quickly where build/ survived): tests bench lowbit zero offload
+#       fake8 (stage 3's gathered memory and the step's host syncs at world size 8, fake group)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # every section runs whatever an earlier one gave (one device lease sees all of them); the
@@ -21,7 +22,7 @@ section() { # section NAME: the status of the command before it
   local rc=$?
   if [[ $rc -ne 0 ]]; then failed+=("$1 (exit $rc)"); echo "!! $1 failed (exit $rc)"; fi
 }
-only="${ONLY:-tests bench lowbit zero offload}"
+only="${ONLY:-tests bench lowbit zero offload fake8}"
 want() { [[ " $only " == *" $1 "* ]]; }
 out="${1:-bench/results}"
 mkdir -p "$out"
@@ -109,6 +110,12 @@ if want offload; then
 echo "== the host tiers (offload_optimizer / offload_params='cpu'): against the state on the GPU, memory, time, FSDP2's CPU offload"
 "$py" bench/gpu_offload_check.py --device cuda --out "$out" 2>&1 | tee "$out/gpu_offload_check.txt"
 section "host tier"
+fi
+
+if want fake8; then
+echo "== world size 8 on the fake group, CUDA tensors: stage 3's reserved memory within its gather window; host syncs in clip + step (loss scaling, skip, GradScaler, int8 state)"
+"$py" bench/gpu_fake8_check.py --device cuda --out "$out" 2>&1 | tee "$out/gpu_fake8_check.txt"
+section "fake group, world size 8"
 fi
 
 if [[ ${#failed[@]} -gt 0 ]]; then
