@@ -7,11 +7,13 @@
 # inside clip + step), then the host tier (bench/gpu_offload_check.py: offload_optimizer="cpu"
 # against the state on the GPU, device memory, step time beside FSDP2's CPU offload). Uses the
 # torch already installed (it never installs one). Meant to finish in under 8 minutes on an
-# H100/H200 (5.5 measured on an H200 with 16 cores, 2026-12-04).
+# H100/H200 (5.5 measured on an H200 with 16 cores, 2026-12-04). The device section: the
+# collectives' device of a meta-built stage 3, the CUDA wait timings held over 100 steps, and
+# python/train_example.py on the GPU (issue 51).
 #
 #   bash bench/gpu_check.sh [OUT_DIR]       # results in OUT_DIR (default bench/results)
 #   ONLY="tests offload" bash bench/gpu_check.sh OUT   # some sections only (a rerun after a fix;
-#       the build always runs, quickly where build/ survived): tests bench lowbit zero offload
+#       the build always runs, quickly where build/ survived): tests bench lowbit zero offload device
 #       fake8 (stage 3's gathered memory and the step's host syncs at world size 8, fake group)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -22,7 +24,7 @@ section() { # section NAME: the status of the command before it
   local rc=$?
   if [[ $rc -ne 0 ]]; then failed+=("$1 (exit $rc)"); echo "!! $1 failed (exit $rc)"; fi
 }
-only="${ONLY:-tests bench lowbit zero offload fake8}"
+only="${ONLY:-tests bench lowbit zero offload fake8 device}"
 want() { [[ " $only " == *" $1 "* ]]; }
 out="${1:-bench/results}"
 mkdir -p "$out"
@@ -39,11 +41,13 @@ section build
 tail -n 30 "$out/gpu_build.txt"
 "$py" -c "from zero_kernels import _C; assert _C.has_cuda(), 'built without CUDA kernels'; print('cuda kernels: yes')" ||
   { echo "!! no CUDA kernels: nothing else can run"; exit 1; }
+"$py" -c "from zero_kernels import _native; print('cuda images:', _native.cuda_archs())"
 
 if want tests; then
 echo "== CUDA and Triton tests"
 TRITON_INTERPRET=0 "$py" -m pytest -q -p no:cacheprovider tests/test_kernels_cuda.py tests/test_quant_cuda.py \
-  tests/test_lowbit_cuda.py tests/test_lowbit_triton.py tests/test_stochastic_round.py 2>&1 | tee "$out/gpu_tests.txt" | tail -40
+  tests/test_lowbit_cuda.py tests/test_lowbit_triton.py tests/test_stochastic_round.py \
+  tests/test_offload_device.py tests/test_cuda_images.py 2>&1 | tee "$out/gpu_tests.txt" | tail -40
 section "CUDA and Triton tests"
 fi
 
@@ -116,6 +120,92 @@ if want fake8; then
 echo "== world size 8 on the fake group, CUDA tensors: stage 3's reserved memory within its gather window; host syncs in clip + step (loss scaling, skip, GradScaler, int8 state)"
 "$py" bench/gpu_fake8_check.py --device cuda --out "$out" 2>&1 | tee "$out/gpu_fake8_check.txt"
 section "fake group, world size 8"
+fi
+
+if want device; then
+echo "== the collectives' device and the held timing events (issue 51): a meta-built stage-3 model under init_process_group() without a backend; 100 steps at world size 8 on the fake group, CUDA tensors; python/train_example.py on the GPU"
+# [Note: the collectives' device] in zero_kernels/comm/base.py (CPU: tests/test_comm_device.py):
+# a real group at world size 1 without a backend is torch's "cpu:gloo,cuda:nccl"
+"$py" - <<'EOF' 2>&1 | tee "$out/gpu_device_choice.txt"
+import json
+import tempfile
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+torch.cuda.set_device(0)
+dist.init_process_group(store=dist.FileStore(tempfile.mktemp(), 1), rank=0, world_size=1)
+import zero_kernels  # noqa: E402
+from zero_kernels import comm  # noqa: E402
+
+with torch.device("meta"):
+    m = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)])
+opt = zero_kernels.ZeroOptimizer(m, torch.optim.AdamW, stage=3, lr=1e-3)
+for _ in range(3):
+    opt.zero_grad()
+    m(torch.randn(8, 256, device="cuda")).pow(2).mean().backward()
+    opt.step()
+out = {
+    "backend config": dist.get_backend_config(),
+    "backends": comm.backends_of(),
+    "optimizer device": str(opt.device),
+    "param device": str(next(m.parameters()).device),
+}
+opt.close()
+print(json.dumps(out, indent=1))
+assert out["optimizer device"] == "cuda:0" and out["param device"] == "cuda:0", out
+EOF
+section "meta-built stage 3 without a backend"
+# [Note: held timing events] in zero_kernels/comm/base.py (CPU: tests/test_comm_timing.py)
+"$py" - <<'EOF' 2>&1 | tee "$out/gpu_held_events.txt"
+import json
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+torch.cuda.set_device(0)
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+from zero_kernels import ZeroOptimizer  # noqa: E402
+from zero_kernels.comm.base import TIMING_EVENTS_HELD  # noqa: E402
+
+m = nn.Sequential(*[nn.Linear(256, 256) for _ in range(8)]).cuda()
+opt = ZeroOptimizer(m, torch.optim.AdamW, stage=3, lr=1e-3, bucket_size_mb=0.1)
+held = []
+for step in range(100):
+    opt.zero_grad()
+    m(torch.randn(16, 256, device="cuda")).pow(2).mean().backward()
+    opt.step()
+    held.append(opt.comm_log.held_timing_events)
+stats = opt.comm_stats
+ledger = opt.comm_ledger
+waits = stats["reduce_scatter_calls"] + stats["all_gather_calls"]
+out = {
+    "held after steps 1, 10, 100": [held[0], held[9], held[-1]],
+    "most held": max(held),
+    "collectives in 100 steps": waits,
+    "untimed waits": stats["untimed_waits"],
+    "exposed_comm_s": stats["exposed_comm_s"],
+    "ledger entries": len(ledger),
+    "held after reading": opt.comm_log.held_timing_events,
+}
+opt.close()
+print(json.dumps(out, indent=1))
+assert max(held) <= 2 * TIMING_EVENTS_HELD, out
+assert held[-1] < waits, out  # folded as they complete: not every wait's pair held to the end
+assert out["held after reading"] == 0 and len(ledger) == 100, out
+EOF
+section "held timing events bounded"
+for stage in 0 3; do  # one GPU: one rank (LOCAL_RANK 0)
+  "$py" -m torch.distributed.run --nproc-per-node 1 python/train_example.py --stage "$stage" --steps 10 \
+    >"$out/gpu_train_example_$stage.txt" 2>&1
+  rc=$?
+  head -n 3 "$out/gpu_train_example_$stage.txt"
+  (exit $rc) && grep -q "^device cuda:0, process group backend nccl" "$out/gpu_train_example_$stage.txt"
+  section "train_example stage $stage on the GPU"
+done
 fi
 
 if [[ ${#failed[@]} -gt 0 ]]; then
