@@ -50,15 +50,26 @@ _UNFUSABLE = ("differentiable", "capturable")
 
 
 def lay_out(
-    policy, params, optimizer_class, *, module, units, partition, process_group, nonfinite, defaults
+    policy,
+    params,
+    optimizer_class,
+    *,
+    module,
+    units,
+    partition,
+    process_group,
+    nonfinite,
+    defaults,
+    own_options,
 ) -> tuple[Core, list[dict], bool]:
     """Name, check and lay out the params: the `Core` without its stores, the user's param
     groups, and whether any param is on the meta device. Identical on every rank or an error on
-    every rank (`validate.check_agree`)."""
+    every rank (`validate.check_agree`). ``own_options``: ZeroOptimizer's keyword options, for
+    the error naming a keyword nobody takes."""
     shard, gather, cp = policy.shard, policy.gather, policy.comm
     validate.check_stage3(shard, module, units)
     mode, why = choose_mode(optimizer_class, partition)
-    validate.check_kwargs(optimizer_class, defaults)
+    validate.check_kwargs(optimizer_class, defaults, own_options)
     user_groups, names = param_groups(params)
     if module is not None:
         for n, p in module.named_parameters():

@@ -59,7 +59,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 __all__ = [
-    "cross_node",
     "OPTIMIZERS",
     "PRECISIONS",
     "STAGES",
@@ -68,6 +67,7 @@ __all__ = [
     "StageEstimate",
     "estimate",
     "estimate_stage",
+    "precision_of",
     "format_bytes",
     "model_info",
     "optimizer_state_bytes",
@@ -126,6 +126,12 @@ def _choice(name: str, value: str, choices: Iterable[str], aliases: dict[str, st
     if v not in choices:
         raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
     return v
+
+
+def precision_of(name: str) -> Precision:
+    """The `Precision` a ``--precision`` value names (aliases such as "fp16" and "amp" taken);
+    a ValueError naming the choices otherwise."""
+    return PRECISIONS[_choice("--precision", name, PRECISIONS, _PRECISION_ALIASES)]
 
 
 def parse_count(text: str | int | float, *, name: str = "--params") -> int:
@@ -535,7 +541,7 @@ def estimate_stage(
             raise ValueError(f"--secondary-shard is a stage-3 option; got stage {stage}")
         what = f"the shard group's {shard_size} ranks"
         _check_divides("--secondary-shard", secondary_shard, shard_size, what)
-    prec = PRECISIONS[_choice("--precision", precision, PRECISIONS, _PRECISION_ALIASES)]
+    prec = precision_of(precision)
     psi, n = float(n_params), float(shard_size)
     replicas = world_size // shard_size
     p, g = prec.param_bytes * psi, prec.grad_bytes * psi
@@ -757,6 +763,3 @@ def estimate(
     ]
     return Estimate(n_params, world_size, prec, opt, model, largest, rows, bucket_mb, frozen)
 
-
-# the bytes across the nodes' links per configuration: zero_kernels/estimate_links.py
-from .estimate_links import CROSS_NODE_CONFIGS, cross_node  # noqa: E402,F401

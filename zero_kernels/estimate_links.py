@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from .estimate import _PRECISION_ALIASES, GRAD_REDUCE_BYTES, PRECISIONS, _choice
+from .estimate import GRAD_REDUCE_BYTES, precision_of
 
 __all__ = ["CROSS_NODE_CONFIGS", "cross_node"]
 
@@ -68,7 +68,7 @@ def cross_node(
             f"--nodes and ranks per node must be >= 1; got nodes={nodes}, "
             f"ranks_per_node={ranks_per_node}"
         )
-    prec = PRECISIONS[_choice("--precision", precision, PRECISIONS, _PRECISION_ALIASES)]
+    prec = precision_of(precision)
     psi = float(n_params)
     n_all, n = nodes * ranks_per_node, nodes
     g, p = GRAD_REDUCE_BYTES * psi, prec.param_bytes * psi

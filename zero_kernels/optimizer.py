@@ -317,6 +317,7 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
             process_group=process_group,
             nonfinite=nonfinite,
             defaults=defaults,
+            own_options=validate.options(type(self).__init__),
         )
         self._core = core
         # large CPU blocks by size from here on, construction's included ([Note: host block cache])

@@ -28,11 +28,10 @@ __all__ = [
 ]
 
 
-def options() -> tuple[str, ...]:
-    """ZeroOptimizer's own keyword options, read from its signature (never a copy of it)."""
-    from .optimizer import ZeroOptimizer
-
-    ps = inspect.signature(ZeroOptimizer.__init__).parameters.values()
+def options(init) -> tuple[str, ...]:
+    """The keyword-only options of a constructor ``init`` (ZeroOptimizer's own, read from its
+    signature by the caller: never a copy of it, and no import of the optimizer here)."""
+    ps = inspect.signature(init).parameters.values()
     return tuple(p.name for p in ps if p.kind is inspect.Parameter.KEYWORD_ONLY)
 
 
@@ -63,8 +62,9 @@ def check_stage3(shard, module, units) -> None:
         raise ValueError(f"units= is a stage-3 option, got stage={shard.stage!r}")
 
 
-def check_kwargs(optimizer_class, defaults: dict) -> None:
-    """Keyword arguments that neither ZeroOptimizer nor ``optimizer_class`` takes."""
+def check_kwargs(optimizer_class, defaults: dict, own: tuple[str, ...]) -> None:
+    """Keyword arguments that neither ZeroOptimizer (its options ``own``) nor
+    ``optimizer_class`` takes."""
     try:
         sig = inspect.signature(optimizer_class.__init__)
     except (TypeError, ValueError):
@@ -77,7 +77,7 @@ def check_kwargs(optimizer_class, defaults: dict) -> None:
     if bad:
         raise TypeError(
             f"ZeroOptimizer got unexpected keyword argument(s) {bad}: not an option of "
-            f"ZeroOptimizer ({', '.join(options())}) nor an argument of "
+            f"ZeroOptimizer ({', '.join(own)}) nor an argument of "
             f"{optimizer_class.__name__} ({', '.join(sorted(names))})"
         )
 

@@ -287,6 +287,7 @@ def _ranks_option(name: str, value: str | None, args) -> int | None:
 
 def _cmd_estimate(args) -> int:
     from .. import estimate as est
+    from ..estimate_links import cross_node
 
     if args.world_size is None:  # no silent default: 1 rank would show no saving at all
         raise ValueError(
@@ -331,7 +332,7 @@ def _cmd_estimate(args) -> int:
         shard_frozen=args.shard_frozen,
     )
     if args.nodes is not None:
-        cross = est.cross_node(
+        cross = cross_node(
             e.n_params, args.nodes, args.world_size // args.nodes, precision=e.precision
         )
     if args.json:
@@ -539,7 +540,7 @@ def _main(argv: list[str] | None) -> int:
         parser = _build_parser()
         args = parser.parse_args(argv)
         if args.version:
-            from .. import __version__
+            from .._version import __version__
 
             print(f"zero_kernels {__version__}")
             return 0

@@ -46,6 +46,7 @@ from pathlib import Path
 from .. import estimate as est
 from . import stop_processes
 from .launch import available_stages, cores, free_port, under_torchrun
+from .tune_job import JobFailed
 from .tune_model import ModelFacts, ModelSource, check_size, model_facts
 from .tune_plan import (
     Measured,
@@ -367,10 +368,6 @@ def config_from_args(args, argv: list[str] | None = None) -> TuneConfig:
 # ---------------------------------------------------------------------------------------------
 # Jobs: fresh processes per probe and per trial
 # ---------------------------------------------------------------------------------------------
-
-
-class JobFailed(RuntimeError):
-    pass
 
 
 class _Launcher:

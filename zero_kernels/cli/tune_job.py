@@ -41,7 +41,11 @@ import traceback
 
 from .. import comm
 
-__all__ = ["InJob"]
+__all__ = ["InJob", "JobFailed"]
+
+
+class JobFailed(RuntimeError):
+    """A tune job failed on every rank (its first error)."""
 
 
 class InJob:
@@ -94,7 +98,6 @@ class InJob:
     def run(self, job: dict) -> list:
         """Run ``job`` here on every rank; the ranks' results (a list by rank) on every rank,
         or `JobFailed` on every rank where it failed on every rank."""
-        from .tune import JobFailed
         from .tune_worker import probe, trial
 
         err = None
