@@ -123,11 +123,12 @@ def test_the_device_comes_from_the_groups_backends(backend, cpu_only, gpu_node, 
         assert "cuda:fake" in got["cpu params"] and "cpu" in got["cpu params"], got
 
 
-def test_meta_built_stage3_on_the_fake_group_and_a_refused_mismatch():
+@pytest.mark.parametrize("backend", ["fake", "cpu:fake"])
+def test_meta_built_stage3_on_the_fake_group_and_a_refused_mismatch(backend):
     """ZeroOptimizer over a meta-built stage-3 model takes the group's device (the CPU here);
     CPU params with a group that serves CUDA only are refused at construction, naming both."""
     got = _fake(
-        "fake",
+        backend,
         """
         import zero_kernels
         from torch import nn
