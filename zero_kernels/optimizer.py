@@ -371,8 +371,8 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
         copies = replicas.Replicas(core, join)
         self.parts = Parts(core, grads, params, full, join, stepper, copies)
         r, m = core.reducer, core.module
-        r.on_backward_start = _call(me, "parts.grads.on_backward_start")
-        r.on_reduced = _call(me, "parts.grads.publish")
+        r.on_backward_start = _call(me, lambda o: o.parts.grads.on_backward_start)
+        r.on_reduced = _call(me, lambda o: o.parts.grads.publish)
         r.describe = core.where
         if m is not None:  # a DDP built before zero_kernels was imported
             ids = frozenset(id(p) for p in core.params.values())
@@ -380,17 +380,17 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
                 m.register_forward_pre_hook(lambda mod, a: wrappers.check_forward(ids))
             )
         if copies.on:  # DDP's broadcast_buffers ([Note: replicated module state])
-            join.shadow_forward = _call(me, "parts.replicas.before_forward")
-            join.final_sync = _call_args(me, "parts.replicas.after_join")
-            hook = _call_args(me, "parts.replicas.before_forward_hook")
+            join.shadow_forward = _call(me, lambda o: o.parts.replicas.before_forward)
+            join.final_sync = _call_args(me, lambda o: o.parts.replicas.after_join)
+            hook = _call_args(me, lambda o: o.parts.replicas.before_forward_hook)
             # run as Python where torch.compile traces the model ([Note: torch.compile])
             hook = torch.compiler.disable(hook, recursive=True)
             self._hook_handles.append(m.register_forward_pre_hook(hook))
         sched = core.units
         if sched is not None:
             sched.describe = core.where
-            sched.on_skip = _call_args(me, "parts.params.skip_unit")
-            sched.on_forward_start = _call_args(me, "parts.join.forward_start")
+            sched.on_skip = _call_args(me, lambda o: o.parts.params.skip_unit)
+            sched.on_forward_start = _call_args(me, lambda o: o.parts.join.forward_start)
             sched.handles += params.module_hooks(me)  # [Note: module state dicts]
         elif m is not None:
             # the backward's first hook in its own graph task ([Note: nested backwards])

@@ -136,12 +136,14 @@ class ParamAccess:
             if not any(id(p) in mine for p in m.parameters()):
                 continue
             handles += [
-                m.register_state_dict_pre_hook(_call_args(me, "parts.params.save_pre")),
-                m._register_state_dict_hook(_call_args(me, "parts.params.save_post")),
+                m.register_state_dict_pre_hook(_call_args(me, lambda o: o.parts.params.save_pre)),
+                m._register_state_dict_hook(_call_args(me, lambda o: o.parts.params.save_post)),
                 m._register_load_state_dict_pre_hook(
-                    _call_args(me, "parts.params.load_pre"), with_module=True
+                    _call_args(me, lambda o: o.parts.params.load_pre), with_module=True
                 ),
-                m.register_load_state_dict_post_hook(_call_args(me, "parts.params.load_post")),
+                m.register_load_state_dict_post_hook(
+                    _call_args(me, lambda o: o.parts.params.load_post)
+                ),
             ]
         return handles
 
@@ -303,10 +305,14 @@ class ParamAccess:
             if mine:
                 handles.append(m.register_forward_pre_hook(_wait_hook(me, sorted(mine))))
         handles.append(
-            self.core.module.register_state_dict_pre_hook(_call_args(me, "parts.params.wait"))
+            self.core.module.register_state_dict_pre_hook(
+                _call_args(me, lambda o: o.parts.params.wait)
+            )
         )
         handles.append(
-            self.core.module._register_load_state_dict_pre_hook(_call_args(me, "parts.params.wait"))
+            self.core.module._register_load_state_dict_pre_hook(
+                _call_args(me, lambda o: o.parts.params.wait)
+            )
         )
         return handles
 
@@ -340,20 +346,16 @@ def _on_stack(module: nn.Module, name: str) -> bool:
     return False
 
 
-def _resolve(o, path: str):
-    for name in path.split("."):
-        o = getattr(o, name)
-    return o
-
-
-def _call_args(me, path: str):
-    """A hook calling method ``path`` (dotted: "parts.params.wait") of the object behind weak
-    reference ``me``; nothing once it is collected."""
+def _call_args(me, method):
+    """A hook calling ``method(o)`` (a function naming the method: ``lambda o:
+    o.parts.params.wait``, looked up at each call, so a part rebuilt later is the one called)
+    of the object behind weak reference ``me``, with the hook's arguments; nothing once it is
+    collected."""
 
     def f(*args, **kwargs):
         o = me()
         if o is not None:
-            return _resolve(o, path)(*args, **kwargs)
+            return method(o)(*args, **kwargs)
         return None
 
     return f
@@ -369,12 +371,13 @@ def _wait_hook(me, units):
     return torch.compiler.disable(hook, recursive=True)
 
 
-def _call(me, path: str):
-    """A callback to method ``path`` (dotted) of the object behind weak reference ``me``."""
+def _call(me, method):
+    """A callback without arguments to ``method(o)`` (see `_call_args`) of the object behind
+    weak reference ``me``."""
 
     def f():
         o = me()
         if o is not None:
-            _resolve(o, path)()
+            method(o)()
 
     return f
