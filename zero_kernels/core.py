@@ -31,12 +31,26 @@ optimizer leaves nothing reachable from the model. The layers below (`partition`
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from . import comm
 from .partition.phase import PhaseTracker
+
+if TYPE_CHECKING:  # the types of the fields; the modules import at run time where they are built
+    from torch.distributed import ProcessGroup
+
+    from .buffers import GradStore, ParamStore
+    from .comm.base import CommLog
+    from .comm.hier import Mesh
+    from .layout import Layout
+    from .partition.kept import KeptWhole
+    from .partition.reducer import Reducer
+    from .partition.runner import ShardRunner
+    from .partition.units import UnitScheduler
+    from .policy import ZeroPolicy
 
 __all__ = ["Core", "StepCounter"]
 
@@ -54,13 +68,14 @@ class StepCounter:
 class Core:
     """The references every part of one optimizer reads (see [Note: parts])."""
 
-    policy: object  # zero_kernels.policy.ZeroPolicy
+    policy: ZeroPolicy
     mode: str  # "flat" or "whole" (partition.choose_mode)
-    group: object  # the data-parallel process group (None: the world)
-    mesh: object  # comm.hier.Mesh: shard and replica groups ([Note: hierarchy])
-    shard_group: object  # the ranks the state is sharded over (``group`` unless hierarchical)
-    rs_group: object  # the reduce-scatters' group (stage 3 on gloo: a twin of ``shard_group``)
-    side: object  # the side group of small checks over ``group`` (arrival, masks)
+    group: ProcessGroup | None  # the data-parallel process group (None: the world)
+    mesh: Mesh  # shard and replica groups ([Note: hierarchy])
+    shard_group: ProcessGroup | None  # the ranks the state is sharded over (``group`` unless
+    # hierarchical)
+    rs_group: ProcessGroup | None  # the reduce-scatters' group (stage 3 on gloo: a twin)
+    side: ProcessGroup | None  # the side group of small checks over ``group`` (arrival, masks)
     rank: int  # in the shard group: the layout's rank
     world_size: int  # of the shard group: the layout's world size
     dp_rank: int  # in the data-parallel group
@@ -68,24 +83,25 @@ class Core:
     device: torch.device
     timeout: float  # collective-only calls (state dicts, full_param, close)
     op_timeout: float | None  # backward's and step's collectives (None: the group's own)
-    layout: object  # zero_kernels.layout.Layout
-    params: dict  # index -> param
-    trainable: dict  # index -> param with requires_grad
-    group_indices: list  # per user param group: the param indices
+    layout: Layout
+    params: dict[int, torch.Tensor]  # index -> param
+    trainable: dict[int, torch.Tensor]  # index -> param with requires_grad
+    group_indices: list[list[int]]  # per user param group: the param indices
     module: nn.Module | None
-    unit_of: dict  # stage 3: param index -> unit index (0: the root unit)
-    unit_modules: list  # stage 3: (name, module) of each unit after the root
+    unit_of: dict[int, int]  # stage 3: param index -> unit index (0: the root unit)
+    unit_modules: list[tuple[str, nn.Module]]  # stage 3: (name, module) of each unit after the
+    # root
     # shard_frozen: index -> frozen param sharded with its unit ([Note: frozen shards]); the
     # store's layout is ``layout`` with their buffers after the trained ones
-    frozen: dict = dataclasses.field(default_factory=dict)
-    store_layout: object = None
-    store: object = None  # buffers.ParamStore
-    grads: object = None  # buffers.GradStore
-    reducer: object = None  # partition.Reducer
-    runner: object = None  # partition.ShardRunner
-    units: object = None  # partition.units.UnitScheduler where params are resharded, else None
-    kept: object = None  # partition.kept.KeptWhole: the units never resharded ([Note: kept whole])
-    comm_log: object = None  # comm.CommLog
+    frozen: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    store_layout: Layout | None = None
+    store: ParamStore | None = None
+    grads: GradStore | None = None
+    reducer: Reducer | None = None
+    runner: ShardRunner | None = None
+    units: UnitScheduler | None = None  # where params are resharded (stage 3), else None
+    kept: KeptWhole | None = None  # the units never resharded ([Note: kept whole])
+    comm_log: CommLog | None = None
     steps: StepCounter = dataclasses.field(default_factory=StepCounter)
     sync_free: bool = False  # off the CPU: step() reads nothing back ([Note: no host sync])
     phase: PhaseTracker = dataclasses.field(default_factory=PhaseTracker)  # [Note: phase]
