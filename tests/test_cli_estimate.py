@@ -366,11 +366,11 @@ def test_cross_node_bytes_match_the_testbed(capsys):
     assert rows["stage 2, int8 grads"] == pytest.approx(0.75 * m + q8)
     q4 = psi * (0.5 + 4 / 32)  # int4 gradients: one scale per 32 elements
     assert rows["stage 3, int8 weights + int4 grads"] == pytest.approx(0.75 * 2 * q8 + q4)
-    # what the testbed's tc counted for int8 weights + int8 grads (bench/README.md, "Quantized
+    # what the testbed's tc counted for int8 weights + int8 grads (docs/benchmarks.md, "Quantized
     # communication on the testbed"): 20.0 MB per node per step, headers 1.047x
     assert rows["stage 3, int8 weights + int8 grads"] * 1.047 == pytest.approx(20.0e6, rel=0.05)
     # secondary_shard=node (hpZ): only the forward's gathers cross; what tc counted with it
-    # (bench/README.md, "The secondary shard on the testbed"): 47.3 / 14.1 / 10.1 MB
+    # (docs/benchmarks.md, "The secondary shard on the testbed"): 47.3 / 14.1 / 10.1 MB
     hpz = "stage 3, secondary_shard=node"
     assert rows[hpz] == pytest.approx(1.5 * m)
     assert rows[hpz + " + int8 weights + int8 grads"] == pytest.approx(0.75 * q8 + q8)

@@ -28,7 +28,7 @@ tensor's storage must stay the same object throughout (autograd's saved views of
 see `ParamStore`). Through the allocator (``storage.resize_``) each use is a malloc and a free:
 glibc serves buckets under its mmap threshold (which it raises up to 32 MiB as blocks are freed)
 from its heap and keeps the freed ones there, counted in the process's memory: at 1 GiB per
-rank that cost stage 3 ~10 of 67 layers of capacity (bench/README.md, "Stage 3"); buckets above
+rank that cost stage 3 ~10 of 67 layers of capacity (docs/benchmarks.md, "Stage 3"); buckets above
 it are fresh mappings each time, whose page faults cost 8x the copy that fills them (32 MiB:
 60 ms against 7.5 ms on this machine). So on the CPU each bucket gets an anonymous memory
 mapping of its own for the optimizer's life: `free` returns its pages at once

@@ -31,7 +31,7 @@ allocator (`install`), unless ``host_cache=False`` or ``ZERO_KERNELS_HOST_CACHE=
   `stats` counts live and cached bytes, hits and misses; `trim` unmaps what is cached.
 - Reported to torch's profiler (``profile_memory=True``) as glibc's blocks are.
 
-Measured (bench/README.md, "The host block cache"; 4 ranks, 67M-param MLP, peak RSS against the
+Measured (docs/benchmarks.md, "The host block cache"; 4 ranks, 67M-param MLP, peak RSS against the
 estimate with its scratch): stages 1 / 2 / 3 at 1.01x / 1.04x / 1.02x with the cache, 1.12x /
 1.25x / 1.38x without it in the same code; DDP with it 1.01x, without 1.16-1.25x. Step time with
 it against without: 0.86-0.91x on an MLP with 9 MB gradients (stages 1, 2, DDP), 0.95-1.02x on a

@@ -99,7 +99,7 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
         loss_scale: None, a float (static) or "dynamic"; default "dynamic" with fp16 params.
         reduce_dtype: stages 2 and 3: the dtype gradients are accumulated in during backward and
             reduce-scattered in (default fp32); ``torch.bfloat16`` halves the bytes, the result
-            is added into the fp32 gradient shard (the accuracy cost is in bench/README.md).
+            is added into the fp32 gradient shard (the accuracy cost is in docs/benchmarks.md).
         state_dtype: "fp32", "bf16" or "int8": how the fused Adam step keeps exp_avg/exp_avg_sq
             (bytes of moments per param 8 / 4 / 2 + 8/state_block; bytes moved by the step 28 /
             20 / 16; fp32 masters and math). Needs the fused step (Adam/AdamW, flat mode, no

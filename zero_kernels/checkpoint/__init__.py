@@ -15,7 +15,7 @@ consolidated export instead (``export_model`` / ``zero-kernels checkpoint export
 safetensors file with the model's names, which DCP's ``HuggingFaceStorageReader`` loads: tested).
 Why, measured by ``bench/bench_checkpoint.py`` (``large`` model, 86M params, ZeRO-2 + AdamW,
 1.03 GB of state, 2 gloo ranks, medians of 4 alternating rounds on the shared 2-core machine at
-load ~9; bench/README.md, "Checkpoints"):
+load ~9; docs/benchmarks.md, "Checkpoints"):
 
     per save / load               ours            DCP             torch.save consolidated
     save                          2.06 s          2.47 s          10.5 s

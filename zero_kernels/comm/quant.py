@@ -39,7 +39,7 @@ per element instead of 0.516). Measured (bench/bench_int4_grads.py, the exact on
 emulation, which reproduces the real 4-rank stage-3 run's final loss to 4 digits): under stage
 3's layout (a bucket per unit, cut in one chunk per rank) int4 in blocks of 256 ends 300 steps
 of the demo GPT +17.6% above exact training and blocks of 32 -0.6% (seed 0; see
-bench/README.md, "Which part costs accuracy" for the seeds); with 16 levels a block's largest
+docs/benchmarks.md, "Which part costs accuracy" for the seeds); with 16 levels a block's largest
 gradient sets a step that rounds most of the others to zero, and smaller blocks hold fewer
 outliers. The params of one dimension are laid out in buckets of their own and reduced exact
 (`exact_buckets` of the reducer): their small gradients lost 14-55% to blocks shared with

@@ -44,7 +44,7 @@ ranks of a group exchange through files in ``/dev/shm`` that all of them map ins
   regions of N pieces' rows (each rank touches its region and its row of the others'). The pages
   are shared: a rank's RSS counts those it touched (`mapped_bytes` bounds them).
 
-Measured (bench/README.md, "Shared-memory collectives"): at 2 ranks and 4-76 MB, 0.55-0.76x the
+Measured (docs/benchmarks.md, "Shared-memory collectives"): at 2 ranks and 4-76 MB, 0.55-0.76x the
 pairwise exchange's time (0.48-0.66x at 4 ranks); a stage-3 step 0.84-0.87x (communication-heavy)
 and 0.92-0.96x (compute-heavy) of the same code without it. The probe ([Note: choosing the
 algorithm]) picks it per size class where it is faster on the machine at hand.

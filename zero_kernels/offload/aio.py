@@ -9,7 +9,7 @@
   buffers. A filesystem that refuses ``O_DIRECT`` (tmpfs before Linux 6.6, some FUSE mounts)
   gets a buffered file instead; ``AioFile.direct`` and ``AioFile.direct_reason`` say so.
 - A request larger than ``chunk_bytes`` (4 MiB) is split into chunks issued in parallel, up to
-  ``threads`` (4) at once: the queue depth. Set by measurement (bench/README.md, "Offload I/O
+  ``threads`` (4) at once: the queue depth. Set by measurement (docs/benchmarks.md, "Offload I/O
   engine"): on this machine's disk 4 MiB chunks at depth 4 moved 1.25x (write) and 1.4x (read)
   the bytes of 1 MiB chunks at depth 4; 256 KiB chunks were slower still, and depth 8 or 16 MiB
   chunks added little.
@@ -45,7 +45,7 @@ from zero_kernels import _native
 log = logging.getLogger("zero_kernels")
 
 ALIGN = 4096
-CHUNK_BYTES = 4 << 20  # requests above this are split (bench/README.md, "Offload I/O engine")
+CHUNK_BYTES = 4 << 20  # requests above this are split (docs/benchmarks.md, "Offload I/O engine")
 THREADS = 4  # queue depth per file (the same place)
 
 _BACKENDS = ("auto", "native", "python")

@@ -68,7 +68,7 @@ __all__ = [
 ]
 
 QUANT_BITS = (4, 8)
-# Elements per block: bench/README.md "Blockwise quantization" (error and bytes vs block size).
+# Elements per block: docs/benchmarks.md "Blockwise quantization" (error and bytes vs block size).
 DEFAULT_BLOCK = 256
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -9,7 +9,7 @@ bf16 ulp (2^-9 of the value): with lr 1e-3 most of Adam's steps; stochastic roun
 in expectation, E[round(x)] = x, so the params follow the fp32 trajectory on average (Zamirai et
 al., "Revisiting BFloat16 Training", 2020, and torch-ao's ``bf16_stochastic_round``). It saves
 the master's 4 bytes per param (of 16 with fp32 moments, of 10 with int8 moments) at a measured
-cost in loss (bench/README.md, "bf16 params without a master").
+cost in loss (docs/benchmarks.md, "bf16 params without a master").
 
 The rounding of fp32 x with bits u: inf and NaN as round to nearest; otherwise
 ``bf16 bits = (u + r) >> 16`` with r the low 16 bits of ``h(key ^ h(index))`` (h: a 32-bit integer

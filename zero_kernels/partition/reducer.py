@@ -269,7 +269,7 @@ class Reducer:
                 self._ready(bk)
                 dst = static
             if pos not in bk.written:  # copy, not add: a mixed-dtype add (fp32 grad into a
-                # bf16 bucket) costs 5-8x a converting copy (bench/README.md, bf16 reduction)
+                # bf16 bucket) costs 5-8x a converting copy (docs/benchmarks.md, bf16 reduction)
                 dst.copy_(g.reshape(-1))
                 bk.written.add(pos)
             else:

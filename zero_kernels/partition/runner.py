@@ -473,7 +473,7 @@ class ShardRunner(Residency):
         optimizer, and per-bucket tensors of a few MB, allocated at the first step while the
         heap is full of the step's transients, land in glibc's heap among them (its mmap
         threshold has risen by then) and pin the holes between them for the run (68-block GPT,
-        4 ranks: an 813 MiB arena with 289 MiB free; bench/README.md, "Construction into the
+        4 ranks: an 813 MiB arena with 289 MiB free; docs/benchmarks.md, "Construction into the
         gathered bucket, one Adam state tensor per buffer"). A tensor
         the size of the rank's shard is above any threshold glibc sets, so it is a mapping of
         its own, and its zero pages are touched only when stepped."""
