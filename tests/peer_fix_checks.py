@@ -227,7 +227,7 @@ def _tiny():
     return nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Linear(6, 2))
 
 
-_COMM_MODULES = ("base", "p2p", "choose", "shm")
+_COMM_MODULES = ("groups", "base", "p2p", "choose", "shm")
 
 
 class ReusedIds:

@@ -201,7 +201,7 @@ def _shm_checks(r: int, n: int) -> None:
     ch = shm._channels[shm._key(None)]
     comm.barrier()  # every rank has mapped every file: each was unlinked by the last to map it
     prefix = os.path.basename(ch.base)
-    assert not [f for f in os.listdir(shm.SHM_DIR) if f.startswith(prefix)], prefix
+    assert not [f for f in os.listdir(comm.hosts.SHM_DIR) if f.startswith(prefix)], prefix
     # a wait bounded by a timeout is given up and resumed (gloo's cannot be)
     g = torch.distributed.new_group(backend="gloo")
     assert shm.capable(g) is None  # the group's first shm use sets its channel up: collective

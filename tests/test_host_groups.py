@@ -27,7 +27,7 @@ def _one_host(rank, world):
     finally:
         hosts._prove = real
     assert comm.shm.capable(None) is None
-    assert not [f for f in os.listdir(comm.shm.SHM_DIR) if f.startswith("zero_kernels-host-")]
+    assert not [f for f in os.listdir(comm.hosts.SHM_DIR) if f.startswith("zero_kernels-host-")]
 
 
 def _private_shm(rank, world):
@@ -40,10 +40,10 @@ def _private_shm(rank, world):
 
     group = dist.new_group(list(range(world)), backend="gloo")
     base = os.environ["ZK_TEST_SHM_BASE"]
-    comm.shm.SHM_DIR = os.path.join(base, "b" if rank == 1 else "a")
+    comm.hosts.SHM_DIR = os.path.join(base, "b" if rank == 1 else "a")
     try:
         got = comm.host_groups(group)
-        assert got == [[0, 2], [1]], (got, comm.shm.SHM_DIR)
+        assert got == [[0, 2], [1]], (got, comm.hosts.SHM_DIR)
         why = comm.shm.capable(group)
         assert why is not None and "on 2 hosts" in why and "[[0, 2], [1]]" in why, why
         out, inp = torch.zeros(1 << 18), torch.ones(world << 18)  # 3 MiB: a probed class
@@ -56,7 +56,7 @@ def _private_shm(rank, world):
             comm.reduce_scatter(out, inp, group=group)
         comm.set_algorithm("all", None, group=group)
     finally:
-        comm.shm.SHM_DIR = "/dev/shm"
+        comm.hosts.SHM_DIR = "/dev/shm"
 
 
 def _worker(rank, world):

@@ -1,5 +1,5 @@
-"""What every collective of `zero_kernels.comm` stands on: handles, counters, timeouts, the
-process group's size and rank, and the CUDA comm stream.
+"""What every collective of `zero_kernels.comm` stands on: handles, counters, timeouts and the
+CUDA comm stream (the groups themselves: `zero_kernels.comm.groups`).
 
 [Note: CUDA streams]
 On CUDA a collective is launched on a comm stream of its own (one per device) after that stream
@@ -24,44 +24,30 @@ would keep the total exact but make the host wait for the GPU inside the step ([
 sync] in zero_kernels/syncfree.py), precisely when the host runs far ahead, the case the bound
 exists for. Before, every pair stayed until `as_dict` was read and the ledger held the pairs of
 its 1,000 steps: host memory grew for the whole run and a late read synchronised millions.
-
-[Note: the collectives' device]
-Which device a group's collectives run on is decided in one place, `collective_device`, from
-the params and the group's backend per device type (``get_backend_config``: "cpu:gloo,cuda:nccl"),
-never from the backend's name: ``init_process_group()`` without a backend is named "undefined"
-(torch picks one per device), and "cuda:nccl,cpu:gloo" names both. The params' device wins,
-checked against the group (CUDA params with a group that has no CUDA backend: a ValueError
-naming both); params on the meta device (a stage-3 model built there) go to CUDA
-(``torch.cuda.current_device()``) where the group has a CUDA backend and CUDA is available, else
-to the CPU. What depends on the backend (the algorithm choice, the AVG probe, the twin group of
-stage 3's reduce-scatters, the byte counts by link) asks `backend_for` the backend of the
-tensors' device: on "cpu:gloo,cuda:nccl" gloo's point-to-point algorithms and twin groups serve
-CPU tensors, never CUDA ones (a gloo twin handed CUDA tensors fails).
-
-[Note: group keys]
-State kept per process group (the AVG check, the probe's results and `set_algorithm`'s choices,
-a twin's link to its parent, the point-to-point tag counters) is keyed by `group_key`: a token
-drawn once per group object, never drawn again in this process, and the group's size. Not by
-``id(group)``: once a group is destroyed and its object freed, CPython gives the address to the
-next object, possibly the next group, on one rank and not on another, and a new group would find
-the old one's entries on that rank only: a probe run there and skipped elsewhere, collectives
-that meet others (seen: a construction hung; gloo aborts on the sizes). The tokens live in a
-`weakref.WeakKeyDictionary` (an entry goes with its group object); where a group type takes no
-weak reference, the entry holds the group, so its id cannot be reused while it is there (as the
-shm channel holds its group). The entries of a destroyed group stay (a few small values).
 """
 
 from __future__ import annotations
 
 import collections
-import itertools
 import threading
 import time
-import weakref
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from .groups import (  # noqa: F401 - the names comm's modules and tests read here too
+    backend_for,
+    backends_of,
+    choose_device,
+    collective_device,
+    group_key,
+    is_initialized,
+    parse_backends,
+    rank,
+    world_size,
+)
+from .links import split
 
 # One compatibility point for the tensor collectives' names (new names first).
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -183,8 +169,6 @@ class CommLog:
     def _sent(self, kind: str, nbytes: int, group) -> None:
         """Count what this rank sends in a collective of send pattern ``kind`` over a full
         buffer of ``nbytes`` on ``group``, by link ([Note: bytes by link])."""
-        from .links import split
-
         inside, cross = split(kind, nbytes, group)
         self.inside_node_bytes += inside
         self.cross_node_bytes += cross
@@ -400,44 +384,6 @@ def _bounded(fn, timeout_s: float) -> None:
         raise box[0]
 
 
-def is_initialized() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def world_size(group=None) -> int:
-    return dist.get_world_size(group) if is_initialized() else 1
-
-
-def rank(group=None) -> int:
-    return dist.get_rank(group) if is_initialized() else 0
-
-
-_tokens: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> its token
-_held: dict = {}  # id(group) -> (group, token), for groups that take no weak reference
-_token_count = itertools.count(1)
-_token_lock = threading.Lock()
-
-
-def group_key(group=None) -> tuple:
-    """The key of ``group``'s state in comm's caches (``None``: the default group): its token
-    and size; a group made after another was destroyed never gets the other's key, whatever
-    its id (see [Note: group keys])."""
-    pg = dist.group.WORLD if group is None and is_initialized() else group
-    if pg is None:  # no process group
-        return (0, 1)
-    with _token_lock:
-        try:
-            tok = _tokens.get(pg)
-            if tok is None:
-                tok = _tokens[pg] = next(_token_count)
-        except TypeError:  # no weak references to this group type: held, compared by identity
-            held = _held.get(id(pg))
-            if held is None or held[0] is not pg:
-                held = _held[id(pg)] = (pg, next(_token_count))
-            tok = held[1]
-    return (tok, world_size(group))
-
-
 _avg_ok: dict = {}  # (group key, device type) -> whether ReduceOp.AVG works
 
 
@@ -458,89 +404,6 @@ def avg_supported(group=None, device: torch.device | str | None = None) -> bool:
             ok = False
         _avg_ok[key] = ok
     return _avg_ok[key]
-
-
-def backends_of(group=None) -> dict[str, str]:
-    """``group``'s backend for each device type it serves, e.g. ``{"cpu": "gloo", "cuda":
-    "nccl"}`` ([Note: the collectives' device]); empty without a process group."""
-    if not is_initialized():
-        return {}
-    try:
-        config = dist.get_backend_config(group)
-    except (AttributeError, RuntimeError, ValueError):  # older torch: the name alone
-        config = str(dist.get_backend(group))
-    return parse_backends(config)
-
-
-def parse_backends(config: str) -> dict[str, str]:
-    """``"cpu:gloo,cuda:nccl"`` -> ``{"cpu": "gloo", "cuda": "nccl"}``; a bare name (``"nccl"``)
-    serves the device types torch lists for it (``Backend.backend_capability``)."""
-    caps = getattr(dist.Backend, "backend_capability", {})
-    out: dict[str, str] = {}
-    for part in str(config).split(","):
-        part = part.strip().lower()
-        if ":" in part:
-            dev, name = part.split(":", 1)
-            out[dev.strip()] = name.strip()
-        elif part and part != "undefined":
-            for dev in caps.get(part, ("cpu", "cuda") if part == "gloo" else ("cuda",)):
-                out.setdefault(dev, part)
-    return out
-
-
-def choose_device(
-    backends: dict[str, str],
-    params_device: torch.device | str | None,
-    *,
-    cuda_available: bool,
-    current_cuda: int = 0,
-) -> torch.device:
-    """The device the collectives of params on ``params_device`` run on, for a group with
-    ``backends`` (`backends_of`): that device, where the group has a backend for it, else a
-    ValueError naming both; for ``None`` (params built on the meta device) CUDA device
-    ``current_cuda`` where the group has a CUDA backend and ``cuda_available``, else the CPU.
-    Pure ([Note: the collectives' device])."""
-    if not backends:  # no process group: wherever the params are
-        return torch.device("cpu") if params_device is None else torch.device(params_device)
-    shown = ",".join(f"{d}:{b}" for d, b in backends.items())
-    if params_device is not None:
-        dev = torch.device(params_device)
-        if dev.type not in backends:
-            hint = dist.Backend.default_device_backend_map.get(dev.type, "gloo")
-            raise ValueError(
-                f"params on {dev} but the process group has no backend for {dev.type} tensors "
-                f"(its backends: {shown!r}): init_process_group with one for {dev.type} "
-                f"(e.g. backend={hint!r} or '{dev.type}:{hint},...'), or move the params"
-            )
-        return dev
-    if "cuda" in backends and cuda_available:
-        return torch.device("cuda", current_cuda)
-    if "cpu" in backends:
-        return torch.device("cpu")
-    raise ValueError(
-        f"params on the meta device and the process group's backends ({shown!r}) serve no "
-        f"device here (CUDA available: {cuda_available}): build the model on a device, or use "
-        "a group with a backend for the CPU or (on a GPU node) for CUDA"
-    )
-
-
-def collective_device(group=None, params_device: torch.device | str | None = None) -> torch.device:
-    """`choose_device` for ``group`` in this process: the one place that decides the device of
-    collectives, their probes and meta-built models ([Note: the collectives' device])."""
-    backends = backends_of(group)
-    cuda = params_device is None and "cuda" in backends and torch.cuda.is_available()
-    return choose_device(
-        backends,
-        params_device,
-        cuda_available=cuda,
-        current_cuda=torch.cuda.current_device() if cuda else 0,
-    )
-
-
-def backend_for(group, device: torch.device | str) -> str | None:
-    """The name of ``group``'s backend for tensors on ``device`` ("gloo", "nccl"...); None where
-    it has none, or without a process group."""
-    return backends_of(group).get(torch.device(device).type)
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -40,6 +40,8 @@ from .base import (
     rank,
     world_size,
 )
+from .choose import register_twin
+from .collectives import reduce_scatter, twin_group
 
 __all__ = ["Mesh", "Secondary", "resolve_shard_group", "secondary_groups", "split"]
 
@@ -87,8 +89,6 @@ class Mesh:
         first hop (a twin of ``shard``; default ``shard``). ``quantize`` (bits, block): the
         second hop, across the replica groups, quantized ([Note: quantized two-hop]), with
         error feedback where ``errors`` is given ([Note: error feedback])."""
-        from . import reduce_scatter
-
         h = reduce_scatter(
             output,
             input,
@@ -227,8 +227,6 @@ def twin_of_shard(mesh: Mesh, device: torch.device | str | None = None):
     (`zero_kernels.comm.twin_group`: stage 3's reduce-scatters form a sequence of their own).
     With several shard groups every rank makes the twin of each (a new group is collective over
     the whole group) and keeps its own."""
-    from . import register_twin, twin_group
-
     if mesh.replicas is None:
         return twin_group(mesh.shard, device)
     dev = collective_device(mesh.shard) if device is None else torch.device(device)

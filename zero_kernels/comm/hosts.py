@@ -25,9 +25,14 @@ from __future__ import annotations
 import os
 import secrets
 
-from .base import group_key, rank, world_size
+from .groups import group_key, rank, world_size
+from .objects import all_gather_object
 
-__all__ = ["host_groups"]
+__all__ = ["SHM_DIR", "host_groups"]
+
+# The shared-memory folder the ranks prove hosts with and map the shm algorithm's files in
+# (`zero_kernels.comm.shm`); read at each use: tests point ranks at different folders.
+SHM_DIR = "/dev/shm"
 
 _groups: dict = {}  # group_key -> tuple of tuples of group ranks
 
@@ -45,17 +50,13 @@ def host_groups(group=None) -> list[list[int]]:
 
 
 def _shm_dir() -> str:
-    from . import shm
-
-    return shm.SHM_DIR  # read at call time: tests point ranks at different folders
+    return SHM_DIR  # read at call time: tests point ranks at different folders
 
 
 def _prove(group) -> tuple:
     n, r = world_size(group), rank(group)
     if n == 1:
         return ((0,),)
-    from . import all_gather_object
-
     token = secrets.token_hex(16)
     shm_dir = _shm_dir()
     name = f"zero_kernels-host-{secrets.token_hex(8)}"

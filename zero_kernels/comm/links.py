@@ -41,7 +41,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .base import backend_for, group_key, is_initialized, rank, world_size
+from . import hosts as _hosts
+from .groups import backend_for, group_key, is_initialized, rank, world_size
 
 __all__ = ["PATTERNS", "learn", "pattern", "split"]
 
@@ -54,9 +55,7 @@ _next_host = [0]
 def learn(group=None) -> list[list[int]]:
     """Learn which ranks of ``group`` share a host (`comm.host_groups`: collective, call it on
     every rank) for the counts of [Note: bytes by link]; returns the groups (group ranks)."""
-    from .hosts import host_groups
-
-    groups = host_groups(group)
+    groups = _hosts.host_groups(group)  # looked up at the call: tests stand in for the proof
     glob = _global_ranks(group)
     for g in groups:  # a host already known (from another group) keeps its index
         hosts = {_host_of.get(glob[r]) for r in g} - {None}

@@ -57,6 +57,7 @@ from __future__ import annotations
 import torch
 
 from .base import CommLog, Watch, _nbytes, rank, world_size
+from .collectives import all_gather
 
 __all__ = ["GRAD_BLOCK", "QUANTIZED", "all_gather_quantized", "reduce_scatter_quantized"]
 
@@ -142,7 +143,6 @@ def all_gather_quantized(
     be this rank's own chunk of ``output`` (not with ``own_exact=False``, which dequantizes the
     own chunk too, so that every rank's output is the same)."""
     from ..ops.quant import quantize_blockwise
-    from . import all_gather
 
     n = world_size(group)
     c = input.numel()

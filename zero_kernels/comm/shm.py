@@ -67,7 +67,6 @@ from .hosts import host_groups
 
 SLOTS = 2
 SLOT_BYTES = 4 << 20  # the most one slot holds: N pieces of SLOT_BYTES / N of each rank's data
-SHM_DIR = "/dev/shm"
 _WORDS_PER_RANK = 16  # 64 bytes: a rank's words of a slot share no cache line with another's
 _POISON = 0  # word index: nonzero once a rank found the ranks launched different collectives
 _TOKEN = 4  # word index: 16 random bytes rank 0 wrote, which every rank checks once mapped
@@ -92,8 +91,8 @@ def available() -> str | None:
         return "the native extension zero_kernels._C is not built (or predates shm)"
     if not lib.shm_supported():
         return "the native extension has no futex support here (Linux only)"
-    if not os.path.isdir(SHM_DIR):
-        return f"{SHM_DIR} does not exist"
+    if not os.path.isdir(_hosts.SHM_DIR):
+        return f"{_hosts.SHM_DIR} does not exist"
     return None
 
 
@@ -170,7 +169,8 @@ class _Channel:
         except OSError as e:
             self.poison()
             raise RuntimeError(
-                f"shared-memory collectives: cannot allocate {size} bytes in {SHM_DIR} ({e}); "
+                "shared-memory collectives: cannot allocate "
+                f"{size} bytes in {_hosts.SHM_DIR} ({e}); "
                 "free space there or set ZERO_KERNELS_COMM_ALGO=native"
             ) from e
         finally:
@@ -456,15 +456,16 @@ def _open(group) -> str | None:
     why = available()
     base = None
     if why is None:  # room for the slots at their largest, with a margin for other users
-        st = os.statvfs(SHM_DIR)
+        st = os.statvfs(_hosts.SHM_DIR)
         free, slots = st.f_bavail * st.f_frsize, SLOTS * SLOT_BYTES
         if free < 4 * slots:
             why = (
-                f"{SHM_DIR} has {free >> 20} MiB free; the slots take up to {slots >> 20} MiB "
+                f"{_hosts.SHM_DIR} has {free >> 20} MiB free; the slots take up to "
+                f"{slots >> 20} MiB "
                 "and 4 times that is asked for"
             )
     if r == 0 and why is None:
-        base = os.path.join(SHM_DIR, f"zero_kernels-{os.getpid()}-{secrets.token_hex(6)}")
+        base = os.path.join(_hosts.SHM_DIR, f"zero_kernels-{os.getpid()}-{secrets.token_hex(6)}")
         try:
             fd = os.open(base + "-ctrl", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             try:
@@ -474,7 +475,7 @@ def _open(group) -> str | None:
             finally:
                 os.close(fd)
         except OSError as e:
-            why, base = f"cannot create a file in {SHM_DIR}: {e}", None
+            why, base = f"cannot create a file in {_hosts.SHM_DIR}: {e}", None
     made = base
     try:
         box = [(base, token)]
