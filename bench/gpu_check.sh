@@ -5,7 +5,8 @@
 # a timing of the low-bit-state step (bf16 / int8 moments; CUDA, Triton), then ZeroOptimizer
 # stages 1-3 at world size 1 on NCCL (bench/gpu_zero_check.py: results vs torch, no host sync
 # inside clip + step), then the host tier (bench/gpu_offload_check.py: offload_optimizer="cpu"
-# against the state on the GPU, device memory, step time beside FSDP2's CPU offload). Uses the
+# against the state on the GPU, device memory, step time beside FSDP2's CPU offload), then torch's
+# clip_grad_norm_ over ShardedGrads (one collective per call at world size 8). Uses the
 # torch already installed (it never installs one). Meant to finish in under 8 minutes on an
 # H100/H200 (5.5 measured on an H200 with 16 cores, 2026-12-04). The device section: the
 # collectives' device of a meta-built stage 3, the CUDA wait timings held over 100 steps, and
@@ -13,7 +14,7 @@
 #
 #   bash bench/gpu_check.sh [OUT_DIR]       # results in OUT_DIR (default bench/results)
 #   ONLY="tests offload" bash bench/gpu_check.sh OUT   # some sections only (a rerun after a fix;
-#       the build always runs, quickly where build/ survived): tests bench lowbit zero offload device
+#       the build always runs, quickly where build/ survived): tests bench lowbit zero offload clip device
 #       fake8 (stage 3's gathered memory and the step's host syncs at world size 8, fake group)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,7 +25,7 @@ section() { # section NAME: the status of the command before it
   local rc=$?
   if [[ $rc -ne 0 ]]; then failed+=("$1 (exit $rc)"); echo "!! $1 failed (exit $rc)"; fi
 }
-only="${ONLY:-tests bench lowbit zero offload fake8 device}"
+only="${ONLY:-tests bench lowbit zero offload clip fake8 device}"
 want() { [[ " $only " == *" $1 "* ]]; }
 out="${1:-bench/results}"
 mkdir -p "$out"
@@ -114,6 +115,65 @@ if want offload; then
 echo "== the host tiers (offload_optimizer / offload_params='cpu'): against the state on the GPU, memory, time, FSDP2's CPU offload"
 "$py" bench/gpu_offload_check.py --device cuda --out "$out" 2>&1 | tee "$out/gpu_offload_check.txt"
 section "host tier"
+fi
+
+if want clip; then
+echo "== torch's clip_grad_norm_ over ShardedGrads: one collective per call, world size 8 on the fake group, CUDA tensors, no host sync"
+"$py" - cuda <<'EOF' 2>&1 | tee "$out/gpu_clip_collectives.txt"
+# [Note: one collective per clip] in zero_kernels/partition/grads.py; the same check on the CPU:
+# tests/test_clip_norm.py::test_torch_clip_one_collective_at_world_8
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+dev = sys.argv[1] if len(sys.argv) > 1 else "cuda"
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+from zero_kernels import ZeroOptimizer  # noqa: E402
+
+calls = []
+for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+             "reduce_scatter_tensor", "broadcast", "barrier"):
+    def counted(*a, _f=getattr(dist, name), _n=name, **k):
+        calls.append(_n)
+        return _f(*a, **k)
+    setattr(dist, name, counted)
+
+out, bad = {}, []
+for stage in (1, 2, 3):
+    torch.manual_seed(0)
+    m = nn.Sequential(*[nn.Linear(64, 64) for _ in range(26)]).to(dev)  # 52 params
+    opt = ZeroOptimizer(m, torch.optim.AdamW, stage=stage, bucket_size_mb=0.01, lr=1e-3)
+    for step in range(2):
+        opt.zero_grad()
+        m(torch.randn(8, 64, device=dev)).pow(2).mean().backward()
+        for what, kw in (("p=2", {}), ("p=inf foreach", {"norm_type": float("inf"), "foreach": True})):
+            calls.clear()
+            if dev == "cuda" and step == 1:  # no host sync inside torch's clip (the 2nd step's)
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0, **kw)
+            finally:
+                if dev == "cuda":
+                    torch.cuda.set_sync_debug_mode("default")
+            key = f"stage {stage} step {step} torch clip {what}"
+            out[key] = len(calls)
+            if len(calls) != 1:
+                bad.append(key)
+        calls.clear()
+        opt.clip_grad_norm_(1.0)
+        out[f"stage {stage} step {step} opt.clip_grad_norm_"] = len(calls)
+        opt.step()
+    opt.close()
+print(json.dumps(out, indent=1))
+assert not bad, f"torch's clip_grad_norm_ issued more than one collective: {bad}"
+print("collectives per torch clip at world size 8 (fake group): 1")
+EOF
+section "one collective per torch clip"
 fi
 
 if want fake8; then

@@ -61,6 +61,7 @@ class GradContract:
         loss-scaled units, and take the views off the params so autograd writes fresh grads.
         Inside a ``Join`` context, a synchronising pass first tells it this rank still trains."""
         self.core.phase.enter_backward()
+        self.views.changed()  # the store accumulates: [Note: one collective per clip]
         shard = self.core.policy.shard  # stage 3: Join is told in the forward
         if shard.params and (self.core.reducer.sync or not shard.grads):
             self.join.notify_backward()
@@ -96,17 +97,25 @@ class GradContract:
         what = "backward: which params have gradients"
         self.core.all_reduce(mask, "max", what, group=self.core.side if on_host else None)
         self.views.active = {idx[j] for j in mask.nonzero().flatten().tolist()}
+        self.views.changed()  # new gradients: [Note: one collective per clip]
         self.core.reducer.got.clear()
         self.views.install(self.core.trainable)
         if self.core.units is not None:
             self.core.units.end_backward()
 
-    def sync_user_changes(self) -> None:
-        """Apply what the user did to ``p.grad`` since the views were installed."""
+    def sync_user_changes(self, of: int | None = None) -> None:
+        """Apply what the user did to ``p.grad`` since the views were installed. ``of``: for an
+        operation on the ShardedGrad of param ``of``, which needs only its own: where that one
+        is in place, the others' changes wait for the next full call (backward, step,
+        zero_grad, a norm computed anew); checking every param at every such operation made
+        torch's clip cost O(params**2) on the host."""
+        if of is not None and self.views.in_place(of):
+            return
         cleared, replaced = self.views.user_changes(self.core.trainable)
         if not cleared and not replaced:
             return
         views = self.views
+        views.changed()  # the user's gradients: [Note: one collective per clip]
         if cleared and cleared >= views.active and not replaced:
             self.reset()  # model.zero_grad(): the same as ours
             return
@@ -126,9 +135,10 @@ class GradContract:
             for t in self.core.grads.shard_tensors():
                 t.mul_(c)
 
-    def apply_factor(self) -> None:
-        """Make the reduced store hold true gradients (what ``p.grad`` shows)."""
-        self.finish_reduction()
+    def apply_factor(self, of: int | None = None) -> None:
+        """Make the reduced store hold true gradients (what ``p.grad`` shows); ``of``: see
+        `sync_user_changes`."""
+        self.finish_reduction(of)
         self.scale_store(self.factor)
         self.factor = 1.0
 
@@ -139,6 +149,7 @@ class GradContract:
         if keep:
             self.sync_user_changes()  # a p.grad the user cleared or replaced since
         kept = set(self.views.active) if keep else set()
+        self.views.changed()  # [Note: one collective per clip]
         self.core.reducer.zero_grad()
         self.views.active.clear()
         self.views.detach_all(self.core.trainable)
@@ -148,9 +159,9 @@ class GradContract:
         self.factor = 1.0 / self.scaler.scale
         self.overflow = None
 
-    def finish_reduction(self) -> None:
+    def finish_reduction(self, of: int | None = None) -> None:
         self.core.reducer.flush()
-        self.sync_user_changes()
+        self.sync_user_changes(of)
         if self.overflow is not None:
             return
         scaled = self.scaler.active
@@ -181,6 +192,7 @@ class GradContract:
         """Clip the (reduced, unscaled) gradients to ``max_norm``; returns the global norm,
         exactly as ``torch.nn.utils.clip_grad_norm_`` on the unsharded model."""
         self.join.check_not_joined("clip_grad_norm_")
+        self.views.changed()  # its factor or in-place scaling: [Note: one collective per clip]
         norm_type = float(norm_type)
         if norm_type < 0 or math.isnan(norm_type):
             raise ValueError(f"norm_type must be >= 0 or inf, got norm_type={norm_type!r}")

@@ -58,6 +58,8 @@ class Stepper:
             if not runner.scales_in_kernel:
                 g.apply_factor()
             handles = runner.step(g.views.active, g.factor, core.comm_log, core.shard_group, kwargs)
+            g.views.changed()  # an inner optimizer may write gradients ([Note: one collective
+            # per clip] in zero_kernels/partition/grads.py)
             # the stepped params changed, as torch's in-place step changes them: a graph saved
             # before the step and backwarded after it raises torch's in-place error (it
             # computed with the stepped values, silently); params without a gradient, and a

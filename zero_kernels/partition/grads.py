@@ -20,7 +20,8 @@ with the parameter's shape, dtype and device whose data is this rank's piece of 
 gradient (a view of the store, never a copy). The operations torch's tools apply to gradients are
 implemented exactly, over all ranks (every rank must make the call, as every rank of a DDP script
 does): norms (``torch.linalg.vector_norm``, ``Tensor.norm``, ``torch._foreach_norm``: one
-all-reduce), in-place scaling by a number or 0-dim tensor (``mul_``, ``div_`` and their
+all-reduce for all the gradients of an optimizer, kept until they change, [Note: one collective
+per clip]), in-place scaling by a number or 0-dim tensor (``mul_``, ``div_`` and their
 ``_foreach`` forms), ``zero_``/``fill_``, ``copy_``/``add_`` of a whole tensor (each rank takes its
 piece), ``detach``, element-wise clamps by numbers (``clamp_``, ``clamp_min_``, ``clamp_max_``
 and their ``_foreach`` forms), and GradScaler's ``_amp_foreach_non_finite_check_and_unscale_``
@@ -29,7 +30,8 @@ and their ``_foreach`` forms), and GradScaler's ``_amp_foreach_non_finite_check_
 give DDP's result.
 Norms read nothing back to the host: each tensor's partial result is a float64 device tensor
 (`zero_kernels.syncfree.pow_sum`: no float64 copy of a piece, [Note: accurate norms]),
-all-reduced on the device, and the norms come back as device tensors. Where the optimizer's
+all-reduced on the device, and the norms come back as device tensors (the cache of [Note: one
+collective per clip] is a device tensor too). Where the optimizer's
 step is sync-free (off the CPU: [Note: no host sync] in `zero_kernels.syncfree`), ``mul_``/
 ``div_`` by a one-element tensor multiply the pieces by that tensor. So torch's
 ``clip_grad_norm_`` (foreach or not) is as sync-free there as ``opt.clip_grad_norm_``.
@@ -59,6 +61,60 @@ reads or clips before that differs from DDP's (measured by probes of Lightning's
 ``on_after_backward``: norms 0.410 on both ranks against DDP's 0.230 / 0.684). accelerate's
 ``clip_grad_norm_``/``clip_grad_value_`` inside a window raise for that reason
 (`zero_kernels.integrations.accelerate`).
+
+[Note: one collective per clip]
+torch's ``clip_grad_norm_`` asks one norm per gradient (``torch.linalg.vector_norm(g)``; it
+takes ``torch._foreach_norm`` only for the tensor types of its ``_foreach_supported_types`` or
+with ``foreach=True``), then the norm of their stack. Each norm of a ShardedGrad needs every
+rank's pieces, and an all-reduce per norm made torch's clip one collective per param: 52 for a
+52-param model (22.8 ms per clip at 2 gloo ranks against 0.8 for ``opt.clip_grad_norm_``), ~290
+NCCL launches per step for a 7B model. FSDP2 issues one: each DTensor norm is a Partial value,
+reduced once when the stacked norms are combined. Two ways to one here:
+
+(a) A lazy partial norm: each norm returns a 0-dim subclass holding this rank's pow-sum (max for
+    the inf-norm); ``.to`` and ``torch.stack`` keep it partial, the norm of the stack does the
+    one all-reduce, any other use resolves it with an all-reduce of its own. Not taken: the
+    collective would happen where a value is *used*, not where the norm is asked, and ordinary
+    scripts use values on some ranks only: ``n = p.grad.norm()`` on every rank, then
+    ``if rank == 0: log(n.item())``, would all-reduce on rank 0 alone (a hang, or a pairing
+    with the others' next collective: a wrong value, silently). The partial would also have to
+    survive whatever torch does between the norms and their stack (``.to``, dtype promotion
+    across torch's dtype groups) in every torch version.
+(b) A batched norm cache (taken): the first norm of an order asked of any ShardedGrad of an
+    optimizer computes this rank's partials of every gradient it has (``GradViews.active``) and
+    all-reduces them at once (a float64 vector, one entry per gradient); the global norms are
+    kept per order (`GradViews.norms`), and every later norm of that order is read from them
+    without a collective until the gradients change. Every norm returned is the global value,
+    and the collective happens where the norm is asked, on every rank alike, as before. torch's
+    clip costs one collective per optimizer whatever ``foreach`` is (one more per other
+    optimizer whose params are in the call, one more for a ShardedGrad kept by the user after
+    its param lost its gradient); norms of another order are another collective. The price: the
+    first norm reads every piece of this rank's gradients (one pass over 1/N of them, which
+    torch's clip makes anyway), however few norms follow.
+
+A stale norm would be a silent wrong result, so the cache is forgotten (`GradViews.changed`) at
+every event that can change a gradient's value or which params have one:
+- every ShardedGrad operation but the reads (norms, ``detach``, ``alias``): ``__torch_dispatch__``
+  forgets before it runs one (an operation added later is covered by default);
+- in `zero_kernels.grad_access.GradContract`: the start of a backward (the store accumulates),
+  the end of a reduction (``publish``: new values, a new set of params with a gradient), the
+  user's assignments to ``.grad`` taken in (``sync_user_changes``), ``zero_grad`` (``reset``)
+  and ``opt.clip_grad_norm_`` (its factor, or its in-place scaling in sync-free mode);
+- a step that stepped (`zero_kernels.stepper.Stepper`): torch's optimizers leave their
+  gradients alone, an inner optimizer of another kind may write them.
+A hit needs nothing more where the params asked have their views in place: no reduction is pending
+and the pending factor is applied (every event that leaves either forgot the norms); else, and on a
+miss, the store is made right first (``normalize``: it takes in reductions and assignments, which
+forget), applying the factor changing the store, not the true gradients. An operation on one param's
+ShardedGrad takes in only its own assignment where its view is in place (the others' wait for the
+next full call), so torch's clip is not O(params**2) on the host (it was: every norm and ``mul_``
+checked every param's ``.grad``, 42 ms per clip of a 290-param model on the fake group, 8 ms now).
+Hit or miss must be the same on every rank (a miss is a collective), so only events every rank goes
+through alike forget (the script's calls, decisions already agreed), never local state: not the
+version counters of the pieces, for instance, which count writes to this rank's pieces only (a rank
+without a piece of a param sees no write where the others do).
+tests/clip_norm_checks.py changes the gradients between norms in each of these ways and compares
+with DDP; tests/test_clip_norm.py counts the collectives of torch's clip at world size 8.
 """
 
 from __future__ import annotations
@@ -123,6 +179,8 @@ class ShardedGrad(torch.Tensor):
         impl = _IMPLS.get(func)
         if impl is None:
             raise ShardedGradError(_advice(f"torch operation {func}"))
+        if func not in _READS:  # it may change gradients: [Note: one collective per clip]
+            _forget_norms(args)
         return impl(*args, **kwargs)
 
 
@@ -184,26 +242,35 @@ def _local_part(vals: list[torch.Tensor], o: float, device) -> torch.Tensor:
     return torch.stack([pow_sum(v, o) for v in vals]).sum()
 
 
+def _forget_norms(args) -> None:
+    """Before an operation that may change the gradients in ``args`` (tensors or lists of
+    them): their optimizers forget their cached norms ([Note: one collective per clip])."""
+    for a in args:
+        for t in a if isinstance(a, (list, tuple)) else (a,):
+            if isinstance(t, ShardedGrad):
+                views = t._views()
+                if views is not None:
+                    views.changed()
+
+
 def _norm_parts(ts: list[ShardedGrad], ord) -> list[torch.Tensor]:
-    """Global norms of ``ts``: local partial results, one all-reduce for the whole list; the
-    partial results, the all-reduce and the norms stay on the device (no host read, on a GPU
-    or not)."""
-    owner = ts[0]._owner()
-    owner.owner().check_not_joined("a norm of a sharded .grad (clip_grad_norm_)")
-    owner.normalize()
+    """Global norms of ``ts``, each a new tensor of its dtype on its device: read from each
+    optimizer's norms of that order, one all-reduce for all its gradients where they are not
+    known ([Note: one collective per clip]); optimizers in the order of their first gradient in
+    ``ts`` (the same on every rank). Nothing is read back to the host, on a GPU or not."""
     o = float(ord)
     if math.isnan(o):
         raise ValueError(f"norm order must not be nan, got ord={ord!r}")
-    op = "max" if math.isinf(o) else "sum"
-    part = torch.stack(
-        [_local_part([v for v, _ in _pieces(_sg(t)) if v.numel()], o, owner.device) for t in ts]
-    )
-    comm.all_reduce(part, op, group=owner.group, log=owner.log)
-    if math.isinf(o) and o < 0:
-        part = -part
-    elif not math.isinf(o) and o != 0:
-        part = part ** (1.0 / o)
-    return [part[k].to(dtype=t.dtype, device=t.device) for k, t in enumerate(ts)]
+    by_owner: dict[int, tuple[GradViews, list[int]]] = {}
+    for k, t in enumerate(ts):
+        views = _sg(t)._owner()
+        by_owner.setdefault(id(views), (views, []))[1].append(k)
+    out: list[torch.Tensor] = [None] * len(ts)  # type: ignore[list-item]
+    for views, ks in by_owner.values():
+        for k, n in zip(ks, views.norms([ts[k]._index for k in ks], o)):
+            # a copy: the caller may change it in place, the cache stays
+            out[k] = n.to(dtype=ts[k].dtype, device=ts[k].device, copy=True)
+    return out
 
 
 def _vector_norm(t, ord=2, dim=None, keepdim=False, *, dtype=None):
@@ -226,7 +293,7 @@ def _foreach_norm(ts, ord=2, dtype=None):
 
 def _scale(t, c):
     t = _sg(t)
-    t._owner().normalize()
+    t._owner().normalize(t._index)
     for v, _ in _pieces(t):
         v.mul_(c)
     return t
@@ -266,7 +333,7 @@ def _foreach_div_(ts, other):
 
 def _fill_(t, value):
     t = _sg(t)
-    t._owner().normalize()
+    t._owner().normalize(t._index)
     v = _scalar(value)
     for piece, _ in _pieces(t):
         piece.fill_(v)
@@ -290,7 +357,7 @@ def _take_from(t: ShardedGrad, src: torch.Tensor, alpha: float, add: bool) -> Sh
         if not add:
             return t
         src_pieces = [v for v, _ in _pieces(src)]
-        t._owner().normalize()
+        t._owner().normalize(t._index)
         for (v, _), s in zip(_pieces(t), src_pieces):
             v.add_(s, alpha=alpha)
         return t
@@ -298,7 +365,7 @@ def _take_from(t: ShardedGrad, src: torch.Tensor, alpha: float, add: bool) -> Sh
     if src.numel() != t.numel():
         src = src.expand(t.shape)
     flat = src.reshape(-1)
-    t._owner().normalize()
+    t._owner().normalize(t._index)
     for v, off in _pieces(t):
         part = flat[off : off + v.numel()].to(v.dtype).view(v.shape)
         if add:
@@ -337,7 +404,7 @@ def _clamp_(t, min=None, max=None):
     (``torch.nn.utils.clip_grad_value_``)."""
     t = _sg(t)
     lo, hi = _bound(min, "clamp_"), _bound(max, "clamp_")
-    t._owner().normalize()
+    t._owner().normalize(t._index)
     for piece, _ in _pieces(t):
         piece.clamp_(min=lo, max=hi)
     return t
@@ -385,6 +452,19 @@ def _unscale(grads, found_inf, inv_scale):
     comm.all_reduce(flag, "max", group=owner.group, log=owner.log)
     found_inf.copy_(flag.reshape(found_inf.shape))
 
+
+# the operations that change no gradient (the others forget the cached norms)
+_READS = frozenset(
+    {
+        aten.linalg_vector_norm.default,
+        aten.norm.Scalar,
+        aten.norm.ScalarOpt_dim,
+        aten._foreach_norm.Scalar,
+        aten.detach.default,
+        aten.detach_.default,
+        aten.alias.default,
+    }
+)
 
 _IMPLS = {
     aten.linalg_vector_norm.default: _vector_norm,
@@ -441,6 +521,10 @@ class GradViews:
         self.active: set[int] = set()
         # pieces per param index: (inner param's grad view, offset in the param)
         self.by_index: dict[int, list[tuple[torch.Tensor, int]]] = {}
+        # norm order -> (param index -> position, float64 global norms on the device) of the
+        # params that had a gradient when computed ([Note: one collective per clip])
+        self._norms: dict[float, tuple[dict[int, int], torch.Tensor]] = {}
+        self._params: dict[int, torch.Tensor] = {}  # the params, index -> param (`install`)
 
     # ---- the optimizer's side
     def owner(self):
@@ -452,15 +536,73 @@ class GradViews:
     def pieces_of(self, index: int) -> list[tuple[torch.Tensor, int]]:
         return self.by_index.get(index, [])
 
-    def normalize(self) -> None:
-        """Make the store hold true gradients (apply the pending factor)."""
-        self.owner().apply_factor()
+    def normalize(self, of: int | None = None) -> None:
+        """Make the store hold true gradients (apply the pending factor). ``of``: for an
+        operation on param ``of``'s gradient alone (the others' assignments to ``.grad`` may
+        wait: `zero_kernels.grad_access.GradContract.sync_user_changes`)."""
+        self.owner().apply_factor(of)
+
+    def in_place(self, index: int) -> bool:
+        """Whether param ``index`` has a gradient and ``.grad`` is its view (the user did not
+        replace or clear it since the views were installed)."""
+        p = self._params.get(index)
+        return p is not None and index in self.active and p.grad is self.views.get(index)
+
+    def changed(self) -> None:
+        """The gradients' values, or which params have one, may have changed: forget the norms
+        ([Note: one collective per clip]). Only for events every rank goes through alike."""
+        self._norms.clear()
+
+    def norms(self, indices: list[int], o: float) -> list[torch.Tensor]:
+        """Global norms of order ``o`` of the gradients of params ``indices``, float64 0-dim
+        device tensors (views of the cache): from the cached norms, else one all-reduce for
+        every param with a gradient ([Note: one collective per clip]); a param without one now
+        (its ShardedGrad kept by the user) costs one more for those."""
+        self.owner().check_not_joined("a norm of a sharded .grad (clip_grad_norm_)")
+        cached = self._norms.get(o)
+        # a hit whose params' views are in place needs nothing more: no reduction is pending
+        # and the factor is applied (every event that would leave them forgot the norms);
+        # else the store is made right first, which may forget them
+        if cached is None or not all(i in cached[0] and self.in_place(i) for i in indices):
+            self.normalize()
+            cached = self._norms.get(o)
+        if cached is None:
+            idx = sorted(self.active)
+            cached = ({k: j for j, k in enumerate(idx)}, self._reduce_norms(idx, o))
+            self._norms[o] = cached
+        pos, vals = cached
+        rest = [i for i in dict.fromkeys(indices) if i not in pos]
+        more = dict(zip(rest, self._reduce_norms(rest, o))) if rest else {}
+        return [vals[pos[i]] if i in pos else more[i] for i in indices]
+
+    def _reduce_norms(self, indices: list[int], o: float) -> torch.Tensor:
+        """The global norms of order ``o`` of params ``indices``: this rank's partial results,
+        one all-reduce of them all (none for no index), on the device."""
+        if not indices:
+            return torch.zeros(0, dtype=torch.float64, device=self.device)
+        part = torch.stack(
+            [
+                _local_part([v for v, _ in self.pieces_of(i) if v.numel()], o, self.device)
+                for i in indices
+            ]
+        )
+        if not math.isinf(o):
+            comm.all_reduce(part, "sum", group=self.group, log=self.log)
+            return part ** (1.0 / o) if o != 0 else part
+        # a max all-reduce may drop a NaN (gloo's keeps the first operand's: a NaN of rank 1 is
+        # lost where rank 0's value is finite), so NaNs go as flags beside the maxes, one call
+        nan = part.isnan()
+        both = torch.cat([part.masked_fill(nan, -math.inf), nan.double()])
+        comm.all_reduce(both, "max", group=self.group, log=self.log)
+        part = both[: len(indices)].masked_fill(both[len(indices) :] > 0, math.nan)
+        return -part if o < 0 else part
 
     def view_for(self, index: int) -> ShardedGrad | None:
         return self.views.get(index)
 
     def install(self, params: dict[int, torch.Tensor]) -> None:
         """``p.grad = view`` for the active params, ``None`` for the others."""
+        self._params = params
         for idx, p in params.items():
             if idx in self.active:
                 v = self.views.get(idx)
