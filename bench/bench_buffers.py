@@ -1,6 +1,6 @@
 """What keeping buffers equal costs: a BatchNorm-heavy model, ZeRO against DDP, each with its
 buffers broadcast before a training forward and without ([Note: replicated module state] in
-zero_kernels/replicas.py).
+zero_kernels/optimizer/replicas.py).
 
 One spawned gloo group of ``--world`` ranks builds, side by side, every candidate over the same
 model (``--blocks`` blocks of Linear(width, width, bias=False) + BatchNorm1d + ReLU: three

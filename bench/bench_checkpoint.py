@@ -2,7 +2,8 @@
 torch.distributed.checkpoint (DCP), side by side at world size 2, with the disk's write bandwidth
 measured in the same run.
 
-Model: `zero_kernels.models` ``large`` (86M params, fp32), ZeroOptimizer stage 2 + AdamW after one
+Model: `zero_kernels.tools.models` ``large`` (86M params, fp32), ZeroOptimizer stage 2 + AdamW
+after one
 step (params, exp_avg, exp_avg_sq: 1.03 GB of training state). Candidates, each a save and a load
 of the same state on the same 2 gloo ranks (1 thread each), timed alternately (round k starts at
 candidate k), every call fenced by barriers, its time the slower rank's, medians over rounds:
@@ -248,7 +249,7 @@ def _worker(rank: int, world: int, port: int, args, work: str, q) -> None:
     import torch.distributed as dist
 
     from zero_kernels import ZeroOptimizer, comm
-    from zero_kernels.models import build_gpt
+    from zero_kernels.tools.models import build_gpt
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
@@ -312,7 +313,9 @@ def _worker(rank: int, world: int, port: int, args, work: str, q) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--model", default="large", help="zero_kernels.models size (default large)")
+    ap.add_argument(
+        "--model", default="large", help="zero_kernels.tools.models size (default large)"
+    )
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--dir", default=None, help="where checkpoints are written (default /tmp)")

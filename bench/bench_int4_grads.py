@@ -2,7 +2,7 @@
 
 One process emulates the one-hop quantized reduce-scatter of ``--world`` ranks exactly: each
 step every rank's gradient of the demo's GPT (size "small", AdamW lr 1e-3, weight decay 0.01, 8
-sequences per rank, the batches `zero_kernels.models.get_batch` gives rank r) is computed in
+sequences per rank, the batches `zero_kernels.tools.models.get_batch` gives rank r) is computed in
 turn; the flat gradient is cut into ``world`` equal chunks; chunk k's sum is rank k's own values
 (exact) plus every other rank's, quantized blockwise with `zero_kernels.ops.quantize_blockwise`
 (blocks starting at the chunk's start) and dequantized in fp32; then averaged, and one AdamW step
@@ -50,8 +50,8 @@ import time
 
 import torch
 
-from zero_kernels.models import build_gpt, get_batch, load_corpus
 from zero_kernels.ops import dequantize_blockwise, quantize_blockwise
+from zero_kernels.tools.models import build_gpt, get_batch, load_corpus
 
 LAST = 20
 DEFAULT_CANDS = "exact,int4_b256,int4_b64,int4_b32,int4sr_b256,int8_b256"

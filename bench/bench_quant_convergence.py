@@ -114,8 +114,8 @@ def _free_port() -> int:
 
 
 def _build(dtype: str, quant: str | None, init_seed: int, variant: str = "q8"):
-    from zero_kernels.models import build_gpt
     from zero_kernels.optimizer import ZeroOptimizer
+    from zero_kernels.tools.models import build_gpt
 
     torch.manual_seed(init_seed)
     model = build_gpt(DEMO["size"])
@@ -158,7 +158,7 @@ def _train(
     """Steps start..stop-1; returns the losses (mean over ranks) and the seconds taken."""
     import torch.distributed as dist
 
-    from zero_kernels.models import get_batch
+    from zero_kernels.tools.models import get_batch
 
     block = model.cfg.block_size
     losses = []
@@ -185,7 +185,7 @@ def _worker(
     dtypes: tuple = ("fp32", "bf16"),
 ) -> dict:
     from zero_kernels.checkpoint import load_checkpoint, save_checkpoint
-    from zero_kernels.models import load_corpus
+    from zero_kernels.tools.models import load_corpus
 
     data = load_corpus()
     out: dict = {"runs": {}}

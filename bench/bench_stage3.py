@@ -2,7 +2,7 @@
 size 2, capacity (the largest GPT each stage trains under a per-rank memory limit) at 4 ranks,
 and per-rank bytes against the formulas (tensor counts and peak RSS) at 4 ranks.
 
-Part "timing" (world size 2, gloo on CPU, 1 thread per rank; zero_kernels.models.GPT, every
+Part "timing" (world size 2, gloo on CPU, 1 thread per rank; zero_kernels.tools.models.GPT, every
 candidate built from the same seed, trained on the same per-rank batches with the same AdamW
 hyper-parameters):
 
@@ -61,7 +61,7 @@ Part "memory" (4 ranks): a 67M-param MLP (8 x Linear(2896, 2896)) and the timing
 per rank above the import baseline, per phase (the high-water mark is reset at each phase start
 through /proc/self/clear_refs, so each phase's own peak is exact), in bytes/param against the
 formulas; and stage 3's tensor counts (memory_report(): params, grads, optimizer state, gathered
-units' peak, communication buffers) against zero_kernels.estimate's stage-3 figure.
+units' peak, communication buffers) against zero_kernels.tools.estimate's stage-3 figure.
 
     python bench/bench_stage3.py [--quick] [--out DIR] [--parts timing,capacity,memory]
 """
@@ -94,7 +94,7 @@ MB = 1e6
 
 
 def _timing_model(name: str, args) -> nn.Module:
-    from zero_kernels.models import GPT
+    from zero_kernels.tools.models import GPT
 
     return GPT(gpt_cfg(args.layers, args.d, args.heads, args.tokens))
 

@@ -49,7 +49,8 @@ untrained model's loss is within a 1e-3 tolerance; a wrong gradient moves Δ by 
 
 Part 2, memory (world sizes 1-4, all groups at once: tensor counts do not depend on timing): after
 one step, per-rank bytes counted from the tensors: stage 0 = DDP + AdamW (params, .grad, AdamW
-state), stages 1/2 = ZeroOptimizer.memory_report(); against zero_kernels.estimate (fp32, AdamW).
+state), stages 1/2 = ZeroOptimizer.memory_report(); against zero_kernels.tools.estimate (fp32,
+AdamW).
 
     python bench/bench_stages.py [--regime compute|comm|both] [--quick] [--out DIR]
         [--repeats 16] [--cands a,b,..] [--skip-memory]
@@ -479,7 +480,7 @@ def memory_worker(rank, world, port, args, res_q):
 
 
 def run_memory(args, world_sizes: list[int]) -> list[dict]:
-    from zero_kernels.estimate import estimate_stage
+    from zero_kernels.tools.estimate import estimate_stage
 
     ctx = mp.get_context("spawn")
     res_q = ctx.Queue()
@@ -692,7 +693,8 @@ def main():
             {
                 "machine": info,
                 "config": _regime_config(args, "compute"),
-                "formula": "zero_kernels.estimate.estimate_stage(stage, psi, N, precision='fp32', "
+                "formula": "zero_kernels.tools.estimate.estimate_stage(stage, psi, N, "
+                "precision='fp32', "
                 "optimizer='adamw'); measured = max over ranks after one step",
             },
             mrows,

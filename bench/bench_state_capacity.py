@@ -57,7 +57,7 @@ def worker(rank, world, port, cfg, q):
     import torch.distributed as dist
 
     import zero_kernels
-    from zero_kernels.models import GPT, GPTConfig, get_batch, load_corpus
+    from zero_kernels.tools.models import GPT, GPTConfig, get_batch, load_corpus
 
     init_gloo(rank, world, port)
     torch.manual_seed(0)

@@ -1,9 +1,9 @@
 """Quality of low-bit optimizer state (issue 25): loss of 8-bit / bf16 AdamW state vs fp32.
 
 Two models, each trained ``--steps`` steps from the same init on the same batches by every
-optimizer (the byte-level KJV corpus of `zero_kernels.models`):
+optimizer (the byte-level KJV corpus of `zero_kernels.tools.models`):
 
-  demo   `zero_kernels.models.build_gpt("small")` (the demo's model: 4 layers, 4 heads,
+  demo   `zero_kernels.tools.models.build_gpt("small")` (the demo's model: 4 layers, 4 heads,
          n_embd 128, context 128, byte vocabulary 256, tied head; ~0.84M params), batch 8
   gpt2   transformers' ``GPT2LMHeadModel`` from a ``GPT2Config`` (GPT-2's code: tied
          embeddings, learned positions, pre-LN, gelu_new, Conv1D, GPT-2 init) scaled down to
@@ -87,7 +87,7 @@ MODELS = {
         kind="demo",
         size="small",
         block_size=128,
-        shape="zero_kernels.models GPT 'small': 4 layers, 4 heads, n_embd 128, ctx 128, "
+        shape="zero_kernels.tools.models GPT 'small': 4 layers, 4 heads, n_embd 128, ctx 128, "
         "vocab 256 (bytes), tied head",
     ),
     "gpt2": dict(
@@ -221,7 +221,7 @@ def build_model(cfg: dict, seed: int) -> torch.nn.Module:
 def _build_model(cfg: dict, seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     if cfg["kind"] == "demo":
-        from zero_kernels.models import build_gpt
+        from zero_kernels.tools.models import build_gpt
 
         return build_gpt(cfg["size"])
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -305,7 +305,7 @@ def state_bytes(opt) -> int:
 
 
 def run_model(name: str, cfg: dict, steps: int, peers: dict[str, str], use: set[str], log):
-    from zero_kernels.models import get_batch, load_corpus
+    from zero_kernels.tools.models import get_batch, load_corpus
 
     data = load_corpus()
     runs: dict[str, dict] = {}

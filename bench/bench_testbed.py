@@ -3,7 +3,8 @@
     python bench/bench_testbed.py [--rate 1gbit] [--nodes 2] [--ranks-per-node 2] [--steps 5]
         [--warmup 2] [--rounds 1] [--cands ddp_fused,ours_stage1,...] [--out FILE.json]
 
-Needs root (`zero_kernels.testbed`: network namespaces joined by a tbf-limited link, [Note: the
+Needs root (`zero_kernels.tools.testbed`: network namespaces joined by a tbf-limited link, [Note:
+the
 testbed]). A GPT of 7.52M params (6 layers, d=320, 128 tokens, tied head), fp32, AdamW; every
 candidate in fresh torchrun ranks on the testbed (candidates in turn, `--rounds` times over). For
 each: seconds per step (per step the slowest rank, then the median over the measured steps after
@@ -146,8 +147,9 @@ def _worker(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from zero_kernels import comm, testbed
-    from zero_kernels.models import GPT, GPTConfig, get_batch, load_corpus
+    from zero_kernels import comm
+    from zero_kernels.tools import testbed
+    from zero_kernels.tools.models import GPT, GPTConfig, get_batch, load_corpus
 
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
@@ -401,8 +403,8 @@ def _resummarize(path: str) -> int:
 
 def _controller(args) -> int:
     sys.path.insert(0, os.path.dirname(HERE))
-    from zero_kernels import testbed as tb
     from zero_kernels.cli.launch import machine
+    from zero_kernels.tools import testbed as tb
 
     cands = args.cands.split(",")
     bad = [c for c in cands if c not in CANDIDATES]

@@ -37,7 +37,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from zero_kernels import FusedAdamW, ZeroOptimizer  # noqa: E402
-from zero_kernels.models import GPT, GPTConfig  # noqa: E402
+from zero_kernels.tools.models import GPT, GPTConfig  # noqa: E402
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -6,7 +6,8 @@ our FusedAdamW (the kernel the shard's step runs) and clipped with the coefficie
 norm: ZeRO's sharding, gathering and reduction are then the only differences, and under bf16
 autocast the bound is 1e-6 against it (on the CPU it is bitwise equal over the steps). Against
 torch (fused AdamW and torch's clip) autocast is reported, not bounded: our norm is summed in
-float64 and torch's per-param norms in fp32 ([Note: accurate norms] in zero_kernels/syncfree.py),
+float64 and torch's per-param norms in fp32 ([Note: accurate norms] in
+zero_kernels/partition/syncfree.py),
 and a last-bit difference in the clipping coefficient flips bf16 roundings of the weights in the
 next forward, which grows to ~1e-2 in six steps (CPU 5.8e-3, an H200 1.32e-2 before this check
 existed; torch's own for-each and fused AdamW differ by 1.5e-3 on the CPU, also reported). Our
@@ -23,7 +24,8 @@ rate, so summation-order differences show there at ~4e-4 on the CPU; every other
 to ~1e-6);
 then, on CUDA, the timed steps run under ``torch.cuda.set_sync_debug_mode("error")`` so any host
 synchronisation inside ``clip_grad_norm_`` + ``step()`` raises ([Note: no host sync] in
-zero_kernels/syncfree.py); step time from CUDA events; ``comm_stats`` (exposed comm timed with
+zero_kernels/partition/syncfree.py); step time from CUDA events; ``comm_stats`` (exposed comm timed
+with
 events, [Note: CUDA streams]) printed. Writes gpu_zero_check.json to --out.
 
     python bench/gpu_zero_check.py [--device cuda|cpu] [--out DIR] [--steps 6]
@@ -46,7 +48,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from zero_kernels import FusedAdamW, ZeroOptimizer  # noqa: E402
-from zero_kernels.models import GPT, GPTConfig  # noqa: E402
+from zero_kernels.tools.models import GPT, GPTConfig  # noqa: E402
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

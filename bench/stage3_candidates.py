@@ -32,7 +32,7 @@ def import_libs(name: str) -> None:
     from torch.nn.parallel import DistributedDataParallel  # noqa: F401
 
     import zero_kernels  # noqa: F401
-    import zero_kernels.models  # noqa: F401
+    import zero_kernels.tools.models  # noqa: F401
 
     if name.startswith("fsdp2"):
         from torch.distributed.fsdp import fully_shard  # noqa: F401
@@ -49,7 +49,7 @@ def warm_up() -> None:
     CPU kernels (a tiny GPT's forward, backward and fused AdamW step)."""
     import torch._dynamo  # noqa: F401
 
-    from zero_kernels.models import GPT
+    from zero_kernels.tools.models import GPT
 
     with torch.device("meta"):
         nn.Embedding(8, 8)
@@ -63,7 +63,7 @@ def warm_up() -> None:
 
 
 def gpt_cfg(layers: int, d: int, heads: int, tokens: int):
-    from zero_kernels.models import GPTConfig
+    from zero_kernels.tools.models import GPTConfig
 
     return GPTConfig(vocab_size=256, block_size=tokens, n_layer=layers, n_head=heads, n_embd=d)
 

@@ -163,7 +163,7 @@ def rss_worker(spec: dict, rank: int, world: int, port: int, res_q) -> None:
         name = spec["cand"]
         init_gloo(rank, world, port)
         import_libs(name)
-        from zero_kernels.models import GPT
+        from zero_kernels.tools.models import GPT
 
         dist.barrier()
         baseline = status_bytes("VmRSS")
@@ -398,7 +398,7 @@ def capacity_search(cand: str, args, log) -> dict:
 def memory_rows(args, log) -> tuple[list[dict], list[dict], dict]:
     """Peak RSS per phase on the MLP at 4 ranks for DDP and stages 1-3 (stages 1/2 also built
     on the meta device), and stage-3 tensor counts on the MLP and the timing GPT."""
-    from zero_kernels.estimate import estimate_stage
+    from zero_kernels.tools.estimate import estimate_stage
 
     world = 4
     base = dict(bucket_mb=args.bucket_mb, steps=args.mem_steps, limit=None)

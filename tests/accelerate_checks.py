@@ -375,7 +375,7 @@ def check_save_model(rank, world) -> dict:
     """``accelerator.save_model`` (safetensors) and ``accelerator.save(model.state_dict(),
     safe_serialization=True)`` write every tensor at stages 1-3, as under DDP. At stages 1/2 the
     params share one flat buffer, and accelerate dropped all but one of them as "shared"
-    ([Note: state dict copies] in zero_kernels/param_access.py)."""
+    ([Note: state dict copies] in zero_kernels/optimizer/param_access.py)."""
     from safetensors.torch import load_file
 
     out = {}

@@ -2,7 +2,8 @@
 returns the float64 norm of DDP's full gradients to ~1e-8 relative, host and sync-free paths,
 stages 1-3, p = 2, 1 and 3, on a model whose shards hold a million elements each, where torch's
 reduction of one long fp32 tensor is off by ~1e-5 ([Note: accurate norms] in
-zero_kernels/syncfree.py); and the clipped step equals DDP's clipped by that exact norm."""
+zero_kernels/partition/syncfree.py); and the clipped step equals DDP's clipped by that exact
+norm."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """``state_dict()`` and ``load_state_dict()`` of a module inside the model, at stages 1-3 (spawned
-gloo ranks; [Note: module state dicts] in zero_kernels/param_access.py)."""
+gloo ranks; [Note: module state dicts] in zero_kernels/optimizer/param_access.py)."""
 
 from __future__ import annotations
 

@@ -204,7 +204,7 @@ def skipped_step(rank, world):
 def thread_advice(rank, world):
     """A GPU rank left with one intra-op thread (torchrun's OMP_NUM_THREADS=1) where cores are
     to spare is told how many to use; CPU params, several threads or no spare core: silence."""
-    from zero_kernels.build import host_thread_advice
+    from zero_kernels.optimizer.build import host_thread_advice
 
     msg = host_thread_advice("cuda", 1, 64, 8)
     assert msg and "torch.set_num_threads(8)" in msg and "OMP_NUM_THREADS=8" in msg, msg

@@ -1,5 +1,6 @@
 """Checks of the model's unsharded tensors against DDP ([Note: replicated module state] in
-zero_kernels/replicas.py), run in one spawned gloo group per world size (tests/test_replicas.py):
+zero_kernels/optimizer/replicas.py), run in one spawned gloo group per world size
+(tests/test_replicas.py):
 frozen params and buffers that differ across ranks at construction take rank 0's values, and
 BatchNorm's running statistics follow DDP's ``broadcast_buffers`` at stages 1-3, through
 gradient accumulation, an evaluation forward and uneven inputs under Join."""

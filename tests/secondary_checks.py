@@ -156,7 +156,7 @@ def check_kept_bytes(rank, world):
     assert rep["secondary_shard_bytes"] == 0 and rep["secondary_shard_peak_bytes"] == want, rep
     # the estimator's figure for it (the non-root params / K), short of it by at most the
     # buckets' padding (each bucket padded for its ranks' aligned chunks)
-    from zero_kernels.estimate import estimate_stage
+    from zero_kernels.tools.estimate import estimate_stage
 
     root_n = sum(lay.buffers[i].buckets[b].numel(lay.world_size) for i, b in sched.root.buckets)
     n = sum(p.numel() for p in zo._core.trainable.values())

@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from zero_kernels import ZeroOptimizer, comm
 from zero_kernels.comm import shm
-from zero_kernels.materialize import init_module_
+from zero_kernels.optimizer.materialize import init_module_
 
 O = torch.optim
 V, D = 23, 16

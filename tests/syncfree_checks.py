@@ -1,5 +1,6 @@
 """Checks run in spawned gloo ranks by tests/test_zero_syncfree.py: the step's device-side
-bookkeeping ([Note: no host sync] in zero_kernels/syncfree.py) switched on for CPU tensors."""
+bookkeeping ([Note: no host sync] in zero_kernels/partition/syncfree.py) switched on for CPU
+tensors."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Checks run in spawned gloo ranks by tests/test_syncfree_clip.py: torch's own
 ``torch.nn.utils.clip_grad_norm_`` on `ShardedGrad`s with the sync-free mode switched on for CPU
-tensors ([Note: no host sync] in zero_kernels/syncfree.py) reads nothing back to the host and
+tensors ([Note: no host sync] in zero_kernels/partition/syncfree.py) reads nothing back to the host
+and
 gives DDP + torch's clip (the norm it returns and the clipped step)."""
 
 from __future__ import annotations

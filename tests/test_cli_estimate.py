@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from zero_kernels import estimate as est
 from zero_kernels.cli.main import main
 from zero_kernels.comm import shm as comm_shm
-from zero_kernels.estimate_links import cross_node
+from zero_kernels.tools import estimate as est
+from zero_kernels.tools.estimate_links import cross_node
 
 
 def test_paper_figures():
@@ -124,13 +124,13 @@ def test_llama_config(tmp_path, capsys):
 def test_meta_factory_matches_real_model():
     import torch
 
-    from zero_kernels.models import build_gpt
+    from zero_kernels.tools.models import build_gpt
 
-    info = est.model_info("zero_kernels.models:gpt_small")
+    info = est.model_info("zero_kernels.tools.models:gpt_small")
     real = build_gpt("small")
     assert info.n_params == sum(p.numel() for p in real.parameters())  # tied head counted once
     assert info.largest_layer == sum(p.numel() for p in real.blocks[0].parameters())
-    e = est.estimate(model="zero_kernels.models:gpt_small", world_size=4)
+    e = est.estimate(model="zero_kernels.tools.models:gpt_small", world_size=4)
     s3 = e.stages[3]
     assert s3.live_bytes == 2 * info.largest_layer * 2  # running + prefetched layer, bf16
     assert s3.comm_buffer_bytes == 2 * info.largest_layer * 4  # two layers of fp32 grads
@@ -336,8 +336,8 @@ def test_scratch_bytes():
         est.estimate_stage(2, psi, 4, precision="fp32").scratch_bytes == s[2].scratch_bytes - grad
     )
     # the model-based estimate takes the largest param from the model's shapes
-    e = est.estimate(model="zero_kernels.models:gpt_small", world_size=2)
-    info = est.model_info("zero_kernels.models:gpt_small")
+    e = est.estimate(model="zero_kernels.tools.models:gpt_small", world_size=2)
+    info = est.model_info("zero_kernels.tools.models:gpt_small")
     largest = max(math.prod(x) for x in info.shapes)
     assert e.stages[0].scratch_bytes == largest * 2  # bf16 params: a bf16 gradient
     # the fit check counts it

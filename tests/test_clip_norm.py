@@ -1,5 +1,6 @@
 """Gradient norms accurate whatever a shard's length ([Note: accurate norms] in
-zero_kernels/syncfree.py): `pow_sum` against float64 on long heavy-tailed tensors (fp32, bf16,
+zero_kernels/partition/syncfree.py): `pow_sum` against float64 on long heavy-tailed tensors (fp32,
+bf16,
 fp64; p = 1, 2, 3; lengths around its row size), and ``ZeroOptimizer.clip_grad_norm_`` against the
 float64 norm of DDP's gradients at stages 1-3 (tests/clip_norm_checks.py). torch's own
 ``clip_grad_norm_`` over `ShardedGrad`s: one collective per call ([Note: one collective per clip]
@@ -17,8 +18,8 @@ import pytest
 import torch
 from dist_utils import SharedRun, run_workers
 
-from zero_kernels import syncfree
-from zero_kernels.syncfree import NORM_ROW, pow_sum
+from zero_kernels.partition import syncfree
+from zero_kernels.partition.syncfree import NORM_ROW, pow_sum
 
 
 def _heavy_tailed(n: int) -> torch.Tensor:

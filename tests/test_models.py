@@ -1,8 +1,9 @@
-"""The example GPT (zero_kernels.models): activation checkpointing changes memory, not results."""
+"""The example GPT (zero_kernels.tools.models): activation checkpointing changes memory, not
+results."""
 
 import torch
 
-from zero_kernels.models import GPT, GPTConfig
+from zero_kernels.tools.models import GPT, GPTConfig
 
 
 def test_activation_checkpointing_gives_the_same_loss_and_grads():

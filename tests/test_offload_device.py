@@ -1,5 +1,5 @@
 """The nvme tiers with params off the CPU are refused at construction, naming the option, the
-device and what to use instead (`zero_kernels.build.check_offload_device`): before,
+device and what to use instead (`zero_kernels.optimizer.build.check_offload_device`): before,
 ``offload_optimizer="nvme"`` with CUDA params failed at the first step (host moments handed
 to the CUDA kernel with device masters and gradients). The decision is a pure function of the
 options and the device, tested here for any device; the construction itself on CUDA runs where
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from zero_kernels import ZeroOptimizer
-from zero_kernels.build import check_offload_device
+from zero_kernels.optimizer.build import check_offload_device
 
 
 @pytest.mark.parametrize("device", ["cuda", "cuda:1", "xpu:0"])

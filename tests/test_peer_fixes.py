@@ -11,7 +11,7 @@ from dist_utils import run_workers
 from torch import nn
 
 from zero_kernels import ZeroOptimizer
-from zero_kernels.materialize import init_module_
+from zero_kernels.optimizer.materialize import init_module_
 
 
 @functools.cache

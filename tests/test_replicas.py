@@ -8,8 +8,8 @@ import replicas_checks
 import torch
 from dist_utils import SharedRun
 
+from zero_kernels.optimizer.replicas import digests
 from zero_kernels.policy import CommPolicy
-from zero_kernels.replicas import digests
 
 REPLICAS = SharedRun(replicas_checks.replicas_all, timeout=400)
 CHECKS = [

@@ -2,7 +2,8 @@
 
 - Loss scaling, nonfinite="skip"/"raise" and torch's GradScaler decide on the host whether to
   step: one host read per step, not one per shard or piece ([Note: no host sync] in
-  zero_kernels/syncfree.py), counted with the device-side forms switched on for CPU tensors at
+  zero_kernels/partition/syncfree.py), counted with the device-side forms switched on for CPU
+  tensors at
   world size 8 on torch's fake group (bench/gpu_check.sh runs clip + step under
   ``torch.cuda.set_sync_debug_mode`` with CUDA tensors).
 - The int8 state's block tables are made once, not rebuilt or re-checked every step.

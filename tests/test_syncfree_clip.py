@@ -1,5 +1,6 @@
 """``torch.nn.utils.clip_grad_norm_`` on `ShardedGrad`s without host reads (issue 21): with the
-sync-free mode ([Note: no host sync] in zero_kernels/syncfree.py) switched on for CPU tensors,
+sync-free mode ([Note: no host sync] in zero_kernels/partition/syncfree.py) switched on for CPU
+tensors,
 torch's clip (2-, inf- and 3-norm, foreach True/False/None) reads nothing back to the host and
 gives DDP + torch's clip, at stages 1-3."""
 

@@ -1,4 +1,4 @@
-"""The multi-node testbed (`zero_kernels.testbed`, `zero-kernels testbed`) and what it shows:
+"""The multi-node testbed (`zero_kernels.tools.testbed`, `zero-kernels testbed`) and what it shows:
 bytes over the link against the formula and time against the rate (an all-reduce on 3 nodes,
 through the hub), nodes that are apart, nothing left behind after a run, a failing script, a
 timeout, SIGTERM or SIGKILL (2 nodes), clear errors for bad arguments; stage 3 across two
@@ -22,8 +22,8 @@ import torch
 from dist_utils import run_workers
 from testbed_fixture import SCRIPTS, leftovers, script_path
 
-from zero_kernels import testbed as tb
 from zero_kernels.cli.main import main
+from zero_kernels.tools import testbed as tb
 
 pytestmark = pytest.mark.distributed
 

@@ -124,7 +124,7 @@ def test_stage3_meta_params_built_in_their_buckets(monkeypatch):
     whole copy of them allocated apart, which fragmented glibc's heap), and the fused Adam state
     is one tensor per buffer and name, each bucket's a view of it (per-bucket tensors, made at
     the first step among its transients, pinned holes in the heap)."""
-    import zero_kernels.build as pa
+    import zero_kernels.optimizer.build as pa
 
     seen = []  # per unit: (params given memory by `storage`, params of the unit allocated apart)
 
@@ -143,7 +143,7 @@ def test_stage3_meta_params_built_in_their_buckets(monkeypatch):
     zo = ZeroOptimizer(m, torch.optim.AdamW, stage=3, units=[nn.Linear], lr=0.1)
     assert [x for x in seen if x != (0, 0)] == [(2, 0)] * 3, seen  # the root has none
     ref = nn.Sequential(*(nn.Linear(16, 16) for _ in range(3)))
-    from zero_kernels.materialize import init_module_
+    from zero_kernels.optimizer.materialize import init_module_
 
     init_module_(ref, 0)
     with zo.gathered_params():

@@ -1,4 +1,4 @@
-"""The step without host reads ([Note: no host sync] in zero_kernels/syncfree.py): the
+"""The step without host reads ([Note: no host sync] in zero_kernels/partition/syncfree.py): the
 device-side forms switched on for CPU tensors give DDP's result at stages 1-3, clip_grad_norm_
 returns torch's norm as a tensor, and no tensor is read on the host inside clip + step."""
 

@@ -1,6 +1,6 @@
 """The `testbed` fixture: run a script on N namespace nodes x R ranks over a link of a given rate
 and get each node's exit code, log and bytes over the link from tc's counters
-(`zero_kernels.testbed`, [Note: the testbed]). Skips, with the exact reason, where no testbed
+(`zero_kernels.tools.testbed`, [Note: the testbed]). Skips, with the exact reason, where no testbed
 can be made (not root, no ip/tc/unshare, the kernel refusing).
 
     def test_x(testbed):
@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from zero_kernels import testbed as tb
+from zero_kernels.tools import testbed as tb
 
 SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "testbed_scripts")
 
@@ -46,7 +46,7 @@ def leftovers(run_id: str) -> dict:
 @pytest.fixture(scope="session")
 def testbed(tmp_path_factory):
     """A callable ``run(script, *args, nodes=2, ranks_per_node=1, rate="1gbit", timeout=120,
-    env=None, grace_s=5.0, module=False) -> zero_kernels.testbed.TestbedResult``."""
+    env=None, grace_s=5.0, module=False) -> zero_kernels.tools.testbed.TestbedResult``."""
     why = tb.unavailable()
     if why is not None:
         pytest.skip(f"no multi-node testbed on this machine: {why}")

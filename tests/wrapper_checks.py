@@ -1,5 +1,6 @@
 """A DistributedDataParallel over a ZeroOptimizer's params is an error on every rank, in every
-order, with both find_unused_parameters values ([Note: wrappers] in zero_kernels/wrappers.py);
+order, with both find_unused_parameters values ([Note: wrappers] in
+zero_kernels/optimizer/wrappers.py);
 run on spawned gloo ranks by tests/test_wrappers.py."""
 
 from __future__ import annotations

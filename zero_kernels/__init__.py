@@ -33,7 +33,7 @@ def __getattr__(name: str):
 
         return ZeroOptimizer
     if name == "init_module_":
-        from .materialize import init_module_
+        from .optimizer.materialize import init_module_
 
         return init_module_
     if name in _CHECKPOINT:

@@ -207,7 +207,7 @@ class CommPolicy:
     is quantized ([Note: error feedback] in `zero_kernels.comm.quant`); broadcast_buffers: rank
     0's buffers broadcast to every rank before a forward that follows a training forward (and
     before the first), as DDP's option of that name ([Note: replicated module state] in
-    `zero_kernels.replicas`)."""
+    `zero_kernels.optimizer.replicas`)."""
 
     bucket_size_mb: float = 25.0
     overlap_comm: bool = True

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from .wrappers import owner_of
+from .optimizer.wrappers import owner_of
 
 __all__ = [
     "safe_get_full_fp32_param",

@@ -10,7 +10,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from zero_kernels import testbed
+from zero_kernels.tools import testbed
 
 mb = float(sys.argv[1]) if len(sys.argv) > 1 else 10.0
 dist.init_process_group("gloo")

@@ -15,8 +15,9 @@ LINKS: dict = {}  # tag -> this rank's (inside, cross) bytes of steps 1.. by the
 def _train(rank: int, stage: int, shard_group) -> tuple[list, dict, int]:
     """Steps 1.. are between the testbed's marks "<tag> start" and "<tag> end" (step 0 probes
     the algorithms: left out), their bytes by link in `LINKS`."""
-    from zero_kernels import ZeroOptimizer, testbed
-    from zero_kernels.models import GPT, GPTConfig, get_batch, load_corpus
+    from zero_kernels import ZeroOptimizer
+    from zero_kernels.tools import testbed
+    from zero_kernels.tools.models import GPT, GPTConfig, get_batch, load_corpus
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32))
@@ -86,7 +87,7 @@ if __name__ == "__main__":
 
     import torch.distributed as dist
 
-    from zero_kernels import testbed
+    from zero_kernels.tools import testbed
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))

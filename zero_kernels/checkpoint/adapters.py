@@ -239,7 +239,7 @@ class Adapter:
 
 class ZeroAdapter(Adapter):
     """A `ZeroOptimizer`, through its public sharded-state interface (`opt.sharded_state`,
-    `zero_kernels.sharded_state.ShardedState`) only."""
+    `zero_kernels.optimizer.sharded_state.ShardedState`) only."""
 
     def __init__(self, model, optimizer):
         super().__init__(model, optimizer)

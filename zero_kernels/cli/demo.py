@@ -2,7 +2,7 @@
 
 Every rank trains the DDP baseline (stage 0) and then the asked-for stage on the same seed and the
 same batches, so the report can show the largest loss difference between the two, the bytes each
-rank held against the stage's formula (`zero_kernels.estimate`), the bytes reduce-scattered /
+rank held against the stage's formula (`zero_kernels.tools.estimate`), the bytes reduce-scattered /
 all-gathered / all-reduced per step, the exposed communication time and the step time.
 
 [Note: launching]
@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from ..models import MODEL_SIZES, build_gpt, get_batch, load_corpus
+from ..tools.models import MODEL_SIZES, build_gpt, get_batch, load_corpus
 from . import stop_processes
 from .launch import available_stages, free_port, under_torchrun
 from .optimizers import optimizer_spec

@@ -43,7 +43,7 @@ def _positive_float(name: str):
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    from ..models import MODEL_SIZES
+    from ..tools.models import MODEL_SIZES
     from . import checkpoint, testbed, tune
     from .optimizers import OPTIMIZER_CHOICES
 
@@ -286,8 +286,8 @@ def _ranks_option(name: str, value: str | None, args) -> int | None:
 
 
 def _cmd_estimate(args) -> int:
-    from .. import estimate as est
-    from ..estimate_links import cross_node
+    from ..tools import estimate as est
+    from ..tools.estimate_links import cross_node
 
     if args.world_size is None:  # no silent default: 1 rank would show no saving at all
         raise ValueError(

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from .. import estimate as est
-from ..models import build_gpt
+from ..tools import estimate as est
+from ..tools.models import build_gpt
 
 __all__ = ["build_report", "optimizer_state_total", "write_report"]
 

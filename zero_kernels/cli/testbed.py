@@ -1,6 +1,6 @@
 """`zero-kernels testbed`: run a script under torchrun on several namespace "nodes" of this machine
 joined by a rate-limited link, and report each node's bytes on the link (tc's counters), exit
-code and log ([Note: the testbed] in `zero_kernels/testbed.py`)."""
+code and log ([Note: the testbed] in `zero_kernels/tools/testbed.py`)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ examples:
 
 Each node is a network namespace with its own hostname (nodeK), /dev/shm, process tree and
 address 10.0.0.(K+1); one veth per node into a hub bridge, a tbf qdisc on each end at --rate.
-Inside the script: zero_kernels.testbed.out_dir() is a folder every node sees, and
-zero_kernels.testbed.mark(label), called on every rank, records the link counters there.
+Inside the script: zero_kernels.tools.testbed.out_dir() is a folder every node sees, and
+zero_kernels.tools.testbed.mark(label), called on every rank, records the link counters there.
 Needs root, iproute2 (ip, tc) and util-linux (unshare, mount).
 
 exit codes: 0 every node exited 0; 1 a node failed; 124 the timeout was reached;
@@ -70,7 +70,7 @@ def add_parser(sub, parser_class) -> None:
 
 
 def run(args) -> int:
-    from .. import testbed as tb
+    from ..tools import testbed as tb
 
     if args.cleanup:
         try:

@@ -43,7 +43,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from .. import estimate as est
+from ..tools import estimate as est
 from . import stop_processes
 from .launch import available_stages, cores, free_port, under_torchrun
 from .tune_job import JobFailed
@@ -100,7 +100,7 @@ class TuneConfig:
 
 
 def add_parser(sub, parser_class) -> None:
-    from ..models import MODEL_SIZES
+    from ..tools.models import MODEL_SIZES
 
     t = sub.add_parser(
         "tune",
@@ -222,7 +222,8 @@ def _positive_mb(x: str) -> float:
 
 
 def _parse_limit(text: str) -> int:
-    """`2GB`, `512MB`, `1.5GiB`, `123456B`, `80` (GB), as `zero_kernels.estimate.parse_bytes`."""
+    """`2GB`, `512MB`, `1.5GiB`, `123456B`, `80` (GB), as
+    `zero_kernels.tools.estimate.parse_bytes`."""
     return est.parse_bytes(text, name="--mem-limit")
 
 

@@ -2,7 +2,8 @@
 inputs, its loss, and the facts the predictions need (parameters, buckets, stage-3 units).
 
 [Note: inputs and loss]
-A demo GPT (``--model-size``, or a GPT-2 style ``config.json``, built as `zero_kernels.models.GPT`
+A demo GPT (``--model-size``, or a GPT-2 style ``config.json``, built as
+`zero_kernels.tools.models.GPT`
 with the config's sizes) trains on the shipped corpus, as `zero-kernels demo` does. A factory
 (``--model pkg.mod:factory``, called with no arguments) gets its batch from the model's own
 ``example_batch(batch_size)`` method when it has one (a tensor or a tuple of positional
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..models import MODEL_SIZES, GPTConfig, build_gpt, get_batch, load_corpus
+from ..tools.models import MODEL_SIZES, GPTConfig, build_gpt, get_batch, load_corpus
 
 __all__ = ["ModelFacts", "ModelSource", "build_model", "make_batches", "model_facts", "step_loss"]
 
@@ -57,7 +58,8 @@ def _gpt_config(path: str) -> GPTConfig:
     if not isinstance(cfg, dict) or not ("n_embd" in cfg or cfg.get("model_type") == "gpt2"):
         raise ValueError(
             f"--model {path!r}: tune trains GPT-2 style configs (n_embd, n_layer, n_head) as "
-            "zero_kernels.models.GPT; for another architecture pass --model pkg.module:factory "
+            "zero_kernels.tools.models.GPT; for another architecture pass --model "
+            "pkg.module:factory "
             "that builds it"
         )
     try:
@@ -87,8 +89,8 @@ def _factory(spec: str):
 
 def build_model(src: ModelSource, device: str | torch.device = "cpu") -> nn.Module:
     """The model on ``device`` ("meta": shapes only). Factories were validated by
-    `zero_kernels.estimate.model_info` before (which names the problem on one line)."""
-    from ..models import GPT
+    `zero_kernels.tools.estimate.model_info` before (which names the problem on one line)."""
+    from ..tools.models import GPT
 
     with torch.device(device):
         if src.kind == "size":
@@ -150,7 +152,7 @@ def make_batches(
     corpus: torch.Tensor | None = None,
 ) -> list[tuple]:
     """``steps`` batches (tuples of forward arguments), a pure function of (seed, step, rank);
-    a GPT's come from ``corpus`` (default: `zero_kernels.models.load_corpus()`)."""
+    a GPT's come from ``corpus`` (default: `zero_kernels.tools.models.load_corpus()`)."""
     out = []
     b = src.batch_size
     if is_gpt(model):

@@ -49,7 +49,7 @@ least promising ones.
   α = clamp((cores - N·threads) / N, 0, 1): the communication of gloo (and of comm's
   point-to-point algorithms) runs on CPU threads, so it hides behind compute only where a core
   is free for it; with every core computing (2 ranks on 2 cores) nothing is hidden.
-- memory per rank: `zero_kernels.estimate`'s model states; stage 2's comm buffers, its two
+- memory per rank: `zero_kernels.tools.estimate`'s model states; stage 2's comm buffers, its two
   largest buckets as laid out (a bucket holds at least a whole parameter, whatever
   ``bucket_size_mb``); stage 3's live window (the root unit, the running unit and ``prefetch``
   more, the largest ones: a model without repeated blocks is all root) and the gradients of its
@@ -58,7 +58,7 @@ least promising ones.
   configuration is never skipped that could have fit): the allocator's slack, gloo's buffers,
   the buffers of `zero_kernels.comm`'s algorithm probe (up to 32 MiB plus shards, in the first
   step), the point-to-point algorithms' receive buffers and the shared-memory slots (at most
-  2 x 4 MiB per process group, `zero_kernels.estimate.SHM_SLOT_BYTES`), autograd's whole
+  2 x 4 MiB per process group, `zero_kernels.tools.estimate.SHM_SLOT_BYTES`), autograd's whole
   gradient of a
   parameter before it is copied into its bucket, and stage 1/2's copy of the params into the
   flat buffer at construction.
@@ -72,7 +72,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import asdict, dataclass, replace
 
-from .. import estimate as est
+from ..tools import estimate as est
 from .tune_model import ModelFacts
 
 __all__ = [
@@ -480,6 +480,7 @@ def predict_memory(cfg: TrialConfig, facts: ModelFacts, m: Measured) -> dict:
         "live_bytes": live,
         "comm_buffer_bytes": buffers,
         "activation_bytes": m.activation_bytes,
-        "what": "prediction: zero_kernels.estimate's model states + buckets and units as laid "
+        "what": "prediction: zero_kernels.tools.estimate's model states + buckets and units as "
+        "laid "
         "out + measured activations",
     }

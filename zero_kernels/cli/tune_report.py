@@ -12,7 +12,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from .. import estimate as est
+from ..tools import estimate as est
 
 __all__ = ["finish"]
 
@@ -412,7 +412,7 @@ def finish(cfg, facts, measured, probe_json: dict, trials: list[dict], elapsed: 
         "prediction": {
             "overlap": measured.overlap,
             "what": "step = measured compute + measured optimizer step + exposed communication "
-            "from the measured bandwidth; memory = zero_kernels.estimate + measured "
+            "from the measured bandwidth; memory = zero_kernels.tools.estimate + measured "
             "activations ([Note: the prediction] in zero_kernels/cli/tune_plan.py)",
         },
         "trials": entries,

@@ -45,9 +45,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .. import comm
 from ..fused_adam import FusedAdamW
-from ..models import load_corpus
 from ..ops.quant import DEFAULT_BLOCK, dequantize_blockwise, quantize_blockwise
 from ..optimizer import ZeroOptimizer
+from ..tools.models import load_corpus
 from .tune_model import ModelSource, build_model, is_gpt, make_batches, step_loss
 
 __all__ = ["PeakRSS", "rank_main"]

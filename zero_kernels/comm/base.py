@@ -21,7 +21,8 @@ is waits ahead of the GPU. At most `TIMING_EVENTS_HELD` pairs are held: a wait t
 bound reached is not timed (its stream still waits) and counts in ``untimed_waits``, so
 ``exposed_comm_s`` is then a lower bound and says so. Synchronising on the oldest pair instead
 would keep the total exact but make the host wait for the GPU inside the step ([Note: no host
-sync] in zero_kernels/syncfree.py), precisely when the host runs far ahead, the case the bound
+sync] in zero_kernels/partition/syncfree.py), precisely when the host runs far ahead, the case the
+bound
 exists for. Before, every pair stayed until `as_dict` was read and the ledger held the pairs of
 its 1,000 steps: host memory grew for the whole run and a late read synchronised millions.
 """
@@ -85,7 +86,7 @@ class CommLog:
     secondary_all_gather_bytes: int = 0
     secondary_all_gather_calls: int = 0
     # the model's buffers broadcast before a forward, as DDP's broadcast_buffers ([Note:
-    # replicated module state] in zero_kernels.replicas)
+    # replicated module state] in zero_kernels.optimizer.replicas)
     broadcast_bytes: int = 0
     broadcast_calls: int = 0
     # what this rank sent, by link: to ranks of its own host and of others ([Note: bytes by

@@ -5,7 +5,7 @@ Ranks are on one host, for the shared-memory collectives ([Note: shared-memory c
 shm.py) and later for a node-local shard group, only when they *see the same files in /dev/shm*,
 and that is proven, not assumed: containers on one machine usually have a private /dev/shm each
 (Docker's default), and ranks of several machines (or network-namespace nodes with their own
-tmpfs, `zero_kernels.testbed`) may well have the same hostname, the same paths and the same
+tmpfs, `zero_kernels.tools.testbed`) may well have the same hostname, the same paths and the same
 LOCAL_WORLD_SIZE. Opening a file by name is no proof either: ``torch.from_file(..., shared=True)``
 creates an empty file where there is none, so a rank of another host "maps" a file of its own
 and then waits forever on words nobody else writes.

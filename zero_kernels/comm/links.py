@@ -27,7 +27,8 @@ i, full buffer of M bytes, chunk c = M/N; ranks numbered as the group numbers th
   rank.
 - ``shm``: N - 1 chunks, all inside the host (the algorithm runs only on ranks of one host).
 - ``broadcast`` (the model's buffers, [Note: replicated module state] in
-  `zero_kernels.replicas`): counted as the source sending the whole buffer to each other rank
+  `zero_kernels.optimizer.replicas`): counted as the source sending the whole buffer to each other
+  rank
   (a tree would spread the sending over the ranks; the total is the same).
 
 Counted at launch (a collective that later fails was counted). Payload only: a network adds

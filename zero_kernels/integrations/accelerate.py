@@ -13,7 +13,8 @@ A DDP script changes in two lines (the import and the ``prepare`` call)::
 [Note: accelerate without DDP]
 ``accelerator.prepare(model, ...)`` puts the model inside DDP: DDP would reduce the gradients a
 second time (a ZeroOptimizer reduces them itself, during backward), so it is refused
-(zero_kernels/wrappers.py). Its ``prepare_model`` also calls ``model.to(accelerator.device)``,
+(zero_kernels/optimizer/wrappers.py). Its ``prepare_model`` also calls
+``model.to(accelerator.device)``,
 which with ``cpu=True`` at several ranks is ``cpu:<rank>``, a different device from ``cpu`` for
 ``Tensor.to``: every param is copied and a ZeroOptimizer built before holds stale data. So
 `prepare` never hands the model to accelerate:

@@ -49,7 +49,8 @@ come after the unit's own, and a frozen param has no accumulation to wait for (f
 own backward, the read's gradient was NaN, or wrong where the storage was gathered again).
 
 Checkpoints: `save_checkpoint` and `load_checkpoint` gather every unit holding frozen params
-(`zero_kernels.sharded_state.ShardedState.frozen_whole`): rank 0 writes them whole into the
+(`zero_kernels.optimizer.sharded_state.ShardedState.frozen_whole`): rank 0 writes them whole into
+the
 model file as before, a load writes them on every rank and takes the shards back, so a
 checkpoint does not depend on ``shard_frozen``. Inside, every frozen param is whole on every
 rank (``model.state_dict()`` at stage 3 holds every param whole too). Not built:
@@ -57,7 +58,7 @@ rank (``model.state_dict()`` at stage 3 holds every param whole too). Not built:
 of frozen fp32 weights are recipes made again in the backward ([Note: frozen casts] in
 recast.py). Construction
 gives every rank rank 0's frozen values (the store's broadcast) without the warning that
-`zero_kernels.replicas.sync_at_start` gives for the frozen params kept whole.
+`zero_kernels.optimizer.replicas.sync_at_start` gives for the frozen params kept whole.
 Tested against DDP (tests/frozen_checks.py: plain, both checkpointings, a frozen unit called
 twice, prefetch 2, no resharding after forward, host-memory shards, int8 weights, hpZ at 4
 ranks, meta-device construction, two forwards before one backward, two backwards of one

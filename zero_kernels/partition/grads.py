@@ -29,10 +29,11 @@ and their ``_foreach`` forms), and GradScaler's ``_amp_foreach_non_finite_check_
 ``clip_grad_value_``, ``model.zero_grad()`` (either ``set_to_none``) and ``torch.amp.GradScaler``
 give DDP's result.
 Norms read nothing back to the host: each tensor's partial result is a float64 device tensor
-(`zero_kernels.syncfree.pow_sum`: no float64 copy of a piece, [Note: accurate norms]),
+(`zero_kernels.partition.syncfree.pow_sum`: no float64 copy of a piece, [Note: accurate norms]),
 all-reduced on the device, and the norms come back as device tensors (the cache of [Note: one
 collective per clip] is a device tensor too). Where the optimizer's
-step is sync-free (off the CPU: [Note: no host sync] in `zero_kernels.syncfree`), ``mul_``/
+step is sync-free (off the CPU: [Note: no host sync] in `zero_kernels.partition.syncfree`),
+``mul_``/
 ``div_`` by a one-element tensor multiply the pieces by that tensor. So torch's
 ``clip_grad_norm_`` (foreach or not) is as sync-free there as ``opt.clip_grad_norm_``.
 Any other operation raises `ShardedGradError`, naming ``opt.full_grad(p)`` (the whole gradient,
@@ -96,11 +97,12 @@ A stale norm would be a silent wrong result, so the cache is forgotten (`GradVie
 every event that can change a gradient's value or which params have one:
 - every ShardedGrad operation but the reads (norms, ``detach``, ``alias``): ``__torch_dispatch__``
   forgets before it runs one (an operation added later is covered by default);
-- in `zero_kernels.grad_access.GradContract`: the start of a backward (the store accumulates),
+- in `zero_kernels.optimizer.grad_access.GradContract`: the start of a backward (the store
+accumulates),
   the end of a reduction (``publish``: new values, a new set of params with a gradient), the
   user's assignments to ``.grad`` taken in (``sync_user_changes``), ``zero_grad`` (``reset``)
   and ``opt.clip_grad_norm_`` (its factor, or its in-place scaling in sync-free mode);
-- a step that stepped (`zero_kernels.stepper.Stepper`): torch's optimizers leave their
+- a step that stepped (`zero_kernels.optimizer.stepper.Stepper`): torch's optimizers leave their
   gradients alone, an inner optimizer of another kind may write them.
 A hit needs nothing more where the params asked have their views in place: no reduction is pending
 and the pending factor is applied (every event that leaves either forgot the norms); else, and on a
@@ -125,7 +127,7 @@ import weakref
 import torch
 
 from .. import comm
-from ..syncfree import any_nonfinite, pow_sum
+from .syncfree import any_nonfinite, pow_sum
 
 __all__ = ["GradViews", "ShardedGrad", "ShardedGradError"]
 
@@ -208,7 +210,8 @@ def _scalar(x) -> float:
 
 def _sync_free(t: ShardedGrad) -> bool:
     """Whether ``t``'s optimizer keeps its bookkeeping on the device ([Note: no host sync] in
-    `zero_kernels.syncfree`): norms stay device tensors, scaling by a tensor reads nothing."""
+    `zero_kernels.partition.syncfree`): norms stay device tensors, scaling by a tensor reads
+    nothing."""
     return bool(t._owner().owner().sync_free)
 
 
@@ -441,7 +444,7 @@ def _unscale(grads, found_inf, inv_scale):
     owner.normalize()
     if not isinstance(inv_scale, torch.Tensor) or inv_scale.numel() != 1:
         inv_scale = torch.tensor(_scalar(inv_scale))
-    # on the device, no host read ([Note: no host sync] in `zero_kernels.syncfree`): the
+    # on the device, no host read ([Note: no host sync] in `zero_kernels.partition.syncfree`): the
     # pieces' flags and found_inf combined, agreed by one all-reduce; GradScaler's step reads it
     inv = inv_scale.reshape(()).float()
     vs = [v for t in ts for v, _ in _pieces(t) if v.numel()]
@@ -510,7 +513,8 @@ class GradViews:
     """
 
     def __init__(self, owner, device, group, log):
-        # the optimizer's gradient part (`zero_kernels.grad_access.GradContract`): it applies
+        # the optimizer's gradient part (`zero_kernels.optimizer.grad_access.GradContract`): it
+        # applies
         # the pending factor, says whether host reads are avoided and whether a rank joined
         self._owner = weakref.ref(owner)
         self.device = device
@@ -539,7 +543,7 @@ class GradViews:
     def normalize(self, of: int | None = None) -> None:
         """Make the store hold true gradients (apply the pending factor). ``of``: for an
         operation on param ``of``'s gradient alone (the others' assignments to ``.grad`` may
-        wait: `zero_kernels.grad_access.GradContract.sync_user_changes`)."""
+        wait: `zero_kernels.optimizer.grad_access.GradContract.sync_user_changes`)."""
         self.owner().apply_factor(of)
 
     def in_place(self, index: int) -> bool:

@@ -242,7 +242,7 @@ class ShardRunner(Residency):
         all-gathers of the new params (stages 1/2). ``grad_scale`` multiplies the reduced
         gradients (1/loss scale, clipping) inside the fused kernel; it must be 1 unless
         `scales_in_kernel`. ``step_kwargs`` go to the inner optimizer's ``step`` (see
-        `zero_kernels.validate.check_step_kwargs`)."""
+        `zero_kernels.optimizer.validate.check_step_kwargs`)."""
         for i, _k, pc, p, g in self.all_pieces():
             p.grad = g if pc.index in active and not self.fused[i] else None
         if not all(self.fused):

@@ -337,7 +337,7 @@ class UnitScheduler:
         between backward and step, say), or by ``gathered_params()``. The first kind is
         freed: the next forward gathers the stepped values, as DDP's next forward reads them
         (a backward through that forward's graph raises torch's in-place error: the step bumps
-        the stepped params' versions, `zero_kernels.stepper.Stepper.step`). Inside
+        the stepped params' versions, `zero_kernels.optimizer.stepper.Stepper.step`). Inside
         ``gathered_params()`` the step raises: the block's params would keep the values from
         before it."""
         held = self._gathered_units()

@@ -206,7 +206,7 @@ def _why_not() -> str | None:
     return None
 
 
-# -- counters and results: zero_kernels/testbed_results.py
+# -- counters and results: zero_kernels/tools/testbed_results.py
 
 from .testbed_results import LinkBytes, NodeResult, TestbedResult  # noqa: E402
 
@@ -695,7 +695,7 @@ def mark(label: str, *, timeout_s: float = 60.0) -> None:
         return
     if not isinstance(label, str) or not label:
         raise ValueError(f"label must be a non-empty str; got {label!r}")
-    from . import comm
+    from .. import comm
 
     dist = comm.is_initialized()
     if dist:

@@ -1,7 +1,8 @@
 """A small GPT (pre-norm, tied embeddings) and the byte-level corpus the demo trains it on.
 
 The model is deliberately plain: it exists so `zero-kernels demo` has something real to shard, and
-so `zero-kernels estimate --model zero_kernels.models:gpt_small` can build it on the meta device.
+so `zero-kernels estimate --model zero_kernels.tools.models:gpt_small` can build it on the meta
+device.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ class GPT(nn.Module):
 
 
 def build_gpt(size: str = "tiny") -> GPT:
-    """A GPT of one of `MODEL_SIZES` (a factory usable as `zero_kernels.models:build_gpt`)."""
+    """A GPT of one of `MODEL_SIZES` (a factory usable as `zero_kernels.tools.models:build_gpt`)."""
     if size not in MODEL_SIZES:
         raise ValueError(f"size must be one of {sorted(MODEL_SIZES)}, got size={size!r}")
     return GPT(MODEL_SIZES[size])

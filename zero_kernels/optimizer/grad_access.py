@@ -11,15 +11,15 @@ import math
 
 import torch
 
-from .core import Core
-from .partition.grads import GradViews
-from .syncfree import (
+from ..partition.grads import GradViews
+from ..partition.syncfree import (
     Deferred,
     any_nonfinite,
     clip_coefficient,
     nonfinite_flag,
     norm_on_device,
 )
+from .core import Core
 
 __all__ = ["GradContract"]
 
@@ -33,7 +33,7 @@ class GradContract:
     ``factor`` (the store times it is the true gradient), ``overflow`` (this step's verdict on
     non-finite gradients: None until checked), ``local_nonfinite`` (this rank saw inf/NaN,
     nonfinite="step") and the non-finite counters. Reads the loss ``scaler`` and asks ``join``
-    (`zero_kernels.join.JoinState`) whether a rank has run out of inputs."""
+    (`zero_kernels.optimizer.join.JoinState`) whether a rank has run out of inputs."""
 
     def __init__(self, core: Core, scaler, join, nonfinite: str):
         self.core, self.scaler, self.join, self.nonfinite = core, scaler, join, nonfinite

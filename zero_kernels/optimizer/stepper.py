@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import logging
 
+from ..ops.library import _bump
 from .core import Core
-from .ops.library import _bump
 
 __all__ = ["Stepper"]
 

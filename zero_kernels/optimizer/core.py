@@ -2,24 +2,25 @@
 
 [Note: parts]
 `ZeroOptimizer` is a facade. Its constructor resolves the options into a policy and runs the
-named steps of `zero_kernels.build` (check, lay out, store, communication, runner, units); what
-they build is one `Core`: the references every part reads (layout, param store, gradient
-store, reducer, runner, stage 3's units, groups, timeouts, the comm log) and nothing that
-changes during training except the step counter (`StepCounter`, advanced by the step alone).
-Over the core sit parts that each own their state and are called by the facade:
+named steps of `zero_kernels.optimizer.build` (check, lay out, store, communication, runner,
+units); what they build is one `Core`: the references every part reads (layout, param store,
+gradient store, reducer, runner, stage 3's units, groups, timeouts, the comm log) and nothing
+that changes during training except the step counter (`StepCounter`, advanced by the step
+alone). Over the core sit parts that each own their state and are called by the facade (modules
+of `zero_kernels.optimizer`):
 
-    ZeroOptimizer (facade: torch.optim.Optimizer + Joinable, lifecycle, telemetry)
-      |-- Stepper        zero_kernels.stepper      step(): checks, inner step, all-gathers
-      |-- GradContract   zero_kernels.grad_access  p.grad as ShardedGrad, scaling factor,
-      |                                            non-finite checks, clip_grad_norm_
-      |-- ParamAccess    zero_kernels.param_access whole params: gathered_params, stage 3's
-      |                                            model.state_dict(), overlapped all-gathers
-      |-- FullState      zero_kernels.state_access full_param/grad/state and their setters,
-      |                                            consolidated_state_dict
-      |-- JoinState      zero_kernels.join         uneven inputs (torch's Join)
-      |-- LossScaler     zero_kernels.loss_scale
-      `-- ShardedState   zero_kernels.sharded_state  (made on request) state_dict(),
-                                                   load_state_dict(), checkpoints
+    ZeroOptimizer (zero_optimizer: torch.optim.Optimizer + Joinable, lifecycle, telemetry)
+      |-- Stepper        stepper        step(): checks, inner step, all-gathers
+      |-- GradContract   grad_access    p.grad as ShardedGrad, scaling factor, non-finite
+      |                                 checks, clip_grad_norm_
+      |-- ParamAccess    param_access   whole params: gathered_params, stage 3's
+      |                                 model.state_dict(), overlapped all-gathers
+      |-- FullState      state_access   full_param/grad/state and their setters,
+      |                                 consolidated_state_dict
+      |-- JoinState      join           uneven inputs (torch's Join)
+      |-- LossScaler     loss_scale
+      `-- ShardedState   sharded_state  (made on request) state_dict(), load_state_dict(),
+                                        checkpoints
     each reads the Core:  layout, store, grads, reducer, runner, units, kept, comm_log, groups
 
 A part calls another only through the methods it was handed at construction; hooks registered on
@@ -36,21 +37,21 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from . import comm
-from .partition.phase import PhaseTracker
+from .. import comm
+from ..partition.phase import PhaseTracker
 
 if TYPE_CHECKING:  # the types of the fields; the modules import at run time where they are built
     from torch.distributed import ProcessGroup
 
-    from .buffers import GradStore, ParamStore
-    from .comm.base import CommLog
-    from .comm.hier import Mesh
-    from .layout import Layout
-    from .partition.kept import KeptWhole
-    from .partition.reducer import Reducer
-    from .partition.runner import ShardRunner
-    from .partition.units import UnitScheduler
-    from .policy import ZeroPolicy
+    from ..buffers import GradStore, ParamStore
+    from ..comm.base import CommLog
+    from ..comm.hier import Mesh
+    from ..layout import Layout
+    from ..partition.kept import KeptWhole
+    from ..partition.reducer import Reducer
+    from ..partition.runner import ShardRunner
+    from ..partition.units import UnitScheduler
+    from ..policy import ZeroPolicy
 
 __all__ = ["Core", "StepCounter"]
 

@@ -1,6 +1,7 @@
-"""What a run of the two-node testbed (`zero_kernels.testbed`) returns: each node's bytes over its
+"""What a run of the two-node testbed (`zero_kernels.tools.testbed`) returns: each node's bytes
+over its
 link from tc's counters (`LinkBytes`), its exit and log (`NodeResult`), and the run's marks and
-totals (`TestbedResult`). Plain data, re-exported by `zero_kernels.testbed`."""
+totals (`TestbedResult`). Plain data, re-exported by `zero_kernels.tools.testbed`."""
 
 from __future__ import annotations
 

@@ -34,18 +34,19 @@ import torch
 from torch import nn
 from torch.distributed.algorithms.join import Joinable, JoinHook
 
-from . import build, comm, hostmem, regroup, replicas, validate, wrappers
-from .buffers import release_free_heap, storage_id
+from .. import comm, hostmem
+from ..buffers import release_free_heap, storage_id
+from ..partition.grads import ShardedGrad
+from ..partition.phase import backward_marker
+from ..partition.unit_view import UnitInfo, unit_infos
+from ..policy import ZeroPolicy, resolve_given
+from . import build, regroup, replicas, validate, wrappers
 from .core import Core
 from .grad_access import GradContract
 from .join import JoinState
 from .loss_scale import LossScaler
 from .memory import memory_report
 from .param_access import ParamAccess, _call, _call_args
-from .partition.grads import ShardedGrad
-from .partition.phase import backward_marker
-from .partition.unit_view import UnitInfo, unit_infos
-from .policy import ZeroPolicy, resolve_given
 from .sharded_state import ShardedState
 from .state_access import FullState
 from .stepper import Stepper
@@ -343,7 +344,7 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
             raise
 
     def _build(self, core, user_groups, meta, defaults, fused_adam, kernel_backend, init_fn, seed):
-        """The named steps of `zero_kernels.build`, then the parts over the core."""
+        """The named steps of `zero_kernels.optimizer.build`, then the parts over the core."""
         core.store = build.store(core, meta=meta, init_fn=init_fn, seed=seed)
         # each trainable param's data must keep its storage and dtype (`validate.check_intact`)
         self._expected = {i: (storage_id(p), p.dtype) for i, p in core.trainable.items()}
@@ -720,7 +721,7 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
     def memory_report(self) -> dict:
         """This rank's bytes of params, grads, master, optimizer state and comm buffers; with
         offload, the staging buffers (RAM) and the offload file (disk)
-        (`zero_kernels.memory.memory_report`)."""
+        (`zero_kernels.optimizer.memory.memory_report`)."""
         return memory_report(self._core)
 
     @property
@@ -747,7 +748,7 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
     @property
     def sharded_state(self):
         """The public interface to this rank's sharded state that checkpoints read and write
-        (`zero_kernels.sharded_state.ShardedState`)."""
+        (`zero_kernels.optimizer.sharded_state.ShardedState`)."""
         self._check_open("sharded_state")
         return ShardedState(self)
 
@@ -770,7 +771,8 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
 
 @dataclasses.dataclass(eq=False)
 class Parts:
-    """The parts of one `ZeroOptimizer` ([Note: parts] in `zero_kernels.core`), for the layers
+    """The parts of one `ZeroOptimizer` ([Note: parts] in `zero_kernels.optimizer.core`), for the
+    layers
     above it (checkpoints, the command, tests); a user needs only the optimizer's methods."""
 
     core: Core

@@ -15,7 +15,7 @@ import torch
 from torch.distributed.algorithms.join import JoinHook
 from torch.utils._pytree import tree_flatten
 
-from . import comm
+from .. import comm
 from .core import Core
 
 __all__ = ["JoinState"]
@@ -52,7 +52,7 @@ class JoinState:
         self.input = None
         self.shadowing = False
         # stages 1/2 with the buffers' broadcast: Join was told in the forward, not again in
-        # the backward ([Note: replicated module state] in zero_kernels.replicas)
+        # the backward ([Note: replicated module state] in zero_kernels.optimizer.replicas)
         self.told = False
         self.shadow_forward = (
             None  # that broadcast's part on a joined rank (Replicas.before_forward)

@@ -14,8 +14,8 @@ import os
 import torch
 from torch import nn
 
-from . import comm
-from .buffers import storage_id
+from .. import comm
+from ..buffers import storage_id
 
 __all__ = [
     "check_args",
@@ -41,7 +41,7 @@ NONFINITE = ("step", "skip", "raise")
 def check_args(kernel_backend, nonfinite) -> None:
     """What no policy holds (the kernel backend, the non-finite rule); the policies check their
     own fields (`zero_kernels.policy`)."""
-    from .ops import BACKENDS
+    from ..ops import BACKENDS
 
     if kernel_backend not in BACKENDS:
         raise ValueError(

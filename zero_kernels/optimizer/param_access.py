@@ -46,7 +46,7 @@ import sys
 import torch
 from torch import nn
 
-from . import comm
+from .. import comm
 from .core import Core
 
 __all__ = ["ParamAccess"]

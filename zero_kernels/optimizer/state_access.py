@@ -8,17 +8,18 @@ from __future__ import annotations
 
 import torch
 
-from . import comm
+from .. import comm
+from ..partition import consolidate, local_payload
 from .core import Core
-from .partition import consolidate, local_payload
 
 __all__ = ["FullState"]
 
 
 class FullState:
     """Whole-tensor access over the `Core`, the gradient part ``grads``
-    (`zero_kernels.grad_access.GradContract`) and the param part ``params``
-    (`zero_kernels.param_access.ParamAccess`); ``param_groups`` returns the optimizer's."""
+    (`zero_kernels.optimizer.grad_access.GradContract`) and the param part ``params``
+    (`zero_kernels.optimizer.param_access.ParamAccess`); ``param_groups`` returns the
+    optimizer's."""
 
     def __init__(self, core: Core, grads, params, param_groups):
         self.core, self.grads, self.params, self.param_groups = core, grads, params, param_groups

@@ -1,7 +1,7 @@
 """The bytes per node per step that cross the nodes' links, for each of a set of configurations
 (hierarchical sharding, quantized weights and gradients, the secondary shard): the
 `zero-kernels estimate --nodes` table. The per-rank memory and communication of one stage are
-`zero_kernels.estimate`'s."""
+`zero_kernels.tools.estimate`'s."""
 
 from __future__ import annotations
 

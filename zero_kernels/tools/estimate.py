@@ -380,7 +380,7 @@ def optimizer_state_bytes(
     (2 + 8 / ``state_block``: codes and one fp32 scale per block for each moment), masters as
     they are ([Note: low-bit state] in `zero_kernels.ops.lowbit`).
     """
-    from .ops.lowbit import check_state_dtype, state_bytes_per_param
+    from ..ops.lowbit import check_state_dtype, state_bytes_per_param
 
     prec = precision if isinstance(precision, Precision) else PRECISIONS[precision]
     opt = _choice("--optimizer", optimizer, OPTIMIZERS, {"sgd_momentum": "sgd-momentum"})
@@ -762,4 +762,3 @@ def estimate(
         for s in stages
     ]
     return Estimate(n_params, world_size, prec, opt, model, largest, rows, bucket_mb, frozen)
-

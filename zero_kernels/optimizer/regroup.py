@@ -15,8 +15,8 @@ import dataclasses
 
 import torch
 
-from . import comm
-from .partition.state import consolidate, local_payload
+from .. import comm
+from ..partition.state import consolidate, local_payload
 
 __all__ = ["Kept", "put_back", "take"]
 

@@ -52,7 +52,7 @@ import warnings
 import torch
 from torch import nn
 
-from . import comm
+from .. import comm
 from .core import Core
 
 __all__ = ["Replicas", "digests", "sync_at_start"]

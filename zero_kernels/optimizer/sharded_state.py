@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .layout import Layout
-from .partition import MASTER_KEY, shard_state
-from .partition.lowbit_state import INT8_KEYS
+from ..layout import Layout
+from ..partition import MASTER_KEY, shard_state
+from ..partition.lowbit_state import INT8_KEYS
 from .validate import agree_or_raise
 
 __all__ = ["Piece", "ShardedState"]

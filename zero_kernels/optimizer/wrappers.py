@@ -23,9 +23,11 @@ error on every rank, found three ways:
 
 FSDP (``fully_shard``, ``FullyShardedDataParallel``) applied after the optimizer replaces the
 params or their data, which the optimizer refuses at the next step
-(`zero_kernels.validate.check_intact`, whose message names FSDP when the new params are DTensors
+(`zero_kernels.optimizer.validate.check_intact`, whose message names FSDP when the new params are
+DTensors
 or flat parameters); applied before, its flat parameters, its wrapper module or its DTensor
-params are refused by the constructor (`zero_kernels.validate.check_params`), as are tensor
+params are refused by the constructor (`zero_kernels.optimizer.validate.check_params`), as are
+tensor
 parallelism's DTensor params and buffers.
 """
 
@@ -48,7 +50,7 @@ def wrapped_message(name: str, where: str) -> str:
         "find_unused_parameters=False the ZeroOptimizer steps on zero gradients. Do not wrap "
         "the model in DDP (or FSDP): train the model itself, ZeroOptimizer(model, ...) replaces "
         "the DDP wrapper and the optimizer. With HF Trainer, Accelerate or Lightning, keep the "
-        "model out of their DDP (see [Note: wrappers] in zero_kernels/wrappers.py)"
+        "model out of their DDP (see [Note: wrappers] in zero_kernels/optimizer/wrappers.py)"
     )
 
 

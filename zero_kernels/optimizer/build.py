@@ -22,18 +22,15 @@ import zlib
 
 import torch
 
-from . import comm, validate, wrappers
-from .buffers import GradStore, ParamStore, dtype_of, grad_dtypes
-from .core import Core
-from .groups import param_groups
-from .layout import ParamSpec, build_layout, is_vector
-from .materialize import materialize_modules_
-from .ops.backends import resolve_backend
-from .partition import FUSED_ADAM_CLASSES, Reducer, ShardRunner, choose_mode
-from .partition.kept import KeptWhole
-from .partition.order import SequenceCheck
-from .partition.secondary import SecondaryShard
-from .partition.units import (
+from .. import comm
+from ..buffers import GradStore, ParamStore, dtype_of, grad_dtypes
+from ..layout import ParamSpec, build_layout, is_vector
+from ..ops.backends import resolve_backend
+from ..partition import FUSED_ADAM_CLASSES, Reducer, ShardRunner, choose_mode
+from ..partition.kept import KeptWhole
+from ..partition.order import SequenceCheck
+from ..partition.secondary import SecondaryShard
+from ..partition.units import (
     Unit,
     UnitScheduler,
     UnitState,
@@ -41,6 +38,10 @@ from .partition.units import (
     unit_assignment,
     unit_members,
 )
+from . import validate, wrappers
+from .core import Core
+from .groups import param_groups
+from .materialize import materialize_modules_
 
 __all__ = ["communication", "lay_out", "runner", "store", "units"]
 
@@ -219,7 +220,8 @@ def lay_out(
         module=module,
         unit_of=unit_of,
         unit_modules=unit_modules,
-        # [Note: no host sync] in zero_kernels/syncfree.py: off the CPU, step() reads nothing
+        # [Note: no host sync] in zero_kernels/partition/syncfree.py: off the CPU, step() reads
+        # nothing
         sync_free=device.type != "cpu",
     )
     return core, user_groups, meta
@@ -381,7 +383,7 @@ def _param_swapper(core: Core, by_unit: dict, persistent: int):
     off = core.policy.offload
     if off.offload_params != "nvme":
         return None
-    from .offload.params import ParamSwapper
+    from ..offload.params import ParamSwapper
 
     pinned = set(by_unit.get(persistent, []))
     units = [ks for u, ks in sorted(by_unit.items()) if u != persistent]
@@ -466,7 +468,7 @@ def runner(core: Core, optimizer_class, user_groups, defaults, fused_adam, kerne
 def _host_tier(core: Core, r, optimizer_class):
     """offload_optimizer="cpu": masters and moments in host memory, the step on the CPU
     ([Note: host tier])."""
-    from .offload.host import HostTier
+    from ..offload.host import HostTier
 
     if not all(r.fused):
         raise NotImplementedError(
@@ -551,8 +553,8 @@ def _check_state_dtype(
 
 def _swapper(core: Core, r, optimizer_class, group_opts, defaults, off):
     """offload_optimizer="nvme": the fused step's moments in a file ([Note: offload])."""
-    from .offload.swap import StateSwapper
-    from .partition.lowbit_state import INT8_KEYS
+    from ..offload.swap import StateSwapper
+    from ..partition.lowbit_state import INT8_KEYS
 
     if not any(r.fused):
         raise NotImplementedError(
@@ -587,7 +589,7 @@ def quantization(core: Core) -> None:
     """quantize_weights: stage 3's per-use all-gathers send quantized chunks
     ([Note: quantized all-gather]); the gathers that hand params out stay exact.
     quantize_grads: every bucket's reduce-scatter ([Note: quantized reduce-scatter])."""
-    from .ops.quant import DEFAULT_BLOCK
+    from ..ops.quant import DEFAULT_BLOCK
 
     cp = core.policy.comm
     if cp.quantize_weights is not None:
