@@ -200,9 +200,7 @@ class GradContract:
         shards = self.core.grads.shard_tensors()
         if self.core.sync_free:
             return self._clip_on_device(shards, float(max_norm), norm_type, error_if_nonfinite)
-        t = norm_on_device(shards, norm_type, self.core.device)  # the same sums, read below
-        op = "max" if math.isinf(norm_type) else "sum"
-        self.core.all_reduce(t, op, "clip_grad_norm_", group=self.core.shard_group)
+        t = self._reduce_norm(norm_on_device(shards, norm_type, self.core.device), norm_type)
         total = float(t.item())
         if norm_type != 0 and not math.isinf(norm_type):
             total **= 1.0 / norm_type
@@ -217,12 +215,22 @@ class GradContract:
         self.factor *= min(coef, 1.0) if math.isfinite(coef) else coef
         return out
 
+    def _reduce_norm(self, t: torch.Tensor, norm_type: float) -> torch.Tensor:
+        """This rank's part ``t`` of the global norm (`norm_on_device`) combined over the shard
+        group by one all-reduce, on the device. The inf-norm's max all-reduce can drop a NaN
+        (gloo's max keeps a finite value met first), so NaNs travel as a flag beside the max and
+        come back as NaN on every rank, as DDP's norm of those gradients is."""
+        if not math.isinf(norm_type):
+            self.core.all_reduce(t, "sum", "clip_grad_norm_", group=self.core.shard_group)
+            return t
+        nan = t.isnan()
+        both = torch.cat([t.masked_fill(nan, -math.inf), nan.to(t.dtype)])
+        self.core.all_reduce(both, "max", "clip_grad_norm_", group=self.core.shard_group)
+        return both[:1].masked_fill(both[1:] > 0, math.nan)
+
     def _clip_on_device(self, shards, max_norm: float, norm_type: float, error_if_nonfinite):
         """`clip_grad_norm_` without a host read ([Note: no host sync])."""
-        t = norm_on_device(shards, norm_type, self.core.device)
-        self.core.all_reduce(
-            t, "max" if math.isinf(norm_type) else "sum", "clip_grad_norm_", self.core.shard_group
-        )
+        t = self._reduce_norm(norm_on_device(shards, norm_type, self.core.device), norm_type)
         if norm_type not in (0.0, 1.0) and not math.isinf(norm_type):
             t = t ** (1.0 / norm_type)
         total = (t * abs(self.factor)).reshape(())
