@@ -46,9 +46,9 @@ tail -n 30 "$out/gpu_build.txt"
 
 if want tests; then
 echo "== CUDA and Triton tests"
-TRITON_INTERPRET=0 "$py" -m pytest -q -p no:cacheprovider tests/test_kernels_cuda.py tests/test_quant_cuda.py \
-  tests/test_lowbit_cuda.py tests/test_lowbit_triton.py tests/test_stochastic_round.py \
-  tests/test_offload_device.py tests/test_cuda_images.py 2>&1 | tee "$out/gpu_tests.txt" | tail -40
+TRITON_INTERPRET=0 "$py" -m pytest -q -p no:cacheprovider tests/kernels/test_kernels_cuda.py tests/kernels/test_quant_cuda.py \
+  tests/kernels/test_lowbit_cuda.py tests/kernels/test_lowbit_triton.py tests/precision/test_stochastic_round.py \
+  tests/offload/test_offload_device.py tests/kernels/test_cuda_images.py 2>&1 | tee "$out/gpu_tests.txt" | tail -40
 section "CUDA and Triton tests"
 fi
 
@@ -121,7 +121,7 @@ if want clip; then
 echo "== torch's clip_grad_norm_ over ShardedGrads: one collective per call, world size 8 on the fake group, CUDA tensors, no host sync"
 "$py" - cuda <<'EOF' 2>&1 | tee "$out/gpu_clip_collectives.txt"
 # [Note: one collective per clip] in zero_kernels/partition/grads.py; the same check on the CPU:
-# tests/test_clip_norm.py::test_torch_clip_one_collective_at_world_8
+# tests/stages/test_clip_norm.py::test_torch_clip_one_collective_at_world_8
 import json
 import sys
 
@@ -184,7 +184,7 @@ fi
 
 if want device; then
 echo "== the collectives' device and the held timing events (issue 51): a meta-built stage-3 model under init_process_group() without a backend; 100 steps at world size 8 on the fake group, CUDA tensors; python/train_example.py on the GPU"
-# [Note: the collectives' device] in zero_kernels/comm/base.py (CPU: tests/test_comm_device.py):
+# [Note: the collectives' device] in zero_kernels/comm/base.py (CPU: tests/comm/test_comm_device.py):
 # a real group at world size 1 without a backend is torch's "cpu:gloo,cuda:nccl"
 "$py" - <<'EOF' 2>&1 | tee "$out/gpu_device_choice.txt"
 import json
@@ -217,7 +217,7 @@ print(json.dumps(out, indent=1))
 assert out["optimizer device"] == "cuda:0" and out["param device"] == "cuda:0", out
 EOF
 section "meta-built stage 3 without a backend"
-# [Note: held timing events] in zero_kernels/comm/base.py (CPU: tests/test_comm_timing.py)
+# [Note: held timing events] in zero_kernels/comm/base.py (CPU: tests/comm/test_comm_timing.py)
 "$py" - <<'EOF' 2>&1 | tee "$out/gpu_held_events.txt"
 import json
 

@@ -166,7 +166,7 @@ def test_fit_with_only_pytorch_lightning(tmp_path):
 
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, _without(["lightning"], tmp_path)])}
-    script = os.path.join(repo, "tests", "pl_only_fit.py")
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pl_only_fit.py")
     out = subprocess.run(
         [sys.executable, "-S", script, str(free_port())],
         capture_output=True,

@@ -19,11 +19,11 @@ the same DIR, resumes from the latest complete checkpoint at whatever world size
 checkpoint loads at any world size and stage). Batches are a pure function of (seed, step, rank),
 so a resumed run at the same world size continues the uninterrupted one exactly; at another
 world size the global batch changes with it. Rank 0 prints ``zero-kernels demo: resumed
-DIR/stage<s> at step S (world size W)``; tests/test_elastic.py runs this under torchrun's elastic
-restart. Each run's checkpoints are a checkpoint root of their own (DIR/stage0, DIR/stage2),
-so at the end rank 0 prints the command that inspects each one it wrote (``zero-kernels
-checkpoint inspect DIR/stage<s>``); ``zero-kernels checkpoint inspect DIR`` names and shows them
-all (see `zero_kernels.cli.checkpoint`).
+DIR/stage<s> at step S (world size W)``; tests/checkpoints/test_elastic.py runs this under
+torchrun's elastic restart. Each run's checkpoints are a checkpoint root of their own (DIR/stage0,
+DIR/stage2), so at the end rank 0 prints the command that inspects each one it wrote (``zero-kernels
+checkpoint inspect DIR/stage<s>``); ``zero-kernels checkpoint inspect DIR`` names and shows them all
+(see `zero_kernels.cli.checkpoint`).
 
 [Note: exposed communication of DDP]
 DDP's buckets are all-reduced through a comm hook that counts their bytes and the time the last

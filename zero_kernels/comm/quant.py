@@ -202,7 +202,8 @@ def feedback_buffer(errors: dict | None, key: str, numel: int, device) -> torch.
     in the two-hop form, for another replica group) adds the error buffer to what it quantizes
     and leaves there what the bytes miss of the sum (`quantize_blockwise`'s ``error``). What
     one step drops is sent the next, so the quantization error of the sum of the gradients over
-    steps stays that of one step instead of growing with their number (tests/test_quant_comm.py).
+    steps stays that of one step instead of growing with their number
+    (tests/topology/test_quant_comm.py).
     The buffers are fp32, one per bucket and hop, of the size of what that hop quantizes (the
     whole bucket for the one-hop reduce-scatter: as much memory as the bucket's gradient; the
     padded shard and its chunk in the two-hop form), made at the bucket's first reduction and

@@ -61,8 +61,8 @@ Lightning's loop stays as it is; the strategy swaps the parts DDP would play:
   (and scales the loss where it keeps a loss scale), ``self.clip_gradients`` clips through
   ``opt.clip_grad_norm_`` as above, ``opt.step()``/``opt.zero_grad()`` and the schedulers are
   the user's, and gradients accumulate across backwards until ``zero_grad`` (DDP's values,
-  stages 1-3, tests/lightning_checks.py). At stage 3 the training step runs inside the root's
-  forward (see the model above) and ``opt.step()`` reshards the root unit: a call of a module
+  stages 1-3, tests/integrations/lightning_checks.py). At stage 3 the training step runs inside the
+  root's forward (see the model above) and ``opt.step()`` reshards the root unit: a call of a module
   whose params are in the root unit after the step, inside the same training step, raises
   (units are gathered again by their own forward, with the stepped values).
 

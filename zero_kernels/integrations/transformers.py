@@ -53,7 +53,7 @@ Private Trainer methods are overridden (``_move_model_to_device``, ``_save``,
   runs quietly;
 - any other release that passes the check runs with one warning per process saying so
   (``ZERO_KERNELS_UNTESTED_TRANSFORMERS=1`` silences it): a new minor release works on the day
-  it comes out, and tests/test_integration_transformers.py says whether it really does.
+  it comes out, and tests/integrations/test_integration_transformers.py says whether it really does.
 """
 
 from __future__ import annotations
@@ -124,8 +124,9 @@ def _check_version(trainer_cls: type | None = None, version: str | None = None) 
     warnings.warn(
         f"ZeroTrainer was tested with transformers {', '.join(t + '.x' for t in TESTED)}; this "
         f"is {version}. The Trainer methods it overrides are there with the expected "
-        "parameters, so it runs; tests/test_integration_transformers.py says whether it gives "
-        "DDP's results. ZERO_KERNELS_UNTESTED_TRANSFORMERS=1 silences this warning",
+        "parameters, so it runs; tests/integrations/test_integration_transformers.py says "
+        "whether it gives DDP's results. ZERO_KERNELS_UNTESTED_TRANSFORMERS=1 silences this "
+        "warning",
         UserWarning,
         stacklevel=3,
     )

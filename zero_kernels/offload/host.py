@@ -26,7 +26,8 @@ device's values are the ones stepped, whatever edited them between steps).
   after it) reads the new values, while the CPU steps the next bucket: the step is pipelined
   bucket by bucket, the device's copies overlapping the host's arithmetic both ways;
 - on CPU params (no device: the copies are plain host copies, no stream, no event) the same code
-  runs, and the results are bitwise those of the run without the tier (tests/test_offload_host.py,
+  runs, and the results are bitwise those of the run without the tier
+  (tests/offload/test_offload_host.py,
   on every CI run); on a GPU they are those of the CPU kernel, which computes the same formulas
   as the CUDA kernel ([Note: fused step]) but may round a last bit differently where the
   compilers contract differently (bench/gpu_offload_check.py measures the difference);

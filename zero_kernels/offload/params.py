@@ -68,7 +68,7 @@ steps and is cast into it), and when whole-state readers look at it (state dicts
 
 Results are bitwise those of the run without offload: the same values go through the same
 all-gathers and the same kernel; only where the shard's bytes wait between uses changes
-(tests/test_offload_params.py). Left to do: GPU params (a pinned host staging pool) raise
+(tests/offload/test_offload_params.py). Left to do: GPU params (a pinned host staging pool) raise
 NotImplementedError.
 """
 

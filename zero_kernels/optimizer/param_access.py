@@ -34,7 +34,8 @@ is on the stack (a call that raised midway leaves an owner behind, which the nex
 replaces: taken for nested, it read NaN and lost its load). ``keep_vars=True`` gives the
 Parameters at stages 1/2, as torch does, and copies at stage 3 (its Parameters read NaN between
 steps); ``load_state_dict(assign=True)`` is refused (it would replace the Parameters the
-optimizer holds). Tested at stages 1-3, fp32 and bf16, frozen shards (tests/module_sd_checks.py:
+optimizer holds). Tested at stages 1-3, fp32 and bf16, frozen shards
+(tests/stage3/module_sd_checks.py:
 a block, a layer inside a unit, several units, the head; after a call that raised).
 """
 

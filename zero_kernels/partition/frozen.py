@@ -59,12 +59,12 @@ of frozen fp32 weights are recipes made again in the backward ([Note: frozen cas
 recast.py). Construction
 gives every rank rank 0's frozen values (the store's broadcast) without the warning that
 `zero_kernels.optimizer.replicas.sync_at_start` gives for the frozen params kept whole.
-Tested against DDP (tests/frozen_checks.py: plain, both checkpointings, a frozen unit called
+Tested against DDP (tests/stage3/frozen_checks.py: plain, both checkpointings, a frozen unit called
 twice, prefetch 2, no resharding after forward, host-memory shards, int8 weights, hpZ at 4
 ranks, meta-device construction, two forwards before one backward, two backwards of one
 forward, frozen params read outside their unit; memory held and freed; state dicts; a
 checkpoint resumed into another base; ``close``; PEFT's LoRA over a Llama with and without
-gradient checkpointing; ZeroTrainer in tests/transformers_checks.py).
+gradient checkpointing; ZeroTrainer in tests/integrations/transformers_checks.py).
 
 `InputWatch` keeps the input hooks' counts; `UnitScheduler` (`zero_kernels.partition.units`) arms
 them in a unit's forward pre-hook and asks `holds` before freeing a unit in the backward.

@@ -115,8 +115,8 @@ Hit or miss must be the same on every rank (a miss is a collective), so only eve
 through alike forget (the script's calls, decisions already agreed), never local state: not the
 version counters of the pieces, for instance, which count writes to this rank's pieces only (a rank
 without a piece of a param sees no write where the others do).
-tests/clip_norm_checks.py changes the gradients between norms in each of these ways and compares
-with DDP; tests/test_clip_norm.py counts the collectives of torch's clip at world size 8.
+tests/stages/clip_norm_checks.py changes the gradients between norms in each of these ways and
+compares with DDP; tests/stages/test_clip_norm.py counts the collectives of torch's clip at world size 8.
 """
 
 from __future__ import annotations

@@ -58,9 +58,9 @@ Measured (bench/stage3_autocast.py, ``MALLOC_MMAP_THRESHOLD_=65536`` against gli
 2 ranks, 33.5M params in 16 units; peak RSS of the third step): fp32 726.4 MB; bf16 autocast
 787.7 MB with its cache (+61), 739.5 MB with ``cache_enabled=False`` (+13: one unit's copies and
 the bf16 activations); bf16 params 762.5 MB. Before the recipes, autocast was +67 MB either way.
-Tested against DDP under the same autocast, cache on and off (tests/stage3_checks.py: resharding
-on and off, a reused module, checkpointing; compiled units), and in-process
-(tests/test_zero_stage3.py: recipes made again, values, the warning, a raising unit).
+Tested against DDP under the same autocast, cache on and off (tests/stage3/stage3_checks.py:
+resharding on and off, a reused module, checkpointing; compiled units), and in-process
+(tests/stage3/test_stage3.py: recipes made again, values, the warning, a raising unit).
 """
 
 from __future__ import annotations

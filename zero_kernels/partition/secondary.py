@@ -11,7 +11,7 @@ state ``SECONDARY``). The unit's backward, and a recomputation inside it (activa
 checkpointing), then all-gathers the bucket from those K slices over the block's group: the
 bytes of the backward's gathers never leave the node. The slices hold exactly what the forward
 gathered, so the backward computes with the forward's values, and the result is what plain
-stage 3 gives, bit for bit (tests/test_secondary.py).
+stage 3 gives, bit for bit (tests/topology/test_secondary.py).
 
 With ``quantize_weights`` a forward's gathered bucket holds the other ranks' chunks dequantized
 and its own chunk exact; a slice kept by rank ``j`` would carry rank ``j``'s mix, so with a

@@ -51,8 +51,8 @@ they may need; fp32 rows reduce in place, in one call (a few kernels per shard o
 The ShardedGrad norms (`zero_kernels.partition.grads`: torch's own ``clip_grad_norm_``) go
 through `pow_sum` too, piece by piece; they used to be exact by copying each piece to float64,
 which took 5x a large gradient's bytes while the norm was taken (+1345 MB over one 268 MB
-gradient; now +1 MB: tests/test_clip_norm.py checks it).
-tests/test_clip_norm.py holds both to float64 (the old whole-shard sum fails it by 2.8e-5).
+gradient; now +1 MB: tests/stages/test_clip_norm.py checks it).
+tests/stages/test_clip_norm.py holds both to float64 (the old whole-shard sum fails it by 2.8e-5).
 """
 
 from __future__ import annotations

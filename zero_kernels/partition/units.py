@@ -74,7 +74,7 @@ a 4-block model and the recompile limit hit by the second step. A model whose fo
 its units runs that loop eagerly (dynamo does not resume a graph broken inside a loop); the units
 are the compiled part, as with FSDP2's per-block ``fully_shard`` + compile. Compiled autograd
 (which traces the backward hooks too) is refused, see `_NO_COMPILED_AUTOGRAD`. Tested against
-DDP: tests/compiled_checks.py, ``check_compiled_forward_hooks``.
+DDP: tests/stages/compiled_checks.py, ``check_compiled_forward_hooks``.
 
 [Note: autocast]: in `zero_kernels.partition.recast`.
 
