@@ -116,7 +116,8 @@ through alike forget (the script's calls, decisions already agreed), never local
 version counters of the pieces, for instance, which count writes to this rank's pieces only (a rank
 without a piece of a param sees no write where the others do).
 tests/stages/clip_norm_checks.py changes the gradients between norms in each of these ways and
-compares with DDP; tests/stages/test_clip_norm.py counts the collectives of torch's clip at world size 8.
+compares with DDP; tests/stages/test_clip_norm.py counts the collectives of torch's clip at world
+size 8.
 """
 
 from __future__ import annotations
