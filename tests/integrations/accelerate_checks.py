@@ -239,7 +239,7 @@ def check_errors_and_passthrough(rank, world) -> dict:
     assert opt.stage == 1 and callable(opt.no_sync) and opt in acc._optimizers
     _raises(ValueError, lambda: zka.prepare(acc, model, zo), "already has", "free_memory()")
     # accumulate(model) enters the ZeroOptimizer's no_sync on micro-batches (stage 1: no reduce)
-    reducer = zo._core.reducer
+    reducer = zo.parts.core.reducer
     seen = []
     with acc.accumulate(model):  # step 1 of 2: no sync
         seen.append(reducer.sync)

@@ -82,7 +82,7 @@ def test_phase_sequence(stage):
         ("inner step", "step"),
         ("after step", "idle"),
     ], seen
-    assert zo._core.phase.stale == 0
+    assert zo.parts.core.phase.stale == 0
     _assert_equal(zo, model, _reference(1))
     zo.close()
 
@@ -121,7 +121,7 @@ def test_backward_that_raises_leaves_no_phase(stage):
     with pytest.raises(Boom):
         model(X).sum().backward()
     h.remove()
-    assert zo.phase == "idle" and zo._core.phase.stale == 1
+    assert zo.phase == "idle" and zo.parts.core.phase.stale == 1
     zo.zero_grad()  # the partial gradients go
     for _ in range(2):
         model(X).sum().backward()
@@ -159,7 +159,7 @@ def test_whole_model_reentrant_checkpoint_is_a_recomputation():
         zo.step()
         zo.zero_grad()
     assert seen == ["forward", "backward"] * 2, seen  # the first pass, then its recomputation
-    assert zo.phase == "idle" and zo._core.phase.stale == 0
+    assert zo.phase == "idle" and zo.parts.core.phase.stale == 0
     _assert_equal(zo, model, _reference(2))
     zo.close()
 
@@ -186,7 +186,7 @@ def test_per_block_checkpoint(reentrant):
     model = _net()
     zo = _zero(model, 3)
     run(model, lambda loss: (loss.backward(), zo.step()), zo.zero_grad)
-    assert zo.phase == "idle" and zo._core.phase.stale == 0
+    assert zo.phase == "idle" and zo.parts.core.phase.stale == 0
     _assert_equal(zo, model, ref)
     zo.close()
 
@@ -238,7 +238,7 @@ def test_nested_backwards_reduce_once(stage):
             opt.zero_grad()
         st = zo.comm_stats
         counts[mode] = (st["reduce_scatter_calls"], st["all_reduce_calls"])
-        assert zo.phase == "idle" and zo._core.phase.stale == 0
+        assert zo.phase == "idle" and zo.parts.core.phase.stale == 0
         _assert_equal(zo, model, ref)
         zo.close()
     assert counts[True] == counts[False] == counts[None], counts

@@ -365,7 +365,7 @@ def check_error_feedback(rank, world):
             zo.step()
         rep = zo.memory_report()
         assert rep["comm_error_feedback_bytes"] > 0, rep
-        bufs = [t for d in zo._core.reducer.errors.values() for t in d.values()]
+        bufs = [t for d in zo.parts.core.reducer.errors.values() for t in d.values()]
         assert any(t.abs().sum() > 0 for t in bufs)
         if sg == 1:  # replicas: every rank the same params
             flat = torch.cat([zo.full_param(p).reshape(-1) for p in m.parameters()])

@@ -137,8 +137,8 @@ def check_kept_bytes(rank, world):
     torch.manual_seed(0)
     m = Net3()
     zo = ZeroOptimizer(m, O.AdamW, stage=3, bucket_size_mb=0.002, lr=1e-2, secondary_shard=2)
-    sched = zo._core.units
-    lay = zo._core.layout
+    sched = zo.parts.core.units
+    lay = zo.parts.core.layout
     want = sum(
         lay.buffers[i].buckets[b].numel(lay.world_size) * 4 // 2
         for u in sched.units
@@ -159,7 +159,7 @@ def check_kept_bytes(rank, world):
     from zero_kernels.tools.estimate import estimate_stage
 
     root_n = sum(lay.buffers[i].buckets[b].numel(lay.world_size) for i, b in sched.root.buckets)
-    n = sum(p.numel() for p in zo._core.trainable.values())
+    n = sum(p.numel() for p in zo.parts.core.trainable.values())
     e = estimate_stage(3, n, world, precision="fp32", secondary_shard=2, root_params=root_n)
     padded = sum(bk.numel(lay.world_size) for buf in lay.buffers for bk in buf.buckets)
     pad = (padded - n) * 4 // 2
@@ -188,7 +188,7 @@ def check_quantized_same_on_every_rank(rank, world):
 
     def own_dequantized(self, *a, **k):  # plain quantized stage 3 with own_exact=False
         orig(self, *a, **k)
-        self._core.runner.own_exact = False
+        self.parts.core.runner.own_exact = False
 
     ZeroOptimizer._build = own_dequantized
     try:
@@ -292,7 +292,7 @@ def check_bad_values_and_no_ops(rank, world):
     # the whole shard group, one node, or single ranks: nothing kept, results as plain
     for ss in (world, "node", 1):
         zo = ZeroOptimizer(copy.deepcopy(m), O.AdamW, stage=3, lr=1e-2, secondary_shard=ss)
-        assert zo._core.units.secondary is None and zo.secondary_shard == ss
+        assert zo.parts.core.units.secondary is None and zo.secondary_shard == ss
         zo.close()
 
 

@@ -771,9 +771,11 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
 
 @dataclasses.dataclass(eq=False)
 class Parts:
-    """The parts of one `ZeroOptimizer` ([Note: parts] in `zero_kernels.optimizer.core`), for the
-    layers
-    above it (checkpoints, the command, tests); a user needs only the optimizer's methods."""
+    """The debug view of one `ZeroOptimizer`, ``opt.parts``: its built core and the parts over
+    it ([Note: parts] in `zero_kernels.optimizer.core`). The layers above the optimizer
+    (checkpoints, the command) and the tests read the optimizer's inner state here, never through
+    private attributes; a training script needs only the optimizer's methods, and what is here
+    may change between releases."""
 
     core: Core
     grads: GradContract
