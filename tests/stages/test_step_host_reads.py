@@ -3,14 +3,19 @@
 - Loss scaling, nonfinite="skip"/"raise" and torch's GradScaler decide on the host whether to
   step: one host read per step, not one per shard or piece ([Note: no host sync] in
   zero_kernels/partition/syncfree.py), counted with the device-side forms switched on for CPU
-  tensors at
-  world size 8 on torch's fake group (bench/gpu_check.sh runs clip + step under
+  tensors at world size 8 on torch's fake group (bench/gpu_check.sh runs clip + step under
   ``torch.cuda.set_sync_debug_mode`` with CUDA tensors).
 - The int8 state's block tables are made once, not rebuilt or re-checked every step.
 - ``consolidated_state_dict`` hands the object collective host tensors only."""
 
+import functools
+import pathlib
+
 import pytest
-from fake_group import run_fake
+from fake_group import run_fake_many
+
+TESTS = str(pathlib.Path(__file__).parent)
+READ_CASES = [("fp16", 1), ("fp16", 3), ("skip", 2), ("raise", 1), ("scaler", 1), ("scaler", 2)]
 
 READS = """
 import sys
@@ -57,15 +62,9 @@ print(json.dumps(dict(reads=per_step, shards=len(zo.parts.core.grads.shard_tenso
 """
 
 
-@pytest.mark.parametrize(
-    "mode,stage",
-    [("fp16", 1), ("fp16", 3), ("skip", 2), ("raise", 1), ("scaler", 1), ("scaler", 2)],
-)
+@pytest.mark.parametrize("mode,stage", READ_CASES)
 def test_one_host_read_per_step(mode, stage):
-    import pathlib
-
-    tests = str(pathlib.Path(__file__).parent)
-    r = run_fake(READS.format(tests=tests, mode=mode, stage=stage))
+    r = _cases()[("reads", mode, stage)]
     assert r["shards"] > 1 or stage > 1, r  # several shards: a read per shard would show
     for seen in r["reads"]:
         assert len(seen) <= 1, r["reads"]
@@ -112,10 +111,7 @@ def test_int8_state_block_tables_made_and_checked_once(stage):
     """The block tables the int8 step passes are the same tensors every step, made and
     checked once: later steps build nothing and read nothing on the host (on a GPU they are
     pinned, so the binding's copy to the device is queued, not waited for)."""
-    import pathlib
-
-    tests = str(pathlib.Path(__file__).parent)
-    r = run_fake(INT8.format(tests=tests, stage=stage))
+    r = _cases()[("int8", stage)]
     assert r["tables"] >= 2 and r["cpu"], r
     assert r["ids"][0] == r["ids"][1] == r["ids"][2], r["ids"]
     assert r["reads"] == [[], []], r["reads"]
@@ -170,7 +166,18 @@ def test_consolidated_state_sends_host_tensors():
     """What ``consolidated_state_dict`` hands ``gather_object`` holds host copies only (each
     tensor made by ``to_host``): pickled CUDA tensors would be unpickled on rank 0 onto the
     devices of the ranks that sent them."""
-    r = run_fake(PAYLOAD)
+    r = _cases()[("payload",)]
     assert r["sent"] == 1 and r["tensors"] > 0, r
     assert r["cpu"] and r["moved"], r
     assert r["keys"] == ["exp_avg", "exp_avg_sq", "fp32_master", "step"], r
+
+
+@functools.cache
+def _cases() -> dict:
+    """Every case of this file in one process on the fake group (`run_fake_many`): the read
+    counts first, then the int8 tables (their spy stays on the kernel), then the payload (its
+    spies stay on comm and partition.state)."""
+    keys = [("reads", m, s) for m, s in READ_CASES] + [("int8", 1), ("int8", 2), ("payload",)]
+    codes = [READS.format(tests=TESTS, mode=m, stage=s) for m, s in READ_CASES]
+    codes += [INT8.format(tests=TESTS, stage=s) for s in (1, 2)] + [PAYLOAD]
+    return dict(zip(keys, run_fake_many(codes), strict=True))
