@@ -36,6 +36,7 @@ integrations = [
 ]
 cpu_sources = [
     "csrc/bindings.cpp",
+    "csrc/bindings_host.cpp",
     "csrc/adam_cpu_scalar.cpp",
     "csrc/adam_cpu_avx2.cpp",
     "csrc/adam_cpu_avx512.cpp",

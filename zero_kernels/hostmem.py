@@ -41,8 +41,8 @@ to 75 with checkpointing). Blocks are separate mappings: a process has at most
 glibc.
 
 Torch-free core: csrc/block_cache.cpp (C++ unit test csrc/tests/test_block_cache.cpp); the
-torch allocator: csrc/bindings.cpp. Tested: tests/offload/test_hostmem.py; every multi-process test
-runs with it (ZeroOptimizer installs it).
+torch allocator: csrc/bindings_host.cpp. Tested: tests/offload/test_hostmem.py; every
+multi-process test runs with it (ZeroOptimizer installs it).
 """
 
 from __future__ import annotations
