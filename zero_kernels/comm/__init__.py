@@ -17,12 +17,13 @@ counters, timeouts, the CUDA comm stream: [Note: CUDA streams]),
 `p2p` (the point-to-point algorithms: [Note: algorithms]), `shm` (ranks of one host exchanging
 through shared files: [Note: shared-memory collectives]), `choose` (which algorithm, and the
 probe: [Note: choosing the algorithm]), `collectives` (the functions callers use), `hier`
-(hierarchical sharding) and `quant` (quantized collectives). This file only re-exports.
+(hierarchical sharding), `quant` (quantized collectives) and `hier_quant` (the quantized
+gradients' two hops across hosts). This file only re-exports.
 """
 
 from __future__ import annotations
 
-from . import hier, quant  # noqa: F401 - hierarchical sharding, quantized all-gather
+from . import hier, hier_quant, quant  # noqa: F401 - hierarchy, quantized collectives
 from .base import (
     CollectiveTimeout,
     CommLog,

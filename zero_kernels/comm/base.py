@@ -85,6 +85,11 @@ class CommLog:
     # in all_gather_*: [Note: secondary shard] in zero_kernels.partition.secondary)
     secondary_all_gather_bytes: int = 0
     secondary_all_gather_calls: int = 0
+    # the quantized gradients' two-hop form: the exact hop inside each node (its fp32 input;
+    # the quantized hop across is in reduce_scatter_*: [Note: two-hop quantized
+    # reduce-scatter] in zero_kernels.comm.hier_quant)
+    node_reduce_scatter_bytes: int = 0
+    node_reduce_scatter_calls: int = 0
     # the model's buffers broadcast before a forward, as DDP's broadcast_buffers ([Note:
     # replicated module state] in zero_kernels.optimizer.replicas)
     broadcast_bytes: int = 0
@@ -97,6 +102,9 @@ class CommLog:
     # CUDA waits left untimed: `TIMING_EVENTS_HELD` pairs were held ([Note: held timing events])
     untimed_waits: int = 0
     sizes: list = field(default_factory=list)  # (kind, numel, dtype) of every call, when traced
+    # what was chosen for this optimizer's collectives and why (what -> (choice, why)): not a
+    # counter, kept across `reset`; `as_dict` shows it under "choices"
+    choices: dict = field(default_factory=dict)
     trace: bool = False
     # CUDA: (start, end, its step's seconds) for the stream waits whose events the GPU may not
     # have passed yet, oldest first ([Note: held timing events])
@@ -113,7 +121,7 @@ class CommLog:
 
     def as_dict(self) -> dict:
         self._fold(sync=True)
-        return self._counters()
+        return {**self._counters(), "choices": dict(self.choices)}
 
     @property
     def held_timing_events(self) -> int:
@@ -228,6 +236,8 @@ COUNTERS = (
     "replica_all_reduce_calls",
     "secondary_all_gather_bytes",
     "secondary_all_gather_calls",
+    "node_reduce_scatter_bytes",
+    "node_reduce_scatter_calls",
     "broadcast_bytes",
     "broadcast_calls",
     "inside_node_bytes",

@@ -31,8 +31,11 @@ meant for each other rank, all-to-all exchanges them (gloo's ``all_to_all_single
 what it received dequantized, in fp32, with its own chunk, which never leaves it and is exact;
 then averages. Inf/NaN survive the round trip (a block holding one dequantizes non-finite), so
 ``nonfinite=`` and the loss scaler still see them. The error is per step (no error feedback),
-at most half a step of each block per rank's contribution. With ``shard_group`` hierarchical
-the two-hop form (quantized across nodes only) is not built: that combination raises.
+at most half a step of each block per rank's contribution. A flat group that spans hosts of
+several ranks each reduces in two hops instead, exact inside each node and quantized across
+([Note: two-hop quantized reduce-scatter] in hier_quant.py); with a hierarchical
+``shard_group`` only the hop across the replica groups is quantized ([Note: quantized two-hop]
+in hier.py).
 
 Blocks: int8 gradients use one scale per 256 elements, int4 gradients one per 32 (0.625 bytes
 per element instead of 0.516). Measured (bench/bench_int4_grads.py, the exact one-process

@@ -598,6 +598,7 @@ def quantization(core: Core) -> None:
         bits = comm.quant.QUANTIZED[cp.quantize_grads]
         core.reducer.quantize = (bits, comm.quant.GRAD_BLOCK[bits])
         core.reducer.error_feedback = cp.grad_error_feedback
+        _grad_hops(core)
         # reduced exact: the buckets of params of one dimension (laid out apart at stages 1/2)
         # and, at stage 3, those of the unit kept whole (the vectors and any params below
         # persist_below: a small matrix there must not pull the vectors into the quantizer)
@@ -612,6 +613,21 @@ def quantization(core: Core) -> None:
             for b in buf.buckets
             if b.slots and all(exact(buf.slots[k]) for k in b.slots)
         }
+
+
+def _grad_hops(core: Core) -> None:
+    """quantize_grads: one hop, or two where a flat group spans hosts of several ranks each
+    ([Note: two-hop quantized reduce-scatter] in `zero_kernels.comm.hier_quant`); the choice
+    and why in ``comm_stats["choices"]``. Collective (the two hops' groups)."""
+    if core.reducer.mesh is not None:
+        why = "hierarchical shard_group: exact inside the shard group, quantized across replicas"
+        core.comm_log.choices["quantize_grads"] = ("two hops (shard_group)", why)
+        return
+    hosts = comm.host_groups(core.side) if core.side is not None else [[0]]
+    hops, why = comm.hier_quant.plan(hosts)
+    core.comm_log.choices["quantize_grads"] = ("two hops" if hops == 2 else "one hop", why)
+    if hops == 2:
+        core.reducer.two_hop = comm.hier_quant.node_split(core.mesh.shard, hosts)
 
 
 def units(core: Core) -> UnitScheduler | None:

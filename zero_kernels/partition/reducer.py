@@ -137,6 +137,9 @@ class Reducer:
         self.exact_buckets: set = set()  # (buffer, bucket) never quantized (params of 1 dim)
         self.error_feedback = False  # grad_error_feedback ([Note: error feedback])
         self.errors: dict[tuple[int, int], dict] = {}  # bucket -> its feedback buffers
+        # quantize_grads on a flat group across hosts: the two-hop form ([Note: two-hop
+        # quantized reduce-scatter] in zero_kernels.comm.hier_quant); None: one hop
+        self.two_hop = None
         # whole gradients (stage 1): a full-size buffer reduced in place; else (stages 2 and 3)
         # bucket buffers reduced into the shards and given back (see [Note: overlap])
         self.whole = grads.whole
@@ -401,6 +404,11 @@ class Reducer:
         if self.mesh is not None:  # hierarchical: quantized across the nodes only
             bk.handle = self.mesh.reduce_scatter(
                 out, inp, first=self.group, quantize=quantize, errors=errors, **bound
+            )
+        elif quantize is not None and self.two_hop is not None:
+            bits, block = quantize
+            bk.handle = self.two_hop.reduce_scatter(
+                out, inp, bits=bits, block=block, errors=errors, **bound
             )
         elif quantize is not None:
             bits, block = quantize
