@@ -1,4 +1,5 @@
-"""The `zero-kernels` command: `demo`, `estimate`, `bench`, `tune`, `checkpoint` and `testbed`.
+"""The `zero-kernels` command: `demo`, `estimate`, `bench`, `tune`, `checkpoint`, `config`,
+`testbed`.
 
 Bad arguments end in one line on stderr naming the argument and what it accepts, exit code 2,
 never a traceback (set ZERO_KERNELS_TRACEBACK=1 to see one for an unexpected error). A reader
@@ -44,7 +45,7 @@ def _positive_float(name: str):
 
 def _build_parser() -> argparse.ArgumentParser:
     from ..tools.models import MODEL_SIZES
-    from . import checkpoint, testbed, tune
+    from . import checkpoint, config, testbed, tune
     from .optimizers import OPTIMIZER_CHOICES
 
     p = _Parser(
@@ -56,7 +57,7 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(
         dest="command",
         parser_class=_Parser,
-        metavar="{demo,estimate,bench,tune,checkpoint,testbed}",
+        metavar="{demo,estimate,bench,tune,checkpoint,config,testbed}",
     )
 
     d = sub.add_parser(
@@ -266,6 +267,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     tune.add_parser(sub, _Parser)
     checkpoint.add_parser(sub, _Parser)
+    config.add_parser(sub, _Parser)
     testbed.add_parser(sub, _Parser)
     return p
 
@@ -506,6 +508,12 @@ def _cmd_checkpoint(args) -> int:
     return run(args)
 
 
+def _cmd_config(args) -> int:
+    from .config import run
+
+    return run(args)
+
+
 def _cmd_testbed(args) -> int:
     from .testbed import run
 
@@ -552,6 +560,7 @@ def _main(argv: list[str] | None) -> int:
             "estimate": _cmd_estimate,
             "bench": _cmd_bench,
             "checkpoint": _cmd_checkpoint,
+            "config": _cmd_config,
             "testbed": _cmd_testbed,
             "tune": lambda a: _cmd_tune(a, argv),
         }[args.command]
