@@ -768,6 +768,17 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
             f"world_size={self.world_size}, rank={self.rank})"
         )
 
+    @classmethod
+    def from_deepspeed_config(cls, model, config, **kwargs):
+        """``model``'s ZeroOptimizer, LR scheduler and clipping norm as DeepSpeed config
+        ``config`` (a ds_config.json path or a dict) says: a
+        `zero_kernels.integrations.ds_config.DeepSpeedRun` (optimizer, lr_scheduler,
+        clip_grad_norm, mapping). A key it cannot take raises, with all the others, in one
+        NotImplementedError ([Note: DeepSpeed config] there; ``kwargs``: its options)."""
+        from ..integrations.ds_config import build_from_deepspeed_config
+
+        return build_from_deepspeed_config(cls, model, config, **kwargs)
+
 
 @dataclasses.dataclass(eq=False)
 class Parts:
