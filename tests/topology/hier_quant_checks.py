@@ -217,13 +217,42 @@ def check_optimizer_two_hops(rank, world):
     return out
 
 
+def check_link_aware_choice(rank, world):
+    """Across the emulated hosts the reduce-scatter is chosen by its bytes on the host link
+    (the ring: each node sends (N-1)/N of the buffer; native 2x, pairwise L x), the choice and
+    why kept in the log; the all-gather's tie (native, ring) goes to the probe."""
+    from zero_kernels import comm
+
+    os.environ.pop(comm.ENV_ALGO, None)
+    comm.set_algorithm("all", None)
+    comm.learn_hosts()
+    c = 4096
+    x, out, full = torch.ones(c * world), torch.zeros(c), torch.zeros(c * world)
+    log = comm.CommLog()
+    comm.reduce_scatter(out, x, log=log).wait()
+    assert torch.equal(out, torch.ones(c)), "the mean of ones"
+    comm.all_gather(full, out, log=log).wait()
+    (rs_algo, rs_why), (ag_algo, ag_why) = (
+        next(v for k, v in log.choices.items() if k.startswith(op))
+        for op in ("reduce_scatter", "all_gather")
+    )
+    assert rs_algo == "ring" and f"across {NODES} hosts" in rs_why, (rs_algo, rs_why)
+    assert ag_algo in ("native", "ring") and "probe" in ag_why, (ag_algo, ag_why)
+    per = world // NODES
+    last_of_node = rank % per == per - 1  # the ring's step that leaves the node
+    want = 2 * (world - 1) * c * 4 if last_of_node else 0
+    assert log.cross_node_bytes == want, (log.cross_node_bytes, want)
+    return {"reduce_scatter": rs_algo, "all_gather": ag_algo, "why": rs_why}
+
+
 CHECKS = [
     check_hosts_emulated,
+    check_link_aware_choice,
     check_two_hop_vs_exact_and_one_hop,
     check_error_feedback_bounds_the_sum,
     check_optimizer_two_hops,
 ]
-CHECKS_8 = [check_hosts_emulated, check_two_hop_vs_exact_and_one_hop]
+CHECKS_8 = [check_hosts_emulated, check_link_aware_choice, check_two_hop_vs_exact_and_one_hop]
 
 
 def _run(rank, world, checks):

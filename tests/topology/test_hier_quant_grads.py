@@ -41,3 +41,22 @@ def test_hier_quant_grads(check):
 @pytest.mark.parametrize("check", [c.__name__ for c in hier_quant_checks.CHECKS_8])
 def test_hier_quant_grads_8_ranks(check):
     RUN_8.check(8, check)
+
+
+def test_plan_setting(monkeypatch):
+    """``ZERO_KERNELS_GRAD_HOPS``: 1 keeps one hop, 2 asks for two (an error without them),
+    anything else is refused."""
+    from zero_kernels.comm.hier_quant import ENV_HOPS, plan
+
+    two = [[0, 1], [2, 3]]
+    monkeypatch.setenv(ENV_HOPS, "1")
+    assert plan(two)[0] == 1 and ENV_HOPS in plan(two)[1]
+    monkeypatch.setenv(ENV_HOPS, "2")
+    assert plan(two)[0] == 2
+    with pytest.raises(ValueError, match="no two hops"):
+        plan([[0, 1, 2, 3]])
+    monkeypatch.setenv(ENV_HOPS, "3")
+    with pytest.raises(ValueError, match="must be 1, 2 or auto"):
+        plan(two)
+    monkeypatch.delenv(ENV_HOPS)
+    assert plan(two)[0] == 2 and plan(two, 1)[0] == 1

@@ -65,6 +65,7 @@ def _aggregate(t: dict, limit: int | None) -> dict:
         if c.stage
         else None,
         "algorithms": ranks[0].get("algorithms"),
+        "comm_choices": ranks[0].get("comm_choices"),
         "what": "measured: median of the timed steps of the slower rank (median over rounds); "
         "peak anonymous RSS above the baseline, the largest rank and round; per_rank: round 1",
     }

@@ -276,6 +276,9 @@ def trial(job: dict, rank: int, n: int) -> dict:
         out["algorithms"] = {
             f"{op} {label}": r["algorithm"] for (op, label), r in comm.probe_results().items()
         }
+        # each collective's algorithm and why, the quantized gradients' hops ([Note:
+        # link-aware choice] in zero_kernels/comm/choose.py)
+        out["comm_choices"] = {k: list(v) for k, v in stats["choices"].items()}
     out["peak_rss_bytes"] = tracker.peak()
     out["hwm_reset"] = tracker.hwm_reset
     if cfg.stage:

@@ -5,7 +5,9 @@ NCCL, any tensor off the CPU and any backend but gloo always use native; world s
 gloo the choice is made per (group, operation, size class of the full buffer): < 64 KiB, then
 powers of 4 from 64 KiB ([64K, 256K), [256K, 1M), [1M, 4M), [4M, 16M)), and >= 16 MiB.
 Precedence: `set_algorithm` (for the group, then for every group), then
-``ZERO_KERNELS_COMM_ALGO=native|pairwise|ring|shm`` (``auto`` or unset: probe), then the probe.
+``ZERO_KERNELS_COMM_ALGO=native|pairwise|ring|shm`` (``auto`` or unset: probe), then, on a
+group whose ranks are on several hosts, the bytes on the host links ([Note: link-aware
+choice]), then the probe.
 
 The probe runs lazily, inside the first collective of a class, which every rank calls in the same
 order. On one fp32 buffer of the class's probe size (32 KiB, 128 KiB, 512 KiB, 2 MiB, 8 MiB, 32
@@ -24,6 +26,19 @@ with pairwise at 4 MiB, is ~1.4x slower at 16 MiB and 2.6x slower at 76 MB, so a
 chooses wrong for large buckets; there one run each decides (3-5x apart). Probing every class of
 both operations costs ~0.5 s per group (2 ranks, this 2-core machine); a run probes only the
 classes it uses (25 MB buckets: the top one, ~0.25 s, and perhaps one for the last bucket).
+
+[Note: link-aware choice]
+Where a group's ranks are on several hosts (`comm.host_groups`, proven), the link between the
+hosts decides a step's time, and a probe on the machine at hand does not see it (ranks
+oversubscribing a machine time the cores, not the link; at 2 x 8 ranks on 2 cores it chose the
+pairwise exchange, 4.2x the ring's bytes across). So the candidates (native, pairwise, ring; shm
+only runs on one host) are first priced by what the most loaded host sends to the others
+(`links.host_bytes`: for a group of n ranks, L per host, node-major, as a fraction of the full
+buffer: the ring (n-1)/n, gloo's native reduce-scatter 2 (n-1)/n (an all-reduce, cut), its
+native all-gather (n-1)/n (a ring), the pairwise exchange L (n-L)/n); those within
+`LINK_MARGIN` of the fewest stay, and the probe picks among them where more than one does.
+`probe_results` holds each choice (``links``: the bytes that decided), and the optimizer's
+`comm_stats["choices"]` each choice of its collectives and why (`CommLog.choices`).
 """
 
 from __future__ import annotations
@@ -36,6 +51,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from . import hosts as _hosts
 from . import links, shm
 from .base import (
     Handle,
@@ -115,6 +131,7 @@ _CLASS_BOUNDS = (64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)  # class k: [b
 _PROBE_BYTES = (32 << 10, 128 << 10, 512 << 10, 2 << 20, 8 << 20, 32 << 20)  # one per class
 _PROBE_REPEATS = (5, 4, 4, 3, 3, 1)  # runs per class, more where cheap (the first warms up)
 _P2P_MARGIN = 0.9  # a p2p algorithm must take at most this fraction of native's time
+LINK_MARGIN = 1.1  # [Note: link-aware choice]: candidates within this of the fewest host bytes
 # keyed by `base.group_key` (a token per group object, never its id: [Note: group keys])
 _overrides: dict = {}  # (group key or None for every group, op) -> algorithm
 _choices: dict = {}  # (group key, op, size class) -> the probe's result
@@ -183,18 +200,52 @@ def set_algorithm(op: str, algo: str | None, group=None) -> None:
             _overrides[(key, o)] = algo
 
 
+def link_bytes(op: str, host_of) -> dict[str, float]:
+    """What the most loaded host sends to the others with each gloo algorithm for ``op``
+    (native, pairwise and, over more than 2 ranks, ring), as a fraction of the full buffer,
+    on a group whose rank g is on host ``host_of[g]`` (pure; `links.host_bytes`)."""
+    if op not in _OPS:
+        raise ValueError(f"op must be one of {_OPS}; got {op=!r}")
+    cands = ["native", "pairwise"] + (["ring"] if len(host_of) > 2 else [])
+    kinds = {"native": "ring_all_reduce" if op == "reduce_scatter" else "ring"}
+    return {a: links.host_bytes(kinds.get(a, a), host_of) for a in cands}
+
+
+def link_candidates(op: str, host_of) -> tuple[list[str], str]:
+    """The gloo algorithms for ``op`` whose bytes across hosts are within `LINK_MARGIN` of the
+    fewest, on a group whose rank g is on host ``host_of[g]``, and why (pure; [Note: link-aware
+    choice]). All of native, pairwise and ring (in that order) on one host."""
+    cost = link_bytes(op, host_of)
+    cands = list(cost)
+    if len(set(host_of)) <= 1:
+        return cands, "one host"
+    best = min(cost.values())
+    keep = [a for a in cands if cost[a] <= LINK_MARGIN * best + 1e-12]
+    hosts = len(set(host_of))
+    why = f"bytes across {hosts} hosts, per host, x the buffer: " + ", ".join(
+        f"{a} {cost[a]:.3g}" for a in cands
+    )
+    return keep, why
+
+
 def choose_algorithm(op: str, nbytes: int, *, group=None, device="cpu") -> str:
     """The algorithm ``op`` uses on ``group`` for a full buffer of ``nbytes`` bytes.
 
     "copy" at world size 1, else one of `ALGORITHMS`. Collective when the size class has not been
     probed on ``group`` yet: call it on every rank alike, like the collective itself.
     """
+    return choose_with_reason(op, nbytes, group=group, device=device)[0]
+
+
+def choose_with_reason(op: str, nbytes: int, *, group=None, device="cpu") -> tuple[str, str]:
+    """`choose_algorithm`'s answer and why (what set it, or what the bytes across hosts and
+    the probe found: [Note: link-aware choice])."""
     if op not in _OPS:
         raise ValueError(f"op must be one of {_OPS}; got {op=!r}")
     if world_size(group) == 1:
-        return "copy"
+        return "copy", "world size 1"
     if not _p2p_capable(group, torch.device(device)):
-        return "native"
+        return "native", "not gloo on the CPU"
     key, c = _choice_key(group), _size_class(nbytes)
     algo = _overrides.get((key, op)) or _overrides.get((None, op))
     why = "set_algorithm"
@@ -202,12 +253,15 @@ def choose_algorithm(op: str, nbytes: int, *, group=None, device="cpu") -> str:
         algo, why = _env_algorithm(), ENV_ALGO
     if algo is None:
         if (key, op, c) not in _choices:
-            _choices[(key, op, c)] = _probe(op, group, c)
+            _choices[(key, op, c)] = _decide(op, group, c)
         res = _choices[(key, op, c)]
         algo = res["algorithm"]
-        why = "probe, ms (max over ranks of the fastest run): " + ", ".join(
-            f"{a} {t:.3g}" for a, t in res["times_ms"].items()
-        )
+        why = res.get("links", "")
+        if "times_ms" in res:
+            why += ("; " if why else "") + (
+                "probe, ms (max over ranks of the fastest run): "
+                + ", ".join(f"{a} {t:.3g}" for a, t in res["times_ms"].items())
+            )
     if (key, op, c, algo, why[:5]) not in _logged:
         _logged.add((key, op, c, algo, why[:5]))
         _logger.info(
@@ -218,7 +272,7 @@ def choose_algorithm(op: str, nbytes: int, *, group=None, device="cpu") -> str:
             algo,
             why,
         )
-    return algo
+    return algo, why
 
 
 def probe_ahead(sizes, *, group=None, device="cpu") -> None:
@@ -243,8 +297,25 @@ def probe_results(group=None) -> dict:
     return {(op, _class_label(c)): dict(v) for (k, op, c), v in _choices.items() if k == key}
 
 
-def _probe(op: str, group, c: int) -> dict:
-    """Time every candidate on one fp32 buffer of class ``c``; the same answer on every rank."""
+def _decide(op: str, group, c: int) -> dict:
+    """[Note: link-aware choice]: the candidates by their bytes across hosts, then the probe
+    among those left (collective: the host proof, the probe)."""
+    host_of = [0] * world_size(group)
+    for h, ranks in enumerate(_hosts.host_groups(group)):
+        for r in ranks:
+            host_of[r] = h
+    keep, why = link_candidates(op, host_of)
+    if len(set(host_of)) > 1 and len(keep) == 1:
+        return {"algorithm": keep[0], "links": why}
+    res = _probe(op, group, c, keep if len(set(host_of)) > 1 else None)
+    if len(set(host_of)) > 1:
+        res["links"] = why + f" (kept {', '.join(keep)})"
+    return res
+
+
+def _probe(op: str, group, c: int, only: list[str] | None = None) -> dict:
+    """Time every candidate (or those of ``only``) on one fp32 buffer of class ``c``; the same
+    answer on every rank."""
     t_start = time.perf_counter()
     n = world_size(group)
     numel = max(n, _PROBE_BYTES[c] // 4 // n * n)
@@ -254,7 +325,9 @@ def _probe(op: str, group, c: int) -> dict:
         b.zero_()
     _scratch.give(warm)
     cands = ["native", "pairwise"] + (["ring"] if n > 2 else [])  # a ring of 2 is pairwise
-    if shm.capable(group) is None:  # collective, once per group: every rank answers the same
+    if only is not None:  # several hosts: shm cannot run ([Note: link-aware choice])
+        cands = list(only)
+    elif shm.capable(group) is None:  # collective, once per group: every rank answers the same
         cands.append("shm")
 
     def once(algo: str) -> None:
@@ -275,8 +348,11 @@ def _probe(op: str, group, c: int) -> dict:
     dist.all_reduce(best_t, op=dist.ReduceOp.MAX, group=group)  # agreed: all ranks pick the same
     sec = best_t.tolist()
     free_scratch()  # the probe's receive buffers are not the caller's
-    best = min(range(1, len(cands)), key=lambda j: sec[j])
-    algo = cands[best] if sec[best] < _P2P_MARGIN * sec[0] else "native"
+    if cands[0] == "native" and len(cands) > 1:
+        best = min(range(1, len(cands)), key=lambda j: sec[j])
+        algo = cands[best] if sec[best] < _P2P_MARGIN * sec[0] else "native"
+    else:  # native priced out by the links
+        algo = cands[min(range(len(cands)), key=lambda j: sec[j])]
     return {
         "algorithm": algo,
         "times_ms": {a: round(t * 1e3, 3) for a, t in zip(cands, sec)},

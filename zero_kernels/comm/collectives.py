@@ -24,9 +24,11 @@ from .base import (
 )
 from .choose import (
     _all_gather_with,
+    _class_label,
     _reduce_scatter_with,
     _reset_choices,
-    choose_algorithm,
+    _size_class,
+    choose_with_reason,
     register_twin,
 )
 from .groups import is_fake
@@ -60,7 +62,7 @@ def reduce_scatter(
         if output.data_ptr() != input.data_ptr():
             output.copy_(input)
         return Handle(None, (output, input), 1.0, log)
-    algo = choose_algorithm("reduce_scatter", _nbytes(input), group=group, device=input.device)
+    algo = _choose("reduce_scatter", _nbytes(input), group, input.device, log)
     bound = (timeout_s, what, watch)
     return _reduce_scatter_with(algo, output, input, group, avg, log, bound)
 
@@ -89,8 +91,19 @@ def all_gather(
         if output.data_ptr() != input.data_ptr():
             output.copy_(input)
         return Handle(None, (output, input), 1.0, log)
-    algo = choose_algorithm("all_gather", _nbytes(output), group=group, device=output.device)
+    algo = _choose("all_gather", _nbytes(output), group, output.device, log)
     return _all_gather_with(algo, output, input, group, log, (timeout_s, what, watch))
+
+
+def _choose(op: str, nbytes: int, group, device, log: CommLog | None) -> str:
+    """The algorithm ([Note: choosing the algorithm]); ``log`` keeps it and why in its
+    ``choices``, by operation, size class and group size."""
+    algo, why = choose_with_reason(op, nbytes, group=group, device=device)
+    if log is not None:
+        label = f"{op} {_class_label(_size_class(nbytes))} on {world_size(group)} ranks"
+        if log.choices.get(label, (None,))[0] != algo:
+            log.choices[label] = (algo, why)
+    return algo
 
 
 def _check_numel(op: str, shard: torch.Tensor, full: torch.Tensor, n: int) -> None:

@@ -27,10 +27,13 @@ Extra cost: the copy in node order and the hop-1 output (n chunks) per bucket in
 fp32 hop inside the node ((L - 1) / L of the bucket per rank on the fast link).
 
 `plan` chooses from the host layout (a pure function): the two hops where the group spans
-several hosts of L >= 2 ranks each (their bytes across are 1/L of one hop's); one hop on one
-host (nothing crosses), with one rank per host (the two forms are the same) and with hosts of
-unequal rank counts (the slices would not line up). The choice and its reason are logged once
-and kept on the optimizer (`ZeroOptimizer.comm_choices`).
+several hosts of L >= 2 ranks each (their bytes across are 1/L of one hop's: half at L = 2);
+one hop on one host (nothing crosses), with one rank per host (the two forms are the same) and
+with hosts of unequal rank counts (the slices would not line up). ``ZERO_KERNELS_GRAD_HOPS=1``
+keeps one hop (where the hop inside the node costs more than the bytes saved across: ranks
+sharing a few cores), ``2`` asks for two (an error where the layout has none), ``auto`` or
+unset: `plan`; the same on every rank. The choice and its reason are logged and kept in the
+optimizer's ``comm_stats["choices"]["quantize_grads"]``.
 
 The second hops of one cross group start in launch order on every rank (polled like the
 hierarchical all-reduce's, [Note: hierarchy] in hier.py), so ranks never pair different buckets.
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 
 import torch
 import torch.distributed as dist
@@ -47,14 +51,30 @@ import torch.distributed as dist
 from .base import CommLog, Watch, rank, world_size
 from .collectives import reduce_scatter
 
-__all__ = ["NodeSplit", "node_split", "plan"]
+__all__ = ["ENV_HOPS", "NodeSplit", "node_split", "plan"]
 
 _logger = logging.getLogger("zero_kernels")
+ENV_HOPS = "ZERO_KERNELS_GRAD_HOPS"
 
 
-def plan(hosts: list[list[int]]) -> tuple[int, str]:
+def plan(hosts: list[list[int]], hops: int | str | None = None) -> tuple[int, str]:
     """(hops, why): 2 for the two-hop form, 1 for one hop, from the group's hosts (lists of
-    group ranks, `comm.host_groups`); pure ([Note: two-hop quantized reduce-scatter])."""
+    group ranks, `comm.host_groups`) and ``hops`` (1, 2, "auto" or None: ``ZERO_KERNELS_GRAD_HOPS``
+    where set, else "auto"); pure but for that variable ([Note: two-hop quantized
+    reduce-scatter]). Two hops asked for where the layout has none: a ValueError saying why."""
+    if hops is None:
+        hops = os.environ.get(ENV_HOPS, "auto").strip().lower() or "auto"
+    if str(hops) not in ("1", "2", "auto"):
+        raise ValueError(f"{ENV_HOPS} (grad hops) must be 1, 2 or auto; got {hops!r}")
+    auto, why = _plan(hosts)
+    if str(hops) == "1":
+        return 1, f"{ENV_HOPS}=1 (else: {why})"
+    if str(hops) == "2" and auto != 2:
+        raise ValueError(f"{ENV_HOPS}=2: the group's hosts {hosts} have no two hops ({why})")
+    return auto, why
+
+
+def _plan(hosts: list[list[int]]) -> tuple[int, str]:
     n = len(hosts)
     sizes = sorted({len(h) for h in hosts})
     if n <= 1:
@@ -172,11 +192,11 @@ class _TwoHopQuant:
         return self.out
 
 
-def node_split(group, hosts: list[list[int]]) -> NodeSplit | None:
+def node_split(group, hosts: list[list[int]], hops: int | str | None = None) -> NodeSplit | None:
     """The `NodeSplit` of ``group`` whose ranks share hosts as ``hosts`` says (group ranks,
     `comm.host_groups`), or None where `plan` keeps one hop. Collective over the default group
     where it makes groups (every rank calls it alike, as `hier.split`)."""
-    hops, why = plan(hosts)
+    hops, why = plan(hosts, hops)
     me, n_all = rank(group), world_size(group)
     if sorted(r for h in hosts for r in h) != list(range(n_all)):
         raise ValueError(f"node_split: hosts {hosts} are not the group's ranks 0..{n_all - 1}")

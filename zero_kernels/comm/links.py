@@ -45,7 +45,7 @@ import torch.distributed as dist
 from . import hosts as _hosts
 from .groups import backend_for, group_key, is_initialized, rank, world_size
 
-__all__ = ["PATTERNS", "learn", "pattern", "split"]
+__all__ = ["PATTERNS", "host_bytes", "learn", "pattern", "split"]
 
 PATTERNS = ("ring", "ring_all_reduce", "pairwise", "all_to_all", "shm", "broadcast")
 _host_of: dict[int, int] = {}  # global rank -> host index (from `learn`)
@@ -102,6 +102,28 @@ def split(kind: str, nbytes: int, group=None) -> tuple[int, int]:
         inside = sum(same) - 1
         return inside * nbytes, (n - 1 - inside) * nbytes
     raise ValueError(f"kind must be one of {PATTERNS}; got {kind!r}")
+
+
+def host_bytes(kind: str, host_of) -> float:
+    """The most that one host sends to other hosts, as a fraction of the full buffer, in a
+    collective of send pattern ``kind`` over a group whose rank g is on host ``host_of[g]``
+    (pure; [Note: bytes by link]'s model, summed over each host's ranks)."""
+    n = len(host_of)
+    if n == 1 or len(set(host_of)) == 1:
+        return 0.0
+    out: dict = {}
+    for g, h in enumerate(host_of):
+        if kind in ("ring", "ring_all_reduce"):  # n - 1 chunks to the next rank
+            sent = (n - 1) / n * (2 if kind == "ring_all_reduce" else 1)
+            sent = sent if host_of[(g + 1) % n] != h else 0.0
+        elif kind in ("pairwise", "all_to_all"):  # one chunk to each rank of another host
+            sent = sum(1 for q in host_of if q != h) / n
+        elif kind == "shm":
+            return float("inf")  # one host's only
+        else:
+            raise ValueError(f"kind must be one of {PATTERNS[:-1]}; got {kind!r}")
+        out[h] = out.get(h, 0.0) + sent
+    return max(out.values())
 
 
 def _global_ranks(group) -> list[int]:

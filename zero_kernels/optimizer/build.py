@@ -627,7 +627,7 @@ def _grad_hops(core: Core) -> None:
     hops, why = comm.hier_quant.plan(hosts)
     core.comm_log.choices["quantize_grads"] = ("two hops" if hops == 2 else "one hop", why)
     if hops == 2:
-        core.reducer.two_hop = comm.hier_quant.node_split(core.mesh.shard, hosts)
+        core.reducer.two_hop = comm.hier_quant.node_split(core.mesh.shard, hosts, hops)
 
 
 def units(core: Core) -> UnitScheduler | None:

@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+from ..comm.choose import link_bytes, link_candidates
+from ..comm.hier_quant import plan as grad_hops_plan
 from .estimate import GRAD_REDUCE_BYTES, precision_of
 
 __all__ = ["CROSS_NODE_CONFIGS", "cross_node"]
@@ -50,19 +52,28 @@ def cross_node(
     *,
     precision: str = "fp32",
     reshard_after_forward: bool = True,
+    grad_hops: int | str = "auto",
 ) -> list[dict]:
     """Bytes per node per step that cross the nodes' links, for each of `CROSS_NODE_CONFIGS`:
     ring collectives over ranks numbered node-major (a ring leaves each node once, so a node
     sends (N-1)/N of a reduce-scatter's or all-gather's payload and 2 (N-1)/N of an
-    all-reduce's), gradients reduced in fp32 as ZeroOptimizer does. With ``shard_group="node"``
+    all-reduce's), gradients reduced in fp32 as ZeroOptimizer does. The reduce-scatters' and
+    all-gathers' algorithm is the one a run on gloo chooses across hosts, by its bytes on the
+    host link (`comm.choose.link_candidates`, [Note: link-aware choice]; the most of those it
+    keeps): the ring for reduce-scatters (gloo's native one is an all-reduce, 2x), the ring or
+    gloo's native (a ring too) for all-gathers. With ``shard_group="node"``
     (any stage) only the gradient shards' all-reduce across the nodes crosses: 2 (n-1)/n of the
     gradients per node ([Note: hierarchy] in `zero_kernels.comm.hier`). Quantized weights: the
-    gathers' packed bytes (1 + 4/256 per element at int8); quantized gradients (one-hop qgZ):
-    the reduce-scatter becomes an all-to-all of packed chunks, of which each rank sends the
-    ones for the ranks of other nodes, R (N - R) / N of the gradients per node (R ranks per
-    node of N). With ``secondary_shard="node"`` (hpZ) the backward's all-gathers stay inside the
+    gathers' packed bytes (1 + 4/256 per element at int8); quantized gradients: in two hops
+    where `comm.hier_quant.plan` takes them (several nodes of R >= 2 ranks: the node's exact
+    reduce-scatter, then the packed exchange across, (n-1)/n of the gradients per node; [Note:
+    two-hop quantized reduce-scatter]), else in one (an all-to-all of packed chunks, of which
+    each rank sends the ones for the ranks of other nodes, R (N - R) / N of the gradients per
+    node). With ``secondary_shard="node"`` (hpZ) the backward's all-gathers stay inside the
     nodes: only the forward's gathers cross. The bench (bench/bench_testbed.py) measured these
-    on its testbed within the 4.7-5.0% of headers."""
+    on its testbed within the 4.7-5.0% of headers. Each row also names the algorithms
+    (``algorithms``) and the gradients' hops (``grad_hops``; the argument: 1, 2 or "auto", as
+    ``ZERO_KERNELS_GRAD_HOPS``)."""
     if nodes < 1 or ranks_per_node < 1:
         raise ValueError(
             f"--nodes and ranks per node must be >= 1; got nodes={nodes}, "
@@ -72,23 +83,38 @@ def cross_node(
     psi = float(n_params)
     n_all, n = nodes * ranks_per_node, nodes
     g, p = GRAD_REDUCE_BYTES * psi, prec.param_bytes * psi
-    ring = (n_all - 1) / n_all if n > 1 else 0.0
+    host_of = [k // ranks_per_node for k in range(n_all)]
+    ring = (n_all - 1) / n_all if n > 1 else 0.0  # the all-reduces' (gloo's ring)
+    algos, frac = {}, {}
+    for op in ("reduce_scatter", "all_gather"):
+        if n_all == 1:
+            algos[op], frac[op] = "copy", 0.0
+            continue
+        keep, _ = link_candidates(op, host_of)
+        cost = link_bytes(op, host_of)
+        algos[op] = "|".join(keep)
+        frac[op] = max(cost[a] for a in keep)
+    hops, _ = grad_hops_plan(
+        [list(range(k, k + ranks_per_node)) for k in range(0, n_all, ranks_per_node)], grad_hops
+    )
     rows = []
     r_node = ranks_per_node
     for label, stage, sg, qw, qg, ss in CROSS_NODE_CONFIGS:
         gathered = _QUANT_BYTES[qw] * psi if qw else p
-        if qg:  # the all-to-all: each node sends its ranks' chunks for the other nodes' ranks
+        if qg and hops == 2:  # the packed exchange across, on each node's reduced slice
+            reduced = (n - 1) / n * _GRAD_QUANT_BYTES[qg] * psi
+        elif qg:  # the all-to-all: each node sends its ranks' chunks for the other nodes' ranks
             reduced = r_node * (n_all - r_node) / n_all * _GRAD_QUANT_BYTES[qg] * psi
         else:
-            reduced = ring * g
+            reduced = frac["reduce_scatter"] * g
         if sg == "node":
             b = 2 * (n - 1) / n * g
         elif stage == 0:
             b = 2 * ring * g
         elif stage in (1, 2) or not reshard_after_forward or ss is not None:
-            b = reduced + ring * gathered
+            b = reduced + frac["all_gather"] * gathered
         else:
-            b = reduced + ring * 2 * gathered
+            b = reduced + frac["all_gather"] * 2 * gathered
         rows.append(
             {
                 "config": label,
@@ -98,6 +124,8 @@ def cross_node(
                 "quantize_grads": qg,
                 "secondary_shard": ss,
                 "bytes": b,
+                "algorithms": {} if sg == "node" or stage == 0 else dict(algos),
+                "grad_hops": (hops if sg != "node" else 2) if qg else None,
             }
         )
     return rows
