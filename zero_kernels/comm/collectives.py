@@ -228,9 +228,28 @@ def side_group(group=None, timeout_s: float = 300.0):
     ranks = None if group is None else dist.get_process_group_ranks(group)
     # torch's fake group (tests at world size 8 in one process) has no gloo: a fake twin
     backend = None if is_fake(group) else "gloo"
-    return dist.new_group(
-        ranks=ranks, backend=backend, timeout=datetime.timedelta(seconds=timeout_s)
-    )
+    return _subgroup(ranks, backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _subgroup(ranks, **kw):
+    """``dist.new_group(ranks, **kw)`` where every rank of the world makes a group over the
+    ranks of its own ``group`` at this call, e.g. each dp group of a 2-D mesh (dp x tp). torch
+    names a group by a counter every rank advances, so groups over other ranks made at one
+    call would share a name and meet in one rendezvous (a hang, measured with dp 2 x tp 2):
+    here the ranks' lists are gathered over the world and every rank makes every group, in
+    one order, keeping its own (what DeviceMesh does for its dims). Collective over the world
+    where ``ranks`` is a proper subset of it."""
+    if ranks is None or len(ranks) == dist.get_world_size():
+        return dist.new_group(ranks=ranks, **kw)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, sorted(ranks))
+    mine = None
+    me = dist.get_rank()
+    for rs in sorted({tuple(r) for r in every}):
+        g = dist.new_group(ranks=list(rs), **kw)
+        if me in rs:
+            mine = g
+    return mine
 
 
 def twin_group(group=None, device: torch.device | str | None = None):
@@ -252,7 +271,7 @@ def twin_group(group=None, device: torch.device | str | None = None):
     except (AttributeError, RuntimeError):  # older or other builds: the default
         timeout = None
     ranks = None if group is None else dist.get_process_group_ranks(group)
-    twin = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+    twin = _subgroup(ranks, backend="gloo", timeout=timeout)
     register_twin(twin, group)
     return twin
 

@@ -44,6 +44,7 @@ __all__ = [
     "collective_device",
     "group_key",
     "group_or_world",
+    "group_ranks",
     "is_fake",
     "is_initialized",
     "parse_backends",
@@ -62,6 +63,15 @@ def world_size(group=None) -> int:
 
 def rank(group=None) -> int:
     return dist.get_rank(group) if is_initialized() else 0
+
+
+def group_ranks(group=None) -> list[int]:
+    """The global ranks of ``group`` (None: the world), in group-rank order."""
+    if not is_initialized():
+        return [0]
+    if group is None:
+        return list(range(dist.get_world_size()))
+    return list(dist.get_process_group_ranks(group))
 
 
 _tokens: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> its token

@@ -38,7 +38,7 @@ from ..partition.units import (
     unit_assignment,
     unit_members,
 )
-from . import validate, wrappers
+from . import tensor_parallel, validate, wrappers
 from .core import Core
 from .groups import param_groups
 from .materialize import materialize_modules_
@@ -68,6 +68,7 @@ def lay_out(
     every rank (`validate.check_agree`). ``own_options``: ZeroOptimizer's keyword options, for
     the error naming a keyword nobody takes."""
     shard, gather, cp = policy.shard, policy.gather, policy.comm
+    process_group = tensor_parallel.dp_group_of(process_group)  # a mesh: its dp dim
     validate.check_stage3(shard, module, units)
     mode, why = choose_mode(optimizer_class, partition)
     validate.check_kwargs(optimizer_class, defaults, own_options)
@@ -76,8 +77,21 @@ def lay_out(
         for n, p in module.named_parameters():
             names.setdefault(id(p), n)
     every = {id(p): p for g in user_groups for p in g["params"]}
-    validate.check_params(every, names, module)
+    # DTensor params of tensor parallelism: laid out by their local tensors
+    # ([Note: tensor parallelism] in zero_kernels/optimizer/tensor_parallel.py)
+    tp = tensor_parallel.find(every, names, module, process_group)
+    validate.check_params(every, names, module, tp_ids=tp.leaf_ids() if tp else frozenset())
     wrappers.check_not_wrapped(every.values(), names, module)
+    leaf_of: dict[int, torch.Tensor] = {}  # id(local) -> its DTensor param
+    if tp is not None:
+        tensor_parallel.check_policy(policy)
+        for g in user_groups:
+            g["params"] = [tp.local_of(p) for p in g["params"]]
+        for t in tp.by_id.values():
+            leaf_of[id(t.local)] = t.param
+            if id(t.param) in names:
+                names[id(t.local)] = names[id(t.param)]
+        every = {id(p): p for g in user_groups for p in g["params"]}
     for p in every.values():
         owner = wrappers.owner_of(p)
         if owner is not None:
@@ -94,7 +108,7 @@ def lay_out(
             specs.append(
                 ParamSpec(
                     len(specs), gi, str(p.dtype), tuple(p.shape), names.get(id(p), ""),
-                    p.requires_grad,
+                    leaf_of.get(id(p), p).requires_grad,
                 )
             )  # fmt: skip
         group_indices.append(idx)
@@ -106,7 +120,8 @@ def lay_out(
         # quantized weights or gradients: norms' gains and biases kept whole and exact
         # ([Note: quantized all-gather] in zero_kernels.comm.quant)
         vectors = cp.quantize_weights is not None or cp.quantize_grads is not None
-        unit_of = unit_assignment(unit_modules, by_index, gather.persist_below, vectors)
+        leaves = {i: leaf_of.get(id(p), p) for i, p in by_index.items()}  # the module's
+        unit_of = unit_assignment(unit_modules, leaves, gather.persist_below, vectors)
         specs = [dataclasses.replace(s, unit=unit_of[s.index]) for s in specs]
     if not any(s.requires_grad for s in specs):
         raise ValueError("ZeroOptimizer: no parameter has requires_grad=True")
@@ -223,7 +238,10 @@ def lay_out(
         # [Note: no host sync] in zero_kernels/partition/syncfree.py: off the CPU, step() reads
         # nothing
         sync_free=device.type != "cpu",
+        tp=tp,
     )
+    if tp is not None:
+        tp.bind(index_of)
     return core, user_groups, meta
 
 
@@ -417,9 +435,12 @@ def communication(core: Core) -> None:
     )
     if not p.shard.params and p.gather.check_order != "every":
         core.rs_group = comm.hier.twin_of_shard(core.mesh, core.device)
+    tp = core.tp
     core.reducer = Reducer(
-        core.layout, core.params, core.grads, core.rank, core.rs_group, core.comm_log, core.mesh
-    )
+        core.layout, core.params, core.grads, core.rank, core.rs_group, core.comm_log, core.mesh,
+        leaves=tp.leaves(core.params) if tp is not None else None,
+        local_grad=tp.local_grad if tp is not None else None,
+    )  # fmt: skip
     core.reducer.overlap = bool(p.comm.overlap_comm)
     core.reducer.phase = core.phase
     core.reducer.timeout = core.op_timeout

@@ -52,6 +52,7 @@ if TYPE_CHECKING:  # the types of the fields; the modules import at run time whe
     from ..partition.runner import ShardRunner
     from ..partition.units import UnitScheduler
     from ..policy import ZeroPolicy
+    from .tensor_parallel import TensorParallel
 
 __all__ = ["Core", "StepCounter"]
 
@@ -106,6 +107,9 @@ class Core:
     steps: StepCounter = dataclasses.field(default_factory=StepCounter)
     sync_free: bool = False  # off the CPU: step() reads nothing back ([Note: no host sync])
     phase: PhaseTracker = dataclasses.field(default_factory=PhaseTracker)  # [Note: phase]
+    # DTensor params of tensor parallelism, laid out by their local tensors ([Note: tensor
+    # parallelism] in zero_kernels/optimizer/tensor_parallel.py); None without
+    tp: TensorParallel | None = None
 
     def where(self) -> str:
         return f"ZeroOptimizer step {self.steps.n} (rank {self.dp_rank})"

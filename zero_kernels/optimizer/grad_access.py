@@ -72,7 +72,7 @@ class GradContract:
         if self.views.active and self.factor != ls:
             self.scale_store(self.factor * self.scaler.scale)
         self.factor = ls
-        self.views.detach_all(self.core.trainable)
+        self._detach_all()
 
     def publish(self) -> None:
         """End of a reduction: which params have a gradient on any rank, and their views."""
@@ -99,7 +99,7 @@ class GradContract:
         self.views.active = {idx[j] for j in mask.nonzero().flatten().tolist()}
         self.views.changed()  # new gradients: [Note: one collective per clip]
         self.core.reducer.got.clear()
-        self.views.install(self.core.trainable)
+        self._install()
         if self.core.units is not None:
             self.core.units.end_backward()
 
@@ -111,6 +111,8 @@ class GradContract:
         torch's clip cost O(params**2) on the host."""
         if of is not None and self.views.in_place(of):
             return
+        if self.core.tp is not None:  # the DTensor params' .grad into their local ones
+            self.core.tp.take_user_grads()
         cleared, replaced = self.views.user_changes(self.core.trainable)
         if not cleared and not replaced:
             return
@@ -128,7 +130,18 @@ class GradContract:
             for v, off in views.pieces_of(i):
                 v.copy_(flat[off : off + v.numel()].to(v.dtype) / self.factor)
             views.active.add(i)
-        views.install(self.core.trainable)
+        self._install()
+
+    def _install(self) -> None:
+        """The views on the params (``p.grad``); a DTensor param's wraps its local one's."""
+        self.views.install(self.core.trainable)
+        if self.core.tp is not None:
+            self.core.tp.publish_grads()
+
+    def _detach_all(self) -> None:
+        self.views.detach_all(self.core.trainable)
+        if self.core.tp is not None:
+            self.core.tp.drop_grads()
 
     def scale_store(self, c: float) -> None:
         if c != 1.0:
@@ -152,10 +165,10 @@ class GradContract:
         self.views.changed()  # [Note: one collective per clip]
         self.core.reducer.zero_grad()
         self.views.active.clear()
-        self.views.detach_all(self.core.trainable)
+        self._detach_all()
         if kept:
             self.views.active.update(kept)
-            self.views.install(self.core.trainable)
+            self._install()
         self.factor = 1.0 / self.scaler.scale
         self.overflow = None
 
@@ -170,6 +183,8 @@ class GradContract:
             # read ([Note: no host sync]; a read per shard synchronised once per shard)
             bad = any_nonfinite(self.core.grads.shard_tensors(), self.core.device).reshape(1)
             self.core.all_reduce(bad, "max", "step: non-finite check")
+            if self.core.tp is not None:  # a tp rank's slice: every rank skips alike
+                self.core.tp.reduce(bad, "max")
             self.overflow = bool(bad.item() != 0)
         elif self.core.sync_free:  # counted on the device, logged once the value is ready
             self.overflow = False
@@ -200,7 +215,9 @@ class GradContract:
         shards = self.core.grads.shard_tensors()
         if self.core.sync_free:
             return self._clip_on_device(shards, float(max_norm), norm_type, error_if_nonfinite)
-        t = self._reduce_norm(norm_on_device(shards, norm_type, self.core.device), norm_type)
+        t = self._reduce_norm(
+            norm_on_device(self._counted(shards), norm_type, self.core.device), norm_type
+        )
         total = float(t.item())
         if norm_type != 0 and not math.isinf(norm_type):
             total **= 1.0 / norm_type
@@ -220,17 +237,30 @@ class GradContract:
         group by one all-reduce, on the device. The inf-norm's max all-reduce can drop a NaN
         (gloo's max keeps a finite value met first), so NaNs travel as a flag beside the max and
         come back as NaN on every rank, as DDP's norm of those gradients is."""
+        tp = self.core.tp
         if not math.isinf(norm_type):
             self.core.all_reduce(t, "sum", "clip_grad_norm_", group=self.core.shard_group)
-            return t
+            return t if tp is None else tp.reduce_norm(t, norm_type)
         nan = t.isnan()
         both = torch.cat([t.masked_fill(nan, -math.inf), nan.to(t.dtype)])
         self.core.all_reduce(both, "max", "clip_grad_norm_", group=self.core.shard_group)
-        return both[:1].masked_fill(both[1:] > 0, math.nan)
+        t = both[:1].masked_fill(both[1:] > 0, math.nan)
+        return t if tp is None else tp.reduce_norm(t, norm_type)
+
+    def _counted(self, shards: list[torch.Tensor]) -> list[torch.Tensor]:
+        """What this rank adds to a norm of the whole model: its shards, or with tensor
+        parallelism each element once across tp ([Note: tensor parallelism])."""
+        tp = self.core.tp
+        if tp is None:
+            return shards
+        mine = tp.norm_inputs(self.core.layout, self.core.rank, self.core.grads)
+        return shards if mine is None else mine
 
     def _clip_on_device(self, shards, max_norm: float, norm_type: float, error_if_nonfinite):
         """`clip_grad_norm_` without a host read ([Note: no host sync])."""
-        t = self._reduce_norm(norm_on_device(shards, norm_type, self.core.device), norm_type)
+        t = self._reduce_norm(
+            norm_on_device(self._counted(shards), norm_type, self.core.device), norm_type
+        )
         if norm_type not in (0.0, 1.0) and not math.isinf(norm_type):
             t = t ** (1.0 / norm_type)
         total = (t * abs(self.factor)).reshape(())

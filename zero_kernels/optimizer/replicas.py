@@ -121,6 +121,8 @@ def sync_at_start(core: Core) -> list[str]:
         return []
     # shard_frozen's frozen params are sharded (rank 0's values, broadcast by the store)
     trained = {id(p) for p in [*core.trainable.values(), *core.frozen.values()]}
+    if core.tp is not None:  # the DTensor params, trained through their local tensors
+        trained |= core.tp.leaf_ids()
     named = unsharded(core.module, trained)
     count = torch.tensor([len(named), -len(named)], dtype=torch.int64)
     comm.all_reduce(count, "max", group=core.side)

@@ -112,10 +112,13 @@ _FSDP1 = (
 )
 
 
-def check_params(params: dict[int, torch.Tensor], names: dict[int, str], module) -> None:
+def check_params(
+    params: dict[int, torch.Tensor], names: dict[int, str], module, tp_ids=frozenset()
+) -> None:
     """Parameters ZeroOptimizer can shard: leaves, floating point, materialised, dense grads,
-    plain tensors (no DTensor, no FSDP flat parameter; with the module: no FSDP wrapper in it,
-    no DTensor among its frozen params and buffers either)."""
+    plain tensors or the tensor-parallel DTensors ``tp_ids`` (ids: checked by
+    `zero_kernels.optimizer.tensor_parallel.find`), no FSDP flat parameter; with the module: no
+    FSDP wrapper in it, no other DTensor among its params and buffers either."""
     if isinstance(module, nn.Module):
         for mname, m in module.named_modules():
             if type(m).__name__ == "FullyShardedDataParallel":
@@ -136,10 +139,23 @@ def check_params(params: dict[int, torch.Tensor], names: dict[int, str], module)
             ("buffer", module.named_buffers()),
         ):
             for n, t in items:
-                if _is_dtensor(t):
+                if _is_dtensor(t) and id(t) not in tp_ids:
+                    if tp_ids and kind == "param":
+                        raise NotImplementedError(
+                            f"param {n} is a tensor-parallel DTensor that this ZeroOptimizer "
+                            "was not given (frozen, or left out of its param groups): "
+                            "frozen DTensor params are not supported yet"
+                        )
                     raise TypeError(_dtensor_message(f"{kind} {n}", t))
     for p in params.values():
         name = names.get(id(p)) or f"of shape {tuple(p.shape)}"
+        if id(p) in tp_ids:
+            if not p.requires_grad:
+                raise NotImplementedError(
+                    f"param {name} is a frozen tensor-parallel DTensor (requires_grad=False): "
+                    "not supported yet; leave it out of the optimizer and the model's frozen set"
+                )
+            continue
         if _is_dtensor(p):
             raise TypeError(_dtensor_message(f"param {name}", p))
         if _is_flat_param(p):

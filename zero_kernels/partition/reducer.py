@@ -128,6 +128,8 @@ class Reducer:
         group,
         log: comm.CommLog,
         mesh=None,
+        leaves: dict[int, torch.Tensor] | None = None,
+        local_grad=None,
     ):
         self.layout, self.grads, self.rank, self.group, self.log = layout, grads, rank, group, log
         # hierarchical sharding: each bucket's shard is then all-reduced across the replica
@@ -180,10 +182,14 @@ class Reducer:
         self._bucket_of = {  # param index -> its bucket's key
             s.index: (i, s.bucket) for i, buf in enumerate(layout.buffers) for s in buf.slots
         }
+        # tensor parallelism: the hooks sit on the autograd leaf (the DTensor) of a param laid
+        # out by its local tensor, and take the local tensor of its gradient ([Note: tensor
+        # parallelism] in zero_kernels/optimizer/tensor_parallel.py)
+        self._local_grad = local_grad
         me = weakref.ref(self)  # hooks must not keep the reducer (and its optimizer) alive
         for i, buf in enumerate(layout.buffers):
             for pos, slot in enumerate(buf.slots):
-                p = params[slot.index]
+                p = (leaves or params)[slot.index]
                 self._hooks.append(p.register_hook(_pre_hook(me)))
                 self._hooks.append(p.register_post_accumulate_grad_hook(_post_hook(me, i, pos)))
 
@@ -249,6 +255,8 @@ class Reducer:
             p.grad = None
             if g is None:
                 return
+            if self._local_grad is not None:
+                g = self._local_grad(slot.index, g)
             if g.layout != torch.strided:
                 raise NotImplementedError(
                     f"param {slot.name or slot.index} got a {g.layout} gradient: ZeroOptimizer "
