@@ -250,9 +250,9 @@ def prefetch_sweep(sizes: list[int], distances: list[int], repeats: int) -> list
     """The real steps at each software prefetch distance, side by side with torch's fused step,
     each candidate on its own buffers (as in the plain-step table): the measurement behind the
     per-CPU-family default (`_C.default_prefetch_distance`, csrc/adam_cpu_scalar.cpp)."""
-    from zero_kernels import _native
+    from zero_kernels import native
 
-    mod = _native.load()
+    mod = native.load()
     if mod is None:
         raise SystemExit("--prefetch-sweep needs the native extension")
     rows = []

@@ -63,7 +63,7 @@ class Candidate:
         self.cpu_s: list[float] = []  # this process's CPU time (all threads) for write + read
 
     def run(self, keep: bool) -> None:
-        fd = self.f._fd
+        fd = self.f.fd
         c0 = time.process_time()
         t0 = time.perf_counter()
         self.f.write(self.buf, 0)
@@ -127,7 +127,7 @@ def main() -> None:
     if fs in ("tmpfs", "ramfs"):
         sys.exit(f"{args.dir} is on {fs}: give --dir a directory on a real disk")
     nbytes = args.mb * MiB
-    native, why = aio._native_engine_class()
+    native, why = aio.native_engine_class()
     print(f"dir {args.dir} ({fs}), {args.mb} MiB per request, {args.repeats} rounds")
     if native is None:
         print(f"no native engine ({why}): python backend only")
@@ -172,7 +172,7 @@ def main() -> None:
             ("native-threads", {"backend": "native", "engine": "threads"}),
             *kinds,
         ]
-        ok, uring_why = aio._native.load().aio_uring_supported()
+        ok, uring_why = aio.native.load().aio_uring_supported()
         if not ok:
             print(f"no io_uring here ({uring_why})")
             kinds.pop(0)

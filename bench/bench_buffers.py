@@ -33,6 +33,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import init_gloo, machine, markdown_table, run_group, write_results  # noqa: E402
 
+from zero_kernels.policy import ZeroPolicy
+
 CANDS = ["ddp", "ddp_nobcast", "zero2", "zero2_nobcast"]
 
 
@@ -62,7 +64,10 @@ def worker(rank, world, port, a, q) -> None:
         else:
             fwd = m
             opt = ZeroOptimizer(
-                m, torch.optim.AdamW, stage=2, lr=1e-3, broadcast_buffers=name == "zero2"
+                m,
+                torch.optim.AdamW,
+                policy=ZeroPolicy.resolve(stage=2, broadcast_buffers=name == "zero2"),
+                lr=1e-3,
             )
         runs[name] = (m, fwd, opt)
     g = torch.Generator().manual_seed(rank)

@@ -51,6 +51,8 @@ from harness import (  # noqa: E402
     write_results,
 )
 
+from zero_kernels.policy import ZeroPolicy
+
 
 def _reset_peak() -> None:
     with open("/proc/self/clear_refs", "w") as f:
@@ -72,12 +74,11 @@ def worker(rank, world, port, cfg, q):
     opt = zero_kernels.ZeroOptimizer(
         model,
         torch.optim.AdamW,
-        stage=3,
+        policy=ZeroPolicy.resolve(
+            stage=3, offload_optimizer="nvme", offload_params="nvme", offload_dir=cfg["dir"]
+        ),
         lr=1e-3,
         units=[nn.Sequential],
-        offload_optimizer="nvme",
-        offload_params="nvme",
-        offload_dir=cfg["dir"],
         **({"state_dtype": cfg["state_dtype"]} if cfg["state_dtype"] != "fp32" else {}),
     )
     for s in range(2):

@@ -31,6 +31,8 @@ import time
 
 import torch
 
+from zero_kernels.policy import ZeroPolicy
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, ".."))
@@ -105,10 +107,11 @@ def worker(rank, world, port, args, q):
         zo = ZeroOptimizer(
             trained,
             torch.optim.AdamW,
-            stage=3,
+            policy=ZeroPolicy.resolve(
+                stage=3, shard_frozen=v.removesuffix("_saved").endswith("shard_frozen")
+            ),
             module=m,
             lr=1e-4,
-            shard_frozen=v.removesuffix("_saved").endswith("shard_frozen"),
         )
         run, opt, report = m, zo, zo
     cast = (

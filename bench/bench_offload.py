@@ -43,6 +43,8 @@ from harness import (  # noqa: E402
     write_results,
 )
 
+from zero_kernels.policy import ZeroPolicy
+
 CONFIGS = {
     "ram": {},
     "opt": {"offload_optimizer": "nvme"},
@@ -98,10 +100,8 @@ def worker(rank, world, port, cfg, q):
     opt = zero_kernels.ZeroOptimizer(
         model,
         torch.optim.AdamW,
-        stage=cfg["stage"],
+        policy=ZeroPolicy.resolve(stage=cfg["stage"], bucket_size_mb=cfg["bucket_mb"], **kw),
         lr=1e-4,
-        bucket_size_mb=cfg["bucket_mb"],
-        **kw,
     )
     x = torch.randn(cfg["batch"], cfg["d"], dtype=dtype)
     steps = []

@@ -49,7 +49,8 @@ def worker(a) -> None:
 
         dist.init_process_group("gloo")
         kw = {"offload_optimizer": "nvme", "offload_dir": a.dir} if "nvme" in name else {}
-        opt = zero_kernels.ZeroOptimizer(model, torch.optim.AdamW, stage=3, lr=1e-4, **kw)
+        pol = zero_kernels.ZeroPolicy.resolve(stage=3, **kw)
+        opt = zero_kernels.ZeroOptimizer(model, torch.optim.AdamW, policy=pol, lr=1e-4)
 
         def step():
             opt.zero_grad()

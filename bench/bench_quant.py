@@ -33,13 +33,13 @@ from harness import (  # noqa: E402
     write_results,
 )
 
-from zero_kernels import _native, ops  # noqa: E402
+from zero_kernels import native, ops  # noqa: E402
 
 BLOCKS = [32, 64, 128, 256, 512, 1024, 2048, 4096]
 
 
 def isas() -> list[str]:
-    mod = _native.load()
+    mod = native.load()
     if mod is None or not hasattr(mod, "quantize_blockwise"):
         return []
     order = ["scalar", "avx2", "avx512"]
@@ -56,7 +56,7 @@ def backend_call(name: str):
 
 def runner(name: str, fn):
     backend, isa = backend_call(name)
-    mod = _native.load()
+    mod = native.load()
 
     def run():
         if isa is not None:
@@ -127,8 +127,8 @@ def throughput(n: int, repeats: int, floor: float) -> list[dict]:
                 }
             )
             print(rows[-1], flush=True)
-    if _native.load() is not None:
-        _native.load().set_cpu_isa("auto")
+    if native.load() is not None:
+        native.load().set_cpu_isa("auto")
     return rows
 
 

@@ -55,6 +55,8 @@ from datetime import timedelta
 import torch
 import torch.multiprocessing as mp
 
+from zero_kernels.policy import ZeroPolicy
+
 WORLD = 2  # default --world
 LAST = 20  # final loss = mean of the last LAST steps
 RUNS = [  # (name, dtype, quantize_weights)
@@ -131,9 +133,7 @@ def _build(dtype: str, quant: str | None, init_seed: int, variant: str = "q8"):
     opt = ZeroOptimizer(
         model,
         torch.optim.AdamW,
-        stage=3,
-        **options,
-        bucket_size_mb=DEMO["bucket_mb"],
+        policy=ZeroPolicy.resolve(stage=3, bucket_size_mb=DEMO["bucket_mb"], **options),
         lr=DEMO["lr"],
         weight_decay=DEMO["weight_decay"],
     )

@@ -20,7 +20,7 @@ hyper-parameters):
     ours_reshard            ZeroOptimizer(model, AdamW, stage=3, reshard_after_forward=True,
     ours_noreshard          prefetch=1) / reshard_after_forward=False, prefetch=1 /
     ours_prefetch0          reshard_after_forward=True, prefetch=0 (what prefetch overlaps)
-    ours_*_native / _pairwise / _shm   (optional, --cands) the same with zero_kernels.comm's
+    ours_*native / _pairwise / _shm   (optional, --cands) the same with zero_kernels.comm's
                             algorithm pinned instead of probed
     ours_*_noshm            (optional) the same with the probe choosing among native, pairwise
                             and ring only (as before the shm algorithm)

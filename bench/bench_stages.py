@@ -73,6 +73,8 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from torch import nn  # noqa: E402
 
+from zero_kernels.policy import ZeroPolicy
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, ".."))
@@ -240,9 +242,9 @@ def _build(name: str, model: nn.Module, args, lr: float):
         opt = ZeroOptimizer(
             model,
             torch.optim.AdamW,
-            stage=int(name[len("ours_stage")]),
-            bucket_size_mb=args.bucket_mb,
-            **extra,
+            policy=ZeroPolicy.resolve(
+                stage=int(name[len("ours_stage")]), bucket_size_mb=args.bucket_mb, **extra
+            ),
             **kw,
         )
 
@@ -449,9 +451,8 @@ def memory_worker(rank, world, port, args, res_q):
                 opt = torch.optim.AdamW(m.parameters(), **kw)
             else:
                 fwd = m
-                opt = ZeroOptimizer(
-                    m, torch.optim.AdamW, stage=stage, bucket_size_mb=args.bucket_mb, **kw
-                )
+                pol = ZeroPolicy.resolve(stage=stage, bucket_size_mb=args.bucket_mb)
+                opt = ZeroOptimizer(m, torch.optim.AdamW, policy=pol, **kw)
             opt.zero_grad()
             _loss(fwd(x), x, y).backward()
             opt.step()

@@ -89,11 +89,11 @@ def worker(rank, world, port, cfg, q):
         opt = zero_kernels.ZeroOptimizer(
             model,
             torch.optim.AdamW,
-            stage=3,
+            policy=zero_kernels.ZeroPolicy.resolve(
+                stage=3, state_dtype=cfg["state_dtype"], **extra
+            ),
             lr=3e-4,
             weight_decay=0.1,
-            state_dtype=cfg["state_dtype"],
-            **extra,
         )
         fwd, zero = model, opt.zero_grad
     corpus = load_corpus()

@@ -76,6 +76,8 @@ import statistics
 import sys
 import time
 
+from zero_kernels.policy import ZeroPolicy
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 CANDIDATES = (
     "ddp_fused",
@@ -242,11 +244,13 @@ def _worker(args) -> None:
         opt = ZeroOptimizer(
             model,
             torch.optim.AdamW,
-            stage=stage,
-            shard_group=sg,
-            quantize_weights=qw,
-            quantize_grads=qg,
-            secondary_shard=ss,
+            policy=ZeroPolicy.resolve(
+                stage=stage,
+                shard_group=sg,
+                quantize_weights=qw,
+                quantize_grads=qg,
+                secondary_shard=ss,
+            ),
             **kw,
         )
         run = model

@@ -42,7 +42,7 @@ section build
 tail -n 30 "$out/gpu_build.txt"
 "$py" -c "from zero_kernels import _C; assert _C.has_cuda(), 'built without CUDA kernels'; print('cuda kernels: yes')" ||
   { echo "!! no CUDA kernels: nothing else can run"; exit 1; }
-"$py" -c "from zero_kernels import _native; print('cuda images:', _native.cuda_archs())"
+"$py" -c "from zero_kernels import native; print('cuda images:', native.cuda_archs())"
 
 if want tests; then
 echo "== CUDA and Triton tests"

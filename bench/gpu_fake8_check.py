@@ -35,6 +35,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from zero_kernels.policy import ZeroPolicy
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
@@ -80,7 +82,9 @@ def check_memory(device: torch.device, prefetch: int = 1) -> dict:
     unit = nbytes(m.blocks[0].parameters())
     root = nbytes(m.inp.parameters()) + nbytes(m.out.parameters())
     whole = nbytes(m.parameters())
-    zo = ZeroOptimizer(m, torch.optim.AdamW, stage=3, lr=1e-3, prefetch=prefetch)
+    zo = ZeroOptimizer(
+        m, torch.optim.AdamW, policy=ZeroPolicy.resolve(stage=3, prefetch=prefetch), lr=1e-3
+    )
     x = torch.randn(8, d, device=device)
     for _ in range(2):  # the first step records the order and creates the state
         m(x).pow(2).mean().backward()
@@ -120,7 +124,7 @@ def check_memory(device: torch.device, prefetch: int = 1) -> dict:
 def check_syncs(device: torch.device, mode: str, stage: int) -> dict:
     torch.manual_seed(0)
     m = Net(4, 64).to(device)
-    kw: dict = dict(lr=1e-3, stage=stage, bucket_size_mb=0.01)
+    kw: dict = dict(stage=stage, bucket_size_mb=0.01)
     if mode == "fp16":
         m = m.half()
         kw["loss_scale"] = "dynamic"
@@ -128,9 +132,9 @@ def check_syncs(device: torch.device, mode: str, stage: int) -> dict:
         kw["nonfinite"] = "skip"
     elif mode == "int8":
         kw["state_dtype"] = "int8"
-    if stage == 3:
-        kw["units"] = [Block]
-    zo = ZeroOptimizer(m, torch.optim.AdamW, **kw)
+    units = [Block] if stage == 3 else None
+    pol = ZeroPolicy.resolve(**kw)
+    zo = ZeroOptimizer(m, torch.optim.AdamW, policy=pol, units=units, lr=1e-3)
     scaler = torch.amp.GradScaler(device.type, init_scale=1024.0) if mode == "scaler" else None
     dt = next(m.parameters()).dtype
     counts, pageable = [], 0

@@ -33,6 +33,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from zero_kernels.policy import ZeroPolicy
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
@@ -70,9 +72,8 @@ def correctness(device, steps: int = 6) -> list[dict]:
                 kw = {"offload_optimizer": off}
                 if off == "both":  # the param shards in host memory too
                     kw = {"offload_optimizer": "cpu", "offload_params": "cpu"}
-                opt = ZeroOptimizer(
-                    m, torch.optim.AdamW, stage=stage, lr=1e-3, weight_decay=0.01, **kw
-                )  # fmt: skip
+                pol = ZeroPolicy.resolve(stage=stage, **kw)
+                opt = ZeroOptimizer(m, torch.optim.AdamW, policy=pol, lr=1e-3, weight_decay=0.01)
                 for s in range(steps):
                     x, y = _batch(cfg, s, 4, device)
                     opt.zero_grad()
@@ -162,7 +163,8 @@ def timing(device, layers: int, width: int, steps: int, batch: int) -> dict:
         m = copy.deepcopy(base).to(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        opt = ZeroOptimizer(m, torch.optim.AdamW, stage=stage, lr=1e-4, **kw)
+        pol = ZeroPolicy.resolve(stage=stage, **kw)
+        opt = ZeroOptimizer(m, torch.optim.AdamW, policy=pol, lr=1e-4)
         r = _train_timed(m, opt, cfg, device, steps, batch)
         r.update(_mem(device))
         out["rows"][name] = r

@@ -46,9 +46,9 @@ def machine() -> dict:
     }
     info.update(_lscpu())
     try:
-        from zero_kernels import _native
+        from zero_kernels import native
 
-        mod = _native.load()
+        mod = native.load()
         info["zero_kernels_cpu_isa"] = mod.cpu_isa() if mod is not None else None
         if mod is not None and hasattr(mod, "prefetch_distance"):
             info["zero_kernels_prefetch"] = mod.prefetch_distance()
@@ -132,9 +132,9 @@ def memory_bandwidth(n_floats: int = 50_000_000, device: str = "cpu", repeats: i
     probe = None
     if device == "cpu":
         try:
-            from zero_kernels import _native
+            from zero_kernels import native
 
-            probe = _native.load()
+            probe = native.load()
         except ImportError:
             probe = None
     if probe is not None:
@@ -184,9 +184,9 @@ def stream_floor(n: int, repeats: int = 7, threads: tuple[int, ...] | None = Non
     "best": {pattern: that row}}; {} without the native extension.
     """
     try:
-        from zero_kernels import _native
+        from zero_kernels import native
 
-        mod = _native.load()
+        mod = native.load()
     except ImportError:
         mod = None
     if mod is None or not hasattr(mod, "stream_probe_variant"):
@@ -226,9 +226,9 @@ def stream_floor(n: int, repeats: int = 7, threads: tuple[int, ...] | None = Non
 def best_probe(n: int, best_row: dict):
     """A callable running the probe variant ``best_row`` (from `stream_floor`) over fresh
     buffers of ``n`` elements: the floor re-timed next to the kernels."""
-    from zero_kernels import _native
+    from zero_kernels import native
 
-    mod = _native.load()
+    mod = native.load()
     p, g, m, v = probe_buffers(n, best_row["pattern"])
     pf, nt, t = best_row["prefetch"], best_row["nt"], best_row["threads"]
     return lambda: mod.stream_probe_variant(p, g, m, v, pf, nt, t)

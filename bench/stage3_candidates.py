@@ -11,6 +11,8 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+from zero_kernels.policy import ZeroPolicy
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, ".."))
@@ -181,9 +183,8 @@ def build(name: str, model: nn.Module, args, lr: float):
                 reshard_after_forward="_noreshard" not in name,
                 prefetch=0 if name.endswith("prefetch0") else 1,
             )
-        opt = ZeroOptimizer(
-            model, torch.optim.AdamW, stage=stage, bucket_size_mb=args.bucket_mb, **extra, **kw
-        )
+        pol = ZeroPolicy.resolve(stage=stage, bucket_size_mb=args.bucket_mb, **extra)
+        opt = ZeroOptimizer(model, torch.optim.AdamW, policy=pol, **kw)
 
         fwd = C(model)
         return marked_step(lambda x, y: fwd_loss(fwd, x, y), opt.step, opt.zero_grad), opt

@@ -27,7 +27,7 @@ def script_path(name: str) -> str:
 def leftovers(run_id: str) -> dict:
     """What runs left behind: the namespaces and the processes of every run whose id starts with
     ``run_id`` (a whole id, or ``f"{pid}-"`` for every run of the controller ``pid``)."""
-    names = [n for n in tb._netns_names() if n.startswith(f"{tb.PREFIX}-{run_id}")]
+    names = [n for n in tb.netns_names() if n.startswith(f"{tb.PREFIX}-{run_id}")]
     key = f"{tb.ENV_RUN}={run_id}".encode()
     pids = []
     for pid in os.listdir("/proc"):

@@ -4,6 +4,9 @@
 - `ZeroOptimizer`: shards optimizer state (stage 1), gradients (stage 2) and parameters (stage 3)
   of any torch optimizer across the data-parallel ranks; `init_module_`: the deterministic
   initialisation stage 3 uses for models built on the meta device.
+- The policies (`zero_kernels.policy`): every option of a ZeroOptimizer as a documented field of
+  `GatherPolicy`, `PrecisionPolicy`, `CommPolicy`, `OffloadPolicy`, `ExecutionPolicy`, or all
+  of them in one `ZeroPolicy`.
 - `save_checkpoint` / `load_checkpoint` / `CheckpointError`: checkpoints that load at any world
   size and stage (`zero_kernels.checkpoint`).
 """
@@ -15,15 +18,31 @@ from .fused_adam import FusedAdam, FusedAdamW
 
 __all__ = [
     "CheckpointError",
+    "CommPolicy",
+    "ExecutionPolicy",
     "FusedAdam",
     "FusedAdamW",
+    "GatherPolicy",
+    "OffloadPolicy",
+    "PrecisionPolicy",
+    "ShardPolicy",
     "ZeroOptimizer",
+    "ZeroPolicy",
     "__version__",
     "init_module_",
     "load_checkpoint",
     "save_checkpoint",
 ]
 _CHECKPOINT = ("CheckpointError", "load_checkpoint", "save_checkpoint")
+_POLICIES = (
+    "CommPolicy",
+    "ExecutionPolicy",
+    "GatherPolicy",
+    "OffloadPolicy",
+    "PrecisionPolicy",
+    "ShardPolicy",
+    "ZeroPolicy",
+)
 
 
 def __getattr__(name: str):
@@ -36,6 +55,10 @@ def __getattr__(name: str):
         from .optimizer.materialize import init_module_
 
         return init_module_
+    if name in _POLICIES:
+        from . import policy
+
+        return getattr(policy, name)
     if name in _CHECKPOINT:
         from . import checkpoint
 

@@ -233,6 +233,10 @@ class GradStore:
         n = self.layout.buffers[i].buckets[b].numel(self.layout.world_size)
         return len(self.live) < self.max_inflight and self._live_numel + n <= self.cap_numel
 
+    def pooled_buffers(self) -> int:
+        """Stage 2: bucket buffers kept for reuse, not in use now."""
+        return len(self._free)
+
     def _take(self, n: int, dtype: torch.dtype) -> torch.Tensor:
         """A pool buffer of at least ``n`` elements: the smallest free one that fits, else a new
         one of ``n`` (freeing free buffers, smallest first, to stay within the bounds)."""
@@ -284,7 +288,7 @@ class GradStore:
         return max((torch.finfo(d).bits // 8 for d in self.reduce_dtypes), default=4)
 
 
-class _Mapped:
+class Mapped:
     """A gathered bucket's memory on the CPU: an anonymous memory mapping of its own, whose
     pages `release` returns to the system at once (``madvise(MADV_DONTNEED)``) while the mapping,
     and so the tensor's storage, stay ([Note: gathered memory])."""
@@ -362,7 +366,7 @@ class ParamStore:
         self.shards: list[torch.Tensor] = []  # sharded params: the persistent shards
         self.gathered: list[list[torch.Tensor]] = []  # sharded: per bucket, storage 0 when freed
         self.raw: list[list[torch.Tensor]] = []
-        self.maps: list[list[_Mapped | None]] = []  # sharded, CPU: each bucket's mapping
+        self.maps: list[list[Mapped | None]] = []  # sharded, CPU: each bucket's mapping
         self.live: set[tuple[int, int]] = set()  # sharded: buckets allocated now
         # sharded, CUDA: the stream the all-gathers write on, which gathered buckets are
         # allocated on (set by stage 3's scheduler), and the stream each live bucket was
@@ -380,7 +384,7 @@ class ParamStore:
             full, raw, maps = [], [], []
             for bk in buf.buckets:
                 if _maps_memory(device):
-                    m = _Mapped(bk.numel(n), dt)
+                    m = Mapped(bk.numel(n), dt)
                     t = m.tensor
                 else:
                     m, t = None, torch.empty(bk.numel(n), dtype=dt, device=device)

@@ -51,7 +51,7 @@ import os
 
 import torch
 
-from . import _native
+from . import native
 
 __all__ = [
     "install",
@@ -73,7 +73,7 @@ _user_disabled = False  # disable() was called (and install() not since)
 
 def available() -> str | None:
     """None when the cache can be installed here, else why not."""
-    lib = _native.load()
+    lib = native.load()
     if lib is None or not hasattr(lib, "host_cache_install"):
         return "the native extension zero_kernels._C is not built (or predates the host cache)"
     return None
@@ -96,7 +96,7 @@ def install(min_bytes: int | None = None, cap_bytes: int | None = None) -> bool:
         return False
     global _user_disabled
     _user_disabled = False
-    return bool(_native.load().host_cache_install(min_bytes, cap_bytes))
+    return bool(native.load().host_cache_install(min_bytes, cap_bytes))
 
 
 def from_env(setting) -> bool:
@@ -126,7 +126,7 @@ def ensure(setting) -> bool:
 
 def installed() -> bool:
     """Whether new CPU requests of ``min_bytes`` or more go to the cache."""
-    return available() is None and bool(_native.load().host_cache_stats()["enabled"])
+    return available() is None and bool(native.load().host_cache_stats()["enabled"])
 
 
 def disable() -> None:
@@ -135,7 +135,7 @@ def disable() -> None:
     global _user_disabled
     _user_disabled = True
     if available() is None:
-        _native.load().host_cache_enable(False)
+        native.load().host_cache_enable(False)
 
 
 def stats() -> dict:
@@ -146,20 +146,20 @@ def stats() -> dict:
         out = dict.fromkeys(keys + ("misses", "unmapped", "min_bytes", "cap_bytes"), 0)
         out["enabled"] = False
         return out
-    return dict(_native.load().host_cache_stats())
+    return dict(native.load().host_cache_stats())
 
 
 def reset_stats() -> None:
     """Peaks to the current values, counters to zero."""
     if available() is None:
-        _native.load().host_cache_reset_stats()
+        native.load().host_cache_reset_stats()
 
 
 def trim() -> int:
     """Unmap every cached block (blocks in use are untouched); the bytes given back."""
-    return int(_native.load().host_cache_trim()) if available() is None else 0
+    return int(native.load().host_cache_trim()) if available() is None else 0
 
 
 def owns(t: torch.Tensor) -> bool:
     """Whether ``t``'s storage is a block of the cache."""
-    return available() is None and bool(_native.load().host_cache_owns(t))
+    return available() is None and bool(native.load().host_cache_owns(t))

@@ -1,28 +1,35 @@
-"""Named, frozen policies: what `ZeroOptimizer`'s parts read instead of an integer stage.
+"""Named, frozen policies: every choice of a `ZeroOptimizer`, each in one documented field.
 
 [Note: policies]
-The user's options map once, at construction, to these objects; the parts below the facade
-(the gradient store and reducer, the param store, the unit scheduler) read a policy field, never
-``stage`` or a keyword. A new option is a field of one policy and the one place that acts on it.
+The options live once, as fields of these objects (a docstring under each field: what it does,
+its default, its cost). `ZeroOptimizer` takes ``stage=`` as the shorthand of the shard policy and
+the other policies as keywords of their own (``gather=``, ``precision=``, ``comm=``,
+``offload=``, ``execution=``), or one `ZeroPolicy` holding them all (``policy=``: a run's whole
+configuration as one value to print, compare across ranks, save and rebuild from). The parts
+below the facade (the gradient store and reducer, the param store, the unit scheduler) read a
+policy field, never ``stage`` or a keyword. A new option is a field of one policy and the one
+place that acts on it.
 
     ShardPolicy      what stays whole on every rank between uses: the ZeRO stage
                      (stage 1: params and grads, 2: params, 3: nothing)
     GatherPolicy     stage 3: when params are gathered and freed (resharding, prefetch, params
-                     kept whole, the module-order check); stages 1/2: the step's all-gathers
-                     left in flight for the next forward
-    PrecisionPolicy  the gradient reduction's dtype and the loss scale; the params keep their own
-                     dtype, with fp32 masters where they are lower (see [Note: modes])
-    CommPolicy       bucket size, overlap, buffers in flight, the collectives' timeout, and the
-                     group the state is sharded over (room for hierarchy: "world" only today)
-    OffloadPolicy    offload tiers: offload_optimizer='nvme' (the Adam moments on disk),
-                     offload_params='nvme' (stage 3's param shards on disk)
-    ZeroPolicy       the five together
+                     kept whole, the module-order check, hpZ, frozen shards); stages 1/2: the
+                     step's all-gathers left in flight for the next forward
+    PrecisionPolicy  the gradient reduction's dtype, the loss scale, the optimizer state's dtype;
+                     the params keep their own dtype, with fp32 masters where they are lower
+    CommPolicy       buckets, overlap, timeouts, the shard group (hierarchy), quantized
+                     collectives, the module's buffers
+    OffloadPolicy    offload tiers: the Adam moments and stage 3's param shards on NVMe or host
+    ExecutionPolicy  how each rank runs its part: the layout of the optimizer's state, the fused
+                     Adam kernel, what a non-finite step does, the host block cache, and how a
+                     model built on the meta device is materialized
+    ZeroPolicy       the six together
 
-``stage=1|2|3`` stays the shorthand: ``ZeroPolicy.resolve(stage=2, ...)`` builds the same as
-``ZeroPolicy(shard=ShardPolicy.of_stage(2), ...)``, and ``ZeroOptimizer(..., policy=...)`` takes
-the object itself. As FSDP2's ``MixedPrecisionPolicy``/``OffloadPolicy`` do, each policy checks its
-own fields, naming the argument and the value; unlike them, one object holds every choice, so a
-run's configuration is one value to print, compare across ranks and save.
+``ZeroPolicy.resolve(stage=3, prefetch=2, bucket_size_mb=50)`` builds one from flat field names
+(each name belongs to one policy): the form for configuration files and sweeps
+(`zero_kernels.integrations.ds_config` maps DeepSpeed's keys onto it). As FSDP2's
+``MixedPrecisionPolicy``/``OffloadPolicy`` do, each policy checks its own fields, naming the
+argument and the value.
 """
 
 from __future__ import annotations
@@ -35,27 +42,28 @@ import torch
 
 __all__ = [
     "CommPolicy",
+    "ExecutionPolicy",
     "GatherPolicy",
     "OffloadPolicy",
     "PrecisionPolicy",
     "ShardPolicy",
     "ZeroPolicy",
-    "resolve_given",
 ]
 
 
 @dataclass(frozen=True)
 class ShardPolicy:
-    """What stays whole on every rank between uses.
-
-    params: params stay whole between steps (stages 1 and 2); False: each unit's params are
-        gathered for its forward and backward and freed after (stage 3).
-    grads: a full-size local gradient buffer, reduced in place (stage 1); False: only this
-        rank's reduced shard is kept, bucket buffers live while they are filled (stages 2, 3).
-    """
+    """What stays whole on every rank between uses: the ZeRO stage (``stage=`` builds it with
+    `ShardPolicy.of_stage`). Memory per rank of params + grads + Adam state (P params, N ranks,
+    fp32): stage 1 ``8P + 8P/N``, stage 2 ``4P + 12P/N``, stage 3 ``16P/N`` plus the units in use
+    (docs/stages.md)."""
 
     params: bool = True
+    """True: params stay whole between steps (stages 1 and 2); False: each unit's params are
+    gathered for its forward and backward and freed after (stage 3: an all-gather per use)."""
     grads: bool = False
+    """True: a full-size local gradient buffer, reduced in place (stage 1); False: only this
+    rank's reduced shard is kept, bucket buffers live while they are filled (stages 2, 3)."""
 
     def __post_init__(self):
         for name in ("params", "grads"):
@@ -81,33 +89,42 @@ class ShardPolicy:
 
 @dataclass(frozen=True)
 class GatherPolicy:
-    """When params are gathered and freed.
-
-    reshard_after_forward: stage 3: free a unit after its forward (gather it again for its
-        backward); False keeps it to the end of the backward.
-    prefetch: stage 3: units whose all-gathers start ahead of their use.
-    persist_below: stage 3: params of fewer elements are kept whole on every rank.
-    check_order: stage 3: "pass", "every" or "first" (see ZeroOptimizer); None: "pass".
-    overlap_param_gather: stages 1/2: the step's all-gathers stay in flight, each module's
-        forward waits for its own buckets.
-    secondary_shard: stage 3 (ZeRO++'s hpZ): None, "node" or an int K: after a unit's forward
-        each rank keeps 1/K of its gathered params (K: the ranks of one node, or consecutive
-        blocks of K ranks of the shard group), and the unit's backward all-gathers them inside
-        those K ranks instead of across the shard group ([Note: secondary shard] in
-        `zero_kernels.partition.secondary`).
-    shard_frozen: stage 3: the model's params that do not train (``requires_grad=False``: a
-        frozen base under adapters) are sharded and gathered with their unit as the trained
-        ones are, instead of kept whole on every rank ([Note: frozen shards] in
-        `zero_kernels.partition.frozen`).
-    """
+    """When params are gathered and freed (stage 3's units; stages 1/2's step all-gathers)."""
 
     reshard_after_forward: bool = True
+    """Stage 3: free a unit after its forward and gather it again for its backward (default);
+    False keeps it from its forward to the end of the backward (one all-gather less per unit,
+    the unit's whole params held that long)."""
     prefetch: int = 1
+    """Stage 3: units whose all-gathers start ahead of their use (default 1); each costs one
+    unit's gathered params of memory."""
     persist_below: int = 0
+    """Stage 3: params of fewer elements are kept whole on every rank (no gather; default 0,
+    none): DeepSpeed's ``stage3_param_persistence_threshold``."""
     check_order: str | None = None
+    """Stage 3 (None: "pass"): every mode checks in the first forward that every rank runs the
+    same units in the same order. "pass" also compares a hash of each pass's all-gathers,
+    reduce-scatters and unit forwards at the end of every forward and backward (one small
+    all-reduce on a side group per pass): a later change of modules on some rank is a
+    ValueError on every rank before an output of that pass is used; a rank that runs fewer
+    modules is found once a wait has lasted 2 s. "every" compares before each launch (1.06-1.30x
+    step time measured). "first": the first forward only."""
     overlap_param_gather: bool = False
+    """Stages 1/2 with the model: ``step()`` returns with the all-gathers of the new params in
+    flight, and each module's forward pre-hook waits for the buckets holding its params, so they
+    overlap the next forward (as Megatron's). Params read before the next forward are incomplete
+    until ``opt.wait_params()`` (state dicts and this optimizer's methods call it)."""
     secondary_shard: object = None
+    """Stage 3 (ZeRO++'s hpZ): None (default), "node" or an int K. After a unit's forward each
+    rank keeps 1/K of its gathered params (K: the ranks of one node, or consecutive blocks of K
+    ranks), and the unit's backward all-gathers inside those K ranks instead of the shard group.
+    Costs 1/K of every unit's params per rank from its forward to its backward; results equal
+    those without it ([Note: secondary shard] in `zero_kernels.partition.secondary`)."""
     shard_frozen: bool = False
+    """Stage 3: the model's params that do not train (``requires_grad=False``: a frozen base
+    under adapters) are sharded 1/N per rank and gathered with their unit as the trained ones
+    are (as FSDP's and DeepSpeed's); False (default) keeps them whole on every rank ([Note:
+    frozen shards] in `zero_kernels.partition.frozen`)."""
 
     def __post_init__(self):
         if not isinstance(self.reshard_after_forward, bool):
@@ -146,21 +163,28 @@ _REDUCE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 
 @dataclass(frozen=True)
 class PrecisionPolicy:
-    """reduce_dtype: stages 2/3: the dtype gradients are accumulated and reduce-scattered in
-    (None: fp32; float64 params: float64). loss_scale: None, a positive number (static),
-    "dynamic", or "auto" (dynamic with fp16 params, else none). state_dtype: how the fused
-    Adam step stores exp_avg/exp_avg_sq: "fp32" (torch's), "bf16" (half the bytes) or "int8"
-    (blockwise, ``state_block`` elements per block, a quarter: [Note: int8 shard state] in
-    `zero_kernels.partition.lowbit_state`); fp32 math in every case
-    (`zero_kernels.ops.lowbit` [Note: low-bit state]). bf16_stochastic_round: bf16 params have
-    no fp32 master: the fused step runs on an fp32 copy of each bucket's shard and writes it
-    back rounded stochastically (`zero_kernels.ops.sr` [Note: stochastic rounding])."""
+    """Dtypes of the reduction and the optimizer state, and the loss scale. The params keep
+    their own dtype, with fp32 masters where they are lower ([Note: modes] in
+    `zero_kernels.partition.runner`)."""
 
     reduce_dtype: torch.dtype | None = None
+    """Stages 2/3: the dtype gradients are accumulated and reduce-scattered in (None: fp32;
+    float64 params: float64). ``torch.bfloat16`` halves the bytes; the result is added into the
+    fp32 gradient shard (accuracy cost in docs/benchmarks.md)."""
     loss_scale: float | str | None = "auto"
+    """None, a positive number (static), "dynamic", or "auto" (default: dynamic with fp16
+    params, else none). A scaled step with inf/NaN gradients is skipped and the scale lowered."""
     state_dtype: str = "fp32"
+    """How the fused Adam step keeps exp_avg/exp_avg_sq: "fp32" (torch's, 8 bytes per param),
+    "bf16" (4) or "int8" (blockwise, 2 + 8/state_block); fp32 math in every case. Needs the
+    fused step (Adam/AdamW, flat layout, no amsgrad). Checkpoints hold the moments as they are
+    and load into any state_dtype ([Note: low-bit state] in `zero_kernels.ops.lowbit`)."""
     state_block: int = 256
+    """int8 state: elements per quantization block (a multiple of 64 up to 4096)."""
     bf16_stochastic_round: bool = False
+    """bf16 params stepped without fp32 masters (4 bytes per param less): the fused step runs on
+    an fp32 copy of each bucket's shard and writes it back rounded stochastically ([Note:
+    stochastic rounding] in `zero_kernels.ops.sr`)."""
 
     def __post_init__(self):
         from .ops.lowbit import check_state_dtype
@@ -190,34 +214,48 @@ class PrecisionPolicy:
 
 @dataclass(frozen=True)
 class CommPolicy:
-    """bucket_size_mb: a gradient bucket's target size (MiB at 4 bytes per element);
-    overlap_comm: reduce buckets during backward; max_inflight_buckets: bucket buffers (stage
-    2/3) or reduce-scatters (stage 1) held at once; timeout: seconds bounding every collective of
-    backward and step (None: the process group's own); shard_group: the ranks the state is
-    sharded over: "world" (the whole process group), "node" (the ranks of each host), an int K
-    (consecutive blocks of K ranks) or a torch DeviceMesh (replicate x shard, as FSDP2 takes
-    it); replicated across those groups ([Note: hierarchy] in `zero_kernels.comm.hier`);
-    quantize_weights: None or "int8"/"int4": stage 3's per-use all-gathers send the other ranks'
-    chunks blockwise-quantized, params of one dimension kept whole and exact ([Note: quantized
-    all-gather] in `zero_kernels.comm.quant`);
-    quantize_grads: None or "int8"/"int4": each gradient bucket's reduce-scatter sends the
-    chunks for the other ranks quantized and sums them in fp32 ([Note: quantized
-    reduce-scatter] in `zero_kernels.comm.quant`); grad_error_feedback: with quantize_grads, what
-    each quantization drops is kept per rank and added to the next step's gradient before it
-    is quantized ([Note: error feedback] in `zero_kernels.comm.quant`); broadcast_buffers: rank
-    0's buffers broadcast to every rank before a forward that follows a training forward (and
-    before the first), as DDP's option of that name ([Note: replicated module state] in
-    `zero_kernels.optimizer.replicas`)."""
+    """How gradients and params move: buckets, overlap, timeouts, the shard group, quantized
+    collectives, the module's buffers."""
 
     bucket_size_mb: float = 25.0
+    """A gradient bucket's target size in MiB at 4 bytes per element (default 25): larger
+    buckets mean fewer collectives and more memory in flight."""
     overlap_comm: bool = True
+    """Reduce each bucket during backward as it fills (default); False reduces all at the end."""
     max_inflight_buckets: int = 2
+    """Stages 2/3: most bucket buffers held at once (filled or reduce-scattered); beyond it the
+    oldest reduce-scatter is waited for and its buffer reused (1: no overlap). Stage 1: most
+    reduce-scatters in flight. Bounds communication memory to this many buckets."""
     timeout: float | None = None
+    """Seconds bounding every collective of backward and step (None: the process group's own,
+    30 min on gloo): a rank that stalls, dies or raises makes the others raise
+    `zero_kernels.comm.CollectiveTimeout` naming the step, the phase and the bucket or unit.
+    Collective-only calls (``consolidated_state_dict``, ``full_param``) check arrival within it
+    (default 300)."""
     shard_group: object = "world"
+    """The ranks the state is sharded over, replicated across the others ([Note: hierarchy] in
+    `zero_kernels.comm.hier`): "world" (default: the whole process group), "node" (the ranks of
+    each host), an int K (consecutive blocks of K ranks) or a torch ``DeviceMesh`` (replicate x
+    shard, as FSDP2's HSDP takes it). Params gather inside the shard group; gradients
+    reduce-scatter there, then all-reduce across groups at shard size."""
     quantize_weights: str | None = None
+    """Stage 3 (ZeRO++'s qwZ): None or "int8"/"int4": the per-use all-gathers send the other
+    ranks' chunks blockwise-quantized (a quarter / an eighth of fp32's bytes); params of one
+    dimension are kept whole and exact; shards, step, gradients and every gather that hands
+    params out stay exact ([Note: quantized all-gather] in `zero_kernels.comm.quant`)."""
     quantize_grads: str | None = None
+    """None or "int8"/"int4" (ZeRO++'s qgZ): each gradient bucket's reduce-scatter sends the
+    other ranks' chunks blockwise-quantized and sums in fp32, the own chunk exact; inf/NaN
+    still reach ``nonfinite``; params of one dimension reduce exact in buckets of their own
+    ([Note: quantized reduce-scatter] in `zero_kernels.comm.quant`)."""
     grad_error_feedback: bool = False
+    """With ``quantize_grads``: what each quantization drops is kept per rank (fp32, one
+    gradient shard's bytes) and added to the next step's gradient before it is quantized
+    ([Note: error feedback] in `zero_kernels.comm.quant`)."""
     broadcast_buffers: bool = True
+    """Rank 0's module buffers broadcast to every rank before a forward that follows a training
+    forward (and before the first), as DDP's option of that name ([Note: replicated module
+    state] in `zero_kernels.optimizer.replicas`)."""
 
     def __post_init__(self):
         b = self.bucket_size_mb
@@ -266,25 +304,23 @@ class CommPolicy:
 
 @dataclass(frozen=True)
 class OffloadPolicy:
-    """Where state lives when it is not in use ([Note: offload] in `zero_kernels.offload`).
-
-    offload_optimizer: ``"nvme"`` keeps the Adam moments of the fused step (exp_avg,
-    exp_avg_sq, max_exp_avg_sq) in a file under ``offload_dir``, read chunk by chunk ahead of the
-    step and written behind it, through staging buffers of ``offload_staging_mb`` MiB in all
-    (three: stepping, reading ahead, writing behind; at least 0.1 MiB); ``"cpu"``: the fp32
-    masters and the moments in host memory and the step on the CPU kernel, for params on a GPU
-    ([Note: host tier] in `zero_kernels.offload.host`; on CPU params it runs the same copies, for
-    nothing). offload_params (stage 3 only): ``"nvme"``
-    keeps each bucket's param shard in a file under ``offload_dir`` between its uses (its
-    all-gathers and its step), read ahead of them and written behind the step ([Note: param
-    offload] in `zero_kernels.offload.params`); ``"cpu"`` (with ``offload_optimizer="cpu"``): the
-    shards in pinned host memory, where the host tier steps them, copied to the device as the
-    input of each all-gather ([Note: host tier])."""
+    """Where state lives when it is not in use ([Note: offload] in `zero_kernels.offload`)."""
 
     offload_optimizer: str | None = None
+    """None; "nvme": the fused Adam step's moments in a file under ``offload_dir``, read chunk
+    by chunk ahead of the step and written behind it (results bitwise those without offload);
+    "cpu": for params on a GPU, the fp32 masters and the moments in host memory and the step on
+    the CPU kernel ([Note: host tier] in `zero_kernels.offload.host`)."""
     offload_params: str | None = None
+    """Stage 3: None; "nvme": each bucket's param shard in a file under ``offload_dir`` between
+    its uses, read ahead of its all-gathers and its step ([Note: param offload] in
+    `zero_kernels.offload.params`); "cpu" (with ``offload_optimizer="cpu"``): the shards in
+    pinned host memory, copied to the device as the input of each all-gather."""
     offload_dir: str | None = None
+    """The folder for "nvme" (needed then, refused otherwise); may differ per rank."""
     offload_staging_mb: float = 48.0
+    """MiB of staging buffers in all for "nvme" (three: stepping, reading ahead, writing
+    behind; at least 0.1)."""
 
     def __post_init__(self):
         v = self.offload_optimizer
@@ -319,24 +355,118 @@ class OffloadPolicy:
             raise ValueError(f"offload_staging_mb must be a number >= 0.1 (MiB), got {k!r}")
 
 
+NONFINITE = ("step", "skip", "raise")
+PARTITIONS = ("auto", "flat", "whole")
+
+
+@dataclass(frozen=True)
+class ExecutionPolicy:
+    """How each rank runs its part: the layout of the optimizer's state, the fused kernel, what
+    a non-finite step does, the host block cache, and how a meta-device model is materialized."""
+
+    partition: str = "auto"
+    """"auto" (default: flat shards for element-wise optimizers, whole params for the others),
+    "flat" or "whole" ([Note: modes] in `zero_kernels.partition.runner`)."""
+    fused_adam: bool = True
+    """torch's Adam/AdamW (flat layout) step through `zero_kernels.ops.adam_step`, one pass
+    over each shard (default); False runs the torch optimizer on the shard."""
+    kernel_backend: str = "auto"
+    """The fused step's kernel: "auto" (default: CUDA, Triton or CPU by the params' device),
+    "cpu", "cuda", "triton" or "reference" (`zero_kernels.ops`)."""
+    nonfinite: str = "step"
+    """What a step does with inf/NaN gradients: "step" (default, torch's behaviour: step
+    anyway, counted in ``comm_stats["nonfinite_steps"]``, the first one logged), "skip" (every
+    rank skips the step) or "raise". With a loss scale the step is always skipped."""
+    host_cache: bool | None = None
+    """Params on the CPU: make the host block cache torch's CPU allocator for blocks of 1 MiB
+    and more (process-wide, [Note: host block cache] in `zero_kernels.hostmem`). None (default):
+    on unless ``ZERO_KERNELS_HOST_CACHE=0`` or ``zero_kernels.hostmem.disable()``; False: not
+    installed by this optimizer. ``opt.host_cache`` says whether it is in use."""
+    init_fn: object = None
+    """Stage 3, a model built on the meta device: called as ``init_fn(module)`` for each
+    module as its unit is materialized into its shard (None: the module's own
+    ``reset_parameters``); may differ in identity across ranks, not in effect."""
+    seed: int = 0
+    """The RNG seed each unit's materialization starts from (default 0): every rank draws the
+    same values whatever the world size."""
+
+    def __post_init__(self):
+        from .ops.backends import BACKENDS
+
+        if self.partition not in PARTITIONS:
+            raise ValueError(
+                f"partition must be one of {PARTITIONS}, got partition={self.partition!r}"
+            )
+        if not isinstance(self.fused_adam, bool):
+            raise TypeError(f"fused_adam must be a bool, got fused_adam={self.fused_adam!r}")
+        if self.kernel_backend not in BACKENDS:
+            raise ValueError(
+                f"kernel_backend must be one of {BACKENDS}, got "
+                f"kernel_backend={self.kernel_backend!r}"
+            )
+        if self.nonfinite not in NONFINITE:
+            raise ValueError(
+                f"nonfinite must be one of {NONFINITE}, got nonfinite={self.nonfinite!r}"
+            )
+        if self.host_cache not in (None, True, False):
+            raise TypeError(
+                f"host_cache must be None, True or False, got host_cache={self.host_cache!r}"
+            )
+        if self.init_fn is not None and not callable(self.init_fn):
+            raise TypeError(f"init_fn must be None or a callable, got init_fn={self.init_fn!r}")
+        s = self.seed
+        if isinstance(s, bool) or not isinstance(s, int):
+            raise TypeError(f"seed must be an int, got seed={s!r}")
+
+
+# the parts of a ZeroPolicy: (field, class, the ZeroOptimizer keyword that takes it)
+PARTS = (
+    ("shard", ShardPolicy),
+    ("gather", GatherPolicy),
+    ("precision", PrecisionPolicy),
+    ("comm", CommPolicy),
+    ("offload", OffloadPolicy),
+    ("execution", ExecutionPolicy),
+)
+
+
+def option_owner(name: str) -> str | None:
+    """The part (``"comm"``, ...) whose field ``name`` is, for the flat names of
+    `ZeroPolicy.resolve`; None where no policy has it."""
+    for part, cls in PARTS[1:]:
+        if name in {f.name for f in dataclasses.fields(cls)}:
+            return part
+    return None
+
+
+def flat_option_error(where: str, names) -> TypeError:
+    """The error for policy fields given as flat keywords (``names``): each named with its
+    policy, and both ways to pass them."""
+    names = sorted(names)
+    cls = dict((p, c.__name__) for p, c in PARTS)
+    owner = {k: option_owner(k) for k in names}
+    k = names[0]
+    return TypeError(
+        f"{where} got {', '.join(f'{n}=' for n in names)}: "
+        + "; ".join(f"{n} is a field of {cls[owner[n]]}" for n in names)
+        + f". Pass {owner[k]}={cls[owner[k]]}({k}=...), or "
+        f"policy=ZeroPolicy.resolve(stage=..., {k}=...) (zero_kernels.policy)"
+    )
+
+
 @dataclass(frozen=True)
 class ZeroPolicy:
-    """Every choice of a ZeroOptimizer (see [Note: policies])."""
+    """Every choice of a ZeroOptimizer: the six policies (see [Note: policies])."""
 
     shard: ShardPolicy = field(default_factory=ShardPolicy)
     gather: GatherPolicy = field(default_factory=GatherPolicy)
     precision: PrecisionPolicy = field(default_factory=PrecisionPolicy)
     comm: CommPolicy = field(default_factory=CommPolicy)
     offload: OffloadPolicy = field(default_factory=OffloadPolicy)
+    execution: ExecutionPolicy = field(default_factory=ExecutionPolicy)
 
     def __post_init__(self):
-        for name, cls in (
-            ("shard", ShardPolicy),
-            ("gather", GatherPolicy),
-            ("precision", PrecisionPolicy),
-            ("comm", CommPolicy),
-            ("offload", OffloadPolicy),
-        ):
+        for name, cls in PARTS:
             v = getattr(self, name)
             if not isinstance(v, cls):
                 raise TypeError(f"ZeroPolicy.{name} must be a {cls.__name__}, got {v!r}")
@@ -384,27 +514,47 @@ class ZeroPolicy:
         return self.shard.stage
 
     @classmethod
+    def of(cls, stage=None, **parts) -> ZeroPolicy:
+        """The policy of `ZeroOptimizer`'s keywords: ``stage`` (1, 2 or 3; None: 2) and the part
+        policies (``gather=GatherPolicy(...)``, ...; None: its defaults)."""
+        shard = ShardPolicy.of_stage(2 if stage is None else stage)
+        given = {k: v for k, v in parts.items() if v is not None}
+        return cls(shard=shard, **given)
+
+    @classmethod
     def resolve(cls, stage: int | ShardPolicy = 2, **options) -> ZeroPolicy:
-        """The policy of ZeroOptimizer's keyword options (``stage`` and those named in the
-        policies' fields; an unknown name is a TypeError naming it)."""
+        """The policy of flat field names: ``stage`` and any field of the part policies, each
+        name belonging to one (``ZeroPolicy.resolve(stage=3, prefetch=2, bucket_size_mb=50)``);
+        an unknown name is a TypeError naming it."""
         shard = stage if isinstance(stage, ShardPolicy) else ShardPolicy.of_stage(stage)
+        unknown = sorted(k for k in options if option_owner(k) is None)
+        if unknown:
+            raise TypeError(f"ZeroPolicy.resolve: unknown option(s) {unknown}")
         parts = {}
-        for name, sub in (
-            ("gather", GatherPolicy),
-            ("precision", PrecisionPolicy),
-            ("comm", CommPolicy),
-            ("offload", OffloadPolicy),
-        ):
+        for name, sub in PARTS[1:]:
             names = {f.name for f in dataclasses.fields(sub)}
-            parts[name] = sub(**{k: options.pop(k) for k in list(options) if k in names})
-        if options:
-            raise TypeError(f"ZeroPolicy.resolve: unknown option(s) {sorted(options)}")
+            parts[name] = sub(**{k: v for k, v in options.items() if k in names})
         return cls(shard=shard, **parts)
+
+    def replace(self, **options) -> ZeroPolicy:
+        """This policy with the flat-named fields ``options`` changed (``stage`` too)."""
+        stage = options.pop("stage", self.shard)
+        flat = {
+            f.name: getattr(getattr(self, part), f.name)
+            for part, sub in PARTS[1:]
+            for f in dataclasses.fields(sub)
+        }
+        if not self.shard.params and self.gather.check_order == "pass":
+            flat["check_order"] = None  # stage 3's default, resolved again
+        unknown = sorted(k for k in options if option_owner(k) is None)
+        if unknown:
+            raise TypeError(f"ZeroPolicy.replace: unknown option(s) {unknown}")
+        return ZeroPolicy.resolve(stage, **{**flat, **options})
 
     def describe(self) -> dict:
         """Every field, for reports (plain values)."""
         out = {}
-        for name in ("shard", "gather", "precision", "comm", "offload"):
+        for name, _ in PARTS:
             for f in dataclasses.fields(getattr(self, name)):
                 v = getattr(getattr(self, name), f.name)
                 plain = v is None or isinstance(v, (bool, int, float, str))
@@ -420,25 +570,7 @@ class ZeroPolicy:
         return out
 
 
-# Fields that name a rank's own resources and change no collective: they may differ across
-# ranks (a node with one NVMe drive per rank mounts one folder for each; nodes never share one)
-RANK_LOCAL = ("offload.offload_dir",)
-
-
-def resolve_given(stage, policy, defaults: dict, **options) -> ZeroPolicy:
-    """The run's `ZeroPolicy`: ``policy`` itself, or the one ``stage`` and the keyword options
-    make. Given a policy, an option also given with a value other than its default
-    (``defaults``: name -> default) is a ValueError naming it: one source for each choice."""
-    if policy is None:
-        return ZeroPolicy.resolve(stage, **options)
-    if not isinstance(policy, ZeroPolicy):
-        raise TypeError(
-            f"policy must be a zero_kernels.policy.ZeroPolicy, got {type(policy).__name__}"
-        )
-    both = [k for k, v in {"stage": stage, **options}.items() if v != defaults[k]]
-    if both:
-        raise ValueError(
-            f"policy= and {', '.join(f'{k}=' for k in both)} given together: set "
-            f"{'them' if len(both) > 1 else 'it'} in the policy (each choice in one place)"
-        )
-    return policy
+# Fields that name a rank's own resources or objects and change no collective: they may differ
+# across ranks (a node with one NVMe drive per rank mounts one folder for each; a callable's
+# identity is the process's own)
+RANK_LOCAL = ("offload.offload_dir", "execution.init_fn")

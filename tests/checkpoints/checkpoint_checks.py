@@ -36,6 +36,7 @@ import torch.distributed as dist
 from numerics import rel_err
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from zero_opt import zero_opt
 
 import zero_kernels as zk
 from zero_kernels import ZeroOptimizer
@@ -135,7 +136,7 @@ def build(c, seed: int = 0):
         m.calls.zero_()
     else:
         wrapped = m
-        o = ZeroOptimizer(
+        o = zero_opt(
             groups_of(m),
             cls,
             stage=stage,
@@ -382,7 +383,7 @@ def check_lost_rank(rank: int, world: int, root: str, how: str) -> dict:
 
     c = ("adamw", 2, "flat", "fp32")
     m = Net(0)
-    o = ZeroOptimizer(m, torch.optim.AdamW, stage=2, bucket_size_mb=0.0004, lr=1e-2, timeout=2)
+    o = zero_opt(m, torch.optim.AdamW, stage=2, bucket_size_mb=0.0004, lr=1e-2, timeout=2)
     sched = torch.optim.lr_scheduler.StepLR(o, 2)
     train(c, m, o, sched, rank, world, range(2))
     zk.save_checkpoint(root, m, o)  # every rank there: the control group is made

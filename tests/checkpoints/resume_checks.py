@@ -13,8 +13,7 @@ import torch
 import torch.distributed as dist
 from numerics import rel_err
 from torch import nn
-
-from zero_kernels import ZeroOptimizer
+from zero_opt import zero_opt
 
 
 class Net(nn.Module):
@@ -57,7 +56,7 @@ def check_bf16_resume(rank: int, world: int) -> dict:
         torch.manual_seed(0)
         base = Net().bfloat16()
         m = copy.deepcopy(base)
-        zo = ZeroOptimizer(m, torch.optim.AdamW, stage=stage, **kw)
+        zo = zero_opt(m, torch.optim.AdamW, stage=stage, **kw)
         _train(m, zo, rank, range(3))
         saved_m = {k: v.clone() for k, v in m.state_dict().items()}
         saved_o = copy.deepcopy(zo.state_dict())
@@ -71,7 +70,7 @@ def check_bf16_resume(rank: int, world: int) -> dict:
         zo.close()
         for how in ("model, then shard", "shard, then model", "model, then consolidated"):
             m2 = copy.deepcopy(base)
-            zo2 = ZeroOptimizer(m2, torch.optim.AdamW, stage=stage, **kw)
+            zo2 = zero_opt(m2, torch.optim.AdamW, stage=stage, **kw)
             if how == "shard, then model":
                 zo2.load_state_dict(saved_o)
                 m2.load_state_dict(saved_m)
@@ -108,12 +107,12 @@ def check_shard_mismatch(rank: int, world: int) -> dict:
         torch.manual_seed(0)
         base = Net()
         m = copy.deepcopy(base)
-        zo = ZeroOptimizer(m, torch.optim.AdamW, stage=stage, bucket_size_mb=0.001, lr=1e-2)
+        zo = zero_opt(m, torch.optim.AdamW, stage=stage, bucket_size_mb=0.001, lr=1e-2)
         _train(m, zo, rank, range(2))
         sd = copy.deepcopy(zo.state_dict())
         zo.close()
         m2 = copy.deepcopy(base)
-        zo2 = ZeroOptimizer(m2, torch.optim.AdamW, stage=stage, bucket_size_mb=25, lr=1e-2)
+        zo2 = zero_opt(m2, torch.optim.AdamW, stage=stage, bucket_size_mb=25, lr=1e-2)
         try:
             zo2.load_state_dict(sd)
             assert stage == 3, f"stage {stage}: a shard of other buckets was loaded"
@@ -127,7 +126,7 @@ def check_shard_mismatch(rank: int, world: int) -> dict:
         others = [None] * world
         dist.all_gather_object(others, sd)
         m3 = copy.deepcopy(base)
-        zo3 = ZeroOptimizer(m3, torch.optim.AdamW, stage=stage, bucket_size_mb=0.001, lr=1e-2)
+        zo3 = zero_opt(m3, torch.optim.AdamW, stage=stage, bucket_size_mb=0.001, lr=1e-2)
         try:
             zo3.load_state_dict(others[(rank + 1) % world])
             raise AssertionError(f"stage {stage}: another rank's shard was loaded")
@@ -141,8 +140,8 @@ def check_shard_mismatch(rank: int, world: int) -> dict:
         box = [sd]
         dist.broadcast_object_list(box, src=0)
         m4, twin = copy.deepcopy(base), copy.deepcopy(base)
-        zo4 = ZeroOptimizer(m4, torch.optim.AdamW, stage=stage, bucket_size_mb=0.001, lr=1e-2)
-        zt = ZeroOptimizer(twin, torch.optim.AdamW, stage=stage, bucket_size_mb=0.001, lr=1e-2)
+        zo4 = zero_opt(m4, torch.optim.AdamW, stage=stage, bucket_size_mb=0.001, lr=1e-2)
+        zt = zero_opt(twin, torch.optim.AdamW, stage=stage, bucket_size_mb=0.001, lr=1e-2)
         t0 = time.monotonic()
         try:
             zo4.load_state_dict(box[0])

@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from torch import nn
+from zero_opt import zero_opt
 
 import zero_kernels as zk
 from zero_kernels.checkpoint import format as fmt
@@ -179,7 +180,7 @@ def test_params_frozen_or_unfrozen_between_save_and_load(tmp_path):
     torch.manual_seed(0)
     m = cc.Net(0)
     m.l1.requires_grad_(False)
-    o = zk.ZeroOptimizer(m, torch.optim.AdamW, stage=2, bucket_size_mb=0.0004, lr=1e-2)
+    o = zero_opt(m, torch.optim.AdamW, stage=2, bucket_size_mb=0.0004, lr=1e-2)
     cc.train(
         ("adamw", 2, "flat", "fp32"), m, o, torch.optim.lr_scheduler.StepLR(o, 9), 0, 1, range(2)
     )

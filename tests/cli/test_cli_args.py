@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from zero_kernels.cli.main import _build_parser, main
+from zero_kernels.cli.main import build_parser, main
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -97,7 +97,7 @@ def test_matplotlib_is_an_install_requirement_torch_never():
 
 
 def test_demo_output_dir_is_ignored_by_git():
-    default = _build_parser().parse_args(["demo"]).out
+    default = build_parser().parse_args(["demo"]).out
     assert default == "zero_kernels_demo"
     lines = (ROOT / ".gitignore").read_text().split()
     assert {default, default + "/", "/" + default, "/" + default + "/"} & set(lines), lines
@@ -113,9 +113,9 @@ def test_progress_line_and_summary_say_which_loss(tmp_path, capsys):
     from zero_kernels.cli.report import build_report, model_shapes, write_report
 
     # the progress line is rank 0's own loss ...
-    assert "loss (rank 0) 3.142" in demo._progress_postfix(3.14159, 0.05)
-    bar = demo._PlainBar(2, "stage 2 (ZeRO)")
-    bar.set_postfix_str(demo._progress_postfix(3.14159, 0.05))
+    assert "loss (rank 0) 3.142" in demo.progress_postfix(3.14159, 0.05)
+    bar = demo.PlainBar(2, "stage 2 (ZeRO)")
+    bar.set_postfix_str(demo.progress_postfix(3.14159, 0.05))
     bar.update(2)
     assert "stage 2 (ZeRO): 2/2 loss (rank 0) 3.142, 50 ms/step" in capsys.readouterr().err
 

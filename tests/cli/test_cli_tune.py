@@ -3,7 +3,6 @@ labelled, the recommendation the fastest fitting trial), a memory limit that exc
 configurations, bad arguments, and the pure parts (prediction, grid, peak memory)."""
 
 import contextlib
-import inspect
 import io
 import json
 import os
@@ -116,7 +115,7 @@ def test_report_of_a_real_run(tiny_run):
     assert res["trials"][rec["index"]] is not None
     assert rec["label"] == best["config"]["label"]
     assert rec["step_time_s"] == best["measured"]["step_time_s"]
-    assert rec["zero_optimizer_kwargs"]["stage"] == best["config"]["stage"]
+    assert rec["policy_options"]["stage"] == best["config"]["stage"]
     # bandwidth: reduce-scatter and all-gather per algorithm (no ring at 2 ranks; shm where the
     # ranks share the host, as here), all-reduce
     seen = {(r["op"], r["algorithm"]) for r in res["bandwidth"]}
@@ -145,14 +144,16 @@ def test_report_of_a_real_run(tiny_run):
         assert t["config"]["label"] in stdout
 
 
-def test_recommended_arguments_are_zero_optimizer_arguments():
-    from zero_kernels.optimizer import ZeroOptimizer
+def test_recommended_arguments_are_policy_options():
+    from zero_kernels.policy import ZeroPolicy
 
-    names = set(inspect.signature(ZeroOptimizer.__init__).parameters)
     configs = tune_plan.grid((1, 2, 3), (1.0, 4.0), (1, 2), ("fp32", "bf16"), (False, True), True)
     for c in configs:
         if c.stage:
-            assert set(c.zero_kwargs()) <= names, c
+            kw = c.policy_options()
+            if "reduce_dtype" in kw:
+                kw["reduce_dtype"] = torch.bfloat16
+            assert ZeroPolicy.resolve(**kw).stage == c.stage, c
 
 
 @pytest.mark.distributed
@@ -248,10 +249,10 @@ def test_out_not_writable(tmp_path, capsys):
 
 
 def test_plain_progress_line_without_tqdm(monkeypatch, capsys):
-    from zero_kernels.cli.tune import _Progress
+    from zero_kernels.cli.tune import Progress
 
     monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm -> ImportError
-    bar = _Progress(3, True)
+    bar = Progress(3, True)
     assert bar.bar is None
     bar.show("stage 2, bucket 1 MiB")
     bar.advance()
@@ -396,7 +397,7 @@ def test_state_dtypes_in_the_grid_and_predictions():
         assert saved == pytest.approx((8 - 2 - 8 / 256) * facts.n_params / 2)
         ta = tune_plan.predict_time(a, facts, m)["optimizer_s"]
         assert tune_plan.predict_time(b, facts, m)["optimizer_s"] == pytest.approx(ta * 16 / 28)
-        assert b.zero_kwargs()["state_dtype"] == "int8" and "int8 state" in b.label
+        assert b.policy_options()["state_dtype"] == "int8" and "int8 state" in b.label
         # where the probe timed the low-bit step, its time (an arithmetic-bound CPU: slower)
         mm = _measured(optimizer_shard_s_by_dtype={"fp32": 0.005, "int8": 0.008})
         assert tune_plan.predict_time(b, facts, mm)["optimizer_s"] == 0.008
@@ -423,7 +424,7 @@ def test_offload_in_the_grid_and_predictions():
         (0, "none"), (2, "none"), (3, "none"), (2, "optimizer"), (3, "optimizer"), (3, "both"),
     ]  # fmt: skip
     both = g[-1]
-    assert both.zero_kwargs() == {
+    assert both.policy_options() == {
         "stage": 3,
         "prefetch": 1,
         "offload_optimizer": "nvme",
@@ -465,7 +466,7 @@ def test_quantization_in_the_grid_and_predictions():
         (3, "fp32", "none", "int4"), (3, "fp32", "none", "none"),
     ]  # fmt: skip
     q = next(c for c in g if c.quantize_weights == "int8" and c.quantize_grads == "int4")
-    assert q.zero_kwargs() == {
+    assert q.policy_options() == {
         "stage": 3, "prefetch": 1, "quantize_weights": "int8", "quantize_grads": "int4"
     }  # fmt: skip
     assert "int8 weights" in q.label and "int4 grads" in q.label
@@ -504,8 +505,8 @@ def test_hierarchy_in_the_grid_predictions_and_recommendation():
     ]  # fmt: skip
     node3 = next(c for c in g if c.stage == 3 and c.shard_group == "node")
     hpz = next(c for c in g if c.secondary_shard == "node")
-    assert node3.zero_kwargs() == {"stage": 3, "prefetch": 1, "shard_group": "node"}
-    assert hpz.zero_kwargs() == {"stage": 3, "prefetch": 1, "secondary_shard": "node"}
+    assert node3.policy_options() == {"stage": 3, "prefetch": 1, "shard_group": "node"}
+    assert hpz.policy_options() == {"stage": 3, "prefetch": 1, "secondary_shard": "node"}
     assert "shard_group node" in node3.label and "secondary_shard node" in hpz.label
     facts = ModelFacts(4 << 20, ((1024, 1024),) * 4, (1 << 20,) * 4, 0, "")
     fast = _measured().bandwidth
@@ -581,5 +582,5 @@ def test_offload_trials_run(tmp_path):
     assert res["disk"]["read_gbps"] > 0 and res["disk"]["direct"] in (True, False)
     got = {t["config"]["offload"]: t for t in res["trials"]}
     assert set(got) == {"none", "both"} and all(t["status"] == "measured" for t in got.values())
-    assert got["both"]["zero_optimizer_kwargs"]["offload_params"] == "nvme"
+    assert got["both"]["policy_options"]["offload_params"] == "nvme"
     assert os.listdir(tmp_path / "offload") == []

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from zero_kernels import ZeroOptimizer
 from zero_kernels.integrations import accelerate as zka
+from zero_kernels.policy import CommPolicy
 
 MICRO = 12  # micro-batches per rank: 6 optimizer steps with accumulation 2
 SAVE_AT = 6  # micro-batches before the mid-run save_state
@@ -280,7 +281,7 @@ def check_errors_and_passthrough(rank, world) -> dict:
             _accelerator(kwargs_handlers=off),
             model,
             torch.optim.SGD(model.parameters(), lr=0.1),
-            zero={"broadcast_buffers": True},
+            zero={"comm": CommPolicy(broadcast_buffers=True)},
         ),
         "DistributedDataParallelKwargs(broadcast_buffers)=False",
         "broadcast_buffers=True",

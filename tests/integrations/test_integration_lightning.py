@@ -87,7 +87,7 @@ def test_registered_names_and_constructor_errors():
     from lightning.pytorch.strategies import StrategyRegistry
 
     from zero_kernels.integrations.lightning import ZeroStrategy
-    from zero_kernels.policy import ShardPolicy, ZeroPolicy
+    from zero_kernels.policy import CommPolicy, ShardPolicy, ZeroPolicy
 
     for stage in (1, 2, 3):
         entry = StrategyRegistry[f"zero_kernels_stage_{stage}"]
@@ -95,8 +95,10 @@ def test_registered_names_and_constructor_errors():
     trainer = L.Trainer(strategy="zero_kernels_stage_3", accelerator="cpu", devices=2, logger=False)
     assert isinstance(trainer.strategy, ZeroStrategy) and trainer.strategy.stage == 3
     assert ZeroStrategy().stage == 2
-    s = ZeroStrategy(stage=1, bucket_size_mb=1.0)
-    assert s._zero_options == {"stage": 1, "bucket_size_mb": 1.0}
+    s = ZeroStrategy(stage=1, comm=CommPolicy(bucket_size_mb=1.0))
+    assert s.zero_options == {"stage": 1, "comm": CommPolicy(bucket_size_mb=1.0)}
+    with pytest.raises(TypeError, match="bucket_size_mb is a field of CommPolicy. Pass comm="):
+        ZeroStrategy(stage=1, bucket_size_mb=1.0)
     for bad in (0, 4, True, "3"):
         with pytest.raises(ValueError, match=f"stage={bad!r}"):
             ZeroStrategy(stage=bad)

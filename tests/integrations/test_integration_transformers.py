@@ -54,14 +54,14 @@ def test_release_check_warns_once_for_an_untested_release(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for t in zt.TESTED:
-            zt._check_version(version=f"{t}.3")
+            zt.check_version(version=f"{t}.3")
     with pytest.warns(UserWarning, match=r"this is 5\.99\.0.*UNTESTED_TRANSFORMERS=1"):
-        zt._check_version(version="5.99.0")
+        zt.check_version(version="5.99.0")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        zt._check_version(version="5.99.0")  # once per process
+        zt.check_version(version="5.99.0")  # once per process
         monkeypatch.setenv("ZERO_KERNELS_UNTESTED_TRANSFORMERS", "1")
-        zt._check_version(version="5.98.0")
+        zt.check_version(version="5.98.0")
 
 
 def test_release_check_refuses_a_trainer_without_the_overridden_methods():
@@ -80,9 +80,9 @@ def test_release_check_refuses_a_trainer_without_the_overridden_methods():
             return None
 
     with pytest.raises(RuntimeError, match=r"5\.2\.0's Trainer has no _clip_grad_norm\(\)"):
-        zt._check_version(NoClip, "5.2.0")
+        zt.check_version(NoClip, "5.2.0")
     with pytest.raises(RuntimeError, match=r"Trainer\.create_optimizer takes \(\)"):
-        zt._check_version(OldCreate, "5.2.0")
+        zt.check_version(OldCreate, "5.2.0")
 
 
 def test_test_extra_pins_the_newest_tested_release():

@@ -10,6 +10,8 @@ import tempfile
 import torch
 from dist_utils import run_checks
 
+from zero_kernels.policy import CommPolicy
+
 VOCAB, SEQ = 64, 16
 
 
@@ -392,12 +394,13 @@ def refusals(rank, world):
         a = TrainingArguments(
             output_dir=f"{TMP}/x", use_cpu=True, report_to=[], ddp_broadcast_buffers=flag
         )
-        assert ZeroTrainer(model=gpt2(), args=a).zero.get("broadcast_buffers", True) is want
+        comm = ZeroTrainer(model=gpt2(), args=a).zero.get("comm") or CommPolicy()
+        assert comm.broadcast_buffers is want
     a = TrainingArguments(
         output_dir=f"{TMP}/x", use_cpu=True, report_to=[], ddp_broadcast_buffers=False
     )
     try:
-        ZeroTrainer(model=gpt2(), args=a, zero={"broadcast_buffers": True})
+        ZeroTrainer(model=gpt2(), args=a, zero={"comm": CommPolicy(broadcast_buffers=True)})
         raise AssertionError("ddp_broadcast_buffers=False with zero broadcast_buffers=True")
     except ValueError as e:
         assert "ddp_broadcast_buffers)=False" in str(e) and "broadcast_buffers=True" in str(e)

@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from zero_kernels import _native
+from zero_kernels import native
 
 BLOCKER = textwrap.dedent(
     """
@@ -69,9 +69,9 @@ def test_without_extension_explicit_cpu_backend_raises_with_reason():
     assert "raised:" in r.stdout and "simulated: extension not built" in r.stdout
 
 
-@pytest.mark.skipif(_native.load() is None, reason="extension not built")
+@pytest.mark.skipif(native.load() is None, reason="extension not built")
 def test_with_extension_auto_picks_native_cpu():
     from zero_kernels import ops
 
     assert ops.resolve_backend("auto", "cpu") == "cpu"
-    assert _native.load().cpu_isa() in ("scalar", "avx2", "avx512")
+    assert native.load().cpu_isa() in ("scalar", "avx2", "avx512")

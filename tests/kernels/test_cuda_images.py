@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from zero_kernels import _native
+from zero_kernels import native
 from zero_kernels.ops import backends
 from zero_kernels.ops.backends import cuda_image_missing
 
@@ -56,8 +56,8 @@ def gpu(monkeypatch):
         cap = (12, 0)
         archs = ("sm_80", "sm_90")
 
-    monkeypatch.setattr(_native, "has_cuda_kernels", lambda: True)
-    monkeypatch.setattr(_native, "cuda_archs", lambda: GPU.archs)
+    monkeypatch.setattr(native, "has_cuda_kernels", lambda: True)
+    monkeypatch.setattr(native, "cuda_archs", lambda: GPU.archs)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda idx=None: GPU.cap)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(backends, "_triton_error", lambda: None)
@@ -105,5 +105,5 @@ def test_setup_builds_ptx_for_the_newest_arch():
 
 
 def test_the_extension_lists_its_images_or_nothing():
-    archs = _native.cuda_archs()  # None: a CPU build, or one from before the list
+    archs = native.cuda_archs()  # None: a CPU build, or one from before the list
     assert archs is None or all(a.startswith(("sm_", "compute_")) for a in archs), archs

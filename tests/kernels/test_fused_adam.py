@@ -8,9 +8,9 @@ import pytest
 import torch
 from kernel_utils import TOL_MULTISTEP, assert_close
 
-from zero_kernels import FusedAdam, FusedAdamW, _native
+from zero_kernels import FusedAdam, FusedAdamW, native
 
-BACKENDS = (["cpu"] if _native.load() is not None else []) + ["reference"]
+BACKENDS = (["cpu"] if native.load() is not None else []) + ["reference"]
 PAIRS = [(FusedAdamW, torch.optim.AdamW), (FusedAdam, torch.optim.Adam)]
 
 
@@ -197,7 +197,7 @@ def test_step_marks_params_and_moments_written(backend):
     """The step writes params and moments in place: their version counters move (autograd then
     refuses a backward through a graph that saved the old values), one or several params, on
     the native call as on the reference one."""
-    if backend == "cpu" and _native.load() is None:
+    if backend == "cpu" and native.load() is None:
         pytest.skip("native extension not built")
     ps = [torch.nn.Parameter(torch.randn(n)) for n in (7, 300)]
     for p in ps:

@@ -9,12 +9,12 @@ import pytest
 import torch
 from kernel_utils import assert_close
 
-from zero_kernels import _native, ops
+from zero_kernels import native, ops
 from zero_kernels.ops import AdamHyper, reference
 
-_C = _native.load()
+_C = native.load()
 needs_native = pytest.mark.skipif(
-    _C is None, reason=f"native extension not built: {_native.error()}"
+    _C is None, reason=f"native extension not built: {native.error()}"
 )
 
 try:

@@ -10,10 +10,10 @@ import torch
 from kernel_utils import TOL_MULTISTEP, assert_close
 from test_kernels import VARIANTS, compare, hyper_for, make_state, run
 
-from zero_kernels import FusedAdamW, _native, ops
+from zero_kernels import FusedAdamW, native, ops
 
 pytestmark = pytest.mark.skipif(
-    not (torch.cuda.is_available() and _native.has_cuda_kernels()),
+    not (torch.cuda.is_available() and native.has_cuda_kernels()),
     reason="needs a GPU and zero_kernels built with CUDA (bench/gpu_check.sh)",
 )
 
@@ -108,7 +108,7 @@ def test_fused_adamw_cuda_matches_torch_fused():
 
 
 def test_cuda_flat_copy_round_trip():
-    mod = _native.load()
+    mod = native.load()
     ts = [torch.randn(n).cuda() for n in (1, 7, 70001)]
     flat = torch.zeros(70009, dtype=torch.bfloat16).cuda()
     mod.flat_copy(ts, flat, [0, 1, 8], True)

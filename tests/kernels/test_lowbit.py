@@ -10,10 +10,10 @@ import math
 import pytest
 import torch
 
-from zero_kernels import FusedAdamW, _native
+from zero_kernels import FusedAdamW, native
 from zero_kernels.ops import AdamHyper, lowbit
 
-_C = _native.load()
+_C = native.load()
 needs_native = pytest.mark.skipif(_C is None, reason="native extension not built")
 
 

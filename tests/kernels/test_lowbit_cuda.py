@@ -10,12 +10,12 @@ import torch
 from test_lowbit import piece_blocks
 from test_lowbit_triton import VARIANTS, clone_state, compare, hyper, make_grad, run_steps
 
-from zero_kernels import _native
+from zero_kernels import native
 from zero_kernels.ops import lowbit
 
 pytestmark = [
     pytest.mark.skipif(
-        not (torch.cuda.is_available() and _native.has_cuda_kernels()),
+        not (torch.cuda.is_available() and native.has_cuda_kernels()),
         reason="needs a GPU and zero_kernels built with CUDA (bench/gpu_check.sh)",
     ),
     pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning"),

@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch._dynamo
 
-from zero_kernels import FusedAdamW, _native, ops
+from zero_kernels import FusedAdamW, native, ops
 from zero_kernels.ops import AdamHyper, library, reference
 
-needs_native = pytest.mark.skipif(_native.load() is None, reason="native extension not built")
+needs_native = pytest.mark.skipif(native.load() is None, reason="native extension not built")
 BACKENDS = ["reference", pytest.param("cpu", marks=needs_native)]
 HYPER_ARGS = (
     "lr",
@@ -80,28 +80,28 @@ def test_op_called_through_the_dispatcher_matches_reference():
     found, rfound = torch.zeros(1), torch.zeros(1)
     h = _hyper(grad_scale=0.5)
     torch.ops.zero_kernels.adam_step_(
-        p, g, m, v, None, out, found, **library._hyper_kwargs(h, True, "auto")
+        p, g, m, v, None, out, found, **library.hyper_kwargs(h, True, "auto")
     )
     reference.adam_step(rp, g, rm, rv, h, out_lowp=rout, found_inf=rfound, check_finite=True)
     torch.testing.assert_close((p, m, v, out, found), (rp, rm, rv, rout, rfound))
 
 
 def test_op_falls_back_to_reference_without_the_native_extension(monkeypatch):
-    monkeypatch.setattr(_native, "load", lambda: None)
-    monkeypatch.setattr(_native, "error", lambda: ImportError("no _C in this test"))
+    monkeypatch.setattr(native, "load", lambda: None)
+    monkeypatch.setattr(native, "error", lambda: ImportError("no _C in this test"))
     p, g, m, v = _tensors(100)
     rp, rm, rv = p.clone(), m.clone(), v.clone()
     h = _hyper()
-    torch.ops.zero_kernels.adam_step_(p, g, m, v, **library._hyper_kwargs(h, False, "auto"))
+    torch.ops.zero_kernels.adam_step_(p, g, m, v, **library.hyper_kwargs(h, False, "auto"))
     reference.adam_step(rp, g, rm, rv, h)
     assert torch.equal(p, rp) and torch.equal(m, rm) and torch.equal(v, rv)  # same code ran
     with pytest.raises(RuntimeError, match="no _C in this test"):
-        torch.ops.zero_kernels.adam_step_(p, g, m, v, **library._hyper_kwargs(h, False, "cpu"))
+        torch.ops.zero_kernels.adam_step_(p, g, m, v, **library.hyper_kwargs(h, False, "cpu"))
 
 
 def test_op_checks_arguments_like_the_python_entry_point():
     p, g, m, v = _tensors(8)
-    kw = library._hyper_kwargs(_hyper(), False, "auto")
+    kw = library.hyper_kwargs(_hyper(), False, "auto")
     with pytest.raises(ValueError, match="grad.numel"):
         torch.ops.zero_kernels.adam_step_(p, g[:4], m, v, None, None, None, **kw)
     with pytest.raises(ValueError, match="backend must be one of"):
@@ -133,7 +133,7 @@ def test_opcheck_adam_step(case, backend):
         found = torch.zeros(1)
     if case == "maximize_adam_l2":
         h = _hyper(adamw=False, maximize=True, step=1)
-    kw = library._hyper_kwargs(h, found is not None, backend)
+    kw = library.hyper_kwargs(h, found is not None, backend)
     torch.library.opcheck(
         torch.ops.zero_kernels.adam_step_.default, (p, g, m, v, vmax, out, found), kw
     )
@@ -146,7 +146,7 @@ def test_opcheck_adam_step_multi(amsgrad, backend):
     ts = [_tensors(n, seed=i) for i, n in enumerate(sizes)]
     ps, gs, ms, vs = (list(x) for x in zip(*ts))
     vmaxes = [v.clone() for v in vs] if amsgrad else []
-    kw = library._hyper_kwargs(_hyper(amsgrad=amsgrad), True, backend)
+    kw = library.hyper_kwargs(_hyper(amsgrad=amsgrad), True, backend)
     torch.library.opcheck(
         torch.ops.zero_kernels.adam_step_multi_.default,
         (ps, gs, ms, vs, vmaxes, torch.zeros(1)),

@@ -7,10 +7,10 @@ import pytest
 import torch
 from test_quant_kernels import BOUND, DTYPES, assert_same, round_trip, sample, sizes
 
-from zero_kernels import _native, ops
+from zero_kernels import native, ops
 
 pytestmark = pytest.mark.skipif(
-    not (torch.cuda.is_available() and _native.has_cuda_kernels()),
+    not (torch.cuda.is_available() and native.has_cuda_kernels()),
     reason="needs a GPU and zero_kernels built with CUDA (bench/gpu_check.sh)",
 )
 

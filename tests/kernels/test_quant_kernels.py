@@ -13,10 +13,10 @@ import os
 import pytest
 import torch
 
-from zero_kernels import _native, ops
+from zero_kernels import native, ops
 from zero_kernels.ops import quant, quant_reference
 
-_C = _native.load()
+_C = native.load()
 HAVE_NATIVE = _C is not None and hasattr(_C, "quantize_blockwise")
 try:
     import triton  # noqa: F401
@@ -27,7 +27,7 @@ except ImportError:
 
 # the Triton interpreter's numpy warns on the inf/NaN blocks' products; the results are checked
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
-needs_native = pytest.mark.skipif(not HAVE_NATIVE, reason=f"native extension: {_native.error()}")
+needs_native = pytest.mark.skipif(not HAVE_NATIVE, reason=f"native extension: {native.error()}")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # backends that run here; Triton through its interpreter on small sizes only
 BACKENDS = (["cpu"] if HAVE_NATIVE else []) + (["triton"] if HAVE_TRITON else [])
@@ -469,7 +469,7 @@ def test_extension_without_quant_kernels_falls_back_or_raises(monkeypatch):
     from zero_kernels.ops import backends
 
     old = types.SimpleNamespace(has_cuda=lambda: False)  # a _C built before issue 22
-    monkeypatch.setattr(_native, "load", lambda: old)
+    monkeypatch.setattr(native, "load", lambda: old)
     monkeypatch.setattr(backends, "_said", set())
     x = sample(100)
     want = ops.quantize_blockwise(x, backend="reference")

@@ -104,7 +104,7 @@ def test_stage2_pool_sizes_buffers_to_buckets():
             t.fill_(1.0)  # (reduced values left behind)
             assert g.comm_nbytes() <= 4 * g.cap_numel
             g.release(0, b)
-    assert len(g._free) <= 2 and g.comm_peak_nbytes() <= 4 * 100
+    assert g.pooled_buffers() <= 2 and g.comm_peak_nbytes() <= 4 * 100
     # two live at once: the two buffers left serve both largest buckets exactly
     big = [b for b in range(4) if sizes[b] == 100]
     for b in big:
@@ -127,9 +127,9 @@ def test_gathered_memory_is_returned_at_free():
     as zeros until written again)."""
     import torch
 
-    from zero_kernels.buffers import _Mapped
+    from zero_kernels.buffers import Mapped
 
-    m = _Mapped(16 << 20, torch.float32)  # 64 MiB
+    m = Mapped(16 << 20, torch.float32)  # 64 MiB
     ptr = m.tensor.data_ptr()
     before = _rss_bytes()
     m.tensor.fill_(1.5)
@@ -145,7 +145,7 @@ def test_gathered_memory_is_returned_at_free():
     # a size that does not end on a 2 MiB boundary: the huge page holding its last bytes is
     # given back too (releasing only the tensor's range left its tail resident, up to 2 MiB
     # per bucket); several, so that a leak shows above the noise of the process's RSS
-    maps = [_Mapped(3_150_000 + 1000 * k, torch.float32) for k in range(8)]  # 12.6 MB each
+    maps = [Mapped(3_150_000 + 1000 * k, torch.float32) for k in range(8)]  # 12.6 MB each
     before = _rss_bytes()
     for mk in maps:
         mk.tensor.fill_(1.0)

@@ -104,32 +104,84 @@ def _train(m, zo, steps=3):
 
 
 def test_policy_object_trains_as_the_keywords_do():
+    """The part keywords, one ZeroPolicy, and `ZeroPolicy.resolve`'s flat names build the same
+    policy and train alike."""
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
     for stage in (1, 2, 3):
-        a, b = copy.deepcopy(base), copy.deepcopy(base)
-        za = ZeroOptimizer(a, torch.optim.AdamW, stage=stage, bucket_size_mb=1, lr=1e-2)
+        a, b, c = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
+        comm = CommPolicy(bucket_size_mb=1)
+        za = ZeroOptimizer(a, torch.optim.AdamW, stage=stage, comm=comm, lr=1e-2)
         pol = ZeroPolicy(shard=ShardPolicy.of_stage(stage), comm=CommPolicy(bucket_size_mb=1))
         zb = ZeroOptimizer(b, torch.optim.AdamW, policy=pol, lr=1e-2)
-        assert zb.policy == za.policy and zb.stage == stage
-        _train(a, za)
-        _train(b, zb)
-        with za.gathered_params(), zb.gathered_params():
-            for p, q in zip(a.parameters(), b.parameters()):
-                assert torch.equal(p, q)
-        za.close()
-        zb.close()
+        flat = ZeroPolicy.resolve(stage=stage, bucket_size_mb=1)
+        zc = ZeroOptimizer(c, torch.optim.AdamW, policy=flat, lr=1e-2)
+        assert zb.policy == za.policy == zc.policy and zb.stage == stage
+        for m, z in ((a, za), (b, zb), (c, zc)):
+            _train(m, z)
+        with za.gathered_params(), zb.gathered_params(), zc.gathered_params():
+            for p, q, r in zip(a.parameters(), b.parameters(), c.parameters()):
+                assert torch.equal(p, q) and torch.equal(p, r)
+        for z in (za, zb, zc):
+            z.close()
 
 
 def test_policy_and_keywords_not_both():
     m = nn.Linear(4, 2)
     pol = ZeroPolicy.resolve(3)
-    with pytest.raises(ValueError, match=r"policy= and prefetch= given together"):
-        ZeroOptimizer(m, torch.optim.SGD, policy=pol, prefetch=2, lr=0.1)
-    with pytest.raises(ValueError, match=r"policy= and stage=, bucket_size_mb= given"):
-        ZeroOptimizer(m, torch.optim.SGD, policy=pol, stage=3, bucket_size_mb=1, lr=0.1)
+    with pytest.raises(ValueError, match=r"policy= and gather= given together"):
+        ZeroOptimizer(m, torch.optim.SGD, policy=pol, gather=GatherPolicy(prefetch=2), lr=0.1)
+    with pytest.raises(ValueError, match=r"policy= and stage=, comm= given"):
+        ZeroOptimizer(m, torch.optim.SGD, policy=pol, stage=3, comm=CommPolicy(), lr=0.1)
     with pytest.raises(TypeError, match="policy must be a zero_kernels.policy.ZeroPolicy"):
         ZeroOptimizer(m, torch.optim.SGD, policy={"stage": 3}, lr=0.1)
+    with pytest.raises(TypeError, match=r"ZeroPolicy.gather must be a GatherPolicy"):
+        ZeroOptimizer(m, torch.optim.SGD, gather=CommPolicy(), lr=0.1)
+
+
+def test_a_flat_option_names_its_policy():
+    """One way to configure: a policy's field given as a keyword is a TypeError that names the
+    policy and both ways to pass it, before anything is built."""
+    m = nn.Linear(4, 2)
+    for name, value, part, cls in (
+        ("bucket_size_mb", 1, "comm", "CommPolicy"),
+        ("prefetch", 2, "gather", "GatherPolicy"),
+        ("state_dtype", "bf16", "precision", "PrecisionPolicy"),
+        ("offload_optimizer", "cpu", "offload", "OffloadPolicy"),
+        ("nonfinite", "skip", "execution", "ExecutionPolicy"),
+    ):
+        with pytest.raises(TypeError, match=rf"{name} is a field of {cls}. Pass {part}={cls}"):
+            ZeroOptimizer(m, torch.optim.SGD, lr=0.1, **{name: value})
+        assert m.weight.grad is None and type(m.weight) is nn.Parameter
+
+
+def test_signature_fits_on_one_screen_and_each_option_is_documented_once():
+    import ast
+    import dataclasses
+    import inspect
+
+    from zero_kernels import policy as P
+
+    named = [n for n in inspect.signature(ZeroOptimizer.__init__).parameters if n != "self"]
+    assert named[-1] == "defaults" and len(named) - 1 <= 12, named
+    # every policy field carries its own docstring (a string right under it), and the
+    # constructor's docstring names no field: each option is documented once, in its policy
+    tree = ast.parse(inspect.getsource(P))
+    doc = inspect.getdoc(ZeroOptimizer)
+    for _, cls in P.PARTS:
+        node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
+        body = node.body
+        for f in dataclasses.fields(cls):
+            i = next(
+                k
+                for k, s in enumerate(body)
+                if isinstance(s, ast.AnnAssign) and s.target.id == f.name
+            )
+            nxt = body[i + 1]
+            assert isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant), f.name
+            assert len(nxt.value.value.split()) >= 5, f.name
+            if f.name not in named:  # ShardPolicy.params is also the first argument's name
+                assert f"{f.name}:" not in doc and f"{f.name}=" not in doc, f.name
 
 
 def test_optimizer_and_params_arguments_named():

@@ -14,6 +14,7 @@ import torch
 from dist_utils import run_checks
 from lowbit_checks import _no_decode
 from torch import nn
+from zero_opt import zero_opt
 
 import zero_kernels
 
@@ -32,7 +33,7 @@ def build(m, stage, off, bucket_mb=0.004, **kw):
     extra = {}
     if off:
         extra = {"offload_optimizer": "nvme", "offload_dir": DIR, "offload_staging_mb": 0.1}
-    return zero_kernels.ZeroOptimizer(
+    return zero_opt(
         m,
         torch.optim.AdamW,
         stage=stage,
@@ -345,13 +346,13 @@ def refusals(rank, world):
     ]
     for what, kw, err in cases:
         try:
-            zero_kernels.ZeroOptimizer(model(), torch.optim.AdamW, stage=3, lr=1e-3, **kw)
+            zero_opt(model(), torch.optim.AdamW, stage=3, lr=1e-3, **kw)
             raise AssertionError(f"{what}: accepted")
         except err as e:
             assert "offload" in str(e), e
             msgs[what] = "raised"
     try:
-        zero_kernels.ZeroOptimizer(
+        zero_opt(
             model(), torch.optim.SGD, stage=2, lr=1e-3, offload_optimizer="nvme", offload_dir=DIR
         )
         raise AssertionError("SGD: accepted")
@@ -379,7 +380,7 @@ def own_dir_per_rank(rank, world):
     assert same(*runs), "offloaded run with a folder per rank differs"
     kw = {"offload_optimizer": "nvme", "offload_dir": mine} if rank == 0 else {}
     try:
-        zero_kernels.ZeroOptimizer(model(), torch.optim.AdamW, stage=2, lr=1e-3, **kw)
+        zero_opt(model(), torch.optim.AdamW, stage=2, lr=1e-3, **kw)
         raise AssertionError("offload on rank 0 only: accepted")
     except ValueError as e:
         assert "offload.offload_optimizer" in str(e) and "different settings" in str(e), e

@@ -13,6 +13,7 @@ import tempfile
 import torch
 from dist_utils import run_checks
 from offload_checks import model, same, snapshot, train
+from zero_opt import zero_opt
 
 import zero_kernels
 
@@ -21,7 +22,7 @@ DIR = os.environ.get("ZK_TEST_OFFLOAD_DIR") or tempfile.gettempdir()
 
 def build(m, stage, host, bucket_mb=0.004, **kw):
     extra = {"offload_optimizer": "cpu"} if host else {}
-    return zero_kernels.ZeroOptimizer(
+    return zero_opt(
         m,
         torch.optim.AdamW,
         stage=stage,
@@ -242,7 +243,7 @@ def refusals(rank, world):
     ]
     for what, cls, kw, err in cases:
         try:
-            zero_kernels.ZeroOptimizer(model(), cls, stage=3, lr=1e-3, **kw)
+            zero_opt(model(), cls, stage=3, lr=1e-3, **kw)
             raise AssertionError(f"{what}: accepted")
         except err as e:
             assert "offload" in str(e), e

@@ -14,6 +14,7 @@ import tempfile
 import torch
 from dist_utils import run_checks
 from torch import nn
+from zero_opt import zero_opt
 
 import zero_kernels
 
@@ -52,7 +53,7 @@ def build(m, stage=3, params=True, optim=False, bucket_mb=0.004, **kw):
         extra.update(offload_optimizer="nvme", offload_staging_mb=0.1)
     if params or optim:
         extra["offload_dir"] = DIR
-    return zero_kernels.ZeroOptimizer(
+    return zero_opt(
         m,
         torch.optim.AdamW,
         stage=stage,
@@ -236,7 +237,7 @@ def add_group(rank, world):
         m = model(torch.bfloat16, 96)
         body = [p for n, p in m.named_parameters() if not n.startswith("head.")]
         extra = {"offload_params": "nvme", "offload_dir": DIR} if params else {}
-        o = zero_kernels.ZeroOptimizer(
+        o = zero_opt(
             [{"params": body}], torch.optim.AdamW, stage=3, module=m, lr=1e-2,
             bucket_size_mb=0.1, **extra,
         )  # fmt: skip
@@ -282,7 +283,7 @@ def refusals(rank, world):
     ]
     for what, stage, kw, err, word in cases:
         try:
-            zero_kernels.ZeroOptimizer(model(), torch.optim.AdamW, stage=stage, lr=1e-3, **kw)
+            zero_opt(model(), torch.optim.AdamW, stage=stage, lr=1e-3, **kw)
             raise AssertionError(f"{what}: accepted")
         except err as e:
             assert "offload" in str(e) and word in str(e), e

@@ -10,6 +10,7 @@ import textwrap
 
 import pytest
 import torch
+from zero_opt import zero_opt
 
 from zero_kernels import hostmem
 
@@ -124,11 +125,9 @@ def test_limits_and_bad_input():
 
 
 def test_zero_optimizer_switch(monkeypatch):
-    from zero_kernels import ZeroOptimizer
-
     def build(**kw):
         model = torch.nn.Linear(8, 8)
-        return ZeroOptimizer(model, torch.optim.AdamW, stage=2, lr=1e-3, **kw)
+        return zero_opt(model, torch.optim.AdamW, stage=2, lr=1e-3, **kw)
 
     hostmem.install()
     hostmem.disable()  # the user's choice: a later default optimizer leaves it off

@@ -24,10 +24,10 @@ from zero_kernels.offload.aio import ALIGN, AioFile, aligned_empty, probe_disk
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MiB = 1 << 20
 
-native_cls, native_why = aio._native_engine_class()
+native_cls, native_why = aio.native_engine_class()
 uring_ok, uring_why = (False, "no native engine")
 if native_cls is not None:
-    uring_ok, uring_why = aio._native.load().aio_uring_supported()
+    uring_ok, uring_why = aio.native.load().aio_uring_supported()
 no_native = pytest.mark.skipif(native_cls is None, reason=f"no native engine: {native_why}")
 BACKENDS = [
     "python",
@@ -56,7 +56,7 @@ def _takes_o_direct(directory: str) -> bool:
         return False
     try:
         buf = aligned_empty(ALIGN, torch.uint8)
-        os.pwrite(fd, aio._view(buf.data_ptr(), ALIGN), 0)
+        os.pwrite(fd, aio.memory_view(buf.data_ptr(), ALIGN), 0)
         return True
     except OSError:
         return False
@@ -126,7 +126,7 @@ def test_round_trip_parallel(disk_dir, backend, direct):
         off += n
     path = os.path.join(disk_dir, "rt.bin")
     f = AioFile(path, off + 123, direct=direct, threads=3, chunk_bytes=MiB, **kw(backend))
-    assert f.size == aio._round_up(off + 123) and os.path.getsize(path) == f.size
+    assert f.size == aio.round_up(off + 123) and os.path.getsize(path) == f.size
     assert f.direct == direct and f.backend == kw(backend)["backend"]
     if backend != "python":
         assert f.engine == kw(backend)["engine"]
@@ -322,7 +322,7 @@ def test_backend_choice():
     if native_cls is None:
         with pytest.raises(RuntimeError, match="native"):
             AioFile("/nonexistent/x", 1, backend="native")
-    assert aio._resolve_backend("auto") == ("native" if native_cls is not None else "python")
+    assert aio.resolve_aio_backend("auto") == ("native" if native_cls is not None else "python")
 
 
 def _resident_pages(path: str) -> int:

@@ -8,8 +8,8 @@ there is a GPU (bench/gpu_check.sh runs this file)."""
 import pytest
 import torch
 from torch import nn
+from zero_opt import zero_opt
 
-from zero_kernels import ZeroOptimizer
 from zero_kernels.optimizer.build import check_offload_device
 
 
@@ -45,7 +45,7 @@ def test_the_host_tier_and_no_offload_are_allowed_on_cuda(opt, params):
 def test_nvme_optimizer_state_with_cuda_params_is_refused_at_construction(tmp_path):
     model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4)).cuda()
     with pytest.raises(NotImplementedError, match="offload_optimizer='cpu'"):
-        ZeroOptimizer(
+        zero_opt(
             model,
             torch.optim.AdamW,
             stage=2,
@@ -54,7 +54,7 @@ def test_nvme_optimizer_state_with_cuda_params_is_refused_at_construction(tmp_pa
             offload_dir=str(tmp_path),
         )
     # nothing left behind: the same params build an optimizer with the host tier
-    opt = ZeroOptimizer(model, torch.optim.AdamW, stage=2, lr=1e-3, offload_optimizer="cpu")
+    opt = zero_opt(model, torch.optim.AdamW, stage=2, lr=1e-3, offload_optimizer="cpu")
     model(torch.randn(8, 16, device="cuda")).sum().backward()
     opt.step()
     opt.close()

@@ -13,6 +13,7 @@ import pytest
 import torch
 from dist_utils import run_checks
 from torch import nn
+from zero_opt import zero_opt
 
 import zero_kernels
 
@@ -26,7 +27,7 @@ def model(dtype=torch.float32):
 
 def build(m, stage, **kw):
     kw = {"lr": 1e-2, "weight_decay": 0.1, "bucket_size_mb": 0.01, "state_dtype": "bf16"} | kw
-    return zero_kernels.ZeroOptimizer(m, torch.optim.AdamW, stage=stage, **kw)
+    return zero_opt(m, torch.optim.AdamW, stage=stage, **kw)
 
 
 def batch(step, rank, dtype):

@@ -13,6 +13,7 @@ import pytest
 import torch
 from dist_utils import run_checks
 from torch import nn
+from zero_opt import zero_opt
 
 import zero_kernels
 from zero_kernels.tools import estimate
@@ -29,7 +30,7 @@ def model():
 def build(m, stage, **kw):
     kw = {"lr": 1e-2, "weight_decay": 0.1, "bucket_size_mb": 0.002} | kw
     kw.setdefault("bf16_stochastic_round", True)
-    return zero_kernels.ZeroOptimizer(m, torch.optim.AdamW, stage=stage, **kw)
+    return zero_opt(m, torch.optim.AdamW, stage=stage, **kw)
 
 
 def batch(step):
@@ -197,13 +198,9 @@ def checkpoints(rank, world):
 
 def refusals(rank, world):
     with pytest.raises(ValueError, match="no param is bfloat16"):
-        zero_kernels.ZeroOptimizer(
-            nn.Linear(4, 4), torch.optim.AdamW, stage=2, bf16_stochastic_round=True
-        )
+        zero_opt(nn.Linear(4, 4), torch.optim.AdamW, stage=2, bf16_stochastic_round=True)
     with pytest.raises(ValueError, match="fused Adam step's result"):
-        zero_kernels.ZeroOptimizer(
-            model(), torch.optim.SGD, stage=2, lr=0.1, bf16_stochastic_round=True
-        )
+        zero_opt(model(), torch.optim.SGD, stage=2, lr=0.1, bf16_stochastic_round=True)
     with pytest.raises(TypeError, match="bf16_stochastic_round must be a bool"):
         build(model(), 2, bf16_stochastic_round="yes")
     return {}

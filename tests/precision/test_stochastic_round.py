@@ -17,7 +17,7 @@ from dist_utils import SharedRun
 from torch import nn
 
 import zero_kernels
-from zero_kernels import _native
+from zero_kernels import native
 from zero_kernels.ops.sr import sr_key, stochastic_round_bf16_
 
 RUN = SharedRun(sr_checks.worker, timeout=300)
@@ -25,7 +25,7 @@ RUN = SharedRun(sr_checks.worker, timeout=300)
 
 def _backends():
     out = ["reference"]
-    if _native.load() is not None:
+    if native.load() is not None:
         out.append("cpu")
     try:
         import triton  # noqa: F401

@@ -16,6 +16,7 @@ from dist_utils import run_checks
 from numerics import rel_err
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from zero_opt import zero_opt
 
 from zero_kernels import ZeroOptimizer, load_checkpoint, save_checkpoint
 
@@ -105,7 +106,7 @@ def _zero(model: nn.Module, **kw) -> ZeroOptimizer:
     says otherwise."""
     kw = {"shard_frozen": True, "lr": 1e-2, **kw}
     trained = [p for p in model.parameters() if p.requires_grad]
-    return ZeroOptimizer(trained, torch.optim.AdamW, stage=3, module=model, **kw)
+    return zero_opt(trained, torch.optim.AdamW, stage=3, module=model, **kw)
 
 
 def _adamw(model: nn.Module) -> torch.optim.AdamW:

@@ -7,6 +7,7 @@ import torch
 from dist_utils import run_checks
 from frozen_checks import LoraNet, _batch, _loss
 from torch import nn
+from zero_opt import zero_opt
 
 from zero_kernels import ZeroOptimizer
 
@@ -38,7 +39,7 @@ def check_module_state_dicts(rank: int, world: int) -> dict:
         torch.manual_seed(0)
         m = LoraNet().to(dtype)
         kw = {"shard_frozen": True} if shard_frozen else {}
-        zo = ZeroOptimizer(
+        zo = zero_opt(
             [p for p in m.parameters() if p.requires_grad],
             torch.optim.AdamW,
             stage=stage,

@@ -14,6 +14,7 @@ import torch.utils.checkpoint as ckpt
 from numerics import rel_err
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from zero_opt import zero_opt
 
 from zero_kernels import ZeroOptimizer, comm
 from zero_kernels.comm import shm
@@ -73,7 +74,7 @@ def _loss(out, y):
     return nn.functional.cross_entropy(out.reshape(-1, V).float(), y.reshape(-1))
 
 
-def _close(zo, m1, m2, tol, what):
+def assert_params_close(zo, m1, m2, tol, what):
     with zo.gathered_params():
         for (n, a), (_, b) in zip(m1.named_parameters(), m2.named_parameters()):
             assert a.shape == b.shape and rel_err(a, b) <= tol, f"{what}: {n} {rel_err(a, b):.3g}"
@@ -111,7 +112,7 @@ def _run(
         rest = [p for n, p in m.named_parameters() if p.dim() < 2 and p.requires_grad]
         return [{"params": dec}, {"params": rest, "weight_decay": 0.0, "lr": 5e-3}]
 
-    zo = ZeroOptimizer(pg(m1), cls, stage=3, module=m1, **stage_kw, **kw)
+    zo = zero_opt(pg(m1), cls, stage=3, module=m1, **stage_kw, **kw)
     if m2.ckpt == "reentrant":  # DDP needs a static graph for re-entrant checkpointing
         ddp = DDP(m2, static_graph=True)
     else:
@@ -213,7 +214,7 @@ def check_cases(rank: int, world: int) -> dict:
         zo, m1, m2 = _run(rank, stage_kw, **c)
         # reused module: stage 2 is off by the same 1.2e-6 (a LayerNorm bias whose gradient is
         # mostly rounding noise, amplified by Adam): the reduction's rounding, not stage 3
-        _close(zo, m1, m2, 2e-6 if "reused module" in name else 1e-6, name)
+        assert_params_close(zo, m1, m2, 2e-6 if "reused module" in name else 1e-6, name)
         zo.close()
         out[name] = "ok"
     # Muon takes 2-D params only: a model of linear layers
@@ -232,11 +233,11 @@ def check_cases(rank: int, world: int) -> dict:
         ddp(x).pow(2).mean().backward()
         zo.step()
         to.step()
-    _close(zo, m1, m2, 1e-6, "muon")
+    assert_params_close(zo, m1, m2, 1e-6, "muon")
     zo.close()
     # bf16 params (fp32 masters) track fp32 training
     zo, m1, m2 = _run(rank, {}, dtype=torch.bfloat16)
-    _close(zo, m1, m2, 3e-2, "bf16")
+    assert_params_close(zo, m1, m2, 3e-2, "bf16")
     with zo.gathered_params():
         assert all(p.dtype == torch.bfloat16 for p in m1.parameters())
     zo.close()
@@ -263,7 +264,7 @@ def check_memory_and_comm(rank: int, world: int) -> dict:
         torch.manual_seed(0)
         m = Net3(n=6)
         psi = sum(p.numel() for p in m.parameters())
-        zo = ZeroOptimizer(m, O.AdamW, stage=3, lr=1e-2, reshard_after_forward=raf)
+        zo = zero_opt(m, O.AdamW, stage=3, lr=1e-2, reshard_after_forward=raf)
         store = zo.parts.core.store
         sizes = {}
         for i, buf in enumerate(zo.layout.buffers):
@@ -338,7 +339,7 @@ def check_meta(rank: int, world: int) -> dict:
     for stage in (3, 2):
         with torch.device("meta"):
             m1 = Net3()
-        zo = ZeroOptimizer(m1, O.AdamW, stage=stage, lr=1e-2, seed=7)
+        zo = zero_opt(m1, O.AdamW, stage=stage, lr=1e-2, seed=7)
         m2 = init_module_(Net3(), seed=7)
         with zo.gathered_params():
             for (n, a), (_, b) in zip(m1.named_parameters(), m2.named_parameters()):
@@ -353,7 +354,7 @@ def check_meta(rank: int, world: int) -> dict:
             _loss(ddp(x), y).backward()
             zo.step()
             to.step()
-        _close(zo, m1, m2, 1e-6, f"meta stage={stage}")
+        assert_params_close(zo, m1, m2, 1e-6, f"meta stage={stage}")
         zo.close()
         out[f"meta stage={stage}"] = "ok"
     return out
@@ -382,7 +383,7 @@ def check_order_first(rank: int, world: int) -> dict:
 
     torch.manual_seed(0)
     m = Net3()
-    zo = ZeroOptimizer(m, O.SGD, stage=3, check_order="first", lr=0.1)
+    zo = zero_opt(m, O.SGD, stage=3, check_order="first", lr=0.1)
     assert zo.check_order == "first", zo.check_order
     m.order = [0, 1, 2, 3] if rank == 0 else [0, 2, 1, 3]
     x, y = _batch(rank, 0)
@@ -400,7 +401,7 @@ def check_order_first(rank: int, world: int) -> dict:
         steps = 4
         zo, m1, m2 = _run(rank, {"check_order": "first"}, steps=steps)
         assert zo.check_order == "first" and not ends, ends
-        _close(zo, m1, m2, 1e-6, "check_order='first'")
+        assert_params_close(zo, m1, m2, 1e-6, "check_order='first'")
         zo.close()
         if world > 1:  # the spy sees the default's comparisons (world 1: none to make)
             zo, _, _ = _run(rank, {}, steps=1)
@@ -438,7 +439,7 @@ def check_order_differs(rank: int, world: int) -> dict:
         arg = {"check_order": mode}
         if mode == "pass":  # the default
             arg = dict(reshard_after_forward=False, prefetch=0)
-        zo = ZeroOptimizer(m, O.SGD, stage=3, lr=0.1, **arg)
+        zo = zero_opt(m, O.SGD, stage=3, lr=0.1, **arg)
         assert zo.check_order == mode, zo.check_order
         raised = _train_until_error(zo, m, rank, world, 3, 2, [0, 2, 1, 3])
         if world > 1:
@@ -498,7 +499,7 @@ def _check_fewer_modules(rank: int, world: int) -> dict:
         name = f"{name}, {algo or 'probe'}"
         torch.manual_seed(0)
         m = Net3()
-        zo = ZeroOptimizer(m, O.SGD, stage=3, lr=0.1, process_group=g, **kw)
+        zo = zero_opt(m, O.SGD, stage=3, lr=0.1, process_group=g, **kw)
         zo.parts.core.units.check.probe_s = 0.5
         t0 = time.monotonic()
         raised = _train_until_error(zo, m, rank, world, at + 1, at, blocks)
@@ -561,7 +562,7 @@ def check_unused_outputs(rank: int, world: int) -> dict:
         kw = dict(kw)
         base = AuxNet(at, tie=kw.pop("tie", False))
         m1, ref = copy.deepcopy(base), copy.deepcopy(base)
-        zo = ZeroOptimizer(m1, O.AdamW, stage=3, units=_aux_units, lr=1e-2, **kw)
+        zo = zero_opt(m1, O.AdamW, stage=3, units=_aux_units, lr=1e-2, **kw)
         to = O.AdamW(ref.parameters(), lr=1e-2)
         for step in range(4):
             x, y = _batch(rank, step)
@@ -588,14 +589,14 @@ def check_unused_outputs(rank: int, world: int) -> dict:
                 step,
                 zo.parts.core.store.live,
             )
-        _close(zo, m1, ref, 1e-6, f"unused aux output at {at}, {kw}")
+        assert_params_close(zo, m1, ref, 1e-6, f"unused aux output at {at}, {kw}")
         zo.close()
         out[label] = "ok"
     if world > 1:  # check_order="every" keeps one sequence: the skip is a clear error instead
         g = dist.new_group(backend="gloo")
         torch.manual_seed(0)
         m = AuxNet(1)
-        zo = ZeroOptimizer(
+        zo = zero_opt(
             m, O.AdamW, stage=3, units=_aux_units, check_order="every", process_group=g, lr=1e-2
         )
         x, y = _batch(rank, 0)

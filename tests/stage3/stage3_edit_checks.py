@@ -17,8 +17,9 @@ import torch.distributed as dist
 from numerics import rel_err
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from zero_opt import zero_opt
 
-from zero_kernels import ZeroOptimizer, comm
+from zero_kernels import comm
 from zero_kernels.comm import base as cbase
 from zero_kernels.comm import p2p
 from zero_kernels.optimizer.materialize import init_module_
@@ -56,7 +57,7 @@ def check_edits(rank: int, world: int) -> dict:
     the next SGD step (lr 1) starts from."""
     torch.manual_seed(0)
     m = EditNet()
-    zo = ZeroOptimizer(m, O.SGD, stage=3, persist_below=2, lr=1.0, timeout=60)
+    zo = zero_opt(m, O.SGD, stage=3, persist_below=2, lr=1.0, timeout=60)
     out = {
         "persistent": bool(
             zo.parts.core.units.persistent and zo.parts.core.units.persistent.buckets
@@ -104,7 +105,7 @@ def _zero_grad_run(rank: int, stage: int, cls, kw: dict, set_to_none: bool) -> d
     torch.manual_seed(0)
     base = s3.Net3()
     m1, m2 = copy.deepcopy(base), copy.deepcopy(base)
-    zo = ZeroOptimizer(m1, cls, stage=stage, timeout=60, **kw)
+    zo = zero_opt(m1, cls, stage=stage, timeout=60, **kw)
     ddp = DDP(m2, find_unused_parameters=True)
     to = cls(m2.parameters(), **kw)
     for step in range(3):
@@ -210,7 +211,7 @@ def check_meta_buffers(rank: int, world: int) -> dict:
     for stage in (3, 2):
         with torch.device("meta"):
             m = NoiseNet()
-        zo = ZeroOptimizer(m, O.AdamW, stage=stage, lr=1e-2, seed=MB_SEED, timeout=60)
+        zo = zero_opt(m, O.AdamW, stage=stage, lr=1e-2, seed=MB_SEED, timeout=60)
         with zo.gathered_params():
             got = noise_state(m)
         zo.close()
@@ -335,7 +336,7 @@ def check_group_churn(rank: int, world: int, rounds: int = 10) -> dict:
             if k % 2 == 0:
                 comm.set_algorithm("all", "pairwise", group=g)
             m = _tiny()
-            zo = ZeroOptimizer(
+            zo = zero_opt(
                 m,
                 O.AdamW,
                 stage=2 + k % 2,
@@ -367,9 +368,7 @@ def check_subgroup_then_world(rank: int, world: int, rounds: int = 6) -> dict:
         base = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Linear(16, 2))
         m, ref = copy.deepcopy(base), copy.deepcopy(base)
         g = _new_group() if k % 2 == 0 else None
-        zo = ZeroOptimizer(
-            m, O.AdamW, stage=1 + k % 3, process_group=g, lr=1e-2, bucket_size_mb=1e-4
-        )
+        zo = zero_opt(m, O.AdamW, stage=1 + k % 3, process_group=g, lr=1e-2, bucket_size_mb=1e-4)
         ddp = nn.parallel.DistributedDataParallel(ref)
         to = O.AdamW(ref.parameters(), lr=1e-2)
         for s in range(3):

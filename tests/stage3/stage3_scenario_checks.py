@@ -13,8 +13,7 @@ import torch
 import torch.distributed as dist
 from numerics import rel_err
 from torch import nn
-
-from zero_kernels import ZeroOptimizer
+from zero_opt import zero_opt
 
 V, D = 19, 8
 
@@ -75,7 +74,7 @@ def _train(rank, world, make, loss_fn, steps=3, tol=1e-5, what="", **zkw):
     torch.manual_seed(0)
     base = make()
     m, ref = copy.deepcopy(base), copy.deepcopy(base)
-    zo = ZeroOptimizer(m, torch.optim.AdamW, stage=3, lr=1e-2, weight_decay=0.1, timeout=60, **zkw)
+    zo = zero_opt(m, torch.optim.AdamW, stage=3, lr=1e-2, weight_decay=0.1, timeout=60, **zkw)
     to = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
     for step in range(steps):
         x, y = _batch(rank, step)

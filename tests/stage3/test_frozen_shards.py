@@ -6,8 +6,8 @@ import pytest
 import torch
 from dist_utils import SharedRun
 from torch import nn
+from zero_opt import zero_opt
 
-from zero_kernels import ZeroOptimizer
 from zero_kernels.policy import GatherPolicy
 
 _RUN = SharedRun(frozen_checks.frozen_all, timeout=600)
@@ -37,11 +37,11 @@ def test_frozen_shards_arguments(tmp_path):
     m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     m[0].requires_grad_(False)
     with pytest.raises(ValueError, match="shard_frozen= is a stage-3 option"):
-        ZeroOptimizer(m, torch.optim.SGD, stage=2, shard_frozen=True, lr=0.1)
+        zero_opt(m, torch.optim.SGD, stage=2, shard_frozen=True, lr=0.1)
     with pytest.raises(TypeError, match="shard_frozen must be a bool, got shard_frozen='yes'"):
         GatherPolicy(shard_frozen="yes")
     with pytest.raises(NotImplementedError, match="shard_frozen=True with offload_params='nvme'"):
-        ZeroOptimizer(
+        zero_opt(
             m,
             torch.optim.AdamW,
             stage=3,
@@ -52,7 +52,7 @@ def test_frozen_shards_arguments(tmp_path):
             offload_dir=str(tmp_path),
             lr=0.1,
         )
-    zo = ZeroOptimizer(m, torch.optim.SGD, stage=3, units=[nn.Linear], shard_frozen=True, lr=0.1)
+    zo = zero_opt(m, torch.optim.SGD, stage=3, units=[nn.Linear], shard_frozen=True, lr=0.1)
     assert set(zo.parts.core.frozen.values()) == set(m[0].parameters())
     zo.close()
 

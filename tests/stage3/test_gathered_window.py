@@ -10,7 +10,7 @@ from fake_group import run_fake_many
 
 WINDOW = """
 from torch import nn
-from zero_kernels import ZeroOptimizer
+from zero_kernels import ZeroOptimizer, ZeroPolicy
 
 class Block(nn.Module):
     def __init__(self, d):
@@ -35,8 +35,8 @@ class Net(nn.Module):
 
 torch.manual_seed(0)
 m = Net({n})
-zo = ZeroOptimizer(m, torch.optim.AdamW, stage=3, lr=1e-3, prefetch={prefetch},
-                   bucket_size_mb=0.01)
+pol = ZeroPolicy.resolve(stage=3, prefetch={prefetch}, bucket_size_mb=0.01)
+zo = ZeroOptimizer(m, torch.optim.AdamW, policy=pol, lr=1e-3)
 unit = sum(p.numel() * 4 for p in m.blocks[0].parameters())
 root = sum(p.numel() * 4 for n_, p in m.named_parameters() if not n_.startswith("blocks"))
 for _ in range(2):

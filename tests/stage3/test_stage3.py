@@ -12,6 +12,7 @@ import zero_checks
 from dist_utils import SharedRun, run_checks, run_workers
 from numerics import rel_err
 from torch import nn
+from zero_opt import zero_opt
 
 from zero_kernels import ZeroOptimizer
 
@@ -44,7 +45,7 @@ def test_stage3_bad_input():
     with pytest.raises(ValueError, match="units= is a stage-3 option"):
         ZeroOptimizer(m, torch.optim.SGD, stage=2, units=[nn.Linear], lr=0.1)
     with pytest.raises(ValueError, match="prefetch"):
-        ZeroOptimizer(m, torch.optim.SGD, stage=3, prefetch=-1, lr=0.1)
+        zero_opt(m, torch.optim.SGD, stage=3, prefetch=-1, lr=0.1)
     with pytest.raises(ValueError, match="matched no submodule"):
         ZeroOptimizer(m, torch.optim.SGD, stage=3, units=[nn.Conv2d], lr=0.1)
     nested = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), nn.Linear(4, 2))
@@ -55,9 +56,9 @@ def test_stage3_bad_input():
     with pytest.raises(TypeError, match="units must be"):
         ZeroOptimizer(m, torch.optim.SGD, stage=3, units="blocks", lr=0.1)
     with pytest.raises(ValueError, match="check_order='always'"):
-        ZeroOptimizer(m, torch.optim.SGD, stage=3, check_order="always", lr=0.1)
+        zero_opt(m, torch.optim.SGD, stage=3, check_order="always", lr=0.1)
     with pytest.raises(ValueError, match="check_order= is a stage-3 option"):
-        ZeroOptimizer(m, torch.optim.SGD, stage=2, check_order="every", lr=0.1)
+        zero_opt(m, torch.optim.SGD, stage=2, check_order="every", lr=0.1)
     # param groups first and module= (accepted at every stage)
     zo = ZeroOptimizer([{"params": m.parameters()}], torch.optim.SGD, stage=3, module=m, lr=0.1)
     zo.close()
@@ -170,7 +171,7 @@ def _persist(rank, world):
     torch.manual_seed(0)
     base = stage3_checks.Net3()
     m1, m2 = copy.deepcopy(base), copy.deepcopy(base)
-    zo = ZeroOptimizer(m1, torch.optim.AdamW, stage=3, persist_below=100, lr=1e-2)
+    zo = zero_opt(m1, torch.optim.AdamW, stage=3, persist_below=100, lr=1e-2)
     ddp = DDP(m2)
     to = torch.optim.AdamW(m2.parameters(), lr=1e-2)
     for step in range(3):
@@ -186,7 +187,7 @@ def _persist(rank, world):
                 assert rel_err(a, b) <= 1e-6, n
             else:
                 assert torch.isnan(a).all(), n
-    stage3_checks._close(zo, m1, m2, 1e-6, "persist_below")
+    stage3_checks.assert_params_close(zo, m1, m2, 1e-6, "persist_below")
     zo.close()
     return "ok"
 
@@ -209,8 +210,8 @@ def _reduced_in(dtype, tol, rank, world):
         base = stage3_checks.Net3()
         m1, m2, m3 = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
         kw = {"lr": 1e-2}
-        z16 = ZeroOptimizer(m1, torch.optim.AdamW, stage=stage, reduce_dtype=dtype, **kw)
-        z32 = ZeroOptimizer(m3, torch.optim.AdamW, stage=stage, **kw)
+        z16 = zero_opt(m1, torch.optim.AdamW, stage=stage, reduce_dtype=dtype, **kw)
+        z32 = zero_opt(m3, torch.optim.AdamW, stage=stage, **kw)
         ddp = DDP(m2)
         to = torch.optim.AdamW(m2.parameters(), **kw)
         for step in range(4):
@@ -264,26 +265,26 @@ def test_reduce_dtype(check):
 def test_bf16_reduction_refused_at_stage_1():
     m = nn.Linear(4, 2)
     with pytest.raises(NotImplementedError, match="reduce_dtype"):
-        ZeroOptimizer(m, torch.optim.SGD, stage=1, reduce_dtype=torch.bfloat16, lr=0.1)
+        zero_opt(m, torch.optim.SGD, stage=1, reduce_dtype=torch.bfloat16, lr=0.1)
     with pytest.raises(ValueError, match="reduce_dtype"):
-        ZeroOptimizer(m, torch.optim.SGD, stage=2, reduce_dtype=torch.int8, lr=0.1)
+        zero_opt(m, torch.optim.SGD, stage=2, reduce_dtype=torch.int8, lr=0.1)
 
 
 def test_first_difference():
     """Which launch lists of a pass cannot all be completed (`SequenceCheck` diagnosis)."""
-    from zero_kernels.partition.order import _first_difference
+    from zero_kernels.partition.order import first_difference
 
     # a rank behind (shorter, still in the pass) differs in nothing
-    assert _first_difference({0: (False, [1, 2, 3]), 1: (False, [1, 2])}) is None
-    assert _first_difference({0: (False, [1, 2]), 1: (True, [1, 2])}) is None
+    assert first_difference({0: (False, [1, 2, 3]), 1: (False, [1, 2])}) is None
+    assert first_difference({0: (False, [1, 2]), 1: (True, [1, 2])}) is None
     # a rank that ended the pass before an entry another launched
-    assert _first_difference({0: (False, [1, 2, 3]), 1: (True, [1, 2])}) == (2, 0, 1)
+    assert first_difference({0: (False, [1, 2, 3]), 1: (True, [1, 2])}) == (2, 0, 1)
     # entries that differ where both lists have one; the first position wins
-    assert _first_difference({0: (False, [1, 5, 3]), 1: (False, [1, 2, 4])}) == (1, 0, 1)
+    assert first_difference({0: (False, [1, 5, 3]), 1: (False, [1, 2, 4])}) == (1, 0, 1)
     # three ranks: the two lowest ranks that differ are named
     lists = {0: (False, [1, 2]), 1: (False, [1, 2, 7]), 2: (True, [1, 2])}
-    assert _first_difference(lists) == (2, 1, 2)
-    assert _first_difference({0: (True, []), 1: (False, [4])}) == (0, 0, 1)
+    assert first_difference(lists) == (2, 1, 2)
+    assert first_difference({0: (True, []), 1: (False, [4])}) == (0, 0, 1)
 
 
 @pytest.mark.parametrize("stage", [1, 3])
@@ -309,16 +310,16 @@ def test_stage3_autocast_frozen_casts_made_again(monkeypatch, shard_frozen):
     from zero_kernels.partition import recast
 
     packed, made = [], []
-    pack, unpack = recast._Recast.pack, recast._Recast.unpack
+    pack, unpack = recast.Recast.pack, recast.Recast.unpack
 
     def counting_pack(self, t):
         out = pack(self, t)
         packed.append((type(out), tuple(t.shape), t.dtype))
         return out
 
-    monkeypatch.setattr(recast._Recast, "pack", counting_pack)
+    monkeypatch.setattr(recast.Recast, "pack", counting_pack)
     monkeypatch.setattr(
-        recast._Recast, "unpack", staticmethod(lambda x: made.append(type(x)) or unpack(x))
+        recast.Recast, "unpack", staticmethod(lambda x: made.append(type(x)) or unpack(x))
     )
 
     class Lora(nn.Module):
@@ -344,7 +345,7 @@ def test_stage3_autocast_frozen_casts_made_again(monkeypatch, shard_frozen):
     for mod in (m, ref):
         for blk in mod[:2]:
             blk.base.requires_grad_(False)
-    zo = ZeroOptimizer(m, torch.optim.SGD, stage=3, units=[Lora], shard_frozen=shard_frozen, lr=0.1)
+    zo = zero_opt(m, torch.optim.SGD, stage=3, units=[Lora], shard_frozen=shard_frozen, lr=0.1)
     ro = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1)
     nocache = dict(device_type="cpu", dtype=torch.bfloat16, cache_enabled=False)
     x = torch.randn(4, 8, requires_grad=True)  # so that the first block's base is saved too
@@ -356,15 +357,15 @@ def test_stage3_autocast_frozen_casts_made_again(monkeypatch, shard_frozen):
         with torch.autocast(**nocache):
             r = ref(x)
         assert torch.equal(out, r)
-        kept = [(shape, dt) for kind, shape, dt in packed if kind is not recast._Cast]
-        casts = [shape for kind, shape, _ in packed if kind is recast._Cast]
+        kept = [(shape, dt) for kind, shape, dt in packed if kind is not recast.Cast]
+        casts = [shape for kind, shape, _ in packed if kind is recast.Cast]
         # each block's base weight (saved as weight.t(), an (8, 8) view) is a recipe; the odd
         # block's `w` (the same shape, twice the cast) is kept as saved
         assert casts.count((8, 8)) == 2, packed
         assert [s for s, dt in kept if s == (8, 8) and dt == torch.bfloat16] == [(8, 8)], kept
         out.float().pow(2).sum().backward()
         r.float().pow(2).sum().backward()
-        assert made.count(recast._Cast) == len(casts)
+        assert made.count(recast.Cast) == len(casts)
         for (name, p), q in zip(m.named_parameters(), ref.parameters()):
             if q.requires_grad:
                 torch.testing.assert_close(zo.full_grad(p), q.grad, rtol=0, atol=0, msg=name)
@@ -388,7 +389,7 @@ def test_stage3_frozen_weight_changed_before_backward_raises(cast):
     for shard in (False, True):
         if not cast and not shard:
             continue  # the frozen param saved as it is: torch's own check
-        zo = ZeroOptimizer(m, torch.optim.SGD, stage=3, shard_frozen=shard, lr=0.1)
+        zo = zero_opt(m, torch.optim.SGD, stage=3, shard_frozen=shard, lr=0.1)
         x = torch.randn(4, 8)
         nocache = dict(device_type="cpu", dtype=torch.bfloat16, cache_enabled=False)
         with torch.autocast(**nocache) if cast else contextlib.nullcontext():
@@ -446,26 +447,26 @@ def test_is_cast_of_compares_every_bit():
     """[Note: frozen casts]'s test of a saved tensor: equal to the param cast again, bit for bit,
     at odd sizes and both half dtypes; one element off (the last, or -0.0 saved as +0.0), or a
     NaN's payload changed, is not a cast."""
-    from zero_kernels.partition.recast import _CHUNK, _is_cast_of
+    from zero_kernels.partition.recast import CHUNK, is_cast_of
 
     g = torch.Generator().manual_seed(0)
-    for shape in [(1,), (7, 13), (3, 5, 7), (2 * _CHUNK + 3,), (_CHUNK + 4,)]:
+    for shape in [(1,), (7, 13), (3, 5, 7), (2 * CHUNK + 3,), (CHUNK + 4,)]:
         p = torch.randn(shape, generator=g)
         p.view(-1)[0] = -0.0
         for dt in (torch.bfloat16, torch.float16):
             b = p.to(dt)
-            assert _is_cast_of(b, p), (shape, dt)
-            assert not _is_cast_of(b.t() if b.dim() == 2 else b[..., :0], p)
+            assert is_cast_of(b, p), (shape, dt)
+            assert not is_cast_of(b.t() if b.dim() == 2 else b[..., :0], p)
             for k, v in ((-1, 2.0), (0, 0.0)):
                 c = b.clone()
                 c.view(-1)[k] = c.view(-1)[k] * 2 + 1 if v == 2.0 else v
-                assert not _is_cast_of(c, p), (shape, dt, k)
+                assert not is_cast_of(c, p), (shape, dt, k)
     p = torch.tensor([1.0, float("nan"), 2.0])
     b = p.to(torch.bfloat16)
-    assert _is_cast_of(b, p)
+    assert is_cast_of(b, p)
     c = b.clone()
     c.view(torch.int16)[1] ^= 1  # another NaN
-    assert not _is_cast_of(c, p)
+    assert not is_cast_of(c, p)
 
 
 @contextlib.contextmanager
@@ -482,9 +483,9 @@ def test_stage3_autocast_casts_made_again_in_backward(monkeypatch):
     from zero_kernels.partition import recast
 
     made = []
-    unpack = recast._Recast.unpack
+    unpack = recast.Recast.unpack
     monkeypatch.setattr(
-        recast._Recast, "unpack", staticmethod(lambda x: made.append(type(x)) or unpack(x))
+        recast.Recast, "unpack", staticmethod(lambda x: made.append(type(x)) or unpack(x))
     )
     top = torch._C._autograd._top_saved_tensors_default_hooks
 
@@ -524,7 +525,7 @@ def test_stage3_autocast_casts_made_again_in_backward(monkeypatch):
         out.float().pow(2).sum().backward()
         r.float().pow(2).sum().backward()
         # each unit's weight and the root's last Linear (the root unit's own), made again once
-        assert made.count(recast._Cast) == 3, made
+        assert made.count(recast.Cast) == 3, made
         for p, q in zip(m.parameters(), ref.parameters()):
             torch.testing.assert_close(zo.full_grad(p), q.grad)
         zo.zero_grad()
@@ -606,7 +607,7 @@ def test_stage3_units_public_view():
     zo.close()
     # params under persist_below are kept whole, in a unit of their own
     m = Net()
-    zo = ZeroOptimizer(m, torch.optim.AdamW, stage=3, units=list(m.blocks), persist_below=9)
+    zo = zero_opt(m, torch.optim.AdamW, stage=3, units=list(m.blocks), persist_below=9)
     kept = [u for u in zo.units() if u.kind == "kept"]
     assert len(kept) == 1 and kept[0].module is None and kept[0].state == "gathered", kept
     assert set(kept[0].params) == {n for n in every if n.endswith("bias")}, kept
@@ -615,7 +616,7 @@ def test_stage3_units_public_view():
     m = Net()
     m.blocks[0].requires_grad_(False)
     trainable = [p for p in m.parameters() if p.requires_grad]
-    zo = ZeroOptimizer(
+    zo = zero_opt(
         trainable, torch.optim.AdamW, stage=3, module=m, units=list(m.blocks), shard_frozen=True
     )
     assert next(u for u in zo.units() if u.name == "blocks.0").params == (

@@ -10,8 +10,8 @@ import stage3_edit_checks as pf
 import torch
 from dist_utils import run_workers
 from torch import nn
+from zero_opt import zero_opt
 
-from zero_kernels import ZeroOptimizer
 from zero_kernels.optimizer.materialize import init_module_
 
 
@@ -74,9 +74,7 @@ def test_zero_grad_set_to_none_in_process(stage, set_to_none):
     """World size 1: the plain torch optimizer is the reference; branch b unused after step 0."""
     m1, m2 = Branchy(), Branchy()
     kw = {"lr": 1e-2, "weight_decay": 0.1}
-    zo = ZeroOptimizer(
-        m1, torch.optim.AdamW, stage=stage, units=[m1.b] if stage == 3 else None, **kw
-    )
+    zo = zero_opt(m1, torch.optim.AdamW, stage=stage, units=[m1.b] if stage == 3 else None, **kw)
     to = torch.optim.AdamW(m2.parameters(), **kw)
     g = torch.Generator().manual_seed(1)
     for step in range(3):

@@ -7,9 +7,9 @@ import pytest
 import stage3_scenario_checks
 import torch
 from dist_utils import run_workers
+from zero_opt import zero_opt
 
 import zero_kernels.partition.units as units_mod
-from zero_kernels import ZeroOptimizer
 
 
 @pytest.mark.distributed
@@ -26,7 +26,7 @@ def _pair(make, **kw):
     torch.manual_seed(0)
     m = make()
     ref = copy.deepcopy(m)
-    zo = ZeroOptimizer(m, torch.optim.SGD, stage=3, lr=0.1, **kw)
+    zo = zero_opt(m, torch.optim.SGD, stage=3, lr=0.1, **kw)
     return zo, m, ref
 
 

@@ -16,6 +16,7 @@ from dist_utils import run_checks
 from numerics import assert_params_close, rel_err
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from zero_opt import zero_opt
 
 from zero_kernels import ZeroOptimizer
 
@@ -54,7 +55,7 @@ def check_clip_norms(rank: int, world: int) -> dict:
         base = _model()
         m1, m2 = copy.deepcopy(base), copy.deepcopy(base)
         kw = {"lr": 1e-3, "weight_decay": 0.01}
-        zo = ZeroOptimizer(m1, torch.optim.AdamW, stage=stage, **kw)
+        zo = zero_opt(m1, torch.optim.AdamW, stage=stage, **kw)
         zo.parts.core.sync_free = sync_free
         ddp = DDP(m2)
         to = torch.optim.AdamW(m2.parameters(), **kw)
@@ -156,7 +157,7 @@ def _net_pair(stage: int, rank: int, cls=torch.optim.AdamW):
             {"params": [*m.wide.parameters(), *m.out.parameters()], "weight_decay": 0.0},
         ]
 
-    zo = ZeroOptimizer(groups(m1), cls, stage=stage, module=m1, bucket_size_mb=0.001, lr=1e-2)
+    zo = zero_opt(groups(m1), cls, stage=stage, module=m1, bucket_size_mb=0.001, lr=1e-2)
     ddp = DDP(m2)
     to = cls(groups(m2), lr=1e-2)
     _backward(m1, ddp, rank, 0)
@@ -290,9 +291,9 @@ def check_torch_clip_cases(rank: int, world: int) -> dict:
     m1, m2 = copy.deepcopy(base), copy.deepcopy(base)
     half = [*m1.inp.parameters(), *m1.body[:3].parameters()]
     ids = {id(q) for q in half}
-    za = ZeroOptimizer(half, torch.optim.SGD, stage=2, bucket_size_mb=0.001, lr=0.1)
+    za = zero_opt(half, torch.optim.SGD, stage=2, bucket_size_mb=0.001, lr=0.1)
     rest = [q for q in m1.parameters() if q.requires_grad and id(q) not in ids]
-    zb = ZeroOptimizer(rest, torch.optim.SGD, stage=1, bucket_size_mb=0.001, lr=0.1)
+    zb = zero_opt(rest, torch.optim.SGD, stage=1, bucket_size_mb=0.001, lr=0.1)
     ddp = DDP(m2)
     _backward(m1, ddp, rank, 0)
     for p, foreach in ((2.0, None), (float("inf"), True)):

@@ -8,8 +8,8 @@ import time
 
 import torch
 from torch import nn
+from zero_opt import zero_opt
 
-from zero_kernels import ZeroOptimizer
 from zero_kernels.comm import CollectiveTimeout
 
 
@@ -35,7 +35,7 @@ def check_close(rank: int, world: int) -> dict:
     # exception; rank 0's next collective times out instead of waiting forever
     t0 = time.monotonic()
     try:
-        with ZeroOptimizer(Net(), torch.optim.SGD, stage=3, lr=0.1, timeout=4) as zo:
+        with zero_opt(Net(), torch.optim.SGD, stage=3, lr=0.1, timeout=4) as zo:
             m = zo.parts.core.module
             m(x).sum().backward()
             zo.step()
@@ -57,7 +57,7 @@ def check_close_one_rank(rank: int, world: int) -> dict:
     """In a process group of its own (a gloo wait that timed out above closes the group's
     pairs): close() on one rank only is a RuntimeError after the timeout on that rank."""
     out = {}
-    zo = ZeroOptimizer(Net(), torch.optim.SGD, stage=3, lr=0.1, timeout=3)
+    zo = zero_opt(Net(), torch.optim.SGD, stage=3, lr=0.1, timeout=3)
     if rank == 0:
         t0 = time.monotonic()
         try:

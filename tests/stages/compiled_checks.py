@@ -7,6 +7,7 @@ import copy
 from numerics import rel_err
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from zero_opt import zero_opt
 
 from zero_kernels import ZeroOptimizer
 
@@ -25,7 +26,7 @@ def check_compiled_autograd(rank: int, world: int) -> dict:
 
     def train(stage: int):
         m1, m2 = copy.deepcopy(base), copy.deepcopy(base)
-        zo = ZeroOptimizer(m1, torch.optim.AdamW, stage=stage, lr=1e-2, bucket_size_mb=0.0005)
+        zo = zero_opt(m1, torch.optim.AdamW, stage=stage, lr=1e-2, bucket_size_mb=0.0005)
         ddp = DDP(m2)
         ref = torch.optim.AdamW(m2.parameters(), lr=1e-2)
         c1 = torch.compile(m1, backend="aot_eager")
@@ -80,7 +81,7 @@ def check_compiled_forward_hooks(rank: int, world: int) -> dict:
     whatever the step, and breaks only at the hooks."""
     import torch
     import torch._dynamo
-    from stage3_checks import Net3, _batch, _close, _loss, _Null
+    from stage3_checks import Net3, _batch, _loss, _Null, assert_params_close
     from torch._dynamo.utils import counters
 
     out = {}
@@ -116,7 +117,7 @@ def check_compiled_forward_hooks(rank: int, world: int) -> dict:
         base.ckpt = ck
         m1, m2 = copy.deepcopy(base), copy.deepcopy(base)
         kw = {"lr": 1e-2, "weight_decay": 0.1}
-        zo = ZeroOptimizer(m1, torch.optim.AdamW, **zkw, **kw)
+        zo = zero_opt(m1, torch.optim.AdamW, **zkw, **kw)
         ddp = DDP(m2, find_unused_parameters=True)
         ref = torch.optim.AdamW(m2.parameters(), **kw)
         if what == "model":
@@ -141,7 +142,7 @@ def check_compiled_forward_hooks(rank: int, world: int) -> dict:
             ref.zero_grad()
             graphs.append(counters["stats"]["unique_graphs"])
         if zkw["stage"] == 3:
-            _close(zo, m1, m2, tol, name)
+            assert_params_close(zo, m1, m2, tol, name)
         else:
             zo.wait_params()
             for (n, a), b in zip(m1.named_parameters(), m2.parameters()):

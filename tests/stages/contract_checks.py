@@ -16,6 +16,7 @@ from dist_utils import run_checks
 from numerics import assert_params_close, rel_err
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from zero_opt import zero_opt
 
 from zero_kernels import ZeroOptimizer
 from zero_kernels.partition.grads import ShardedGrad, ShardedGradError
@@ -38,7 +39,7 @@ def _pair(stage, cls=O.AdamW, dtype=torch.float32, zkw=None, **kw):
     base = _model(dtype=dtype)
     m1, m2 = copy.deepcopy(base), copy.deepcopy(base)
     kw = kw or {"lr": 1e-2, "weight_decay": 0.1}
-    zo = ZeroOptimizer(m1, cls, stage=stage, bucket_size_mb=0.001, **(zkw or {}), **kw)
+    zo = zero_opt(m1, cls, stage=stage, bucket_size_mb=0.001, **(zkw or {}), **kw)
     ddp = DDP(m2, find_unused_parameters=True)
     to = cls(m2.parameters(), **kw)
     return m1, m2, zo, ddp, to
@@ -221,7 +222,7 @@ def check_unused_params(rank: int, world: int) -> dict:
             torch.manual_seed(0)
             base = Branchy()
             m1, m2 = copy.deepcopy(base), copy.deepcopy(base)
-            zo = ZeroOptimizer(m1, cls, stage=stage, bucket_size_mb=0.001, **kw)
+            zo = zero_opt(m1, cls, stage=stage, bucket_size_mb=0.001, **kw)
             ddp = DDP(m2, find_unused_parameters=True)
             to = cls(m2.parameters(), **kw)
             for step in range(6):
@@ -342,7 +343,7 @@ def check_close(rank: int, world: int) -> dict:
     """A second optimizer over params held by a live one is refused; close() gives the params
     back as plain tensors (not views of the flat buffers), grads None, no hook left."""
     m = _model()
-    zo = ZeroOptimizer(m, O.SGD, stage=2, bucket_size_mb=0.001, lr=0.1)
+    zo = zero_opt(m, O.SGD, stage=2, bucket_size_mb=0.001, lr=0.1)
     flats = [f.untyped_storage().data_ptr() for f in zo.parts.core.store.flats]
     try:
         ZeroOptimizer(m, O.SGD, stage=1, lr=0.1)
@@ -362,12 +363,12 @@ def check_second_optimizer(rank: int, world: int) -> dict:
     """A second optimizer on the same model, the first one closed, trains (DDP parity); the
     with-block closes it."""
     m = _model()
-    zo = ZeroOptimizer(m, O.SGD, stage=2, bucket_size_mb=0.001, lr=0.1)
+    zo = zero_opt(m, O.SGD, stage=2, bucket_size_mb=0.001, lr=0.1)
     m(_x(rank, 0)).sum().backward()
     zo.step()
     zo.close()
     base = copy.deepcopy(m)
-    with ZeroOptimizer(m, O.SGD, stage=1, bucket_size_mb=0.001, lr=0.1) as z2:
+    with zero_opt(m, O.SGD, stage=1, bucket_size_mb=0.001, lr=0.1) as z2:
         d = DDP(base)
         so = O.SGD(base.parameters(), lr=0.1)
         for step in range(2):
@@ -385,7 +386,7 @@ def check_second_optimizer(rank: int, world: int) -> dict:
 def check_collected_optimizer(rank: int, world: int) -> dict:
     """A collected optimizer leaves no hooks."""
     m = _model()
-    z3 = ZeroOptimizer(m, O.SGD, stage=2, bucket_size_mb=0.001, lr=0.1)
+    z3 = zero_opt(m, O.SGD, stage=2, bucket_size_mb=0.001, lr=0.1)
     m(_x(rank, 2)).sum().backward()
     del z3
     gc.collect()
@@ -453,7 +454,7 @@ def check_disagree_options(rank: int, world: int) -> dict:
         ("bucket_size_mb", {"lr": 0.1, "bucket_size_mb": 1.0 if rank == 0 else 2.0}),
     ):
         try:
-            ZeroOptimizer(_model(), O.SGD, stage=2, **kw)
+            zero_opt(_model(), O.SGD, stage=2, **kw)
             raise AssertionError(f"different {what} accepted")
         except ValueError as e:
             assert what in str(e) and f"rank {world - 1}" in str(e), e
@@ -474,7 +475,7 @@ def check_disagree_params(rank: int, world: int) -> dict:
 def check_lone_collective(rank: int, world: int) -> dict:
     """A collective-only call made on one rank: an error there within the timeout, no hang."""
     out = {}
-    zo = ZeroOptimizer(_model(), O.SGD, stage=2, lr=0.1, timeout=3)
+    zo = zero_opt(_model(), O.SGD, stage=2, lr=0.1, timeout=3)
     t0 = time.monotonic()
     if rank == 0:
         try:
@@ -496,7 +497,7 @@ def _nonfinite(rank: int, world: int, mode: str) -> dict:
     """nonfinite=``mode`` with a NaN on the last rank only (its loss times NaN: every gradient
     of that rank NaN, so every rank's reduced shard holds NaN)."""
     m = _model()
-    zo = ZeroOptimizer(m, O.SGD, stage=2, lr=0.1, nonfinite=mode)
+    zo = zero_opt(m, O.SGD, stage=2, lr=0.1, nonfinite=mode)
     before = [p.detach().clone() for p in m.parameters()]
     loss = m(_x(rank, 0)).pow(2).mean()
     if rank == world - 1:

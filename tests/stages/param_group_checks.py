@@ -12,8 +12,7 @@ import torch
 import torch.distributed as dist
 from numerics import rel_err
 from torch import nn
-
-from zero_kernels import ZeroOptimizer
+from zero_opt import zero_opt
 
 
 class Net(nn.Module):
@@ -52,9 +51,7 @@ def check_add_param_group(rank: int, world: int) -> dict:
             base.head.requires_grad_(False)
             m, ref = copy.deepcopy(base), copy.deepcopy(base)
             kw = dict(lr=1e-2, weight_decay=0.1)
-            zo = ZeroOptimizer(
-                [{"params": _body(m)}], torch.optim.AdamW, stage=stage, module=m, **kw
-            )
+            zo = zero_opt([{"params": _body(m)}], torch.optim.AdamW, stage=stage, module=m, **kw)
             to = torch.optim.AdamW([{"params": _body(ref)}], **kw)
             calls = []
             zo.register_step_post_hook(lambda o, a, k, calls=calls: calls.append(1))

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from dist_utils import run_checks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from zero_opt import zero_opt
 
 from zero_kernels import ZeroOptimizer
 
@@ -137,7 +138,7 @@ def _bn_pair(stage: int, **zkw):
     torch.manual_seed(7)
     m1, m2 = _BN(), _BN()
     m2.load_state_dict(m1.state_dict())
-    zo = ZeroOptimizer(m1, torch.optim.AdamW, stage=stage, lr=1e-2, **zkw)
+    zo = zero_opt(m1, torch.optim.AdamW, stage=stage, lr=1e-2, **zkw)
     ddp = DDP(m2)
     to = torch.optim.AdamW(m2.parameters(), lr=1e-2, fused=True)
     return m1, m2, zo, ddp, to

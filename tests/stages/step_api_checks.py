@@ -12,8 +12,7 @@ import torch
 from numerics import rel_err
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-
-from zero_kernels import ZeroOptimizer
+from zero_opt import zero_opt
 
 
 class ScaledMomentum(torch.optim.Optimizer):
@@ -111,7 +110,7 @@ def check_step_kwargs(rank: int, world: int) -> dict:
             {"params": list(m2[0].parameters()), "lr": 0.05},
             {"params": list(m2[2].parameters()) + list(m2[4].parameters())},
         ]
-        zo = ZeroOptimizer(groups1, cls, stage=stage, module=m1, bucket_size_mb=0.0002, lr=0.1)
+        zo = zero_opt(groups1, cls, stage=stage, module=m1, bucket_size_mb=0.0002, lr=0.1)
         assert zo.mode == ("flat" if cls.zero_elementwise else "whole"), (key, zo.mode)
         ddp = DDP(m2)
         to = cls(groups2, lr=0.1)
@@ -152,7 +151,7 @@ def check_step_kwargs(rank: int, world: int) -> dict:
     # torch's Adam/AdamW take no keyword: refused by the fused kernel's path and by the unfused
     for fused in (True, False):
         m = _model()
-        zo = ZeroOptimizer(m, torch.optim.AdamW, stage=2, fused_adam=fused, lr=1e-2)
+        zo = zero_opt(m, torch.optim.AdamW, stage=2, fused_adam=fused, lr=1e-2)
         assert all(zo.parts.core.runner.fused) == fused
         m(_x(rank, 0)).pow(2).mean().backward()
         before = _params_of(zo, m)

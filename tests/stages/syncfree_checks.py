@@ -14,6 +14,7 @@ import torch
 from numerics import rel_err
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from zero_opt import zero_opt
 
 from zero_kernels import ZeroOptimizer
 
@@ -73,7 +74,7 @@ def check_syncfree(rank: int, world: int) -> dict:
             base = _model()
             m1, m2 = copy.deepcopy(base), copy.deepcopy(base)
             kw = {"lr": 1e-2, "weight_decay": 0.1}
-            zo = ZeroOptimizer(m1, torch.optim.AdamW, stage=stage, bucket_size_mb=0.001, **kw)
+            zo = zero_opt(m1, torch.optim.AdamW, stage=stage, bucket_size_mb=0.001, **kw)
             zo.parts.core.sync_free = True
             ddp = DDP(m2)
             to = torch.optim.AdamW(m2.parameters(), **kw)
@@ -107,7 +108,7 @@ def check_syncfree(rank: int, world: int) -> dict:
     seen = {}
     for sync_free in (False, True):
         m = _model()
-        zo = ZeroOptimizer(m, torch.optim.AdamW, stage=2, bucket_size_mb=0.001, lr=1e-2)
+        zo = zero_opt(m, torch.optim.AdamW, stage=2, bucket_size_mb=0.001, lr=1e-2)
         zo.parts.core.sync_free = sync_free
         records: list[str] = []
 

@@ -13,8 +13,7 @@ import torch
 from numerics import rel_err
 from syncfree_checks import _model, _step_counters, _x, host_reads
 from torch.nn.parallel import DistributedDataParallel as DDP
-
-from zero_kernels import ZeroOptimizer
+from zero_opt import zero_opt
 
 # (stage, norm_type, foreach): every norm type with both foreach values at stage 2, the others
 # at stages 1 and 3 (each clip of a ShardedGrad goes through the same dispatch at every stage)
@@ -39,7 +38,7 @@ def check_torch_clip_syncfree(rank: int, world: int) -> dict:
         base = _model()
         m1, m2 = copy.deepcopy(base), copy.deepcopy(base)
         kw = {"lr": 1e-2, "weight_decay": 0.1}
-        zo = ZeroOptimizer(m1, torch.optim.AdamW, stage=stage, bucket_size_mb=0.001, **kw)
+        zo = zero_opt(m1, torch.optim.AdamW, stage=stage, bucket_size_mb=0.001, **kw)
         zo.parts.core.sync_free = True
         ddp = DDP(m2)
         to = torch.optim.AdamW(m2.parameters(), **kw)
@@ -73,7 +72,7 @@ def check_torch_clip_syncfree(rank: int, world: int) -> dict:
     # mul_/div_ by a one-element tensor and a tensor list multiply by that tensor (no read)
     base = _model()
     m1, m2 = copy.deepcopy(base), copy.deepcopy(base)
-    zo = ZeroOptimizer(m1, torch.optim.SGD, stage=2, bucket_size_mb=0.001, lr=0.1)
+    zo = zero_opt(m1, torch.optim.SGD, stage=2, bucket_size_mb=0.001, lr=0.1)
     zo.parts.core.sync_free = True
     ddp = DDP(m2)
     to = torch.optim.SGD(m2.parameters(), lr=0.1)

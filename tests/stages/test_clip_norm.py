@@ -99,7 +99,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 torch.set_num_threads(1)
 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
-from zero_kernels import ZeroOptimizer
+from zero_kernels import CommPolicy, ZeroOptimizer
 
 calls = []
 for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
@@ -116,7 +116,8 @@ out = {}
 for stage in (1, 2, 3):
     torch.manual_seed(0)
     m = nn.Sequential(*[nn.Linear(16, 16) for _ in range(12)])  # 24 params
-    opt = ZeroOptimizer(m, torch.optim.AdamW, stage=stage, bucket_size_mb=0.001, lr=1e-3)
+    comm = CommPolicy(bucket_size_mb=0.001)
+    opt = ZeroOptimizer(m, torch.optim.AdamW, stage=stage, comm=comm, lr=1e-3)
     m(torch.randn(4, 16)).pow(2).mean().backward()
     for what, clip in (
         ("torch p=2", lambda: torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)),

@@ -6,6 +6,7 @@ DDP, with stage 3's and overlap_param_gather's forward hooks kept out of the gra
 import compiled_checks
 import pytest
 from dist_utils import run_workers
+from zero_opt import zero_opt
 
 
 @pytest.mark.distributed
@@ -32,8 +33,6 @@ def test_fullgraph_at_stages_1_and_2(stage):
     import torch
     from torch import nn
 
-    from zero_kernels import ZeroOptimizer
-
     def run(model, opt_step, zero_grad):
         g = torch.Generator().manual_seed(0)
         for _ in range(2):
@@ -48,7 +47,7 @@ def test_fullgraph_at_stages_1_and_2(stage):
             mods.insert(1, nn.BatchNorm1d(8))
         m = nn.Sequential(*mods)
         ref = copy.deepcopy(m)
-        zo = ZeroOptimizer(m, torch.optim.SGD, stage=stage, lr=0.1, broadcast_buffers=not buffers)
+        zo = zero_opt(m, torch.optim.SGD, stage=stage, lr=0.1, broadcast_buffers=not buffers)
         run(torch.compile(m, backend="aot_eager", fullgraph=True), zo.step, zo.zero_grad)
         opt = torch.optim.SGD(ref.parameters(), lr=0.1)
         run(ref, opt.step, opt.zero_grad)

@@ -10,11 +10,10 @@ import torch
 from dist_utils import run_workers
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from zero_opt import zero_opt
 
 
 def _check(rank: int, world: int) -> dict:
-    from zero_kernels import ZeroOptimizer
-
     out = {}
     torch.manual_seed(0)
     base = nn.Sequential(
@@ -27,7 +26,7 @@ def _check(rank: int, world: int) -> dict:
             (torch.optim.SGD, dict(lr=1e-2, momentum=0.9)),
         ):
             m, r = copy.deepcopy(base), copy.deepcopy(base)
-            zo = ZeroOptimizer(m, cls, stage=stage, bucket_size_mb=0.01, **kw)
+            zo = zero_opt(m, cls, stage=stage, bucket_size_mb=0.01, **kw)
             ddp, to = DDP(r), cls(r.parameters(), **kw)
             for s in range(5):
                 g = torch.Generator().manual_seed(10 * s + rank)

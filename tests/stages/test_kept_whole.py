@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from zero_opt import zero_opt
 
-from zero_kernels import ZeroOptimizer
 from zero_kernels.partition.kept import KeptWhole
 from zero_kernels.partition.units import Unit, UnitState
 
@@ -75,7 +75,7 @@ def test_launched_and_waited_once():
 @pytest.mark.parametrize("stage", [1, 2])
 def test_stages_1_2_are_kept_units(stage):
     model, ref = _net(), _net()
-    zo = ZeroOptimizer(
+    zo = zero_opt(
         model,
         torch.optim.SGD,
         stage=stage,
@@ -109,9 +109,7 @@ def test_stages_1_2_are_kept_units(stage):
 
 def test_stage_3_persistent_unit_is_kept():
     model = _net()
-    zo = ZeroOptimizer(
-        model, torch.optim.SGD, stage=3, lr=0.1, units=[nn.Linear], persist_below=1000
-    )
+    zo = zero_opt(model, torch.optim.SGD, stage=3, lr=0.1, units=[nn.Linear], persist_below=1000)
     core = zo.parts.core
     assert core.kept.units == [core.units.persistent] and core.kept.noun == "unit"
     model(X).sum().backward()

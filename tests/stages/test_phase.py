@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.utils.checkpoint as ckpt
 from torch import nn
+from zero_opt import zero_opt
 
 from zero_kernels import ZeroOptimizer
 
@@ -22,7 +23,7 @@ def _net() -> nn.Sequential:
 
 def _zero(model: nn.Module, stage: int, opt=torch.optim.SGD) -> ZeroOptimizer:
     kw = {"units": [nn.Linear]} if stage == 3 else {}
-    return ZeroOptimizer(model, opt, stage=stage, lr=0.1, **kw)
+    return zero_opt(model, opt, stage=stage, lr=0.1, **kw)
 
 
 def _reference(steps: int) -> nn.Module:
@@ -225,7 +226,7 @@ def test_nested_backwards_reduce_once(stage):
     for mode in (None, True, False):
         model = _stack(mode)
         kw = {"units": [_SelfCheckpointed]} if stage == 3 else {}
-        zo = ZeroOptimizer(model, torch.optim.SGD, stage=stage, lr=0.1, **kw)
+        zo = zero_opt(model, torch.optim.SGD, stage=stage, lr=0.1, **kw)
         ref = _stack(mode)
         opt = torch.optim.SGD(ref.parameters(), lr=0.1)
         for _ in range(2):

@@ -11,6 +11,7 @@ import pytest
 import torch
 from dist_utils import SharedRun, run_workers
 from torch import nn
+from zero_opt import zero_opt
 
 from zero_kernels import ZeroOptimizer
 
@@ -56,7 +57,7 @@ def _m():
 def test_bad_arguments(kwargs, exc, words):
     kw = {"lr": 0.1, **kwargs}
     with pytest.raises(exc) as e:
-        ZeroOptimizer(_m(), torch.optim.SGD, **kw)
+        zero_opt(_m(), torch.optim.SGD, **kw)
     assert words in str(e.value), str(e.value)
 
 
@@ -137,7 +138,7 @@ def _stalled_rank(rank, world):
 
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(8, 64), nn.Linear(64, 64), nn.Linear(64, 2))
-    zo = ZeroOptimizer(m, torch.optim.AdamW, stage=2, bucket_size_mb=0.005, lr=0.1, timeout=2)
+    zo = zero_opt(m, torch.optim.AdamW, stage=2, bucket_size_mb=0.005, lr=0.1, timeout=2)
     x = torch.randn(4, 8)
     m(x).sum().backward()
     zo.step()  # one healthy step

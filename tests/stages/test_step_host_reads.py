@@ -22,20 +22,20 @@ import sys
 sys.path.insert(0, {tests!r})
 from syncfree_checks import host_reads, _step_counters
 from torch import nn
-from zero_kernels import ZeroOptimizer
+from zero_kernels import ZeroOptimizer, ZeroPolicy
 
 torch.manual_seed(0)
 mode = {mode!r}
 m = nn.Sequential(*[nn.Linear(16, 16) for _ in range(6)])
-kw = dict(lr=1e-2, stage={stage}, bucket_size_mb=0.0005)
+kw = dict(stage={stage}, bucket_size_mb=0.0005)
 if mode == "fp16":
     m = m.half()
     kw["loss_scale"] = "dynamic"
 elif mode in ("skip", "raise"):
     kw["nonfinite"] = mode
-if {stage} == 3:
-    kw["units"] = [nn.Linear]
-zo = ZeroOptimizer(m, torch.optim.AdamW, **kw)
+units = [nn.Linear] if {stage} == 3 else None
+pol = ZeroPolicy.resolve(**kw)
+zo = ZeroOptimizer(m, torch.optim.AdamW, policy=pol, units=units, lr=1e-2)
 zo.parts.core.sync_free = True  # the device-side forms, as on a GPU
 scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if mode == "scaler" else None
 per_step = []
@@ -75,13 +75,13 @@ import sys
 sys.path.insert(0, {tests!r})
 from syncfree_checks import host_reads, _step_counters
 from torch import nn
-from zero_kernels import ZeroOptimizer
+from zero_kernels import ZeroOptimizer, ZeroPolicy
 from zero_kernels.ops import lowbit
 
 torch.manual_seed(0)
 m = nn.Sequential(*[nn.Linear(40, 40) for _ in range(4)])
-zo = ZeroOptimizer(m, torch.optim.AdamW, stage={stage}, lr=1e-2, state_dtype="int8",
-                   state_block=64, bucket_size_mb=0.004)
+pol = ZeroPolicy.resolve(stage={stage}, state_dtype="int8", state_block=64, bucket_size_mb=0.004)
+zo = ZeroOptimizer(m, torch.optim.AdamW, policy=pol, lr=1e-2)
 zo.parts.core.sync_free = True
 tables = []
 kernel = lowbit.adam_step_lowbit
@@ -119,12 +119,12 @@ def test_int8_state_block_tables_made_and_checked_once(stage):
 
 PAYLOAD = """
 from torch import nn
-from zero_kernels import ZeroOptimizer, comm
+from zero_kernels import CommPolicy, ZeroOptimizer, comm
 from zero_kernels.partition import state
 
 torch.manual_seed(0)
 m = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4)).to(torch.bfloat16)
-zo = ZeroOptimizer(m, torch.optim.AdamW, stage=2, lr=1e-2, bucket_size_mb=0.0005)
+zo = ZeroOptimizer(m, torch.optim.AdamW, stage=2, lr=1e-2, comm=CommPolicy(bucket_size_mb=0.0005))
 m(torch.randn(4, 16, dtype=torch.bfloat16)).float().pow(2).mean().backward()
 zo.step()
 moved, sent = set(), []

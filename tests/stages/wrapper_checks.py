@@ -8,8 +8,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from zero_opt import zero_opt
 
 from zero_kernels import ZeroOptimizer
+from zero_kernels.optimizer import wrappers
 
 
 class _Net(nn.Module):
@@ -42,7 +44,7 @@ def check_orders(rank: int, world: int) -> dict:
             tag = f"stage {stage} find_unused={fup}"
             # the optimizer first, then DDP: DDP's constructor raises before any collective
             m = _Net()
-            zo = ZeroOptimizer(m, torch.optim.AdamW, stage=stage, lr=1e-2, timeout=30)
+            zo = zero_opt(m, torch.optim.AdamW, stage=stage, lr=1e-2, timeout=30)
             msg = _raises(tag, DDP, m, find_unused_parameters=fup)
             assert "'blocks.0.weight'" in msg, msg
             # the optimizer still trains (nothing was left half-built)
@@ -62,8 +64,8 @@ def check_orders(rank: int, world: int) -> dict:
             # a DDP the guard did not see being built (zero_kernels imported after it): the
             # model's forward under it raises
             for p in m.parameters():
-                del p._zero_kernels_ddp
-            zo = ZeroOptimizer(m, torch.optim.AdamW, stage=stage, lr=1e-2, timeout=30)
+                delattr(p, wrappers.MARK)
+            zo = zero_opt(m, torch.optim.AdamW, stage=stage, lr=1e-2, timeout=30)
             msg = _raises(tag, ddp, x)
             assert "DistributedDataParallel.forward" in msg, msg
             out[f"{tag}: unmarked DDP, forward"] = "raised"

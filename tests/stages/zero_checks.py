@@ -14,6 +14,7 @@ from dist_utils import run_checks
 from numerics import assert_params_close, rel_err
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from zero_opt import zero_opt
 
 from zero_kernels import ZeroOptimizer
 
@@ -161,7 +162,7 @@ def train_pair(
     seen. ``groups(model)`` builds param groups."""
     base = make_model(kind)
     m_z, m_d = copy.deepcopy(base), copy.deepcopy(base)
-    zo = ZeroOptimizer(
+    zo = zero_opt(
         groups(m_z) if groups else m_z,
         cls,
         stage=stage,
@@ -291,7 +292,7 @@ def check_host_cache_off(rank: int, world: int) -> dict:
         torch.manual_seed(0)
         base = Wide()
         m_z, m_d = copy.deepcopy(base), copy.deepcopy(base)
-        zo = ZeroOptimizer(m_z, O.AdamW, stage=stage, host_cache=False, lr=1e-3)
+        zo = zero_opt(m_z, O.AdamW, stage=stage, host_cache=False, lr=1e-3)
         ddp = DDP(m_d)
         to = O.AdamW(m_d.parameters(), lr=1e-3)
         for step in range(4):
@@ -498,7 +499,7 @@ def check_odd_params(rank: int, world: int) -> dict:
             torch.manual_seed(0)
             base = OddNet()
             m_z, m_d = copy.deepcopy(base), copy.deepcopy(base)
-            zo = ZeroOptimizer(
+            zo = zero_opt(
                 m_z,
                 O.AdamW,
                 stage=stage,
@@ -536,7 +537,7 @@ def _accumulate(stage, rank, k=3):
     """k micro-batches under no_sync per step against DDP on one k-times larger batch."""
     base = make_model("mlp")
     m_z, m_d = copy.deepcopy(base), copy.deepcopy(base)
-    zo = ZeroOptimizer(m_z, O.SGD, stage=stage, bucket_size_mb=0.002, lr=0.1, momentum=0.9)
+    zo = zero_opt(m_z, O.SGD, stage=stage, bucket_size_mb=0.002, lr=0.1, momentum=0.9)
     ddp = DDP(m_d)
     to = O.SGD(m_d.parameters(), lr=0.1, momentum=0.9)
     for step in range(4):
@@ -631,8 +632,8 @@ def check_bf16_masters(rank: int, world: int) -> dict:
     for stage in (1, 2):
         base = make_model("mlp")
         m_lp, m_32 = copy.deepcopy(base).to(torch.bfloat16), copy.deepcopy(base)
-        z_lp = ZeroOptimizer(m_lp, O.AdamW, stage=stage, bucket_size_mb=0.002, lr=1e-2)
-        z_32 = ZeroOptimizer(m_32, O.AdamW, stage=stage, bucket_size_mb=0.002, lr=1e-2)
+        z_lp = zero_opt(m_lp, O.AdamW, stage=stage, bucket_size_mb=0.002, lr=1e-2)
+        z_32 = zero_opt(m_32, O.AdamW, stage=stage, bucket_size_mb=0.002, lr=1e-2)
         for step in range(5):
             x, y = batch("mlp", rank, step)
             for z, m in ((z_lp, m_lp), (z_32, m_32)):
@@ -664,7 +665,7 @@ def check_fp16_overflow_skip(rank: int, world: int) -> dict:
     for stage in (1, 2):
         base = make_model("mlp")
         m16 = copy.deepcopy(base).to(torch.float16)
-        z16 = ZeroOptimizer(m16, O.Adam, stage=stage, bucket_size_mb=0.002, lr=1e-3)
+        z16 = zero_opt(m16, O.Adam, stage=stage, bucket_size_mb=0.002, lr=1e-3)
         assert z16.loss_scale == 2.0**16
         z16.loss_scale = 2.0**8  # 2**16 overflows this model's fp16 grads for real
         for step in range(3):
@@ -693,7 +694,7 @@ def _scaled_against_ddp(stage, rank, world, dtype, zkw, scale=None, growth=None,
     # SGD, not Adam: Adam's update does not change with the gradient's scale, so a loss scale
     # left in the gradients would go unseen
     kw = dict(lr=0.05, momentum=0.9)
-    zo = ZeroOptimizer(m_z, O.SGD, stage=stage, bucket_size_mb=0.002, **kw, **zkw)
+    zo = zero_opt(m_z, O.SGD, stage=stage, bucket_size_mb=0.002, **kw, **zkw)
     ddp = DDP(m_d)
     to = O.SGD(m_d.parameters(), **kw)
     ls = zkw.get("loss_scale", "dynamic" if dtype == torch.float16 else None)  # the default
@@ -798,7 +799,7 @@ def check_memory(rank: int, world: int) -> dict:
     for stage in (1, 2):
         m = copy.deepcopy(model)
         bucket_mb = 0.005
-        zo = ZeroOptimizer(m, O.Adam, stage=stage, bucket_size_mb=bucket_mb, lr=1e-3)
+        zo = zero_opt(m, O.Adam, stage=stage, bucket_size_mb=bucket_mb, lr=1e-3)
         for _ in range(2):
             x = torch.randn(4, 64)
             zo.zero_grad()
@@ -855,7 +856,7 @@ def check_sync_accumulation(rank: int, world: int) -> dict:
     base = nn.Sequential(nn.Linear(8, 32), nn.Linear(32, 4))
     for stage in (1, 2):
         m1, m2 = copy.deepcopy(base), copy.deepcopy(base)
-        zo = ZeroOptimizer(m1, O.SGD, stage=stage, bucket_size_mb=0.0005, lr=0.1, momentum=0.9)
+        zo = zero_opt(m1, O.SGD, stage=stage, bucket_size_mb=0.0005, lr=0.1, momentum=0.9)
         d = DDP(m2)
         so = O.SGD(m2.parameters(), lr=0.1, momentum=0.9)
         for step in range(3):

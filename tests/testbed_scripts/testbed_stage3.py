@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 import torch
+from zero_opt import zero_opt
 
 STEPS = 3
 LINKS: dict = {}  # tag -> this rank's (inside, cross) bytes of steps 1.. by the step ledger
@@ -15,13 +16,12 @@ LINKS: dict = {}  # tag -> this rank's (inside, cross) bytes of steps 1.. by the
 def _train(rank: int, stage: int, shard_group) -> tuple[list, dict, int]:
     """Steps 1.. are between the testbed's marks "<tag> start" and "<tag> end" (step 0 probes
     the algorithms: left out), their bytes by link in `LINKS`."""
-    from zero_kernels import ZeroOptimizer
     from zero_kernels.tools import testbed
     from zero_kernels.tools.models import GPT, GPTConfig, get_batch, load_corpus
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32))
-    opt = ZeroOptimizer(
+    opt = zero_opt(
         model, torch.optim.AdamW, stage=stage, lr=1e-2, timeout=60, shard_group=shard_group
     )
     data = load_corpus()

@@ -14,6 +14,7 @@ from dist_utils import run_checks
 from numerics import rel_err
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from zero_opt import zero_opt
 
 
 def _model():
@@ -25,13 +26,12 @@ def _model():
 
 def _train(rank, stage, steps=4, clip=None, torch_clip=False, **kw):
     """Our model and optimizer and DDP's after ``steps`` steps on the same per-rank batches."""
-    from zero_kernels import ZeroOptimizer
 
     base = _model()
     m, r = copy.deepcopy(base), copy.deepcopy(base)
     extra = dict(units=[m[0], m[2]]) if stage == 3 else {}
     hp = dict(lr=1e-2, weight_decay=0.1)
-    zo = ZeroOptimizer(m, torch.optim.AdamW, stage=stage, bucket_size_mb=0.002, **extra, **hp, **kw)
+    zo = zero_opt(m, torch.optim.AdamW, stage=stage, bucket_size_mb=0.002, **extra, **hp, **kw)
     ddp = DDP(r)
     to = torch.optim.AdamW(r.parameters(), fused=True, **hp)
     norms = []
@@ -233,15 +233,13 @@ def check_shorthands(rank, world):
 def check_bad_values(rank, world):
     import pytest
 
-    from zero_kernels import ZeroOptimizer
-
     for bad, err, words in (
         (3, ValueError, "shard_group=3: must divide the world size 4"),
         ("rack", ValueError, "shard_group='rack'"),
         (0, ValueError, "shard_group=0"),
     ):
         with pytest.raises(err, match=words):
-            ZeroOptimizer(_model(), torch.optim.AdamW, stage=2, shard_group=bad, lr=1e-3)
+            zero_opt(_model(), torch.optim.AdamW, stage=2, shard_group=bad, lr=1e-3)
     dist.barrier()
 
 
@@ -251,7 +249,6 @@ def check_checkpoint_across_layouts(rank, world):
     AdamW state as saved; and a flat save loads into a hierarchical layout."""
     import tempfile
 
-    from zero_kernels import ZeroOptimizer
     from zero_kernels.checkpoint import load_checkpoint, save_checkpoint
 
     root = tempfile.mkdtemp(prefix="zk-hier-ckpt-") if rank == 0 else None
@@ -267,7 +264,7 @@ def check_checkpoint_across_layouts(rank, world):
     for stage, sg in ((3, 2), (1, "world"), (2, 2)):
         m2 = _model()
         extra = dict(units=[m2[0], m2[2]]) if stage == 3 else {}
-        z2 = ZeroOptimizer(m2, torch.optim.AdamW, stage=stage, shard_group=sg, lr=1e-2, **extra)
+        z2 = zero_opt(m2, torch.optim.AdamW, stage=stage, shard_group=sg, lr=1e-2, **extra)
         load_checkpoint(path, m2, z2)
         worst = 0.0
         for p, (v, st) in zip(m2.parameters(), want):
@@ -281,7 +278,7 @@ def check_checkpoint_across_layouts(rank, world):
             flat = save_checkpoint(root + "/b", m2, z2)
         z2.close()
     m3 = _model()
-    z3 = ZeroOptimizer(m3, torch.optim.AdamW, stage=2, shard_group=2, lr=1e-2)
+    z3 = zero_opt(m3, torch.optim.AdamW, stage=2, shard_group=2, lr=1e-2)
     load_checkpoint(flat, m3, z3)
     for p, (v, _) in zip(m3.parameters(), want):
         assert rel_err(z3.full_param(p), v) == 0.0

@@ -12,6 +12,7 @@ import torch
 from dist_utils import run_checks
 from numerics import rel_err
 from torch import nn
+from zero_opt import zero_opt
 
 
 def check_all_gather_quantized(rank, world):
@@ -54,10 +55,8 @@ def _model():
 
 
 def _run(rank, dtype, **kw):
-    from zero_kernels import ZeroOptimizer
-
     m = _model().to(dtype)
-    zo = ZeroOptimizer(m, torch.optim.AdamW, stage=3, units=[m[0], m[2], m[4]], lr=1e-2, **kw)
+    zo = zero_opt(m, torch.optim.AdamW, stage=3, units=[m[0], m[2], m[4]], lr=1e-2, **kw)
     losses = []
     for s in range(4):
         x = torch.randn(8, 16, generator=torch.Generator().manual_seed(10 * s + rank)).to(dtype)
@@ -98,11 +97,10 @@ def check_stage3_int8_close_not_equal(rank, world):
 def check_vectors_kept_exact(rank, world):
     """quantize_weights: the forward sees the biases (1-D) exact, kept whole on every rank (the
     persistent unit), and the weight matrices quantized."""
-    from zero_kernels import ZeroOptimizer
 
     for dtype in (torch.float32, torch.bfloat16):
         m = _model().to(dtype)
-        zo = ZeroOptimizer(
+        zo = zero_opt(
             m, torch.optim.AdamW, stage=3, units=[m[0], m[2], m[4]], lr=1e-2,
             quantize_weights="int8",
         )  # fmt: skip
@@ -178,14 +176,13 @@ def check_vector_grads_exact(rank, world):
     """quantize_grads: the params of one dimension (the biases here) sit in buckets of their
     own, reduced exact: their gradients equal the unquantized run's to fp32 rounding, the
     weights' do not (stages 2 and 3)."""
-    from zero_kernels import ZeroOptimizer
 
     for stage in (2, 3):
         grads = []
         for qg in (None, "int4"):
             m = _model()
             kw = {"units": [m[0], m[2], m[4]]} if stage == 3 else {"bucket_size_mb": 0.005}
-            zo = ZeroOptimizer(m, torch.optim.AdamW, stage=stage, quantize_grads=qg, **kw)
+            zo = zero_opt(m, torch.optim.AdamW, stage=stage, quantize_grads=qg, **kw)
             if qg is not None:  # int4 gradients: one scale per 32 elements
                 assert zo.parts.core.reducer.quantize == (4, 32), zo.parts.core.reducer.quantize
             x = torch.randn(8, 16, generator=torch.Generator().manual_seed(3 + rank))
@@ -203,7 +200,7 @@ def check_vector_grads_exact(rank, world):
     grads = []
     for qg in (None, "int4"):
         m = _model()
-        zo = ZeroOptimizer(
+        zo = zero_opt(
             m, torch.optim.AdamW, stage=3, units=[m[0], m[2], m[4]], persist_below=300,
             quantize_grads=qg,
         )  # fmt: skip
@@ -219,10 +216,8 @@ def check_vector_grads_exact(rank, world):
 
 
 def _run2(rank, **kw):
-    from zero_kernels import ZeroOptimizer
-
     m = _model()
-    zo = ZeroOptimizer(m, torch.optim.AdamW, stage=2, lr=1e-2, bucket_size_mb=0.005, **kw)
+    zo = zero_opt(m, torch.optim.AdamW, stage=2, lr=1e-2, bucket_size_mb=0.005, **kw)
     for s in range(4):
         x = torch.randn(8, 16, generator=torch.Generator().manual_seed(10 * s + rank))
         zo.zero_grad()
@@ -234,7 +229,6 @@ def _run2(rank, **kw):
 def check_quantized_grads_train(rank, world):
     """Stages 1 and 2 with quantize_grads="int8": close to the unquantized run, not equal; a
     quarter of the reduce-scatter bytes; an inf gradient on one rank still skips the step."""
-    from zero_kernels import ZeroOptimizer
 
     out = {}
     za, ma = _run2(rank)
@@ -250,9 +244,7 @@ def check_quantized_grads_train(rank, world):
     za.close()
     zb.close()
     m = _model()
-    zo = ZeroOptimizer(
-        m, torch.optim.AdamW, stage=1, quantize_grads="int8", nonfinite="skip", lr=1e-2
-    )
+    zo = zero_opt(m, torch.optim.AdamW, stage=1, quantize_grads="int8", nonfinite="skip", lr=1e-2)
     _inf_skips(zo, m, rank, world, "the quantizer")
     return out
 
@@ -269,14 +261,12 @@ def _inf_skips(zo, m, rank, world, what) -> None:
 
 
 def check_bad_values(rank, world):
-    from zero_kernels import ZeroOptimizer
-
     with pytest.raises(ValueError, match="quantize_weights='int8' is a stage-3 option"):
-        ZeroOptimizer(_model(), torch.optim.AdamW, stage=2, quantize_weights="int8", lr=1e-3)
+        zero_opt(_model(), torch.optim.AdamW, stage=2, quantize_weights="int8", lr=1e-3)
     with pytest.raises(ValueError, match="quantize_weights='int3'"):
-        ZeroOptimizer(_model(), torch.optim.AdamW, stage=3, quantize_weights="int3", lr=1e-3)
+        zero_opt(_model(), torch.optim.AdamW, stage=3, quantize_weights="int3", lr=1e-3)
     with pytest.raises(ValueError, match="quantize_grads='int2'"):
-        ZeroOptimizer(_model(), torch.optim.AdamW, stage=3, quantize_grads="int2", lr=1e-3)
+        zero_opt(_model(), torch.optim.AdamW, stage=3, quantize_grads="int2", lr=1e-3)
 
 
 def check_two_hop_quantized(rank, world):
@@ -287,14 +277,12 @@ def check_two_hop_quantized(rank, world):
     bytes about a quarter of fp32's (int8); an inf gradient on one rank still skips the step."""
     import torch.distributed as dist
 
-    from zero_kernels import ZeroOptimizer
-
     out = {}
     for stage in (1, 2):
         runs = {}
         for q in (None, "int8"):
             m = _model()
-            zo = ZeroOptimizer(
+            zo = zero_opt(
                 m, torch.optim.AdamW, stage=stage, lr=1e-2, bucket_size_mb=0.005,
                 shard_group=1, quantize_grads=q,
             )  # fmt: skip
@@ -315,7 +303,7 @@ def check_two_hop_quantized(rank, world):
         assert 0.2 <= ratio <= 0.3, ratio
         out[f"stage {stage}"] = {"param_rel": d, "replica_bytes_ratio": ratio}
     m = _model()
-    zo = ZeroOptimizer(
+    zo = zero_opt(
         m, torch.optim.AdamW, stage=2, shard_group=1, quantize_grads="int4",
         nonfinite="skip", lr=1e-2,
     )  # fmt: skip
@@ -331,7 +319,7 @@ def check_error_feedback(rank, world):
     skipped step zeroes them; without quantize_grads it is refused."""
     import torch.distributed as dist
 
-    from zero_kernels import ZeroOptimizer, comm
+    from zero_kernels import comm
 
     c, T = 1000, 16
     inp = torch.randn(c * world, generator=torch.Generator().manual_seed(3 + rank))
@@ -354,7 +342,7 @@ def check_error_feedback(rank, world):
     assert errs[True] <= 3 * errs["True one"] / T, errs
     for sg in ("world", 1):
         m = _model()
-        zo = ZeroOptimizer(
+        zo = zero_opt(
             m, torch.optim.AdamW, stage=2, lr=1e-2, bucket_size_mb=0.005, shard_group=sg,
             quantize_grads="int8", grad_error_feedback=True, nonfinite="skip",
         )  # fmt: skip
@@ -379,7 +367,7 @@ def check_error_feedback(rank, world):
         assert zo.skipped_steps == 1 and all(t.abs().sum() == 0 for t in bufs)
         zo.close()
     with pytest.raises(ValueError, match="grad_error_feedback=True keeps what quantize_grads"):
-        ZeroOptimizer(_model(), torch.optim.AdamW, stage=2, grad_error_feedback=True, lr=1e-3)
+        zero_opt(_model(), torch.optim.AdamW, stage=2, grad_error_feedback=True, lr=1e-3)
     return {"mean_err_no_feedback": errs[False], "mean_err_feedback": errs[True]}
 
 

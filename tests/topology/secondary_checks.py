@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from dist_utils import run_checks
 from stage3_checks import Net3, _batch, _loss
+from zero_opt import zero_opt
 
 from zero_kernels import ZeroOptimizer, comm
 
@@ -27,7 +28,7 @@ def _train(rank, steps=3, setup=None, dtype=None, accumulate=1, spy=None, **kw):
         setup(m)
     if dtype is not None:
         m = m.to(dtype)
-    zo = ZeroOptimizer(m, O.AdamW, stage=3, bucket_size_mb=0.002, lr=1e-2, weight_decay=0.1, **kw)
+    zo = zero_opt(m, O.AdamW, stage=3, bucket_size_mb=0.002, lr=1e-2, weight_decay=0.1, **kw)
     losses = []
     for step in range(steps):
         zo.zero_grad()
@@ -136,7 +137,7 @@ def check_kept_bytes(rank, world):
     a forward whose backward never ran leaves nothing behind at the next forward."""
     torch.manual_seed(0)
     m = Net3()
-    zo = ZeroOptimizer(m, O.AdamW, stage=3, bucket_size_mb=0.002, lr=1e-2, secondary_shard=2)
+    zo = zero_opt(m, O.AdamW, stage=3, bucket_size_mb=0.002, lr=1e-2, secondary_shard=2)
     sched = zo.parts.core.units
     lay = zo.parts.core.layout
     want = sum(
@@ -243,7 +244,7 @@ def check_resume_equals_uninterrupted(rank, world):
         torch.manual_seed(seed)
         m = Net3()
         kw = dict(secondary_shard=2, **q) | kw
-        return m, ZeroOptimizer(m, O.AdamW, stage=3, bucket_size_mb=0.002, lr=1e-2, **kw)
+        return m, zero_opt(m, O.AdamW, stage=3, bucket_size_mb=0.002, lr=1e-2, **kw)
 
     m, zo = fresh(0)
     run(m, zo, 2, 0)
@@ -284,14 +285,14 @@ def check_bad_values_and_no_ops(rank, world):
         ),
     ):
         try:
-            ZeroOptimizer(copy.deepcopy(m), O.AdamW, lr=1e-2, **kw)
+            zero_opt(copy.deepcopy(m), O.AdamW, lr=1e-2, **kw)
         except err as e:
             assert words in str(e), (kw, str(e))
         else:
             raise AssertionError(f"{kw}: no error")
     # the whole shard group, one node, or single ranks: nothing kept, results as plain
     for ss in (world, "node", 1):
-        zo = ZeroOptimizer(copy.deepcopy(m), O.AdamW, stage=3, lr=1e-2, secondary_shard=ss)
+        zo = zero_opt(copy.deepcopy(m), O.AdamW, stage=3, lr=1e-2, secondary_shard=ss)
         assert zo.parts.core.units.secondary is None and zo.secondary_shard == ss
         zo.close()
 

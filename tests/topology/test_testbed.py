@@ -41,7 +41,7 @@ def _needs_testbed() -> None:
 
 def _ours() -> list[str]:
     """Namespaces of testbeds this process controls (none once a run has ended)."""
-    return [n for n in tb._netns_names() if n.startswith(f"{tb.PREFIX}-{os.getpid()}-")]
+    return [n for n in tb.netns_names() if n.startswith(f"{tb.PREFIX}-{os.getpid()}-")]
 
 
 # -- arguments: nothing is made
@@ -99,11 +99,11 @@ def test_library_bad_arguments():
 def test_unavailable_says_why(monkeypatch, capsys):
     which = tb.shutil.which
     monkeypatch.setattr(tb.shutil, "which", lambda t: None if t == "tc" else which(t))
-    assert tb._why_not() == "`tc` is not on PATH (install iproute2)"
+    assert tb.why_not() == "`tc` is not on PATH (install iproute2)"
     monkeypatch.setattr(tb.shutil, "which", which)
     if which("ip") and which("tc") and which("unshare"):
         monkeypatch.setattr(tb.os, "geteuid", lambda: 1000)
-        assert "needs root" in tb._why_not() and "uid 1000" in tb._why_not()
+        assert "needs root" in tb.why_not() and "uid 1000" in tb.why_not()
         monkeypatch.undo()
     why = "the kernel or a tool refused a step of the trial: ..."
     monkeypatch.setattr(tb, "unavailable", lambda: why)
@@ -125,7 +125,7 @@ def test_cleanup_removes_only_stale():
         subprocess.run(["ip", "netns", "add", name], check=True)
     try:
         gone = tb.cleanup_stale()
-        names = tb._netns_names()
+        names = tb.netns_names()
         assert dead in gone and dead not in names
         assert live not in gone and live in names
     finally:

@@ -157,9 +157,11 @@ def _train(
             opt = opt_cls(model.parameters(), **opt_kw)
     else:
         from ..optimizer import ZeroOptimizer
+        from ..policy import CommPolicy
 
         fwd = model
-        opt = ZeroOptimizer(model, opt_cls, stage=stage, bucket_size_mb=cfg.bucket_mb, **opt_kw)
+        comm_policy = CommPolicy(bucket_size_mb=cfg.bucket_mb)
+        opt = ZeroOptimizer(model, opt_cls, stage=stage, comm=comm_policy, **opt_kw)
 
     bar = _progress(cfg, rank, bar_desc)
     losses, times, exposed = [], [], []
@@ -206,7 +208,7 @@ def _train(
         if ckpt is not None:
             ckpt.maybe_save(step + 1, losses)
         if bar is not None:
-            bar.set_postfix_str(_progress_postfix(losses[-1], times[-1]))
+            bar.set_postfix_str(progress_postfix(losses[-1], times[-1]))
             bar.update(1)
     if bar is not None:
         bar.close()
@@ -311,7 +313,7 @@ def _zero_comm(opt, steps: int) -> dict:
     }
 
 
-def _progress_postfix(loss: float, step_s: float) -> str:
+def progress_postfix(loss: float, step_s: float) -> str:
     """The progress line's figures: rank 0's own loss (the summary shows the mean over ranks)."""
     return f"loss (rank 0) {loss:.3f}, {1e3 * step_s:.0f} ms/step"
 
@@ -322,11 +324,11 @@ def _progress(cfg: DemoConfig, rank: int, desc: str):
     try:
         from tqdm import tqdm
     except ImportError:
-        return _PlainBar(cfg.steps, desc)
+        return PlainBar(cfg.steps, desc)
     return tqdm(total=cfg.steps, desc=desc, file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
 
 
-class _PlainBar:
+class PlainBar:
     """A progress line every 10% when tqdm is not installed."""
 
     def __init__(self, total: int, desc: str) -> None:

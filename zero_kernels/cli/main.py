@@ -43,7 +43,7 @@ def _positive_float(name: str):
     return parse
 
 
-def _build_parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     from ..tools.models import MODEL_SIZES
     from . import checkpoint, config, testbed, tune
     from .optimizers import OPTIMIZER_CHOICES
@@ -187,7 +187,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "--offload-optimizer",
         choices=["nvme", "cpu"],
         default=None,
-        help="stages 1-3 with the Adam moments on disk (ZeroOptimizer(offload_optimizer='nvme')):"
+        help="stages 1-3 with the Adam moments on disk (OffloadPolicy(offload_optimizer='nvme')):"
         " RAM, disk and I/O per step per rank; cpu: masters and moments in host memory for "
         "GPU params (the host tier): device and host bytes, bus bytes per step",
     )
@@ -196,7 +196,7 @@ def _build_parser() -> argparse.ArgumentParser:
         choices=["nvme", "cpu"],
         default=None,
         help="stage 3 with the param shards and fp32 masters on disk too "
-        "(ZeroOptimizer(offload_params='nvme')); cpu (with --offload-optimizer cpu): the "
+        "(OffloadPolicy(offload_params='nvme')); cpu (with --offload-optimizer cpu): the "
         "param shards in host memory",
     )
     e.add_argument(
@@ -209,7 +209,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "--state-dtype",
         choices=["fp32", "bf16", "int8"],
         default="fp32",
-        help="stages 1-3: the fused Adam step's moments (ZeroOptimizer(state_dtype=...)): "
+        help="stages 1-3: the fused Adam step's moments (PrecisionPolicy(state_dtype=...)): "
         "fp32 8, bf16 4, int8 2 + 8/block bytes per param",
     )
     e.add_argument(
@@ -222,12 +222,12 @@ def _build_parser() -> argparse.ArgumentParser:
         "--shard-group",
         default=None,
         help="stages 1-3 sharded over groups of K ranks, replicated across the groups "
-        "(ZeroOptimizer(shard_group=K); 'node': the ranks of one of --nodes)",
+        "(CommPolicy(shard_group=K); 'node': the ranks of one of --nodes)",
     )
     e.add_argument(
         "--secondary-shard",
         default=None,
-        help="stage 3 with hpZ's secondary shard over K ranks (ZeroOptimizer(secondary_shard=K);"
+        help="stage 3 with hpZ's secondary shard over K ranks (GatherPolicy(secondary_shard=K);"
         " 'node': the ranks of one of --nodes)",
     )
     e.add_argument(
@@ -240,7 +240,7 @@ def _build_parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--shard-frozen",
         action="store_true",
-        help="stage 3 shards the frozen params too (ZeroOptimizer(shard_frozen=True))",
+        help="stage 3 shards the frozen params too (GatherPolicy(shard_frozen=True))",
     )
     e.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
@@ -389,7 +389,7 @@ def _cmd_estimate(args) -> int:
             f"whole on every rank at stages 0-2, 1/N at stage 3 ({f(s3[0].frozen_bytes)}, "
             "--shard-frozen: all-gathered with their units, in its comm)"
             if s3
-            else "whole on every rank (stage 3 too: ZeroOptimizer(shard_frozen=True), "
+            else "whole on every rank (stage 3 too: GatherPolicy(shard_frozen=True), "
             "--shard-frozen here, shards them, as FSDP and DeepSpeed's ZeRO-3 do)"
         )
         lead = (
@@ -545,7 +545,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        parser = _build_parser()
+        parser = build_parser()
         args = parser.parse_args(argv)
         if args.version:
             from .._version import __version__

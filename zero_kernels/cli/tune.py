@@ -437,7 +437,7 @@ class _Launcher:
 # ---------------------------------------------------------------------------------------------
 
 
-class _Progress:
+class Progress:
     """tqdm on stderr when installed, else one line rewritten with \\r; nothing when off."""
 
     def __init__(self, total: int, enabled: bool) -> None:
@@ -686,7 +686,7 @@ def _run(cfg: TuneConfig, launcher) -> int:
             "node": algorithms_of(launcher.ranks_per_node, True),
             "cross": algorithms_of(launcher.nodes, False),
         }
-    bar = _Progress(len(configs) * cfg.repeats + 1, cfg.progress)
+    bar = Progress(len(configs) * cfg.repeats + 1, cfg.progress)
     try:
         bar.show("probe: bandwidth and compute")
         sizes = _probe_sizes(facts.n_params)

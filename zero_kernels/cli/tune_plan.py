@@ -139,8 +139,9 @@ class TrialConfig:
             parts.append(f"secondary_shard {self.secondary_shard}")
         return ", ".join(parts)
 
-    def zero_kwargs(self) -> dict:
-        """ZeroOptimizer's keyword arguments for this configuration (stage > 0)."""
+    def policy_options(self) -> dict:
+        """This configuration (stage > 0) as the flat options of `ZeroPolicy.resolve`: the
+        ZeroOptimizer is ``ZeroOptimizer(model, cls, policy=ZeroPolicy.resolve(**these))``."""
         kw: dict = {"stage": self.stage}
         if self.stage in (1, 2):
             kw["bucket_size_mb"] = self.bucket_mb

@@ -29,7 +29,7 @@ def _aggregate(t: dict, limit: int | None) -> dict:
     c = t["config"]
     entry = {
         "config": c.as_dict(),
-        "zero_optimizer_kwargs": c.zero_kwargs() if c.stage else None,
+        "policy_options": c.policy_options() if c.stage else None,
         "status": t["status"],
         "why": t.get("why"),
         "measured": None,
@@ -276,7 +276,10 @@ def _print_verdict(res: dict) -> None:
         f"(predicted {_ms(rec['predicted_step_time_s'])}), peak "
         f"{est.format_bytes(rec['peak_rss_bytes'])} per rank"
     )
-    print(f"  zero_kernels.ZeroOptimizer(model, torch.optim.AdamW, {rec['kwargs_text']}, lr=...)")
+    print(
+        "  zero_kernels.ZeroOptimizer(model, torch.optim.AdamW, "
+        f"policy=ZeroPolicy.resolve({rec['kwargs_text']}), lr=...)"
+    )
     words = {
         "faster": "faster here",
         "slower": "slower here: not worth it on these links",
@@ -426,11 +429,11 @@ def finish(cfg, facts, measured, probe_json: dict, trials: list[dict], elapsed: 
         "elapsed_s": elapsed,
     }
     if best is not None:
-        kw = best["zero_optimizer_kwargs"]
+        kw = best["policy_options"]
         res["recommendation"] = {
             "index": entries.index(best),
             "label": best["config"]["label"],
-            "zero_optimizer_kwargs": kw,
+            "policy_options": kw,
             "kwargs_text": _kwargs_text(kw),
             "step_time_s": best["measured"]["step_time_s"],
             "predicted_step_time_s": best["predicted"]["step_time_s"],

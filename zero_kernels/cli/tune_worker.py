@@ -47,6 +47,7 @@ from .. import comm
 from ..fused_adam import FusedAdamW
 from ..ops.quant import DEFAULT_BLOCK, dequantize_blockwise, quantize_blockwise
 from ..optimizer import ZeroOptimizer
+from ..policy import ZeroPolicy
 from ..tools.models import load_corpus
 from .tune_model import ModelSource, build_model, is_gpt, make_batches, step_loss
 
@@ -249,11 +250,12 @@ def trial(job: dict, rank: int, n: int) -> dict:
         fwd = DDP(model, gradient_as_bucket_view=True)
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
     else:
-        kw = cfg.zero_kwargs()
+        kw = cfg.policy_options()
         if "reduce_dtype" in kw:
             kw["reduce_dtype"] = torch.bfloat16
         fwd = model
-        opt = ZeroOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY, **kw)
+        pol = ZeroPolicy.resolve(**kw)
+        opt = ZeroOptimizer(model, torch.optim.AdamW, policy=pol, lr=LR, weight_decay=WEIGHT_DECAY)
     times = []
     for i, batch in enumerate(batches):
         if i == warm:

@@ -79,9 +79,9 @@ _ALIGN = 1 << 21  # slot files are sized in 2 MiB steps
 
 
 def _lib():
-    from .. import _native
+    from .. import native
 
-    return _native.load()
+    return native.load()
 
 
 def available() -> str | None:

@@ -18,11 +18,14 @@ scheduler built over it drives the ZeroOptimizer, wherever the scheduler is kept
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Mapping
 
 import torch
 from torch import nn
+
+from ..policy import CommPolicy
 
 __all__ = [
     "check_not_wrapped",
@@ -43,8 +46,8 @@ def zero_kwargs(zero, where: str, *, stage: int | None = None) -> dict:
     """``zero=`` as keyword arguments of `ZeroOptimizer`: a dict of them, a `ZeroPolicy` (as
     ``policy=``), or None (stage 2 unless ``stage``). Names checked here, values by
     `ZeroOptimizer`."""
-    from ..optimizer import ZeroOptimizer
-    from ..policy import ZeroPolicy
+    from ..optimizer.zero_optimizer import KEYWORDS
+    from ..policy import ZeroPolicy, flat_option_error, option_owner
 
     if zero is None:
         out = {}
@@ -60,12 +63,10 @@ def zero_kwargs(zero, where: str, *, stage: int | None = None) -> dict:
             f"{where}: zero= must be a dict of ZeroOptimizer keyword arguments, a ZeroPolicy or "
             f"None, got {type(zero).__name__}: {zero!r}"
         )
-    known = set(inspect.signature(ZeroOptimizer.__init__).parameters) - {
-        "self",
-        "params",
-        "optimizer_class",
-        "defaults",
-    }
+    known = set(KEYWORDS) - {"module"}
+    flat = [k for k in out if option_owner(k) is not None]
+    if flat:
+        raise flat_option_error(f"{where}: zero=", flat)
     for k in ("params", "optimizer_class", "module"):
         if k in out:
             raise ValueError(
@@ -97,13 +98,16 @@ def with_broadcast_buffers(kwargs: dict, value, source: str, where: str) -> dict
         return kwargs
     value = bool(value)
     pol = kwargs.get("policy")
-    mine = pol.comm.broadcast_buffers if pol is not None else kwargs.get("broadcast_buffers")
-    if mine is not None and mine != value:
+    comm = pol.comm if pol is not None else kwargs.get("comm")
+    mine = comm.broadcast_buffers if comm is not None else None
+    if mine is not None and mine != value:  # a CommPolicy given in zero= is the user's choice
         raise ValueError(
             f"{where}: {source}={value} and the ZeroOptimizer's broadcast_buffers={mine} "
             "differ; set one of them"
         )
-    return kwargs if pol is not None else {**kwargs, "broadcast_buffers": value}
+    if pol is not None:
+        return {**kwargs, "policy": pol.replace(broadcast_buffers=value)}
+    return {**kwargs, "comm": dataclasses.replace(comm or CommPolicy(), broadcast_buffers=value)}
 
 
 def check_not_wrapped(model: nn.Module, where: str) -> None:
@@ -176,4 +180,4 @@ def shard_of(kwargs: dict):
 
     if "policy" in kwargs:
         return kwargs["policy"].shard
-    return ShardPolicy.of_stage(kwargs.get("stage", 2))
+    return ShardPolicy.of_stage(kwargs.get("stage") or 2)

@@ -230,6 +230,11 @@ def _build(pl_name: str, fabric_name: str) -> type:
             return self._zero_options.get("stage")
 
         @property
+        def zero_options(self) -> dict:
+            """The `ZeroOptimizer` keywords this strategy builds with (``stage``, policies)."""
+            return dict(self._zero_options)
+
+        @property
         def zero_optimizer(self):
             """The live `ZeroOptimizer` (None before the first ``fit`` and after `close`)."""
             return self._zero

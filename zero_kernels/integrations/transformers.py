@@ -96,7 +96,7 @@ OVERRIDES = {
 _warned: set[str] = set()  # the untested versions warned about in this process
 
 
-def _check_version(trainer_cls: type | None = None, version: str | None = None) -> None:
+def check_version(trainer_cls: type | None = None, version: str | None = None) -> None:
     """Refuse a Trainer that does not have the methods ZeroTrainer overrides (with their
     parameters); warn once for a release outside ``TESTED``. See the module's docstring."""
     trainer_cls = transformers.Trainer if trainer_cls is None else trainer_cls
@@ -144,7 +144,7 @@ class ZeroTrainer(transformers.Trainer):
     keyword arguments as a dict, or a `ZeroPolicy`; default stage 2). See [Note: ZeroTrainer]."""
 
     def __init__(self, *args, zero=None, **kwargs):
-        _check_version()
+        check_version()
         self.zero = zero_kwargs(zero, "ZeroTrainer")
         super().__init__(*args, **kwargs)
         a = self.args

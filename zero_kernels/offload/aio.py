@@ -40,7 +40,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from zero_kernels import _native
+from zero_kernels import native
 
 log = logging.getLogger("zero_kernels")
 
@@ -51,7 +51,7 @@ THREADS = 4  # queue depth per file (the same place)
 _BACKENDS = ("auto", "native", "python")
 
 
-def _round_up(n: int, a: int = ALIGN) -> int:
+def round_up(n: int, a: int = ALIGN) -> int:
     return (n + a - 1) // a * a
 
 
@@ -65,7 +65,7 @@ def aligned_empty(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tenso
     if numel < 0:
         raise ValueError(f"numel must be >= 0, got {numel=}")
     itemsize = torch.empty((), dtype=dtype).element_size()
-    nbytes = max(_round_up(numel * itemsize), ALIGN)
+    nbytes = max(round_up(numel * itemsize), ALIGN)
     import mmap
 
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -74,11 +74,11 @@ def aligned_empty(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tenso
     return raw.view(dtype)[:numel]
 
 
-def _native_engine_class():
+def native_engine_class():
     """`_C.AioEngine`, or None and the reason."""
-    m = _native.load()
+    m = native.load()
     if m is None:
-        return None, f"zero_kernels._C did not load ({_native.error()})"
+        return None, f"zero_kernels._C did not load ({native.error()})"
     cls = getattr(m, "AioEngine", None)
     if cls is None:
         return None, "zero_kernels._C has no AioEngine (an extension built before csrc/aio.cpp)"
@@ -88,18 +88,18 @@ def _native_engine_class():
 _fallback_logged = False
 
 
-def _resolve_backend(backend: str) -> str:
+def resolve_aio_backend(backend: str) -> str:
     global _fallback_logged
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend=}")
     if backend == "python":
         return backend
-    cls, why = _native_engine_class()
+    cls, why = native_engine_class()
     if cls is not None:
         return "native"
     if backend == "native":
         raise RuntimeError(f"backend='native' requested but unavailable: {why}") from (
-            _native.error()
+            native.error()
         )
     if not _fallback_logged:
         _fallback_logged = True
@@ -125,7 +125,7 @@ def _open(path: str, direct: bool) -> tuple[int, bool, str]:
                 # some filesystems accept the flag and fail the first I/O: try one block
                 probe = aligned_empty(ALIGN, torch.uint8)
                 try:
-                    os.pwrite(fd, _view(probe.data_ptr(), ALIGN), 0)
+                    os.pwrite(fd, memory_view(probe.data_ptr(), ALIGN), 0)
                     return fd, True, ""
                 except OSError as e:
                     os.close(fd)
@@ -137,7 +137,7 @@ def _open(path: str, direct: bool) -> tuple[int, bool, str]:
     return os.open(path, flags, 0o600), False, "direct=False"
 
 
-def _view(ptr: int, n: int) -> memoryview:
+def memory_view(ptr: int, n: int) -> memoryview:
     """A writable memoryview of ``n`` bytes at address ``ptr`` (no copy)."""
     return memoryview((ctypes.c_char * n).from_address(ptr)).cast("B")
 
@@ -152,17 +152,17 @@ class Handle:
         self.offset = offset
         self.nbytes = nbytes
         self._futures: list[Future] = []
-        self._native = None
+        self.native = None
 
     def done(self) -> bool:
-        if self._native is not None:
-            return self._native.done()
+        if self.native is not None:
+            return self.native.done()
         return all(f.done() for f in self._futures)
 
     def wait(self) -> None:
         """Blocks until the request is done; OSError naming file, offset and nbytes if it failed."""
-        if self._native is not None:
-            err, got = self._native.wait()
+        if self.native is not None:
+            err, got = self.native.wait()
         else:
             err, got = 0, 0
             for f in self._futures:
@@ -220,9 +220,9 @@ class AioFile:
             raise ValueError(f"chunk_bytes must be a positive multiple of {ALIGN}: {chunk_bytes=}")
         if engine not in ("auto", "io_uring", "threads"):
             raise ValueError(f"engine must be 'auto', 'io_uring' or 'threads', got {engine=}")
-        self.backend = _resolve_backend(backend)
+        self.backend = resolve_aio_backend(backend)
         self.path = os.fspath(path)
-        self.size = _round_up(nbytes)
+        self.size = round_up(nbytes)
         self.threads = threads
         self.chunk_bytes = chunk_bytes
         self._lock = threading.Lock()
@@ -232,7 +232,7 @@ class AioFile:
         try:
             os.ftruncate(self._fd, self.size)
             if self.backend == "native":
-                cls, _ = _native_engine_class()
+                cls, _ = native_engine_class()
                 self._engine = cls(self._fd, threads, chunk_bytes, self.direct, engine)
                 self.engine = self._engine.backend()  # "io_uring" or "threads"
                 self.engine_reason = self._engine.fallback_reason()
@@ -247,6 +247,11 @@ class AioFile:
         self._pid = os.getpid()
         self._closed = False
         _open_files.add(self)
+
+    @property
+    def fd(self) -> int:
+        """The open file's descriptor (for measurements that read it directly)."""
+        return self._fd
 
     # -- counters ---------------------------------------------------------------------------
     @property
@@ -293,7 +298,7 @@ class AioFile:
         nbytes = self._check(t, offset, op)
         h = Handle(self, op, t, offset, nbytes)
         if self.backend == "native":
-            h._native = self._engine.submit(op == "write", t.data_ptr(), nbytes, offset)
+            h.native = self._engine.submit(op == "write", t.data_ptr(), nbytes, offset)
         else:
             ptr = t.data_ptr()
             step = self.chunk_bytes
@@ -313,7 +318,7 @@ class AioFile:
         fn = os.pwritev if op == "write" else os.preadv
         try:
             while done < n:
-                k = fn(self._fd, [_view(ptr + done, n - done)], offset + done)
+                k = fn(self._fd, [memory_view(ptr + done, n - done)], offset + done)
                 if k == 0:
                     break
                 done += k

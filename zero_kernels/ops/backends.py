@@ -24,7 +24,7 @@ import os
 
 import torch
 
-from .. import _native
+from .. import native
 
 __all__ = ["BACKENDS", "cuda_image_missing", "resolve_backend"]
 
@@ -82,7 +82,7 @@ def _device_image_missing(device: torch.device) -> str | None:
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _image_missing:
         cap = torch.cuda.get_device_capability(idx)
-        _image_missing[idx] = cuda_image_missing(_native.cuda_archs(), cap)
+        _image_missing[idx] = cuda_image_missing(native.cuda_archs(), cap)
     return _image_missing[idx]
 
 
@@ -93,15 +93,15 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     dev = torch.device(device).type
     if backend == "auto":
         if dev == "cpu":
-            if _native.load() is not None:
+            if native.load() is not None:
                 return "cpu"
             _say_once(
-                f"zero_kernels: native extension not loaded ({_native.error()}); "
+                f"zero_kernels: native extension not loaded ({native.error()}); "
                 "using the pure-torch reference kernels"
             )
             return "reference"
         if dev == "cuda":
-            if _native.has_cuda_kernels():
+            if native.has_cuda_kernels():
                 why = _device_image_missing(torch.device(device))
                 if why is None:
                     return "cuda"
@@ -116,15 +116,15 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     if backend == "cpu":
         if dev != "cpu":
             raise ValueError(f"backend='cpu' needs CPU tensors, got device={dev!r}")
-        if _native.load() is None:
+        if native.load() is None:
             raise RuntimeError(
-                f"backend='cpu': native extension failed to load: {_native.error()!r}"
+                f"backend='cpu': native extension failed to load: {native.error()!r}"
             )
     elif backend == "cuda":
         if dev != "cuda":
             raise ValueError(f"backend='cuda' needs CUDA tensors, got device={dev!r}")
-        if not _native.has_cuda_kernels():
-            why = _native.error() or "the extension was built without CUDA kernels"
+        if not native.has_cuda_kernels():
+            why = native.error() or "the extension was built without CUDA kernels"
             raise RuntimeError(f"backend='cuda' cannot run: {why!r}")
         why = _device_image_missing(torch.device(device))
         if why is not None:

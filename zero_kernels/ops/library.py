@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .. import _native
+from .. import native
 from . import reference
 from .backends import resolve_backend
 from .hyper import AdamHyper
@@ -74,7 +74,7 @@ def _hyper(lr, beta1, beta2, eps, weight_decay, step, adamw, amsgrad, maximize, 
     )
 
 
-def _hyper_kwargs(h: AdamHyper, check_finite: bool, backend: str) -> dict:
+def hyper_kwargs(h: AdamHyper, check_finite: bool, backend: str) -> dict:
     """The keyword arguments of the ops for one `AdamHyper`."""
     return dict(
         lr=h.lr,
@@ -233,7 +233,7 @@ def _run_one(name, param, grad, exp_avg, exp_avg_sq, h, vmax, out_lowp, found_in
             check_finite=check_finite,
         )
     else:
-        _native.load().adam_step(
+        native.load().adam_step(
             param,
             grad,
             exp_avg,
@@ -287,7 +287,7 @@ def _adam_step_multi(
         # before any update; the Python checks run only on a failure, for their messages
         args = (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else [])
         try:
-            _native.load().adam_step_multi(*args, found_inf, check_finite, *_native_scalars(h))
+            native.load().adam_step_multi(*args, found_inf, check_finite, *_native_scalars(h))
         except (RuntimeError, TypeError, ValueError):
             _check_lists(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, amsgrad)
             _check_found_inf(found_inf, device, check_finite)
@@ -312,7 +312,7 @@ def _adam_step_multi(
 def _scan_finite(name: str, g: torch.Tensor, scale: float, found_inf: torch.Tensor) -> None:
     """Set found_inf when ``g * scale`` has a non-finite element, without a host sync on GPUs."""
     if name == "cpu":
-        if not _native.load().all_finite(g, scale):
+        if not native.load().all_finite(g, scale):
             found_inf.fill_(1.0)
     else:
         bad = (~torch.isfinite(g.float() * scale)).any().float()
@@ -434,7 +434,7 @@ def adam_step(
         _adam_step(*args, hyper, check_finite, backend)
         _bump((param, exp_avg, exp_avg_sq, max_exp_avg_sq, out_lowp, found_inf))
     else:
-        adam_step_(*args, **_hyper_kwargs(hyper, check_finite, backend))
+        adam_step_(*args, **hyper_kwargs(hyper, check_finite, backend))
 
 
 def adam_step_multi(
@@ -454,4 +454,4 @@ def adam_step_multi(
         _adam_step_multi(*lists, found_inf, hyper, check_finite, backend)
         _bump(params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, [found_inf])
     else:
-        adam_step_multi_(*lists, found_inf, **_hyper_kwargs(hyper, check_finite, backend))
+        adam_step_multi_(*lists, found_inf, **hyper_kwargs(hyper, check_finite, backend))

@@ -41,7 +41,7 @@ import weakref
 
 import torch
 
-from .. import _native
+from .. import native
 from . import reference
 from .backends import resolve_backend
 from .hyper import AdamHyper
@@ -315,7 +315,7 @@ def adam_step_lowbit(
         keys = STATE_KEYS[state_dtype]
         m_scale = state[keys[2]] if state_dtype == "int8" else None
         v_scale = state[keys[3]] if state_dtype == "int8" else None
-        _native.load().adam_step_lowbit(
+        native.load().adam_step_lowbit(
             param,
             grad,
             state["exp_avg"],

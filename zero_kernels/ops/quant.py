@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _native
+from .. import native
 from . import quant_reference
 from .backends import _say_once, resolve_backend
 from .library import _bump, _direct
@@ -177,7 +177,7 @@ _STALE = (
 
 def _backend(backend: str, device: torch.device) -> str:
     name = resolve_backend(backend, device)
-    if name in ("cpu", "cuda") and not hasattr(_native.load(), "quantize_blockwise"):
+    if name in ("cpu", "cuda") and not hasattr(native.load(), "quantize_blockwise"):
         if backend != "auto":
             raise RuntimeError(f"backend={backend!r} cannot run: {_STALE}")
         _say_once(f"zero_kernels: {_STALE}; using the pure-torch reference quantization")
@@ -191,7 +191,7 @@ def _quantize(x, q, scales, error, bits, block, backend) -> None:
         return
     name = _backend(backend, x.device)
     if name in ("cpu", "cuda"):
-        _native.load().quantize_blockwise(x, error, q, scales, bits, block)
+        native.load().quantize_blockwise(x, error, q, scales, bits, block)
     elif name == "triton":
         from . import triton_quant
 
@@ -206,7 +206,7 @@ def _dequantize(q, scales, out, bits, block, accumulate, backend) -> None:
         return
     name = _backend(backend, out.device)
     if name in ("cpu", "cuda"):
-        _native.load().dequantize_blockwise(q, scales, out, bits, block, accumulate)
+        native.load().dequantize_blockwise(q, scales, out, bits, block, accumulate)
     elif name == "triton":
         from . import triton_quant
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _native
+from .. import native
 from .backends import resolve_backend
 
 __all__ = ["sr_key", "stochastic_round_bf16_"]
@@ -94,7 +94,7 @@ def stochastic_round_bf16_(
     if be == "cuda":  # no native CUDA kernel for this cast: Triton where it loads
         be = "triton" if _triton_ok() else "reference"
     if be == "cpu":
-        _native.load().sr_round_bf16(src.view(-1), dst.view(-1), key, first)
+        native.load().sr_round_bf16(src.view(-1), dst.view(-1), key, first)
     elif be == "triton":
         from .triton_sr import stochastic_round_bf16_triton
 

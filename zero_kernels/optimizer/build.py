@@ -38,7 +38,7 @@ from ..partition.units import (
     unit_assignment,
     unit_members,
 )
-from . import tensor_parallel, validate, wrappers
+from . import replicas, tensor_parallel, validate, wrappers
 from .core import Core
 from .groups import param_groups
 from .materialize import materialize_modules_
@@ -57,9 +57,7 @@ def lay_out(
     *,
     module,
     units,
-    partition,
     process_group,
-    nonfinite,
     defaults,
     own_options,
 ) -> tuple[Core, list[dict], bool]:
@@ -70,7 +68,7 @@ def lay_out(
     shard, gather, cp = policy.shard, policy.gather, policy.comm
     process_group = tensor_parallel.dp_group_of(process_group)  # a mesh: its dp dim
     validate.check_stage3(shard, module, units)
-    mode, why = choose_mode(optimizer_class, partition)
+    mode, why = choose_mode(optimizer_class, policy.execution.partition)
     validate.check_kwargs(optimizer_class, defaults, own_options)
     user_groups, names = param_groups(params)
     if module is not None:
@@ -158,7 +156,6 @@ def lay_out(
             **policy.must_agree(),  # every field of every policy, by its name
             "partition mode": mode,
             "optimizer_class": f"{optimizer_class.__module__}.{optimizer_class.__qualname__}",
-            "nonfinite": nonfinite,
             "units": [n for n, _ in unit_modules],
             "hyper-parameters": repr(sorted(defaults.items())),
             "param groups": repr(
@@ -312,6 +309,24 @@ def comm_sizes(core: Core) -> list[tuple[str, int]]:
             n = b.shard_numel * core.layout.world_size
             out.append(("all_gather", n * dtype_of(buf.dtype).itemsize))
     return out
+
+
+def assemble(core: Core, user_groups, meta: bool, optimizer_class, defaults: dict) -> Core:
+    """The laid-out ``core`` built whole: the param store (materialized where built on the
+    meta device), the gradient store and reducer, the replicated state in sync, the runner of
+    the sharded step, quantized collectives, stage 3's units and the params kept whole. Every
+    field of the `Core` is set when it returns."""
+    ex = core.policy.execution
+    core.store = store(core, meta=meta, init_fn=ex.init_fn, seed=ex.seed)
+    communication(core)
+    replicas.sync_at_start(core)  # frozen params and buffers: rank 0's where they differ
+    core.runner = runner(
+        core, optimizer_class, user_groups, defaults, ex.fused_adam, ex.kernel_backend
+    )
+    quantization(core)
+    core.units = units(core)
+    core.kept = kept(core)
+    return core
 
 
 def store(core: Core, *, meta: bool, init_fn, seed: int) -> ParamStore:

@@ -16,9 +16,9 @@ from torch import nn
 
 from .. import comm
 from ..buffers import storage_id
+from ..policy import flat_option_error, option_owner
 
 __all__ = [
-    "check_args",
     "check_kwargs",
     "check_params",
     "check_launch",
@@ -26,29 +26,6 @@ __all__ = [
     "check_stage3",
     "check_intact",
 ]
-
-
-def options(init) -> tuple[str, ...]:
-    """The keyword-only options of a constructor ``init`` (ZeroOptimizer's own, read from its
-    signature by the caller: never a copy of it, and no import of the optimizer here)."""
-    ps = inspect.signature(init).parameters.values()
-    return tuple(p.name for p in ps if p.kind is inspect.Parameter.KEYWORD_ONLY)
-
-
-NONFINITE = ("step", "skip", "raise")
-
-
-def check_args(kernel_backend, nonfinite) -> None:
-    """What no policy holds (the kernel backend, the non-finite rule); the policies check their
-    own fields (`zero_kernels.policy`)."""
-    from ..ops import BACKENDS
-
-    if kernel_backend not in BACKENDS:
-        raise ValueError(
-            f"kernel_backend must be one of {BACKENDS}, got kernel_backend={kernel_backend!r}"
-        )
-    if nonfinite not in NONFINITE:
-        raise ValueError(f"nonfinite must be one of {NONFINITE}, got nonfinite={nonfinite!r}")
 
 
 def check_stage3(shard, module, units) -> None:
@@ -63,8 +40,11 @@ def check_stage3(shard, module, units) -> None:
 
 
 def check_kwargs(optimizer_class, defaults: dict, own: tuple[str, ...]) -> None:
-    """Keyword arguments that neither ZeroOptimizer (its options ``own``) nor
-    ``optimizer_class`` takes."""
+    """Keyword arguments that neither ZeroOptimizer (its keywords ``own``) nor
+    ``optimizer_class`` takes; a policy's field given flat names its policy."""
+    flat = [k for k in defaults if option_owner(k) is not None]
+    if flat:
+        raise flat_option_error("ZeroOptimizer", flat)
     try:
         sig = inspect.signature(optimizer_class.__init__)
     except (TypeError, ValueError):

@@ -38,7 +38,17 @@ import weakref
 
 import torch
 
-__all__ = ["check_forward", "check_not_wrapped", "install", "owner_of", "wrapped_message"]
+__all__ = [
+    "MARK",
+    "check_forward",
+    "check_not_wrapped",
+    "install",
+    "owner_of",
+    "wrapped_message",
+]
+
+# the attribute a DDP built while zero_kernels is imported leaves on each of its params
+MARK = "_zero_kernels_ddp"
 
 _installed = False
 
@@ -87,7 +97,7 @@ def install() -> None:
         orig(self, module, *args, **kwargs)
         me = weakref.ref(self)
         for p in module.parameters():
-            p._zero_kernels_ddp = me
+            setattr(p, MARK, me)
 
     __init__._zero_kernels_guard = True
     ddp.__init__ = __init__
@@ -108,7 +118,7 @@ def check_not_wrapped(params, names: dict[int, str], module) -> None:
                     )
                 )
     for p in params:
-        ref = getattr(p, "_zero_kernels_ddp", None)
+        ref = getattr(p, MARK, None)
         if ref is not None and ref() is not None:
             raise RuntimeError(
                 wrapped_message(repr(names.get(id(p)) or tuple(p.shape)), "ZeroOptimizer(...)")

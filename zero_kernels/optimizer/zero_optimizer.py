@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import logging
 import warnings
 import weakref
@@ -39,7 +38,14 @@ from ..buffers import release_free_heap, storage_id
 from ..partition.grads import ShardedGrad
 from ..partition.phase import backward_marker
 from ..partition.unit_view import UnitInfo, unit_infos
-from ..policy import ZeroPolicy, resolve_given
+from ..policy import (
+    CommPolicy,
+    ExecutionPolicy,
+    GatherPolicy,
+    OffloadPolicy,
+    PrecisionPolicy,
+    ZeroPolicy,
+)
 from . import build, regroup, replicas, validate, wrappers
 from .core import Core
 from .grad_access import GradContract
@@ -55,158 +61,55 @@ __all__ = ["ZeroOptimizer"]
 
 log = logging.getLogger("zero_kernels")
 
+# the constructor's keywords (errors list them; integrations check ``zero=`` against them)
+KEYWORDS = (
+    "stage",
+    "gather",
+    "precision",
+    "comm",
+    "offload",
+    "execution",
+    "policy",
+    "process_group",
+    "module",
+    "units",
+)
+
 wrappers.install()  # a DDP built over a live ZeroOptimizer's params raises ([Note: wrappers])
 
 
 class ZeroOptimizer(torch.optim.Optimizer, Joinable):
     """Shards ``optimizer_class``'s state (stage 1), the gradients too (stage 2) and the params
-    too (stage 3).
+    too (stage 3). Every option is a field of a policy (`zero_kernels.policy`, each documented
+    there once); this constructor takes the policies.
 
     Args:
         params: an ``nn.Module`` (names then appear in errors and layouts), or what torch
             optimizers take: an iterable of tensors or of param-group dicts.
         optimizer_class: a ``torch.optim.Optimizer`` subclass (not LBFGS).
-        stage: 1, 2 or 3 (the shorthand of a `zero_kernels.policy.ShardPolicy`).
-        policy: a `zero_kernels.policy.ZeroPolicy` holding every choice below that a policy
-            has (instead of those keywords, which may then not be given: [Note: policies]).
+        stage: 1, 2 or 3 (default 2): the shorthand of `ShardPolicy` (docs/stages.md).
+        gather: a `GatherPolicy`: stage 3's gathering (resharding, prefetch, params kept whole,
+            the order check, hpZ, frozen shards), stages 1/2's overlapped param all-gather.
+        precision: a `PrecisionPolicy`: reduction dtype, loss scale, optimizer state dtype.
+        comm: a `CommPolicy`: buckets, overlap, timeout, shard group, quantized collectives.
+        offload: an `OffloadPolicy`: optimizer state and stage 3's params on NVMe or host.
+        execution: an `ExecutionPolicy`: state layout, fused kernel, non-finite steps, host
+            cache, meta-device materialization.
+        policy: a `ZeroPolicy` holding all of the above (a saved or shared configuration,
+            `ZeroPolicy.resolve`'s flat names); then none of them may be given.
         process_group: the data-parallel group (default: the world).
-        shard_group: the ranks the state is sharded over, replicated across the others
-            (hierarchical sharding, [Note: hierarchy] in `zero_kernels.comm.hier`): "world"
-            (default: all of ``process_group``), "node" (the ranks of each host), an int K
-            (consecutive blocks of K ranks) or a torch ``DeviceMesh`` (replicate x shard, as
-            FSDP2's HSDP takes it). Params are all-gathered inside the shard group; gradients
-            reduce-scattered there, then all-reduced across groups at shard size.
-        quantize_weights: stage 3: None or "int8"/"int4": the all-gathers before each unit's
-            forward and backward send the other ranks' chunks blockwise-quantized (ZeRO++'s
-            qwZ; [Note: quantized all-gather] in `zero_kernels.comm.quant`): a quarter (int8) of
-            fp32's bytes. Params of one dimension (norms' gains, biases) are kept whole and
-            exact, as ``persist_below`` keeps small ones. The shards, the step, the gradients
-            and every gather that hands params out (state dicts, ``gathered_params``,
-            ``close``) stay exact.
-        quantize_grads: None or "int8"/"int4" (ZeRO++'s qgZ, one hop): each gradient bucket's
-            reduce-scatter sends the other ranks' chunks blockwise-quantized, summed in fp32
-            with the own chunk exact ([Note: quantized reduce-scatter]); inf/NaN still reach
-            ``nonfinite``. Params of one dimension are reduced exact in buckets of their own
-            (at stage 3 kept whole, as with ``quantize_weights``). With a hierarchical
-            ``shard_group`` only the hop across the replica groups is quantized ([Note:
-            quantized two-hop] in `zero_kernels.comm.hier`).
-        grad_error_feedback: with ``quantize_grads``, what a bucket's quantization drops is kept
-            (fp32) and added to its next gradient ([Note: error feedback] in comm.quant).
-        bucket_size_mb, overlap_comm: a gradient bucket's target MiB (at 4 bytes per element);
-            reduce buckets during backward (True) or all at the end (False).
-        partition: "auto" (flat shards for element-wise optimizers, else whole), "flat", "whole".
-        fused_adam: use `zero_kernels.ops.adam_step` for torch Adam/AdamW (flat mode).
-        kernel_backend: the ``backend`` of `zero_kernels.ops.adam_step` ("auto", "reference"...).
-        loss_scale: None, a float (static) or "dynamic"; default "dynamic" with fp16 params.
-        reduce_dtype: stages 2 and 3: the dtype gradients are accumulated in during backward and
-            reduce-scattered in (default fp32); ``torch.bfloat16`` halves the bytes, the result
-            is added into the fp32 gradient shard (the accuracy cost is in docs/benchmarks.md).
-        state_dtype: "fp32", "bf16" or "int8": how the fused Adam step keeps exp_avg/exp_avg_sq
-            (bytes of moments per param 8 / 4 / 2 + 8/state_block; bytes moved by the step 28 /
-            20 / 16; fp32 masters and math). Needs the fused step (Adam/AdamW, flat mode, no
-            amsgrad); with offload_optimizer the file holds them as they are (a half or a
-            quarter of fp32's bytes and I/O).
-            Checkpoints hold the moments as they are (int8: codes and block scales, resumed
-            bit for bit on the same layout, [Note: int8 shard state]); each loads into any
-            state_dtype, stage and world size (decoded where the blocks differ).
-        state_block: int8: elements per quantization block (a multiple of 64 up to 4096).
-        bf16_stochastic_round: bf16 params stepped without fp32 masters, rounded back
-            stochastically ([Note: stochastic rounding]); 4 bytes per param less.
-        max_inflight_buckets: stages 2/3: most bucket buffers held at once (being filled or
-            reduce-scattered); when a bucket needs one beyond it, the oldest reduce-scatter is
-            waited for and its buffer reused. Bounds the communication buffers to this many
-            buckets of ``bucket_size_mb``; 1 disables overlap. Stage 1: most reduce-scatters in
-            flight (each may hold N-1 shard-sized receive buffers on gloo). Default 2.
-        overlap_param_gather: stages 1/2 with the model: ``step()`` returns with the
-            all-gathers of the new params in flight, and each module's forward pre-hook waits
-            for the buckets holding its params (as Megatron does), so they overlap the next
-            forward. Params read between ``step()`` and the next forward are incomplete until
-            ``opt.wait_params()`` (model.state_dict() and this optimizer's methods call it).
-            Default False.
-        nonfinite: what a step does with inf/NaN gradients: "step" (torch's behaviour: step
-            anyway; the count is in ``comm_stats["nonfinite_steps"]`` and the first one is
-            logged on the rank that saw it), "skip" (every rank skips the step) or "raise".
-            With a loss scale the step is always skipped (and the scale lowered).
-        timeout: seconds. When given, every collective of backward and step is bounded by it:
-            a rank that stalls, dies or raises mid-step makes the others raise
-            `zero_kernels.comm.CollectiveTimeout` naming the step, the phase and the bucket or
-            unit, instead of waiting for the process group's own timeout (30 min on gloo).
-            Collective-only calls (``consolidated_state_dict``, ``full_param``, stage 3's
-            ``model.state_dict()``) check that every rank arrived within it (default 300).
-        check_order: stage 3 (None: "pass"). Every mode checks in the first forward that
-            every rank runs the same units in the same order. "pass" also compares, at the end
-            of every forward and every backward, a hash of the all-gathers, reduce-scatters
-            and unit forwards of each rank in it (`SequenceCheck`: one small all-reduce on a
-            side group per pass): a later change of modules on some rank is a ValueError on
-            every rank before an output or gradient of that pass is used, instead of values
-            exchanged between the wrong units; a rank that runs fewer modules is found once a
-            wait has lasted 2 s (a ValueError on every rank, not a hang). "every" compares
-            before each launch (blocking), so nothing is sent (1.06-1.30x step time measured).
-            "first": the first forward only; a later change goes unseen.
-        secondary_shard: stage 3 (ZeRO++'s hpZ): None (default), "node" or an int K. After a
-            unit's forward each rank keeps 1/K of the gathered params (a secondary shard over
-            the K ranks of its node, or of its block of K consecutive ranks), and the unit's
-            backward all-gathers from those K ranks instead of the whole shard group: the
-            backward's gathers stay inside the node. Costs 1/K of every unit's params per rank
-            from its forward to its backward (``memory_report()["secondary_shard_bytes"]``);
-            results equal those without it (with ``quantize_weights`` every rank's gathered
-            values are then the dequantized ones, its own chunk too: [Note: secondary shard]).
-        shard_frozen: stage 3 (default False). The model's params that do not train
-            (``requires_grad=False``, passed to the optimizer or not: a frozen base under
-            LoRA adapters) are sharded too, 1/N per rank, and gathered and freed with their
-            unit as FSDP and DeepSpeed's ZeRO-3 do; False keeps them whole on every rank.
-            They have no gradient or optimizer state; read them between steps through
-            ``gathered_params()`` ([Note: frozen shards] in `zero_kernels.partition.frozen`).
-        host_cache: with params on the CPU, make the host block cache torch's CPU allocator
-            for blocks of 1 MiB and more (process-wide; see [Note: host block cache] in
-            `zero_kernels.hostmem`): freed gradient-sized blocks are reused by size instead of
-            piling up in glibc's heap. None (default): on unless ``ZERO_KERNELS_HOST_CACHE=0`` or
-            ``zero_kernels.hostmem.disable()`` was called; False: not installed by this optimizer
-            (one installed before stays, with its limits). ``opt.host_cache``: whether in use.
-        offload_optimizer, offload_dir, offload_staging_mb: ``"nvme"`` keeps the fused Adam
-            step's moments in a file under ``offload_dir``, streamed chunk by chunk through
-            staging buffers of ``offload_staging_mb`` MiB in all ([Note: offload] in
-            `zero_kernels.offload.swap`); results are bitwise those without offload.
-            ``"cpu"``: for params on a GPU, the fp32 masters and the moments in host memory and
-            the step on the CPU kernel, gradients copied to the host and new params back
-            through pinned staging, bucket by bucket ([Note: host tier] in
-            `zero_kernels.offload.host`).
-            offload_params: ``"nvme"`` (stage 3) keeps each bucket's param shard in a file
-            under ``offload_dir`` between its uses, read ahead of its all-gathers and its step
-            and written behind the step ([Note: param offload] in
-            `zero_kernels.offload.params`); results are bitwise those without offload.
-        **defaults: passed to ``optimizer_class``.
+        module: the model, when ``params`` are param groups (stage 3 needs it).
+        units: stage 3: the modules gathered as one (default: found in the model,
+            docs/stage3.md).
+        **defaults: passed to ``optimizer_class`` (``lr=``, ``weight_decay=``, ...).
 
-    Gradients: after backward, ``param.grad`` is a `ShardedGrad` (this rank's piece of the
-    averaged gradient) that ``torch.nn.utils.clip_grad_norm_``, ``model.zero_grad()`` and
-    ``torch.amp.GradScaler`` work with; see [Note: gradients] in `zero_kernels.partition.grads`.
-    A trainable param with no gradient on any rank is left out of the step, as torch does.
-
-    Lifecycle: ``close()`` (or ``with ZeroOptimizer(...) as opt``) removes every hook and gives
-    the params back as plain tensors; a param held by a live ZeroOptimizer cannot be given to
-    another; a collected optimizer leaves no hooks.
-
-    Memory: with fp32 params there is no master copy: the optimizer steps the rank's shard of
-    the param buffer in place. Stage 1 holds one full-size gradient buffer (the reduced shard
-    is a view of it), stage 2 the reduced shard plus at most ``max_inflight_buckets`` bucket
-    buffers (see [Note: gradient storage] in `zero_kernels.buffers`).
-
-    Telemetry:
-        ``memory_report() -> dict(param_bytes=, grad_bytes=, master_bytes=, optim_state_bytes=,
-        model_state_bytes=, comm_buffer_bytes=, comm_buffer_peak_bytes=, grad_peak_bytes=,
-        total_bytes=)``: this rank's bytes counted from its tensors. Model states (what the
-        ZeRO formula counts) are params + grads + master + optimizer state
-        (``optim_state_bytes`` excludes the fp32 master shard); ``comm_buffer_bytes`` are the
-        stage-2 bucket buffers held now (kept between steps), ``comm_buffer_peak_bytes`` the
-        most of them in use at once, ``grad_peak_bytes`` = grads + that peak;
-        ``total_bytes`` = model states + comm buffers.
-        ``comm_stats -> dict(reduce_scatter_bytes=, all_gather_bytes=, reduce_scatter_calls=,
-        all_gather_calls=, all_reduce_calls=, inside_node_bytes=, cross_node_bytes=,
-        exposed_comm_s=, steps=, nonfinite_steps=, ...)``: cumulative since construction or
-        ``reset_comm_stats()``; bytes are full bucket sizes per collective, but the two by link:
-        what this rank sent to its own host's ranks and to other hosts' ([Note: bytes by link]
-        in zero_kernels.comm.links); ``exposed_comm_s`` is time spent waiting on collectives.
-        ``comm_ledger``: the same counters step by step ([Note: the step ledger]).
+    After backward ``param.grad`` is a `ShardedGrad`, this rank's piece of the averaged
+    gradient, which ``torch.nn.utils.clip_grad_norm_``, ``model.zero_grad()`` and
+    ``torch.amp.GradScaler`` work with ([Note: gradients] in `zero_kernels.partition.grads`). A
+    trainable param with no gradient on any rank is left out of the step, as torch does.
+    ``close()`` (or ``with ZeroOptimizer(...) as opt``) removes every hook and hands the params
+    back whole. ``memory_report()``, ``comm_stats`` and ``comm_ledger`` report this rank's bytes
+    and traffic (docs/design.md).
     """
 
     def __init__(
@@ -214,99 +117,53 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
         params,
         optimizer_class,
         *,
-        stage: int = 2,
+        stage: int | None = None,
+        gather: GatherPolicy | None = None,
+        precision: PrecisionPolicy | None = None,
+        comm: CommPolicy | None = None,
+        offload: OffloadPolicy | None = None,
+        execution: ExecutionPolicy | None = None,
         policy: ZeroPolicy | None = None,
         process_group=None,
-        shard_group="world",
-        quantize_weights: str | None = None,
-        quantize_grads: str | None = None,
-        grad_error_feedback: bool = False,
-        broadcast_buffers: bool = True,
-        bucket_size_mb: float = 25.0,
-        overlap_comm: bool = True,
-        partition: str = "auto",
-        fused_adam: bool = True,
-        loss_scale: float | str | None = "auto",
-        kernel_backend: str = "auto",
-        max_inflight_buckets: int = 2,
-        nonfinite: str = "step",
-        timeout: float | None = None,
         module: nn.Module | None = None,
         units=None,
-        reshard_after_forward: bool = True,
-        prefetch: int = 1,
-        persist_below: int = 0,
-        check_order: str | None = None,
-        secondary_shard=None,
-        shard_frozen: bool = False,
-        reduce_dtype: torch.dtype | None = None,
-        state_dtype: str = "fp32",
-        state_block: int = 256,
-        bf16_stochastic_round: bool = False,
-        overlap_param_gather: bool = False,
-        init_fn=None,
-        seed: int = 0,
-        host_cache: bool | None = None,
-        offload_optimizer: str | None = None,
-        offload_params: str | None = None,
-        offload_dir: str | None = None,
-        offload_staging_mb: float = 48.0,
         **defaults,
     ):
-        # how this optimizer was built: add_param_group builds it again with one more group
-        self._init_args = (
-            optimizer_class,
-            {
-                k: v
-                for k, v in locals().items()
-                if k not in ("self", "params", "optimizer_class", "defaults", "__class__")
-            }
-            | {"module": params if isinstance(params, nn.Module) else module}
-            | defaults,
-        )
         self._closed = True  # until construction succeeds (close() then does nothing)
         self._hook_handles: list = []
         self.parts: Parts | None = None
         Joinable.__init__(self)
         # ---- every choice resolved once, checked before anything else ([Note: policies])
-        policy = resolve_given(
-            stage,
-            policy,
-            {k: v.default for k, v in inspect.signature(ZeroOptimizer.__init__).parameters.items()},
-            bucket_size_mb=bucket_size_mb,
-            overlap_comm=overlap_comm,
-            max_inflight_buckets=max_inflight_buckets,
-            timeout=timeout,
-            reshard_after_forward=reshard_after_forward,
-            prefetch=prefetch,
-            persist_below=persist_below,
-            check_order=check_order,
-            secondary_shard=secondary_shard,
-            shard_frozen=shard_frozen,
-            reduce_dtype=reduce_dtype,
-            state_dtype=state_dtype,
-            state_block=state_block,
-            bf16_stochastic_round=bf16_stochastic_round,
-            overlap_param_gather=overlap_param_gather,
-            loss_scale=loss_scale,
-            shard_group=shard_group,
-            quantize_weights=quantize_weights,
-            quantize_grads=quantize_grads,
-            grad_error_feedback=grad_error_feedback,
-            broadcast_buffers=broadcast_buffers,
-            offload_optimizer=offload_optimizer,
-            offload_params=offload_params,
-            offload_dir=offload_dir,
-            offload_staging_mb=offload_staging_mb,
-        )
-        self.policy = policy
-        validate.check_args(kernel_backend, nonfinite)
-        validate.check_launch()
+        parts = dict(gather=gather, precision=precision, comm=comm, offload=offload)
+        parts["execution"] = execution
+        if policy is None:
+            policy = ZeroPolicy.of(stage, **parts)
+        elif not isinstance(policy, ZeroPolicy):
+            raise TypeError(
+                f"policy must be a zero_kernels.policy.ZeroPolicy, got {type(policy).__name__}"
+            )
+        else:
+            both = [k for k, v in {"stage": stage, **parts}.items() if v is not None]
+            if both:
+                raise ValueError(
+                    f"policy= and {', '.join(f'{k}=' for k in both)} given together: set "
+                    f"{'them' if len(both) > 1 else 'it'} in the policy (each choice in one "
+                    "place)"
+                )
         if isinstance(params, nn.Module):
             if module is not None and module is not params:
                 raise ValueError("module= differs from the module passed as params")
             module = params
-        self.optimizer_class, self.nonfinite = optimizer_class, nonfinite
+        # what add_param_group builds again with one more group: the resolved policy
+        self._rebuild = (
+            optimizer_class,
+            dict(policy=policy, process_group=process_group, module=module, units=units),
+            dict(defaults),
+        )
+        self.policy = policy
+        validate.check_launch()
+        ex = policy.execution
+        self.optimizer_class, self.nonfinite = optimizer_class, ex.nonfinite
         # ---- the layout (pure data): nothing is changed yet
         core, user_groups, meta = build.lay_out(
             policy,
@@ -314,16 +171,14 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
             optimizer_class,
             module=module,
             units=units,
-            partition=partition,
             process_group=process_group,
-            nonfinite=nonfinite,
             defaults=defaults,
-            own_options=validate.options(type(self).__init__),
+            own_options=KEYWORDS,
         )
         self._core = core
         # large CPU blocks by size from here on, construction's included ([Note: host block cache])
-        self.host_cache = core.device.type == "cpu" and hostmem.ensure(host_cache)
-        if host_cache is True and core.device.type == "cpu" and not self.host_cache:
+        self.host_cache = core.device.type == "cpu" and hostmem.ensure(ex.host_cache)
+        if ex.host_cache is True and core.device.type == "cpu" and not self.host_cache:
             warnings.warn(
                 "host_cache=True: the host block cache is not in use ("
                 + (hostmem.available() or "another CPU allocator of higher priority is in place")
@@ -332,9 +187,7 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
             )
         # ---- from here on the params are changed: undo everything if anything fails
         try:
-            self._build(
-                core, user_groups, meta, defaults, fused_adam, kernel_backend, init_fn, seed
-            )
+            self._build(core, user_groups, meta, defaults)
         except BaseException:
             self._closed = False
             try:  # collective where every rank failed alike, bounded where one did alone
@@ -343,23 +196,16 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
                 pass  # the construction's own error is the one to see
             raise
 
-    def _build(self, core, user_groups, meta, defaults, fused_adam, kernel_backend, init_fn, seed):
-        """The named steps of `zero_kernels.optimizer.build`, then the parts over the core."""
-        core.store = build.store(core, meta=meta, init_fn=init_fn, seed=seed)
+    def _build(self, core: Core, user_groups, meta: bool, defaults: dict) -> None:
+        """The built core (`build.assemble`: store, communication, runner, units), then the
+        parts over it."""
+        build.assemble(core, user_groups, meta, self.optimizer_class, defaults)
         # each trainable param's data must keep its storage and dtype (`validate.check_intact`)
         self._expected = {i: (storage_id(p), p.dtype) for i, p in core.trainable.items()}
         self._module_params = (
             [id(p) for p in core.module.parameters()] if core.module is not None else None
         )
-        build.communication(core)
-        replicas.sync_at_start(core)  # frozen params and buffers: rank 0's where they differ
         self._hook_handles = core.reducer.handles_to_remove()
-        core.runner = build.runner(
-            core, self.optimizer_class, user_groups, defaults, fused_adam, kernel_backend
-        )
-        build.quantization(core)
-        core.units = build.units(core)
-        core.kept = build.kept(core)
         # ---- the parts ([Note: parts]); hooks reach them through a weak reference to self
         me = weakref.ref(self)
         has_fp16 = any(p.dtype == torch.float16 and p.requires_grad for p in core.params.values())
@@ -549,11 +395,11 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
             return super().add_param_group(param_group)
         self._check_open("add_param_group")
         kept = regroup.take(self, param_group)  # checked, the whole state gathered
-        optimizer_class, kwargs = self._init_args
+        optimizer_class, kwargs, defaults = self._rebuild
         # torch.optim.Optimizer's hooks registered on this optimizer survive the rebuild
         hooks = {k: v for k, v in vars(self).items() if k.startswith("_optimizer_") and "hook" in k}
         self.close()
-        type(self).__init__(self, kept.groups, optimizer_class, **kwargs)
+        type(self).__init__(self, kept.groups, optimizer_class, **kwargs, **defaults)
         vars(self).update(hooks)
         regroup.put_back(self, kept)
 

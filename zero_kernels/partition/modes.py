@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import torch
 
+from ..policy import PARTITIONS
+
 __all__ = ["ELEMENTWISE", "PARTITIONS", "choose_mode"]
 
-PARTITIONS = ("auto", "flat", "whole")
 
 ELEMENTWISE = tuple(
     getattr(torch.optim, n)

@@ -214,7 +214,7 @@ class SequenceCheck(comm.Watch):
             "backward on others)"
         )
         for s in range(self.streams):  # every rank ended: the first entry that differs
-            diff = _first_difference({r: (True, x[s]) for r, x in enumerate(every)})
+            diff = first_difference({r: (True, x[s]) for r, x in enumerate(every)})
             if diff is not None:
                 k = diff[0]
                 col = [x[s][k] if k < len(x[s]) else None for x in every]
@@ -270,7 +270,7 @@ class SequenceCheck(comm.Watch):
                     which = other["which"]
         for seq in range(self.streams):
             one = {q: (ended, x[seq]) for q, (ended, x) in lists.items()}
-            diff = _first_difference(one)
+            diff = first_difference(one)
             if diff is not None:
                 break
         else:
@@ -345,7 +345,7 @@ def _monitor(ref, stop: threading.Event) -> None:
         del me
 
 
-def _first_difference(lists: dict[int, tuple[bool, list]]) -> tuple[int, int, int] | None:
+def first_difference(lists: dict[int, tuple[bool, list]]) -> tuple[int, int, int] | None:
     """The first position k where two ranks' launch lists cannot both be completed, and the two
     ranks (lower first): their entries differ, or one rank ended the pass (``True``) before k
     while the other launched an entry there. A list that is only shorter (a rank behind, still

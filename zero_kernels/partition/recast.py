@@ -8,9 +8,9 @@ params after the forward does not free those copies: at the end of the forward e
 hold a low-precision copy of the whole model, 2 bytes per parameter, as much as the whole sharded
 Adam state at 8 ranks (FSDP2 does under autocast; its answer is a bf16 param dtype). So from a
 unit's pre-forward to its post-forward, under autocast with grad on, stage 3 pushes saved-tensor
-hooks (`_Recast`): a saved tensor that is a cast of one of the unit's fp32 params (or a view of
+hooks (`Recast`): a saved tensor that is a cast of one of the unit's fp32 params (or a view of
 one: linear saves ``weight.t()``; found by its ``ToCopyBackward0`` node over the param's
-``AccumulateGrad``) is saved as a recipe (`_Cast`: the param, the dtype, the view's size, stride
+``AccumulateGrad``) is saved as a recipe (`Cast`: the param, the dtype, the view's size, stride
 and offset) and made again when the backward unpacks it. That is when the unit runs its
 backward, so it is gathered, as it must be for the fp32 params autograd saves without autocast;
 the same values round to the same bits. Not pushed where other saved-tensor hooks are on top
@@ -33,7 +33,7 @@ backward, 2 bytes per frozen param of the whole model at the forward's end, whic
 frozen shards themselves hold past 2 ranks (``shard_frozen=True``: 4/N bytes) and a third of the
 frozen params' bytes when they are kept whole. So a saved bf16/fp16 tensor without history and
 without grad, contiguous, of the shape of one of the unit's frozen fp32 params, is compared with
-that param cast again, bit for bit (`_is_cast_of`); equal, it is saved as the same recipe as a
+that param cast again, bit for bit (`is_cast_of`); equal, it is saved as the same recipe as a
 trained param's cast. The comparison makes this exact whatever the tensor is: a recipe is kept only
 where making it again gives the saved bits. Its cost is one more cast of each frozen weight per
 forward (and the compare), where autocast casts it once per use anyway. The candidates are the
@@ -77,7 +77,7 @@ class Recasts:
     """The saved-tensor hooks pushed by units' forwards under autocast ([Note: autocast])."""
 
     def __init__(self) -> None:
-        self._recasts: list[tuple[int, _Recast]] = []  # (unit, hooks), innermost last
+        self._recasts: list[tuple[int, Recast]] = []  # (unit, hooks), innermost last
         self._fp32_ids: dict[int, set[int]] = {}  # per unit: its fp32 params
         self._warned = False
 
@@ -125,9 +125,9 @@ class Recasts:
         if (ids or by_shape) and torch.is_autocast_cache_enabled():  # it keeps them all
             self._warn(cache=True)
         on_top = top(False)
-        if on_top is not None and not isinstance(getattr(on_top[0], "__self__", None), _Recast):
+        if on_top is not None and not isinstance(getattr(on_top[0], "__self__", None), Recast):
             return  # another's hooks (checkpointing, save_on_cpu) decide what is saved
-        rec = _Recast(ids, by_shape, held, check)
+        rec = Recast(ids, by_shape, held, check)
         torch._C._autograd._push_saved_tensors_default_hooks(rec.pack, rec.unpack)
         self._recasts.append((k, rec))
 
@@ -165,7 +165,7 @@ class Recasts:
         warnings.warn(msg, stacklevel=2)
 
 
-def _unstack(rec: _Recast) -> None:
+def _unstack(rec: Recast) -> None:
     """``rec``'s hooks off autograd's stack of saved-tensor hooks, wherever they are in it: a
     user's hooks pushed after them and still on (activation offloading entered in a forward
     pre-hook of the model, left in its forward hook, both registered after ours) are taken off
@@ -194,7 +194,7 @@ def _autocast_enabled(device_type: str) -> bool:
 _LOW = (torch.bfloat16, torch.float16)  # what autocast casts to
 
 
-_CHUNK = 1 << 18  # elements compared at a time (512 KiB of bf16): no whole-size temporary
+CHUNK = 1 << 18  # elements compared at a time (512 KiB of bf16): no whole-size temporary
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
@@ -205,7 +205,7 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.int16)
 
 
-def _is_cast_of(base: torch.Tensor, p: torch.Tensor) -> bool:
+def is_cast_of(base: torch.Tensor, p: torch.Tensor) -> bool:
     """Whether ``base`` holds exactly ``p`` cast to its dtype ([Note: frozen casts]): a
     contiguous tensor of p's shape and device, equal bit for bit to the cast made again
     (compared as bits: -0.0 is not 0.0 here, a NaN is itself). A few spread elements first, so
@@ -221,9 +221,9 @@ def _is_cast_of(base: torch.Tensor, p: torch.Tensor) -> bool:
         few = torch.arange(0, n, max(1, n // 61), device=b.device)
         if not torch.equal(w[few].to(b.dtype).view(torch.int16), b[few].view(torch.int16)):
             return False
-        tmp = torch.empty(min(n, _CHUNK), dtype=b.dtype, device=b.device)
-        for i in range(0, n, _CHUNK):
-            j = min(n, i + _CHUNK)
+        tmp = torch.empty(min(n, CHUNK), dtype=b.dtype, device=b.device)
+        for i in range(0, n, CHUNK):
+            j = min(n, i + CHUNK)
             t = tmp[: j - i]
             t.copy_(w[i:j])
             if not torch.equal(_bits(t), _bits(b[i:j])):
@@ -231,7 +231,7 @@ def _is_cast_of(base: torch.Tensor, p: torch.Tensor) -> bool:
     return True
 
 
-class _Cast:
+class Cast:
     """A saved tensor autocast made from a unit's param: the recipe to make it again (a frozen
     param's with ``check``: see `_Held`)."""
 
@@ -256,7 +256,7 @@ class _Held:
         self.param, self.version, self.check, self.view = param, param._version, check, view
 
 
-class _Recast:
+class Recast:
     """Saved-tensor hooks of one unit's forward ([Note: autocast], [Note: frozen casts])."""
 
     def __init__(self, ids: set[int], frozen=None, held=frozenset(), check=None):
@@ -275,18 +275,16 @@ class _Recast:
             if fn.name() == "ToCopyBackward0":
                 p = getattr(fn.next_functions[0][0], "variable", None)
                 if p is not None and id(p) in self.ids and base.dtype != p.dtype:
-                    return _Cast(p, base.dtype, t.size(), t.stride(), t.storage_offset())
+                    return Cast(p, base.dtype, t.size(), t.stride(), t.storage_offset())
         elif self.frozen and base.dtype in _LOW and not base.requires_grad:
             for p in self.frozen.get(tuple(base.shape), ()):
-                if _is_cast_of(base, p):
-                    return _Cast(
-                        p, base.dtype, t.size(), t.stride(), t.storage_offset(), self.check
-                    )
+                if is_cast_of(base, p):
+                    return Cast(p, base.dtype, t.size(), t.stride(), t.storage_offset(), self.check)
         return t
 
     @staticmethod
     def unpack(x):
-        if type(x) is _Cast:  # the unit is gathered: its backward is running
+        if type(x) is Cast:  # the unit is gathered: its backward is running
             if x.check is not None:
                 x.check(x.param, x.version)
             return x.param.to(x.dtype).as_strided(x.size, x.stride, x.offset)

@@ -169,12 +169,12 @@ def unavailable() -> str | None:
     namespaces and mounts: the command that failed and its error). Tried once per process."""
     if _why_cache:
         return _why_cache[0]
-    why = _why_not()
+    why = why_not()
     _why_cache.append(why)
     return why
 
 
-def _why_not() -> str | None:
+def why_not() -> str | None:
     if not sys.platform.startswith("linux"):
         return f"network namespaces need Linux; this is {sys.platform}"
     for tool, pkg in _TOOLS.items():
@@ -361,7 +361,7 @@ class Testbed:
             left = []
             for name in reversed(self._made):
                 _remove_ns(name)
-                if name in _netns_names():
+                if name in netns_names():
                     left.append(name)
             self._made = left
             self.is_up = False
@@ -589,7 +589,7 @@ def _tbf_bytes(ns: str) -> dict:
     return {r["dev"]: int(r["bytes"]) for r in rows if r.get("kind") == "tbf" and "dev" in r}
 
 
-def _netns_names() -> list[str]:
+def netns_names() -> list[str]:
     out = _cmd(["ip", "netns", "list"], check=False)
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
@@ -625,7 +625,7 @@ def cleanup_stale() -> list[str]:
     if os.geteuid() != 0:
         raise TestbedUnavailable(f"deleting network namespaces needs root; uid {os.geteuid()}")
     gone = []
-    for name in _netns_names():
+    for name in netns_names():
         m = _NAME.match(name)
         if m and not _alive(int(m.group(1))):
             _remove_ns(name)
