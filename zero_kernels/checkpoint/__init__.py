@@ -5,6 +5,9 @@
   safetensors file per rank plus JSON metadata; see [Note: checkpoint format] in `.format`.
 - `inspect_checkpoint`, `verify_checkpoint`, `export_model`: what ``zero-kernels checkpoint``
   runs (no process group needed).
+- `load_deepspeed_checkpoint`, `convert_deepspeed_checkpoint`: DeepSpeed's ZeRO checkpoints
+  (stages 1-3) into a ZeroOptimizer of any stage and world size, or into our format; read with
+  ``weights_only=True`` and an allow-list ([Note: DeepSpeed checkpoints] in `.deepspeed`).
 - `CheckpointError`: a checkpoint that cannot be loaded, naming the file and the problem;
   `CheckpointsBelow` where the path holds none of its own but checkpoints one level down (the
   demo's ``DIR/stage<s>``), naming them.
@@ -42,6 +45,7 @@ load ~9; docs/benchmarks.md, "Checkpoints"):
 Not built: importing a DCP checkpoint (with optimizer state) and exporting optimizer state to DCP.
 """
 
+from .deepspeed import convert_deepspeed_checkpoint, load_deepspeed_checkpoint
 from .export import export_model, inspect_checkpoint, verify_checkpoint
 from .format import FORMAT_VERSION, CheckpointError, CheckpointsBelow
 from .load import load_checkpoint
@@ -51,9 +55,11 @@ __all__ = [
     "FORMAT_VERSION",
     "CheckpointError",
     "CheckpointsBelow",
+    "convert_deepspeed_checkpoint",
     "export_model",
     "inspect_checkpoint",
     "load_checkpoint",
+    "load_deepspeed_checkpoint",
     "save_checkpoint",
     "verify_checkpoint",
 ]

@@ -1,4 +1,8 @@
-"""`zero-kernels checkpoint inspect|verify|export`: look into a checkpoint without training.
+"""`zero-kernels checkpoint inspect|verify|export|convert`: look into a checkpoint without training.
+
+``inspect`` also reads a DeepSpeed checkpoint folder (``global_stepN/`` or the folder with its
+``latest``); ``convert --from deepspeed SRC DST`` writes it in our format under DST, streamed
+([Note: DeepSpeed checkpoints] in `zero_kernels.checkpoint.deepspeed`).
 
 Exit codes: 0 fine, 1 a checkpoint that fails (verify: every problem printed, one per line; the
 others: the `CheckpointError` on one line), 2 bad arguments.
@@ -27,7 +31,7 @@ def add_parser(sub, parser_class) -> None:
         "checkpoint directory or the directory of checkpoints (its `latest` is used).",
     )
     cs = c.add_subparsers(
-        dest="action", parser_class=parser_class, metavar="{inspect,verify,export}"
+        dest="action", parser_class=parser_class, metavar="{inspect,verify,export,convert}"
     )
     cs.required = True
     i = cs.add_parser("inspect", help="world size, stage, step, tensors, sizes")
@@ -47,6 +51,10 @@ def add_parser(sub, parser_class) -> None:
         default=None,
         help="cast floating tensors (default: each param's own dtype in the model)",
     )
+    v = cs.add_parser("convert", help="write another framework's checkpoint in our format")
+    v.add_argument("--from", dest="source", choices=["deepspeed"], required=True)
+    v.add_argument("path", metavar="SRC")
+    v.add_argument("dst", metavar="DST", help="checkpoint root to write into")
 
 
 def _size(n: int) -> str:
@@ -59,8 +67,13 @@ def _size(n: int) -> str:
 
 def run(args) -> int:
     from ..checkpoint import CheckpointError, export_model, inspect_checkpoint, verify_checkpoint
+    from ..checkpoint.deepspeed import is_deepspeed_checkpoint
     from ..checkpoint.format import CheckpointsBelow, resolve
 
+    if args.action == "convert" or (
+        args.action == "inspect" and is_deepspeed_checkpoint(args.path)
+    ):
+        return _deepspeed(args)
     try:
         resolve(args.path)
     except CheckpointsBelow as e:
@@ -91,6 +104,45 @@ def run(args) -> int:
     except CheckpointError as e:
         print(f"zero-kernels checkpoint: error: {e}", file=sys.stderr)
         return 1
+
+
+def _deepspeed(args) -> int:
+    from ..checkpoint import CheckpointError
+    from ..checkpoint.deepspeed import convert_deepspeed_checkpoint, inspect_deepspeed_checkpoint
+
+    try:
+        if args.action == "convert":
+            out = convert_deepspeed_checkpoint(args.path, args.dst)
+            print(f"wrote {out}")
+            return 0
+        info = inspect_deepspeed_checkpoint(args.path)
+    except CheckpointError as e:
+        print(f"zero-kernels checkpoint: error: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(info, indent=1, default=str))
+        return 0
+    rows = [
+        ("checkpoint", f"{info['path']} (DeepSpeed {info['ds_version']})"),
+        ("layout", f"ZeRO stage {info['stage']}, world size {info['world_size']}"),
+        ("steps", f"{info['global_steps']} (Adam step {info['adam_step']})"),
+        (
+            "params",
+            f"{info['params']} tensors, {info['param_numel']:,} elements "
+            f"({info['model_dtype']}, fp32 masters)",
+        ),
+        ("param groups", json.dumps(info["param_groups"], default=str)[:200]),
+        ("loss scaler", json.dumps(info["loss_scaler"])),
+        ("lr scheduler", json.dumps(info["lr_scheduler"])),
+        ("buffers", ", ".join(info["buffers"]) or "none"),
+        ("size", f"{_size(info['bytes'])} in {len(info['files'])} files"),
+    ]
+    w = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{w}}  {v}")
+    for name, n in info["files"].items():
+        print(f"  {name:<48}{_size(n):>14}")
+    return 0
 
 
 def _several(args, below) -> int:
