@@ -10,7 +10,11 @@ ones once), and the refusals of what is not built."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import shutil
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -55,9 +59,13 @@ class Block(nn.Module):
 
 
 def tp_model(seed: int = 0) -> nn.Module:
+    return tp_model_on(mesh()["tp"], seed)
+
+
+def tp_model_on(tp_mesh, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     m = Block()
-    parallelize_module(m, mesh()["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    parallelize_module(m, tp_mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
     return m
 
 
@@ -133,15 +141,18 @@ def train_both(stage: int, clip: float | None, process_group=None):
         loss = loss_of(ours, *mbs[1])
         loss.backward()
         worst["loss"] = max(worst["loss"], abs(float(loss) - rloss) / abs(rloss))
+        assert worst["loss"] == worst["loss"], "loss NaN"
         if clip is not None:
             got = float(opt.clip_grad_norm_(clip))
             worst["norm"] = max(worst["norm"], abs(got - want) / want)
         opt.step()
         opt.zero_grad()
+    opt.close()  # the params whole again (stage 3: gathered), the DTensors intact
     for (n, a), (_, b) in zip(ours.named_parameters(), ref.named_parameters(), strict=True):
         assert type(a) is type(b), (n, type(a), type(b))
-        worst["param"] = max(worst["param"], rel_err(local(a), local(b)))
-    opt.close()
+        e = rel_err(local(a), local(b))
+        assert e == e, f"param {n}: NaN"
+        worst["param"] = max(worst["param"], e)
     return worst
 
 
@@ -189,10 +200,201 @@ def check_nonfinite_agrees(rank, world):
     return {"skipped": opt.skipped_steps}
 
 
+def check_stage3_matches_ddp_of_tp(rank, world):
+    """Stage 3 gathers each unit's local pieces over dp only: losses at every step, params and
+    clip norms equal the reference's."""
+    out = {}
+    for clip in (None, 0.05):
+        w = train_both(3, clip)
+        out[f"clip={clip}"] = w
+        assert w["loss"] <= TOL and w["param"] <= TOL, (clip, w)
+        assert clip is None or w["norm"] <= 1e-6, w
+    return out
+
+
+def all_dtensor_model() -> nn.Module:
+    """Every param a DTensor: what torch's clip_grad_norm_ takes on a TP model (it refuses a
+    mix of DTensor and plain gradients, ours or not)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 48), nn.GELU(), nn.Linear(48, 4))
+    parallelize_module(m, mesh()["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    return m
+
+
+def check_torch_clip_and_zero_grad(rank, world):
+    """torch.nn.utils.clip_grad_norm_ on the model's DTensor params: the whole model's norm
+    (dp inside each local norm, tp in DTensor's norm of the stack) and the reference's clipped
+    step; model.zero_grad() drops the gradients (the next step moves nothing)."""
+    out = {}
+    for stage in (1, 2, 3):
+        ref, m = all_dtensor_model(), all_dtensor_model()
+        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+        opt = zero(m, stage)
+        x, y = batches(0)[0]
+        loss_of(ref, x, y).backward()
+        ddp_of_tp_grads(ref)
+        want = whole_norm(ref)
+        coef = min(0.05 / (want + 1e-6), 1.0)
+        for p in ref.parameters():
+            local(p.grad).mul_(coef)
+        ropt.step()
+        loss_of(m, x, y).backward()
+        assert all(isinstance(p.grad, DTensor) for p in m.parameters())
+        n = torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+        n = n.full_tensor() if isinstance(n, DTensor) else n
+        err = abs(float(n) - want) / want
+        assert err <= 1e-6, (stage, float(n), want)
+        opt.step()
+        m.zero_grad()
+        assert all(p.grad is None for p in m.parameters())
+        opt.step()  # no gradient: nothing moves
+        opt.close()
+        for (name, a), b in zip(m.named_parameters(), ref.parameters(), strict=True):
+            e = rel_err(local(a), local(b))
+            assert e <= TOL, (stage, name, e)
+        out[stage] = err
+    return out
+
+
+def _raises(fn, exc, *words):
+    try:
+        fn()
+    except exc as e:
+        msg = str(e)
+        missing = [w for w in words if w not in msg]
+        assert not missing, f"{exc.__name__} without {missing}: {msg}"
+        return msg[:120]
+    raise AssertionError(f"no {exc.__name__} (expected one naming {words})")
+
+
+def check_refusals(rank, world):
+    """What is not built with tensor parallelism raises, naming the combination, before any
+    collective; the model stays usable (a ZeroOptimizer is built over it after)."""
+    m = tp_model()
+    out = {}
+    for field, value in (
+        ("quantize_grads", "int8"),
+        ("quantize_weights", "int8"),
+        ("shard_group", 1),
+        ("offload_optimizer", "cpu"),
+    ):
+        stage = 3 if field == "quantize_weights" else 2
+        out[field] = _raises(
+            lambda f=field, v=value, st=stage: zero(m, st, **{f: v}),
+            NotImplementedError,
+            field,
+            "tensor",
+        )
+    # a frozen DTensor param, and a dp group that is the tp group itself
+    m.up.bias.requires_grad_(False)
+    out["frozen"] = _raises(lambda: zero(m, 2), NotImplementedError, "up.bias", "frozen")
+    m.up.bias.requires_grad_(True)
+    out["group"] = _raises(
+        lambda: zero(m, 2, process_group=mesh()["tp"].get_group()), ValueError, "dp group"
+    )
+    opt = zero(m, 2)  # nothing was left behind
+    x, y = batches(0)[0]
+    loss_of(m, x, y).backward()
+    opt.step()
+    opt.close()
+    return out
+
+
+def _ckpt_dir() -> str:
+    """One temp directory for the whole world (rank 0's name, broadcast)."""
+    box = [tempfile.mkdtemp(prefix="zk-tp-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def check_checkpoint_other_stage_and_dp(rank, world):
+    """save_checkpoint over tp writes each tp column's local tensors (its tp rank, size and
+    placements in meta.json); load_checkpoint into stage 3, and into dp size 1 (a 3-D mesh
+    rep x dp x tp), continues exactly as the saving run does; another tp size and other
+    placements are refused naming them."""
+    from zero_kernels.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+    from zero_kernels.checkpoint.format import write_meta
+
+    root = _ckpt_dir()
+    m = tp_model()
+    opt = zero(m, 2)
+    for step in range(2):
+        x, y = batches(step)[0]
+        loss_of(m, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    where = save_checkpoint(root, m, opt)
+    tp_rank = mesh()["tp"].get_local_rank()
+    assert f"tp{tp_rank}-of-2" in where, where
+    meta = json.load(open(os.path.join(where, "meta.json")))
+    tpm = meta["tensor_parallel"]
+    assert tpm["size"] == 2 and tpm["rank"] == tp_rank, tpm
+    assert tpm["placements"]["up.weight"] == ["Shard(dim=0)"], tpm
+    assert tpm["placements"]["down.bias"] == ["Replicate()"], tpm
+    x, y = batches(5)[0]
+    loss_of(m, x, y).backward()
+    opt.step()  # the saving run's next step: the reference
+    want = {n: local(p).detach().clone() for n, p in m.named_parameters()}
+    opt.close()
+    out = {}
+    # another stage at the same dp size
+    m3 = tp_model(seed=1)
+    o3 = zero(m3, 3)
+    load_checkpoint(root, m3, o3)
+    loss_of(m3, x, y).backward()
+    o3.step()
+    o3.close()
+    out["stage3"] = max(rel_err(local(p), want[n]) for n, p in m3.named_parameters())
+    assert out["stage3"] <= TOL, out
+    # dp size 1 (a 3-D mesh rep x dp x tp: each rank alone in its dp group): the params and
+    # the step count as saved, equal to a stage-2 load at dp size 2
+    mesh3 = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("rep", "dp", "tp"))
+    m1 = tp_model_on(mesh3["tp"], seed=2)
+    o1 = ZeroOptimizer(
+        m1, torch.optim.AdamW, policy=ZeroPolicy.resolve(stage=1),
+        process_group=mesh3["dp"].get_group(), lr=1e-2,
+    )  # fmt: skip
+    load_checkpoint(root, m1, o1)
+    assert o1.sharded_state.steps == 2, o1.sharded_state.steps  # the saved step count
+    m2 = tp_model(seed=3)
+    o2 = zero(m2, 2)
+    load_checkpoint(root, m2, o2)
+    got = {n: local(p).detach() for n, p in m1.named_parameters()}
+    out["dp1"] = max(rel_err(got[n], local(p)) for n, p in m2.named_parameters())
+    assert out["dp1"] == 0.0, out
+    o1.close()
+    # other placements (same local shapes): refused, naming the param
+    meta["tensor_parallel"]["placements"]["up.weight"] = ["Shard(dim=1)"]
+    dist.barrier()
+    if dist.get_rank(mesh()["dp"].get_group()) == 0:
+        write_meta(where, meta)
+    dist.barrier()
+    out["placements"] = _raises(
+        lambda: load_checkpoint(root, m2, o2), CheckpointError, "up.weight", "placements"
+    )
+    o2.close()
+    # a model without tp (plain params over the same dp group): refused, naming tp
+    torch.manual_seed(0)
+    plain = Block()
+    op = zero(plain, 2)
+    out["no tp"] = _raises(
+        lambda: load_checkpoint(root, plain, op), CheckpointError, "tensor parallelism"
+    )
+    op.close()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
 CHECKS = [
     "check_stages_match_ddp_of_tp",
     "check_clip_whole_model",
     "check_nonfinite_agrees",
+    "check_stage3_matches_ddp_of_tp",
+    "check_torch_clip_and_zero_grad",
+    "check_refusals",
+    "check_checkpoint_other_stage_and_dp",
 ]
 
 

@@ -138,10 +138,18 @@ class Adapter:
     def trainable(self) -> list[int]:
         raise NotImplementedError
 
+    def leaves(self) -> dict[int, torch.Tensor]:
+        """index -> the model's param (a tensor-parallel DTensor where `params` holds its local
+        tensor)."""
+        return self.params()
+
+    tp: dict | None = None  # tensor parallelism: size, rank, placements (`ShardedState`)
+
     def model_entries(self) -> dict[str, torch.Tensor]:
         """The model's state tensors that are not trainable params of the optimizer (those are
         in the rank files): buffers, frozen params, params outside the optimizer."""
         skip = {id(self.params()[i]) for i in self.trainable()}
+        skip |= {id(self.leaves()[i]) for i in self.trainable()}  # tp: the DTensors
         tensors, _ = module_state(self.model)
         return {n: t for n, t in tensors.items() if id(t) not in skip}
 
@@ -248,6 +256,12 @@ class ZeroAdapter(Adapter):
         self.layout, self.rank, self.world_size = st.layout, st.rank, st.world_size
         self.dp_rank, self.dp_size = comm.rank(st.group), comm.world_size(st.group)
         self.writer = st.replica_index == 0
+        self.tp = st.tensor_parallel
+        if self.tp is not None:  # the local tensors named as their DTensors
+            params = st.params()
+            for i, leaf in st.leaves().items():
+                if id(leaf) in self.names:
+                    self.names[id(params[i])] = self.names[id(leaf)]
 
     def resident(self):
         return self.state.resident()
@@ -263,6 +277,9 @@ class ZeroAdapter(Adapter):
 
     def trainable(self):
         return self.state.trainable()
+
+    def leaves(self):
+        return self.state.leaves()
 
     def group_params(self):
         return self.state.group_indices()

@@ -90,6 +90,7 @@ __all__ = [
     "encode",
     "rank_file",
     "read_latest",
+    "tp_dir",
     "read_meta",
     "write_latest",
     "write_meta",
@@ -263,6 +264,38 @@ def read_latest(root: str) -> str:
     ):
         raise CheckpointError(path, "corrupt: its checksum does not match the name it holds")
     return parts[0]
+
+
+_TP_DIR = re.compile(r"^tp(\d+)-of-(\d+)$")
+
+
+def tp_dir(root: str, tp: dict | None, saving: bool) -> str:
+    """Where the checkpoints of this rank's tp column live under ``root`` ([Note: tensor
+    parallelism] in zero_kernels/optimizer/tensor_parallel.py): ``root/tp<r>-of-<n>``, each
+    column a checkpoint of its local tensors sharded over dp (loadable at another dp size and
+    stage); ``root`` itself without tp. Loading refuses, naming both, a root saved at another
+    tp size or with and without tp (redistributing across tp sizes is not built)."""
+    if tp is not None:
+        mine = os.path.join(root, f"tp{tp['rank']}-of-{tp['size']}")
+        if saving or os.path.isdir(mine):
+            return mine
+    if saving or not os.path.isdir(root):
+        return root
+    sizes = sorted({int(m.group(2)) for n in os.listdir(root) if (m := _TP_DIR.match(n))})
+    if tp is None and sizes:
+        raise CheckpointError(
+            root,
+            f"saved with tensor parallelism (tp size {sizes}), loaded into a model without "
+            "DTensor params: loading across tp sizes is not built",
+        )
+    if tp is not None:
+        saved = f"tp size {sizes}" if sizes else "without tensor parallelism"
+        raise CheckpointError(
+            root,
+            f"saved {saved}, loaded at tp size {tp['size']}: redistributing the params "
+            "across tensor-parallel sizes is not built; load at the saved tp size",
+        )
+    return root
 
 
 def resolve(path: str | os.PathLike) -> str:

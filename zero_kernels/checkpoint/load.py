@@ -36,7 +36,16 @@ import torch
 from ..layout import Layout, pieces
 from .adapters import Adapter, adapter_for
 from .control import Control, control_for
-from .format import META, MODEL_FILE, CheckpointError, decode, rank_file, read_meta, resolve
+from .format import (
+    META,
+    MODEL_FILE,
+    CheckpointError,
+    decode,
+    rank_file,
+    read_meta,
+    resolve,
+    tp_dir,
+)
 from .storage import Reader, verify_file
 
 __all__ = ["load_checkpoint", "Plan", "plan_load", "read_decoded", "read_range"]
@@ -71,7 +80,9 @@ def load_checkpoint(
     ad = adapter_for(model, optimizer)
     ctl = control_for(ad, os.fspath(path), "load")  # see [Note: checkpoint timeouts]
     ctl.arrive("load_checkpoint")
+    path = _agree(ctl, lambda: tp_dir(os.fspath(path), ad.tp, saving=False), "tensor parallelism")
     plan = _agree(ctl, lambda: plan_load(path, ad), "reading meta.json")
+    _agree(ctl, lambda: _check_placements(plan, ad), "tensor parallelism")
     ctl.step = plan.meta.get("steps")
     names = sorted(plan.meta["files"])
     mine = [n for j, n in enumerate(names) if j % ad.world_size == ad.rank]
@@ -87,6 +98,22 @@ def load_checkpoint(
         if ad.rank < plan.meta["world_size"]:
             _set_rng(rd, ad.rank)
     return decode(plan.meta["extra"])
+
+
+def _check_placements(plan, ad: Adapter) -> None:
+    """Each DTensor param's tp placements as saved: a Shard(0) slice loaded as a Shard(1) one
+    can have the same local shape and would load wrong values silently."""
+    saved = (plan.meta.get("tensor_parallel") or {}).get("placements", {})
+    now = {ad.name_of(i): p for i, p in (ad.tp or {}).get("placements", {}).items()}
+    bad = [
+        f"{n}: saved {saved.get(n)}, now {p}" for n, p in sorted(now.items()) if saved.get(n) != p
+    ]
+    if bad:
+        raise CheckpointError(
+            os.path.join(plan.directory, META),
+            "tensor-parallel placements differ (" + "; ".join(bad[:4]) + "): redistributing "
+            "across placements is not built",
+        )
 
 
 def _agree(ctl: Control, fn, what: str):

@@ -47,6 +47,7 @@ from .format import (
     fsync_dir,
     is_checkpoint_name,
     rank_file,
+    tp_dir,
     write_latest,
     write_meta,
 )
@@ -83,6 +84,7 @@ def save_checkpoint(
         raise TypeError(f"extra must be a dict or None, got {type(extra).__name__}")
     root = os.path.abspath(os.fspath(path))
     ad = adapter_for(model, optimizer)
+    root = tp_dir(root, ad.tp, saving=True)  # tensor parallelism: this tp column's
     # what every rank can check alone comes first, so a bad value fails before any collective
     extra_json = encode(extra or {}, "extra")
     sched_json = encode(scheduler.state_dict(), "scheduler state") if scheduler else None
@@ -126,6 +128,14 @@ def _meta(ad: Adapter, name: str, groups_json, sched_json, extra_json) -> dict:
         "scaler": ad.scaler(),
         "steps": ad.steps(),
         "extra": extra_json,
+        # tensor parallelism: this column's tp rank and size, each DTensor param's placements
+        "tensor_parallel": None
+        if ad.tp is None
+        else {
+            "size": ad.tp["size"],
+            "rank": ad.tp["rank"],
+            "placements": {ad.name_of(i): p for i, p in sorted(ad.tp["placements"].items())},
+        },
     }
 
 

@@ -111,6 +111,7 @@ def lay_out(
             )  # fmt: skip
         group_indices.append(idx)
     by_index = {index_of[id(p)]: p for g in user_groups for p in g["params"]}
+    leaves = {i: leaf_of.get(id(p), p) for i, p in by_index.items()}  # the module's params
     unit_modules: list = []  # stage 3: which unit each param belongs to ([Note: units])
     unit_of: dict[int, int] = {}
     if not shard.params:
@@ -118,7 +119,6 @@ def lay_out(
         # quantized weights or gradients: norms' gains and biases kept whole and exact
         # ([Note: quantized all-gather] in zero_kernels.comm.quant)
         vectors = cp.quantize_weights is not None or cp.quantize_grads is not None
-        leaves = {i: leaf_of.get(id(p), p) for i, p in by_index.items()}  # the module's
         unit_of = unit_assignment(unit_modules, leaves, gather.persist_below, vectors)
         specs = [dataclasses.replace(s, unit=unit_of[s.index]) for s in specs]
     if not any(s.requires_grad for s in specs):
@@ -185,7 +185,7 @@ def lay_out(
         vectors_apart=cp.quantize_grads is not None,  # their buckets reduced exact
     )
     if not shard.params and not gather.shard_frozen and world_size > 1:
-        _warn_frozen_whole(module, by_index, specs)
+        _warn_frozen_whole(module, leaves, specs)
     store_layout = layout  # the param store's: the trained buffers, then the frozen ones
     if fspecs:
         fl = build_layout(

@@ -100,6 +100,25 @@ class ShardedState:
     def trainable(self) -> list[int]:
         return sorted(self._core.trainable)
 
+    def leaves(self) -> dict[int, torch.Tensor]:
+        """Index -> the model's param (a tensor-parallel DTensor where ``params()`` holds its
+        local tensor: [Note: tensor parallelism] in zero_kernels/optimizer/tensor_parallel.py)."""
+        tp = self._core.tp
+        return dict(self._core.params) if tp is None else tp.leaves(self._core.params)
+
+    @property
+    def tensor_parallel(self) -> dict | None:
+        """With tensor parallelism: ``{"size", "rank", "placements": index -> [str]}`` (the tp
+        mesh's size, this rank's place in it, each DTensor param's placements); else None."""
+        tp = self._core.tp
+        if tp is None:
+            return None
+        return {
+            "size": tp.size,
+            "rank": tp.rank,
+            "placements": {i: [repr(x) for x in t.placements] for i, t in tp.by_index.items()},
+        }
+
     def group_indices(self) -> list[list[int]]:
         """The layout indices of each param group's params."""
         return [list(x) for x in self._core.group_indices]

@@ -114,7 +114,7 @@ class TensorParallel:
 
     def placements(self, names: dict[int, str]) -> dict[str, list[str]]:
         """Name -> the tp placements (checkpoints record them)."""
-        return {names[i]: [str(x) for x in t.placements] for i, t in self.by_index.items()}
+        return {names[i]: [repr(x) for x in t.placements] for i, t in self.by_index.items()}
 
     # ------------------------------------------------------------------ gradients
     def local_grad(self, index: int, g: torch.Tensor) -> torch.Tensor:
