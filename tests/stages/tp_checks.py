@@ -387,6 +387,45 @@ def check_checkpoint_other_stage_and_dp(rank, world):
     return out
 
 
+def check_full_access(rank, world):
+    """full_param/full_grad/full_state of a DTensor param are whole tensors (its global shape,
+    the reference's values gathered over tp); set_full_param/set_full_grad take whole ones;
+    model.state_dict() holds the DTensors; consolidated_state_dict refuses, naming tp."""
+    out = {}
+    for stage in (2, 3):
+        ref, m = tp_model(), tp_model()
+        opt = zero(m, stage)
+        x, y = batches(0)[0]
+        loss_of(ref, x, y).backward()
+        ddp_of_tp_grads(ref)
+        loss_of(m, x, y).backward()
+        w = opt.full_param(m.up.weight)
+        assert not isinstance(w, DTensor) and w.shape == m.up.weight.shape, w.shape
+        assert rel_err(w, ref.up.weight.full_tensor()) == 0.0
+        g = opt.full_grad(m.down.weight)
+        out[f"grad{stage}"] = rel_err(g, ref.down.weight.grad.full_tensor())
+        assert out[f"grad{stage}"] <= 1e-6, out
+        opt.step()
+        st = opt.full_state(m.up.weight)
+        assert st["exp_avg"].shape == m.up.weight.shape, st["exp_avg"].shape
+        opt.set_full_param(m.up.weight, torch.full(tuple(m.up.weight.shape), 0.5))
+        assert bool((opt.full_param(m.up.weight) == 0.5).all())
+        sd = m.state_dict()
+        assert isinstance(sd["up.weight"], DTensor)
+        assert bool((sd["up.weight"].full_tensor() == 0.5).all())
+        m.load_state_dict(ref.state_dict())  # DTensor entries: into the shards and masters
+        for (n, p), q in zip(m.named_parameters(), ref.parameters(), strict=True):
+            whole = q.full_tensor() if isinstance(q, DTensor) else q
+            assert rel_err(opt.full_param(p), whole) == 0.0, (stage, n)
+        opt.set_full_grad(m.up.weight, torch.ones(tuple(m.up.weight.shape)))
+        assert bool((opt.full_grad(m.up.weight) == 1.0).all())
+        out[f"consolidated{stage}"] = _raises(
+            opt.consolidated_state_dict, NotImplementedError, "tensor parallelism"
+        )
+        opt.close()
+    return out
+
+
 CHECKS = [
     "check_stages_match_ddp_of_tp",
     "check_clip_whole_model",
@@ -395,6 +434,7 @@ CHECKS = [
     "check_torch_clip_and_zero_grad",
     "check_refusals",
     "check_checkpoint_other_stage_and_dp",
+    "check_full_access",
 ]
 
 

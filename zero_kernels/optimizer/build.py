@@ -689,7 +689,8 @@ def units(core: Core) -> UnitScheduler | None:
         persistent.move(UnitState.GATHERED)
     # the root unit's sharded params (frozen ones too with shard_frozen)
     sharded = {**core.trainable, **core.frozen}
-    in_root = {id(p) for i, p in sharded.items() if core.unit_index(i) == 0}
+    leaves = core.tp.leaves(sharded) if core.tp is not None else sharded  # the module's
+    in_root = {id(leaves[i]) for i in sharded if core.unit_index(i) == 0}
     root_members = [
         (name, m)
         for name, m in module.named_modules()

@@ -148,7 +148,10 @@ class Core:
         return f"#{index} {tuple(p.shape)}"
 
     def index_of(self, param: torch.Tensor, what: str) -> int:
-        """The index of trainable ``param``; a ValueError naming ``what`` otherwise."""
+        """The index of trainable ``param`` (a tensor-parallel DTensor: that of its local
+        tensor); a ValueError naming ``what`` otherwise."""
+        if self.tp is not None:
+            param = self.tp.local_of(param)
         for i, p in self.params.items():
             if p is param:
                 if i not in self.trainable:

@@ -125,6 +125,8 @@ class ParamAccess:
         holding params of this optimizer ([Note: module state dicts])."""
         model = self.core.module
         mine = {id(p) for p in [*self.core.trainable.values(), *self.core.frozen.values()]}
+        if self.core.tp is not None:  # the DTensor params, held through their local tensors
+            mine |= self.core.tp.leaf_ids()
         self._parents: dict[int, list[nn.Module]] = {}
         for m in model.modules():
             for c in m.children():
@@ -176,10 +178,19 @@ class ParamAccess:
                 todo += self._parents.get(id(m), [])
         return False
 
+    def _key(self, p: torch.Tensor) -> int:
+        """The id the store knows ``p`` by: a tensor-parallel DTensor's local tensor's."""
+        return id(p) if self.core.tp is None else id(self.core.tp.local_of(p))
+
+    def _entry(self, local: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """A state-dict entry of the param whose local tensor is ``local``: ``value``, as a
+        DTensor of the param's placements for a tensor-parallel param."""
+        return value if self.core.tp is None else self.core.tp.wrap_local(local, value)
+
     def _units_of(self, module: nn.Module) -> list:
         """Stage 3: the units holding params of ``module`` (in the scheduler's order: the same
         on every rank)."""
-        ids = {id(p) for p in module.parameters()}
+        ids = {self._key(p) for p in module.parameters()}
         store, sched = self.core.store, self.core.units
         return [
             u
@@ -200,7 +211,7 @@ class ParamAccess:
         try:
             names: dict[int, list[str]] = {}
             for n, p in module.named_parameters(remove_duplicate=False):
-                names.setdefault(id(p), []).append(prefix + n)
+                names.setdefault(self._key(p), []).append(prefix + n)
             if self.core.units is None:
                 if not self._keep_vars:  # keep_vars: the Parameters themselves, as torch's
                     self._copies(names, state_dict)
@@ -216,7 +227,7 @@ class ParamAccess:
         for q in self.core.trainable.values():
             keys = [k for k in names.get(id(q), ()) if k in state_dict]
             if keys:
-                c = state_dict[keys[0]].clone()
+                c = state_dict[keys[0]].clone()  # a DTensor's clone: a DTensor of a copy
                 for k in keys:
                     state_dict[k] = c
 
@@ -232,7 +243,7 @@ class ParamAccess:
                 for p, _, _ in store.members.get(key, ()):
                     keys = [k for k in names.get(id(p), ()) if k in state_dict]
                     if keys:
-                        c = p.detach().clone()
+                        c = self._entry(p, p.detach().clone())
                         for k in keys:  # tied: every name of a param gets its value
                             state_dict[k] = c
             if was:
@@ -288,7 +299,7 @@ class ParamAccess:
         reducer stops waiting for its params' grads that will not come."""
         index = {id(p): i for i, p in self.core.trainable.items()}
         self.core.reducer.give_up(
-            [index[id(p)] for p in unit.module.parameters() if id(p) in index]
+            [index[self._key(p)] for p in unit.module.parameters() if self._key(p) in index]
         )
 
     # ------------------------------------------------------------------ overlapped all-gather

@@ -30,6 +30,12 @@ class FullState:
         `zero_kernels.partition.state.to_host`); None on the other ranks. Collective: call it
         on every rank."""
         core = self.core
+        if core.tp is not None:
+            raise NotImplementedError(
+                "consolidated_state_dict() with tensor parallelism (DTensor params): torch's "
+                "format has no place for tp slices; use opt.full_state(p) (whole tensors), or "
+                "save_checkpoint/load_checkpoint"
+            )
         if not 0 <= to < core.dp_size:
             raise ValueError(f"to must be a rank in [0, {core.dp_size}), got to={to!r}")
         comm.check_arrival(core.side, "ZeroOptimizer.consolidated_state_dict()", core.timeout)
@@ -95,7 +101,11 @@ class FullState:
         dt = torch.float64 if param.dtype == torch.float64 else torch.float32
         with self.core.runner.resident():  # offloaded param shards: read in
             parts = self._piece_list(i, None)
-            return self._gather_full(i, parts, dt, "ZeroOptimizer.full_param()")
+            return self._whole(i, self._gather_full(i, parts, dt, "ZeroOptimizer.full_param()"))
+
+    def _whole(self, index: int, t: torch.Tensor) -> torch.Tensor:
+        """Tensor parallelism: ``t`` (param ``index``'s local shape) whole over tp too."""
+        return t if self.core.tp is None else self.core.tp.whole(index, t)
 
     @torch.no_grad()
     def set_full_param(self, param: torch.Tensor, value: torch.Tensor) -> None:
@@ -105,6 +115,9 @@ class FullState:
         value = torch.as_tensor(value).to(self.core.device)
         if value.shape != param.shape:
             raise ValueError(f"set_full_param: {value.shape=} differs from {param.shape=}")
+        if self.core.tp is not None:  # a DTensor param: its local tensor takes its part
+            value = self.core.tp.local_part(i, value)
+            param = self.core.params[i]
         flat = value.reshape(-1)
         with self.core.runner.resident():  # offloaded param shards: read in, written back
             for ip, off in self._piece_list(i, None):
@@ -133,15 +146,17 @@ class FullState:
             k for k, b in enumerate(self.core.layout.buffers) for s in b.slots if s.index == i
         )
         dt = self.core.grads.dtypes[buf]
-        return self._gather_full(i, parts, dt, "ZeroOptimizer.full_grad()")
+        return self._whole(i, self._gather_full(i, parts, dt, "ZeroOptimizer.full_grad()"))
 
     @torch.no_grad()
     def set_full_grad(self, param: torch.Tensor, value: torch.Tensor | None) -> None:
         """Replace the param's gradient by ``value`` (the same on every rank), or drop it."""
-        self.core.index_of(param, "set_full_grad")
+        i = self.core.index_of(param, "set_full_grad")
         self.grads.finish_reduction()
         if value is not None and tuple(value.shape) != tuple(param.shape):
             raise ValueError(f"set_full_grad: {value.shape=} differs from {param.shape=}")
+        if value is not None and self.core.tp is not None:  # a DTensor param: its part
+            value = self.core.tp.as_grad(i, self.core.tp.local_part(i, value.to(param.dtype)))
         param.grad = None if value is None else value.to(param.dtype)
         self.grads.sync_user_changes()
 
@@ -157,11 +172,12 @@ class FullState:
         out: dict = {}
         if not parts:
             return out
+        local = self.core.params[i]  # tensor parallelism: the local tensor, made whole after
         for key, v in parts[0]["elem"].items():
-            full = torch.zeros(param.numel(), dtype=v.dtype, device=self.core.device)
+            full = torch.zeros(local.numel(), dtype=v.dtype, device=self.core.device)
             for part in parts:
                 full[part["offset"] : part["offset"] + part["numel"]] = part["elem"][key]
-            out[key] = full.view(param.shape)
+            out[key] = self._whole(i, full.view(local.shape))
         out.update(parts[0]["other"])
         return out
 

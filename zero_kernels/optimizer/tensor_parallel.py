@@ -116,6 +116,51 @@ class TensorParallel:
         """Name -> the tp placements (checkpoints record them)."""
         return {names[i]: [repr(x) for x in t.placements] for i, t in self.by_index.items()}
 
+    # ------------------------------------------------------------------ whole tensors
+    def whole(self, index: int, t: torch.Tensor) -> torch.Tensor:
+        """``t``, a tensor of param ``index``'s local shape (gathered over dp), made whole over
+        tp (a plain tensor of the DTensor's shape; collective over tp). A plain param's
+        passes."""
+        tpp = self.by_index.get(index)
+        if tpp is None:
+            return t
+        from torch.distributed.tensor import DTensor
+
+        spec = tpp.param._spec
+        return DTensor(t.contiguous(), spec, requires_grad=False).full_tensor()
+
+    def local_part(self, index: int, value: torch.Tensor) -> torch.Tensor:
+        """This tp rank's part of ``value``, a whole tensor of param ``index``'s shape (the
+        same on every rank); a plain param's passes."""
+        tpp = self.by_index.get(index)
+        if tpp is None:
+            return value
+        from torch.distributed.tensor import DTensor, Replicate
+
+        mesh = tpp.param.device_mesh
+        rep = DTensor.from_local(value, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        return rep.redistribute(mesh, tpp.placements).to_local()
+
+    def wrap_local(self, local: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """``value`` (of ``local``'s shape) as a DTensor of the param whose local tensor is
+        ``local``; a plain param's passes."""
+        for t in self.by_id.values():
+            if t.local is local:
+                from torch.distributed.tensor import DTensor
+
+                return DTensor(value.contiguous(), t.param._spec, requires_grad=False)
+        return value
+
+    def as_grad(self, index: int, local: torch.Tensor) -> torch.Tensor:
+        """``local`` (param ``index``'s local shape) as a gradient of the DTensor param: a
+        DTensor of its spec; a plain param's passes."""
+        tpp = self.by_index.get(index)
+        if tpp is None:
+            return local
+        from torch.distributed.tensor import DTensor
+
+        return DTensor(local.contiguous(), tpp.param._spec, requires_grad=False)
+
     # ------------------------------------------------------------------ gradients
     def local_grad(self, index: int, g: torch.Tensor) -> torch.Tensor:
         """The local tensor of DTensor gradient ``g`` of param ``index`` in its param's
