@@ -213,9 +213,10 @@ class DeepSpeedCheckpoint:
             raise CheckpointError(f, f"corrupt: {key} of param group {g} is not a 1-D tensor")
         return t
 
-    def read(self, p: _Param, key: str, lo: int, n: int) -> torch.Tensor:
-        """Elements [lo, lo + n) of param ``p``'s flattened ``key`` (fp32)."""
-        out = torch.empty(n, dtype=torch.float32)
+    def read(self, p: _Param, key: str, lo: int, n: int, buf=None) -> torch.Tensor:
+        """Elements [lo, lo + n) of param ``p``'s flattened ``key`` (fp32), in the first ``n``
+        elements of ``buf`` where given."""
+        out = torch.empty(n, dtype=torch.float32) if buf is None else buf[:n]
         covered = 0
         for r, so, sn, pos in p.sources:
             a, b = max(lo, so), min(lo + n, so + sn)
@@ -599,11 +600,22 @@ def _write(ck: DeepSpeedCheckpoint, tmp: str) -> dict:
     layout = build_layout(_specs(ck), 1, bucket_numel=1 << 22, mode="flat")
     entries: list[Entry] = []
     schema = {}
-    for pc in (pc for buf in pieces(layout, 0) for pc in buf):
+    mine = [pc for buf in pieces(layout, 0) for pc in buf]
+    # Two buffers of the largest piece, taken in turn: an entry is read into one while the
+    # writer may still hash the last chunk of the one before (held in the other). The memory
+    # is bounded by design, not by how the allocator returns freed blocks.
+    most = max((pc.numel for pc in mine), default=0)
+    bufs, turn = [torch.empty(most), torch.empty(most)], [0]
+
+    def into(p, key, pc):
+        turn[0] ^= 1
+        return (ck.read(p, key, pc.offset, pc.numel, bufs[turn[0]]),)
+
+    for pc in mine:
         p = ck.params[pc.index]
 
         def lazy(key, p=p, pc=pc):
-            return lambda: (ck.read(p, key, pc.offset, pc.numel),)
+            return lambda: into(p, key, pc)
 
         entries.append(Entry(f"p/{pc.index}/{pc.offset}", torch.float32, (pc.numel,), lazy("fp32")))
         if ck.adam_step is None:
