@@ -426,6 +426,59 @@ def check_full_access(rank, world):
     return out
 
 
+def gpt(seed: int = 0, sequence_parallel: bool = True):
+    from zero_kernels.tools.models import GPTConfig
+    from zero_kernels.tools.tp_models import TPGPT, parallelize_gpt
+
+    torch.manual_seed(seed)
+    cfg = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=4, n_embd=16)
+    return parallelize_gpt(TPGPT(cfg), mesh()["tp"], sequence_parallel)
+
+
+def check_gpt_sequence_parallel(rank, world):
+    """A GPT with SequenceParallel norms and PrepareModuleInput (their gradients arrive
+    Partial and are redistributed to the params' placements) at stages 1-3, clipped, with
+    accumulation 2: losses, norms and params equal the DDP of TP."""
+    dp = mesh()["dp"].get_group()
+    out = {}
+    for stage in (1, 2, 3):
+        ref, ours = gpt(), gpt()
+        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+        opt = zero(ours, stage)
+        worst = {"loss": 0.0, "norm": 0.0}
+        for step in range(2):
+            g = torch.Generator().manual_seed(100 * step + mesh()["dp"].get_local_rank())
+            mbs = [torch.randint(0, 32, (2, 9), generator=g) for _ in range(2)]
+            for idx in mbs:
+                ref(idx[:, :-1], idx[:, 1:]).backward()
+            for p in ref.parameters():
+                if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+                    p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+                dist.all_reduce(local(p.grad), group=dp)
+                local(p.grad).div_(dist.get_world_size(dp))
+            want = whole_norm(ref)
+            for p in ref.parameters():
+                local(p.grad).mul_(min(0.5 / (want + 1e-6), 1.0))
+            rloss = float(ref(mbs[1][:, :-1], mbs[1][:, 1:]))
+            ropt.step()
+            ropt.zero_grad()
+            with opt.no_sync():
+                ours(mbs[0][:, :-1], mbs[0][:, 1:]).backward()
+            loss = ours(mbs[1][:, :-1], mbs[1][:, 1:])
+            loss.backward()
+            worst["loss"] = max(worst["loss"], abs(float(loss) - rloss) / rloss)
+            worst["norm"] = max(worst["norm"], abs(float(opt.clip_grad_norm_(0.5)) - want) / want)
+            opt.step()
+            opt.zero_grad()
+        opt.close()
+        worst["param"] = max(
+            rel_err(local(a), local(b)) for a, b in zip(ours.parameters(), ref.parameters())
+        )
+        out[stage] = worst
+        assert worst["loss"] <= TOL and worst["param"] <= TOL and worst["norm"] <= 1e-6, out
+    return out
+
+
 CHECKS = [
     "check_stages_match_ddp_of_tp",
     "check_clip_whole_model",
@@ -435,6 +488,7 @@ CHECKS = [
     "check_refusals",
     "check_checkpoint_other_stage_and_dp",
     "check_full_access",
+    "check_gpt_sequence_parallel",
 ]
 
 
