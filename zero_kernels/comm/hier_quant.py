@@ -104,6 +104,7 @@ class NodeSplit:
     per_node: int
     why: str
     pending: list = dataclasses.field(default_factory=list)
+    _orders: dict = dataclasses.field(default_factory=dict)  # device -> ``order`` there
 
     def reduce_scatter(
         self,
@@ -128,7 +129,10 @@ class NodeSplit:
                 f"two-hop reduce-scatter: output.numel() * world_size must equal input.numel(); "
                 f"got {c} * {n_all} != {input.numel()}"
             )
-        staged = input.reshape(n_all, c).index_select(0, self.order.to(input.device))
+        order = self._orders.get(input.device)
+        if order is None:
+            order = self._orders[input.device] = self.order.to(input.device)
+        staged = input.reshape(n_all, c).index_select(0, order)
         mid = torch.empty(self.nodes * c, dtype=input.dtype, device=input.device)
         first = reduce_scatter(
             mid, staged.view(-1), group=self.node, avg=True, log=log, kind=None,
