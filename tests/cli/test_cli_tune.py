@@ -24,8 +24,8 @@ def _fixed_mmap_threshold():
     """The trials' ranks (forked from a server started by this module's first run) get glibc's
     mmap threshold fixed: with its default dynamic threshold the peak RSS of the same trial
     moved by up to 3 bytes/param between runs (stage 2 on big_mlp: 11.6-14.5, once above the
-    15.9 limit below), with it by 0.02 (10.63-10.65; docs/benchmarks.md, "The estimate with
-    scratch, and the allocator")."""
+    15.9 limit below), with it by 0.02 (10.63-10.65; docs/benchmarks.md, "The host block
+    cache")."""
     import os
 
     old = os.environ.get("MALLOC_MMAP_THRESHOLD_")

@@ -473,8 +473,8 @@ class ShardRunner(Residency):
         optimizer, and per-bucket tensors of a few MB, allocated at the first step while the
         heap is full of the step's transients, land in glibc's heap among them (its mmap
         threshold has risen by then) and pin the holes between them for the run (68-block GPT,
-        4 ranks: an 813 MiB arena with 289 MiB free; docs/benchmarks.md, "Construction into the
-        gathered bucket, one Adam state tensor per buffer"). A tensor
+        4 ranks: an 813 MiB arena with 289 MiB free; CHANGELOG.md, "Benchmarks history (moved
+        from docs/benchmarks.md)"). A tensor
         the size of the rank's shard is above any threshold glibc sets, so it is a mapping of
         its own, and its zero pages are touched only when stepped."""
         if self.int8 is not None:
