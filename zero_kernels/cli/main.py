@@ -242,6 +242,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="stage 3 shards the frozen params too (GatherPolicy(shard_frozen=True))",
     )
+    e.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel size beside the --world-size data-parallel ranks (DTensor params "
+        "of parallelize_module): each rank holds params / tp, which the stages shard over dp",
+    )
     e.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     b = sub.add_parser(
@@ -332,6 +339,7 @@ def _cmd_estimate(args) -> int:
         state_block=args.state_block,
         frozen=frozen,
         shard_frozen=args.shard_frozen,
+        tp=args.tp,
     )
     if args.nodes is not None:
         cross = cross_node(
@@ -351,7 +359,9 @@ def _cmd_estimate(args) -> int:
         "bf16-sr": "bf16 params without a master (stochastic rounding), fp32 grads",
     }[e.precision]
     k = e.stages[0].optim_bytes / e.n_params
-    count = f"{e.n_params / 1e9:.4g}B" if e.n_params >= 1e9 else f"{e.n_params / 1e6:.4g}M"
+    local = f"{e.n_params / 1e9:.4g}B" if e.n_params >= 1e9 else f"{e.n_params / 1e6:.4g}M"
+    whole = e.n_params * e.tp  # the model's (tp > 1: the rows hold each rank's slice)
+    count = f"{whole / 1e9:.4g}B" if whole >= 1e9 else f"{whole / 1e6:.4g}M"
     frozen_txt = ""
     if e.frozen_params:
         fz = e.frozen_params
@@ -360,6 +370,7 @@ def _cmd_estimate(args) -> int:
         f"{count} params{frozen_txt}"
         + (f" ({e.model})" if e.model else "")
         + f", {e.world_size} ranks, {prec}, {e.optimizer} (K = {k:.3g} bytes/param)"
+        + (f"; tp {e.tp}: each rank holds {local} of them (params / tp)" if e.tp > 1 else "")
     )
     f = est.format_bytes
     head = (

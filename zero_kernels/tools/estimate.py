@@ -681,6 +681,7 @@ class Estimate:
     stages: list[StageEstimate] = field(default_factory=list)
     bucket_mb: float = DEFAULT_BUCKET_MB
     frozen_params: int = 0
+    tp: int = 1  # tensor-parallel size: the stages above hold each rank's params / tp
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -709,6 +710,7 @@ def estimate(
     secondary_shard: int | None = None,
     frozen: int | None = None,
     shard_frozen: bool = False,
+    tp: int = 1,
 ) -> Estimate:
     """All stages for a parameter count or a model spec (see `model_info`); with
     ``offload_optimizer``, stages 1-3 offload (DDP's row stays as it is); with
@@ -717,7 +719,13 @@ def estimate(
     ``shard_size`` (hierarchical sharding) stages 1-3 shard over groups of that many ranks;
     with ``secondary_shard``, stage 3 keeps hpZ's secondary shard; ``frozen`` (with a param
     count; a model counts its own requires_grad=False params) adds params that do not train,
-    which ``shard_frozen`` shards at stage 3."""
+    which ``shard_frozen`` shards at stage 3. ``tp``: tensor parallelism of that size beside
+    the ``world_size`` data-parallel ranks (`zero_kernels.optimizer.tensor_parallel`): each rank
+    holds 1/tp of every param (its local tensors), which ZeRO shards over dp, so every row is
+    the stage's formula over params / tp (rounded up; tp's own activation collectives are not
+    counted)."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"--tp must be an int >= 1, got {tp!r}")
     shapes = None
     largest = None
     if model is not None:
@@ -731,6 +739,12 @@ def estimate(
         n_params, frozen = info.n_params, info.frozen
     if n_params is None:
         raise ValueError("give --params or --model")
+    if tp > 1:  # each rank's local tensors: a 1/tp slice of every param
+        n_params = -(-n_params // tp)
+        largest = -(-largest // tp) if largest else largest
+        if shapes:
+            shapes = tuple((-(-s[0] // tp), *s[1:]) if s else s for s in shapes)
+        frozen = -(-frozen // tp) if frozen else frozen
     frozen = frozen or 0
     prec = _choice("--precision", precision, PRECISIONS, _PRECISION_ALIASES)
     opt = _choice("--optimizer", optimizer, OPTIMIZERS, {"sgd_momentum": "sgd-momentum"})
@@ -761,4 +775,4 @@ def estimate(
         )
         for s in stages
     ]
-    return Estimate(n_params, world_size, prec, opt, model, largest, rows, bucket_mb, frozen)
+    return Estimate(n_params, world_size, prec, opt, model, largest, rows, bucket_mb, frozen, tp)
