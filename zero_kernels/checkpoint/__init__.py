@@ -8,6 +8,9 @@
 - `load_deepspeed_checkpoint`, `convert_deepspeed_checkpoint`: DeepSpeed's ZeRO checkpoints
   (stages 1-3) into a ZeroOptimizer of any stage and world size, or into our format; read with
   ``weights_only=True`` and an allow-list ([Note: DeepSpeed checkpoints] in `.deepspeed`).
+- `load_dcp_checkpoint`: a torch.distributed.checkpoint save of ``get_state_dict`` (FSDP2) into
+  a ZeroOptimizer of any stage and world size, entries found by the model's names ([Note: DCP
+  checkpoints] in `.dcp`).
 - `CheckpointError`: a checkpoint that cannot be loaded, naming the file and the problem;
   `CheckpointsBelow` where the path holds none of its own but checkpoints one level down (the
   demo's ``DIR/stage<s>``), naming them.
@@ -42,9 +45,11 @@ load ~9; docs/benchmarks.md, "Checkpoints"):
   already says which file holds which elements: resharding is an interval intersection
   (`zero_kernels.checkpoint.load.read_range`).
 
-Not built: importing a DCP checkpoint (with optimizer state) and exporting optimizer state to DCP.
+Importing a DCP checkpoint with its optimizer state: `load_dcp_checkpoint`. Not built: exporting
+optimizer state to DCP.
 """
 
+from .dcp import load_dcp_checkpoint
 from .deepspeed import convert_deepspeed_checkpoint, load_deepspeed_checkpoint
 from .export import export_model, inspect_checkpoint, verify_checkpoint
 from .format import FORMAT_VERSION, CheckpointError, CheckpointsBelow
@@ -59,6 +64,7 @@ __all__ = [
     "export_model",
     "inspect_checkpoint",
     "load_checkpoint",
+    "load_dcp_checkpoint",
     "load_deepspeed_checkpoint",
     "save_checkpoint",
     "verify_checkpoint",
