@@ -292,6 +292,11 @@ def check_refusals(rank, world):
     out["group"] = _raises(
         lambda: zero(m, 2, process_group=mesh()["tp"].get_group()), ValueError, "dp group"
     )
+    from zero_kernels.integrations.common import check_not_wrapped
+
+    out["integrations"] = _raises(
+        lambda: check_not_wrapped(m, "ZeroTrainer"), NotImplementedError, "tensor-parallel"
+    )
     opt = zero(m, 2)  # nothing was left behind
     x, y = batches(0)[0]
     loss_of(m, x, y).backward()

@@ -119,8 +119,19 @@ def check_not_wrapped(model: nn.Module, where: str) -> None:
             f"{where}: the model is a DistributedDataParallel; ZeroOptimizer reduces the "
             "gradients itself. Pass the model before it is wrapped (model.module here)"
         )
+    fsdp = any(type(m).__name__.startswith("FSDP") for m in model.modules())  # fully_shard's
     for p in model.parameters():
         cls = type(p).__name__
+        if cls == "DTensor" and not fsdp and getattr(p, "device_mesh", None) is not None:
+            if p.device_mesh.ndim == 1 and all(
+                type(x).__name__ in ("Shard", "Replicate") for x in p.placements
+            ):
+                raise NotImplementedError(
+                    f"{where}: the model is tensor-parallel (DTensor params, placements "
+                    f"{tuple(p.placements)}): the integrations do not take such a model yet; "
+                    "build ZeroOptimizer(model, ..., process_group=mesh['dp'].get_group()) "
+                    "and train it in your own loop (docs/tensor_parallel.md)"
+                )
         if cls in ("DTensor", "FlatParameter") or hasattr(p, "_is_flat_param"):
             raise TypeError(
                 f"{where}: the model's params are FSDP's ({cls}); ZeroOptimizer shards the "
