@@ -190,3 +190,67 @@ def test_missing_param_said(tmp_path):
     with pytest.raises(CheckpointError, match="incompatible model: 1.weight"):
         load_dcp_checkpoint(CK, model, opt)
     opt.close()
+
+
+# ---------------------------------------------------------------------------- the way back
+def _way_back(rank: int, world: int, out: str) -> dict:
+    """Ours (loaded from the FSDP2 fixture, stage 3) saved for FSDP2; FSDP2 loads it with its
+    own dcp.load + set_state_dict and resumes: equal to its own run."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from zero_kernels.checkpoint.dcp import save_dcp_checkpoint
+
+    model, opt, _ = _new(3)
+    load_dcp_checkpoint(CK, model, opt)
+    save_dcp_checkpoint(out, model, opt)
+    opt.close()
+    ref = _ref()
+    torch.manual_seed(11)
+    fm = tiny_model()
+    for m in (fm[0], fm[3]):
+        fully_shard(m)
+    fully_shard(fm)
+    fo = torch.optim.AdamW(fm.parameters(), lr=1e-2, betas=(0.9, 0.99), weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(fo, lambda e: min(1.0, (e + 1) / 5))
+    msd, osd = get_state_dict(fm, fo)
+    sd = {"model": msd, "optim": osd}
+    dcp.load(sd, checkpoint_id=out)
+    set_state_dict(fm, fo, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    lr = fo.param_groups[0]["lr"]  # the saved lr (set_state_dict took our groups)
+    sched.last_epoch = 3  # the scheduler is the script's own (not in get_state_dict)
+
+    def whole(t):
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    def err(r):
+        e = 0.0
+        for n, p in fm.named_parameters():
+            st = fo.state[p]
+            for k, got in (
+                ("fp32", p),
+                ("exp_avg", st["exp_avg"]),
+                ("exp_avg_sq", st["exp_avg_sq"]),
+            ):
+                e = max(e, (whole(got).detach() - r[n][k]).abs().max().item())
+        return e
+
+    out_err = {"at_save": err(ref["at_save"]), "lr": lr - ref["lr_at_save"]}
+    for x, y in ref["batches"]:
+        x, y = x[rank * 6 : (rank + 1) * 6], y[rank * 6 : (rank + 1) * 6]
+        fo.zero_grad()
+        (fm(x) * fm.scale - y).pow(2).mean().backward()
+        torch.nn.utils.clip_grad_norm_(fm.parameters(), 1.0)
+        fo.step()
+        sched.step()
+    out_err["after"] = err(ref["after"])
+    return out_err
+
+
+def test_fsdp2_resumes_from_ours(tmp_path):
+    from dist_utils import run_workers
+
+    for r in run_workers(_way_back, 2, str(tmp_path / "ours_dcp"), timeout=240):
+        assert r["at_save"] == 0.0 and r["lr"] == 0.0 and r["after"] <= 1e-6, r

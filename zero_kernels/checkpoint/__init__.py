@@ -9,7 +9,8 @@
   (stages 1-3) into a ZeroOptimizer of any stage and world size, or into our format; read with
   ``weights_only=True`` and an allow-list ([Note: DeepSpeed checkpoints] in `.deepspeed`).
 - `load_dcp_checkpoint`: a torch.distributed.checkpoint save of ``get_state_dict`` (FSDP2) into
-  a ZeroOptimizer of any stage and world size, entries found by the model's names ([Note: DCP
+  a ZeroOptimizer of any stage and world size, entries found by the model's names;
+  `save_dcp_checkpoint`: ours in the form FSDP2's ``set_state_dict`` loads ([Note: DCP
   checkpoints] in `.dcp`).
 - `CheckpointError`: a checkpoint that cannot be loaded, naming the file and the problem;
   `CheckpointsBelow` where the path holds none of its own but checkpoints one level down (the
@@ -45,11 +46,11 @@ load ~9; docs/benchmarks.md, "Checkpoints"):
   already says which file holds which elements: resharding is an interval intersection
   (`zero_kernels.checkpoint.load.read_range`).
 
-Importing a DCP checkpoint with its optimizer state: `load_dcp_checkpoint`. Not built: exporting
-optimizer state to DCP.
+Importing a DCP checkpoint with its optimizer state: `load_dcp_checkpoint`; exporting ours with
+optimizer state for FSDP2: `save_dcp_checkpoint` (gathered to rank 0, not sharded).
 """
 
-from .dcp import load_dcp_checkpoint
+from .dcp import load_dcp_checkpoint, save_dcp_checkpoint
 from .deepspeed import convert_deepspeed_checkpoint, load_deepspeed_checkpoint
 from .export import export_model, inspect_checkpoint, verify_checkpoint
 from .format import FORMAT_VERSION, CheckpointError, CheckpointsBelow
@@ -67,5 +68,6 @@ __all__ = [
     "load_dcp_checkpoint",
     "load_deepspeed_checkpoint",
     "save_checkpoint",
+    "save_dcp_checkpoint",
     "verify_checkpoint",
 ]

@@ -21,6 +21,9 @@ DCP's own reader calls ``pickle.load`` on ``.metadata``.
 Each needed tensor is assembled whole from its chunks (the chunk files are read at their
 offsets only), once per rank for the params this rank holds a piece of; the pieces then go
 through the same loader as our checkpoints (`_read_windows`), at any stage and world size.
+`save_dcp_checkpoint` is the way back: our state as the flattened ``get_state_dict`` FSDP2
+loads with ``dcp.load`` and ``set_state_dict`` (gathered to rank 0, which writes).
+
 Not read: compressed items (``transform_descriptors``), DTensor ``Replicate`` duplicates beyond
 the first chunk at each offset, the LR scheduler (``get_state_dict`` does not hold it).
 """
@@ -34,12 +37,13 @@ import pickle
 
 import torch
 
+from ..optimizer import ZeroOptimizer
 from .adapters import Adapter, adapter_for
 from .control import control_for
 from .format import MODEL_FILE, CheckpointError
 from .load import Plan, _agree, _load_model_state, _read_windows
 
-__all__ = ["DcpCheckpoint", "load_dcp_checkpoint", "read_dcp_checkpoint"]
+__all__ = ["DcpCheckpoint", "load_dcp_checkpoint", "read_dcp_checkpoint", "save_dcp_checkpoint"]
 
 _META = ".metadata"
 _ALLOWED = {
@@ -321,3 +325,63 @@ def load_dcp_checkpoint(
         "steps": meta["steps"],
         "unused_keys": sorted(set(ck.keys) - used),
     }
+
+
+# ---------------------------------------------------------------------------- the way back
+def save_dcp_checkpoint(
+    path: str | os.PathLike, model: torch.nn.Module, optimizer, *, keys=("model", "optim")
+) -> str:
+    """Save ``model`` and `ZeroOptimizer` ``optimizer`` as a DCP checkpoint that FSDP2 loads
+    with ``dcp.load({"model": msd, "optim": osd}, ...)`` and ``set_state_dict`` (``msd, osd =
+    get_state_dict(model, opt)`` of its own run; ``keys``: the two top-level names its script
+    uses): ``model.<name>`` each param at full precision (the fp32 master of bf16/fp16 params)
+    and buffer, ``optim.state.<name>.<key>`` the Adam state, ``optim.param_groups`` the
+    groups with their params' names. Collective: every param is gathered whole (one at a time)
+    and rank 0 writes, so rank 0 holds the model's state once (a DCP save of ours, sharded,
+    is not built). Returns ``path``."""
+    import torch.distributed.checkpoint as dcp
+
+    if not isinstance(optimizer, ZeroOptimizer):
+        raise TypeError(f"optimizer must be a ZeroOptimizer, got {type(optimizer).__name__}")
+    ad = adapter_for(model, optimizer)
+    ctl = control_for(ad, os.fspath(path), "save")
+    ctl.arrive("save_dcp_checkpoint")
+    rank0 = ad.dp_rank == 0
+    msd, state = {}, {}
+    names = {}
+    for name, p in ad.model.named_parameters():
+        names[id(p)] = name
+        if not p.requires_grad:
+            msd[name] = p.detach().clone() if rank0 else None
+            continue
+        st = optimizer.full_state(p)  # collective
+        full = st.pop("master", None)
+        if full is None:
+            full = optimizer.full_param(p)
+        if rank0:
+            msd[name] = full.detach().float() if full.is_floating_point() else full
+            if st:
+                state[name] = {
+                    k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in st.items()
+                }
+    for name, b in ad.model.named_buffers():
+        if rank0:
+            msd[name] = b.detach().clone()
+    res = ("ok", None)
+    if rank0:
+        groups = [
+            {
+                **{k: v for k, v in g.items() if k != "params"},
+                "params": [names[id(p)] for p in g["params"] if id(p) in names],
+            }
+            for g in optimizer.param_groups
+        ]
+        try:
+            sd = {keys[0]: msd, keys[1]: {"state": state, "param_groups": groups}}
+            dcp.save(sd, storage_writer=dcp.FileSystemWriter(os.fspath(path)), no_dist=True)
+        except Exception as e:  # noqa: BLE001 - reported on every rank
+            res = ("err", f"{type(e).__name__}: {e}")
+    res = ctl.broadcast(res, "the DCP save on rank 0")
+    if res[0] == "err":
+        raise CheckpointError(os.fspath(path), f"save failed on rank 0: {res[1]}")
+    return os.fspath(path)
