@@ -484,6 +484,66 @@ def check_gpt_sequence_parallel(rank, world):
     return out
 
 
+def check_fsdp2_reference(rank, world):
+    """The second reference: FSDP2 fully_shard(mesh=mesh["dp"]) over the same TP GPT (each
+    block, then the root; torch AdamW; clipped by its whole gradients), accumulation 2 and
+    clipping: our stages 2 and 3 give its losses and whole params. Then bf16 params (fp32
+    masters) at stage 3 train, full_param returning the fp32 master of the whole shape."""
+    from torch.distributed.fsdp import fully_shard
+
+    fs = gpt()
+    for block in fs.blocks:
+        fully_shard(block, mesh=mesh()["dp"])
+    fully_shard(fs, mesh=mesh()["dp"])
+    fopt = torch.optim.AdamW(fs.parameters(), lr=1e-2, foreach=False)
+    ours = {s: gpt() for s in (2, 3)}
+    opts = {s: zero(m, s) for s, m in ours.items()}
+    worst = {"loss": 0.0}
+    for step in range(2):
+        g = torch.Generator().manual_seed(100 * step + mesh()["dp"].get_local_rank())
+        mbs = [torch.randint(0, 32, (2, 9), generator=g) for _ in range(2)]
+        for idx in mbs:
+            floss = fs(idx[:, :-1], idx[:, 1:])
+            floss.backward()
+        # torch's clip refuses its mix of 2-D (tp) and 1-D (dp) meshes: by hand, whole grads
+        total = math.sqrt(
+            sum(float(p.grad.full_tensor().double().square().sum()) for p in fs.parameters())
+        )
+        for p in fs.parameters():
+            p.grad.mul_(min(0.5 / (total + 1e-6), 1.0))
+        fopt.step()
+        fopt.zero_grad()
+        for s, m in ours.items():
+            with opts[s].no_sync():
+                m(mbs[0][:, :-1], mbs[0][:, 1:]).backward()
+            loss = m(mbs[1][:, :-1], mbs[1][:, 1:])
+            loss.backward()
+            worst["loss"] = max(worst["loss"], abs(float(loss) - float(floss)) / float(floss))
+            opts[s].clip_grad_norm_(0.5)
+            opts[s].step()
+            opts[s].zero_grad()
+    for s, m in ours.items():
+        opts[s].close()
+        worst[s] = max(
+            rel_err(a.full_tensor() if isinstance(a, DTensor) else a, b.full_tensor())
+            for a, b in zip(m.parameters(), fs.parameters(), strict=True)
+        )
+    assert all(v <= TOL for v in worst.values()), worst
+    # bf16 params, fp32 masters
+    m = gpt().to(torch.bfloat16)
+    opt = zero(m, 3)
+    for step in range(2):
+        idx = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(step))
+        m(idx[:, :-1], idx[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad()
+    w = opt.full_param(m.blocks[0].fc.weight)
+    assert w.dtype == torch.float32 and w.shape == m.blocks[0].fc.weight.shape, (w.dtype, w.shape)
+    assert bool(torch.isfinite(w).all())
+    opt.close()
+    return worst
+
+
 CHECKS = [
     "check_stages_match_ddp_of_tp",
     "check_clip_whole_model",
@@ -494,6 +554,7 @@ CHECKS = [
     "check_checkpoint_other_stage_and_dp",
     "check_full_access",
     "check_gpt_sequence_parallel",
+    "check_fsdp2_reference",
 ]
 
 
