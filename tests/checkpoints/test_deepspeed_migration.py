@@ -50,10 +50,13 @@ LOSS_TOL = {"fp32": 1e-6, "bf16": 2e-3}
 
 def _full(opt, p) -> dict:
     st = opt.full_state(p)
-    master = st.get("master")
-    fp32 = master if master is not None else opt.full_param(p)
-    return {"fp32": fp32.float(), "exp_avg": st["exp_avg"].float(),
-            "exp_avg_sq": st["exp_avg_sq"].float(), "step": st["step"]}  # fmt: skip
+    fp32 = opt.full_param(p)  # the fp32 master of bf16 params
+    return {
+        "fp32": fp32.float(),
+        "exp_avg": st["exp_avg"].float(),
+        "exp_avg_sq": st["exp_avg_sq"].float(),
+        "step": st["step"],
+    }
 
 
 def _err(model, opt, ref: dict) -> float:
@@ -161,8 +164,11 @@ def _copy(tmp_path, case="stage2_fp32") -> str:
 def test_hostile_pickle_refused_and_not_run(tmp_path, which):
     d = _copy(tmp_path)
     marker = tmp_path / "pwned"
-    name = "zero_pp_rank_1_mp_rank_00_optim_states.pt" if which == "optim" else (
-        "mp_rank_00_model_states.pt")  # fmt: skip
+    name = (
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+        if which == "optim"
+        else ("mp_rank_00_model_states.pt")
+    )
     f = os.path.join(d, name)
     if which == "model":
         obj = {"module": {}, "param_shapes": [_Evil(str(marker))]}
@@ -183,8 +189,10 @@ def test_truncated_file_named(tmp_path):
     f = os.path.join(d, "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt")
     with open(f, "r+b") as fh:
         fh.truncate(os.path.getsize(f) // 2)
-    with pytest.raises(CheckpointError, match="bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt.*"
-                       "truncated or corrupt"):  # fmt: skip
+    with pytest.raises(
+        CheckpointError,
+        match="bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt.*truncated or corrupt",
+    ):
         read_deepspeed_checkpoint(d)
     model = tiny_model().to(torch.bfloat16)
     opt = ZeroOptimizer(model, torch.optim.AdamW, stage=3, lr=0.01)
@@ -227,8 +235,19 @@ def test_cli_convert_and_inspect(tmp_path):
     r = run([sys.executable, "-m", "zero_kernels", "checkpoint", "inspect", src])
     assert r.returncode == 0, r.stderr
     assert "DeepSpeed" in r.stdout and "stage 2" in r.stdout and "world size 2" in r.stdout
-    r = run([sys.executable, "-m", "zero_kernels", "checkpoint", "convert", "--from",
-             "deepspeed", src, str(tmp_path / "out")])  # fmt: skip
+    r = run(
+        [
+            sys.executable,
+            "-m",
+            "zero_kernels",
+            "checkpoint",
+            "convert",
+            "--from",
+            "deepspeed",
+            src,
+            str(tmp_path / "out"),
+        ]
+    )
     assert r.returncode == 0, r.stderr
     r = run([sys.executable, "-m", "zero_kernels", "checkpoint", "verify", str(tmp_path / "out")])
     assert r.returncode == 0, r.stdout + r.stderr
@@ -279,3 +298,70 @@ def test_convert_memory_is_one_param_not_the_checkpoint(tmp_path):
     for s, p in enumerate(ck.params):
         assert torch.equal(saved[f"p/{s}/0"], ck.read(p, "fp32", 0, p.numel))
         assert torch.equal(saved[f"s/{s}/0/exp_avg_sq"], ck.read(p, "exp_avg_sq", 0, p.numel))
+
+
+def test_fp16_dynamic_loss_scale_restored(tmp_path, monkeypatch):
+    """A DeepSpeed fp16 run's DynamicLossScaler (written here under DeepSpeed's class name, as
+    DeepSpeed pickles it; DeepSpeed's CPU accelerator trains no fp16) gives our dynamic scaler
+    its scale and the finite steps since its last change."""
+    import types
+
+    bench = os.path.join(HERE, "..", "..", "bench", "bench_deepspeed_convert.py")
+    spec = importlib.util.spec_from_file_location("bench_deepspeed_convert", bench)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    src = tmp_path / "ds"
+    os.makedirs(src)
+    mod.make_synthetic(str(src), 2, 8, 2)
+
+    class DynamicLossScaler:
+        pass
+
+    fake = types.ModuleType("deepspeed.runtime.fp16.loss_scaler")
+    DynamicLossScaler.__module__ = fake.__name__
+    DynamicLossScaler.__qualname__ = "DynamicLossScaler"
+    fake.DynamicLossScaler = DynamicLossScaler
+    for name in ("deepspeed", "deepspeed.runtime", "deepspeed.runtime.fp16"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, fake.__name__, fake)
+    s = DynamicLossScaler()
+    s.__dict__.update(
+        cur_scale=1024.0,
+        dynamic=True,
+        cur_iter=10,
+        last_overflow_iter=5,
+        scale_window=1000,
+        scale_factor=2.0,
+        min_scale=1,
+    )
+    for r in range(2):
+        f = src / "global_step7" / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
+        d = torch.load(f, weights_only=True)
+        d["optimizer_state_dict"]["loss_scaler"] = s
+        torch.save(d, f)
+    for name in ("deepspeed", "deepspeed.runtime", "deepspeed.runtime.fp16", fake.__name__):
+        monkeypatch.delitem(sys.modules, name)
+    model = torch.nn.Module()
+    for i in range(2):
+        layer = torch.nn.Module()
+        layer.weight = torch.nn.Parameter(torch.zeros(8, dtype=torch.float16))
+        setattr(model, f"layer{i}", layer)
+    opt = ZeroOptimizer(model, torch.optim.AdamW, stage=2, lr=1e-3)
+    load_deepspeed_checkpoint(src, model, opt)
+    assert opt.loss_scale == 1024.0
+    assert opt.scaler.state_dict() == {"loss_scale": 1024.0, "growth_tracker": 4, "dynamic": True}
+    ck = read_deepspeed_checkpoint(src)
+    assert torch.equal(opt.full_param(model.layer1.weight), ck.read(ck.params[1], "fp32", 0, 8))
+    opt.close()
+
+
+@pytest.mark.parametrize(("case", "stage"), [("stage2_bf16", 3), ("stage3_fp32", 1)])
+def test_universal_layout_resumes_too(case, stage):
+    """DeepSpeed's own ds_to_universal output of the same checkpoint: the same state."""
+    path = os.path.join(DS, case, "global_step3_universal")
+    assert read_deepspeed_checkpoint(path).universal
+    r = resume(case, stage, 0, 1, path=path)
+    dt = case.split("_")[1]
+    assert r["at_save"] == 0.0 and r["global_steps"] == 3, r
+    assert r["after"] <= TOL[dt] and r["loss"] <= LOSS_TOL[dt] and r["lr"] <= 1e-15, r
+    assert r["step"] == 6, r

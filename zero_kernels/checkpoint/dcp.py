@@ -355,9 +355,7 @@ def save_dcp_checkpoint(
             msd[name] = p.detach().clone() if rank0 else None
             continue
         st = optimizer.full_state(p)  # collective
-        full = st.pop("master", None)
-        if full is None:
-            full = optimizer.full_param(p)
+        full = optimizer.full_param(p)  # the fp32 master of bf16/fp16 params
         if rank0:
             msd[name] = full.detach().float() if full.is_floating_point() else full
             if st:

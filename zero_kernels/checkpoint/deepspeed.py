@@ -38,7 +38,11 @@ groups' hyper-parameters (lr, betas, eps, weight_decay), the optimizer's step co
 (``global_steps``), the loss scale, the buffers, and the LR scheduler's position (DeepSpeed's
 ``last_batch_iteration`` i becomes torch's ``last_epoch`` i + 1, the lr the one saved). Not
 there: RNG states (DeepSpeed saves none). Not read: tensor or pipeline parallel checkpoints
-(``mp_rank_01``...), stage-3 frozen params, MoE experts, DeepSpeed's universal layout.
+(``mp_rank_01``...), stage-3 frozen params, MoE experts.
+
+DeepSpeed's universal layout (``ds_to_universal``'s ``<tag>_universal/``: each param's fp32
+master and moments whole in ``zero/<name>/<key>.pt``) is read the same way, each param one
+saved piece.
 """
 
 from __future__ import annotations
@@ -100,6 +104,13 @@ _ALLOWED = [
 def safe_load(path: str) -> dict:
     """``torch.load`` of DeepSpeed file ``path`` with ``weights_only=True`` (memory-mapped) and
     only `_ALLOWED`'s classes; anything else: `CheckpointError` naming the file."""
+    out = _safe_any(path)
+    if not isinstance(out, dict):
+        raise CheckpointError(path, f"not a DeepSpeed checkpoint file (a {type(out).__name__})")
+    return out
+
+
+def _safe_any(path: str):
     if not os.path.isfile(path):
         raise CheckpointError(path, "missing")
     try:
@@ -116,8 +127,6 @@ def safe_load(path: str) -> dict:
                 "would run code from the file; nothing was run)",
             ) from None
         raise CheckpointError(path, f"truncated or corrupt ({type(e).__name__}: {first})") from None
-    if not isinstance(out, dict):
-        raise CheckpointError(path, f"not a DeepSpeed checkpoint file (a {type(out).__name__})")
     return out
 
 
@@ -130,7 +139,7 @@ def _resolve(path: str) -> str:
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise CheckpointError(path, "missing: no such directory")
-    if any(_OPTIM_RE.match(n) for n in os.listdir(path)):
+    if any(_OPTIM_RE.match(n) for n in os.listdir(path)) or _is_universal(path):
         return path
     latest = os.path.join(path, "latest")
     if os.path.isfile(latest):
@@ -141,6 +150,10 @@ def _resolve(path: str) -> str:
             raise CheckpointError(latest, f"names {tag!r}, which is not a folder here")
         return full
     raise CheckpointError(path, "not a DeepSpeed checkpoint (no *_optim_states.pt, no latest)")
+
+
+def _is_universal(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "zero", "optimizer_state.pt"))
 
 
 def is_deepspeed_checkpoint(path) -> bool:
@@ -183,7 +196,9 @@ class DeepSpeedCheckpoint:
     model_dtype: torch.dtype | None
     optim_files: list[str]
     model_file: str
+    universal: bool = False  # ds_to_universal's layout: one file per param and key
     _optim: dict = field(default_factory=dict, repr=False)
+    _whole: dict = field(default_factory=dict, repr=False)
     _module: dict | None = field(default=None, repr=False)
 
     def optim(self, r: int) -> dict:
@@ -213,6 +228,21 @@ class DeepSpeedCheckpoint:
             raise CheckpointError(f, f"corrupt: {key} of param group {g} is not a 1-D tensor")
         return t
 
+    def holder(self, r: int, p: _Param, key: str) -> torch.Tensor:
+        """The 1-D tensor holding saved rank ``r``'s piece of ``p`` (at its ``pos``): rank
+        ``r``'s flat group, or (universal layout) the param's own file."""
+        if not self.universal:
+            return self.flat(r, p.group, key)
+        k = (p.name, key)
+        if k not in self._whole:
+            f = os.path.join(self.folder, "zero", p.name, f"{key}.pt")
+            d = _safe_any(f)  # {"param": tensor, "cat_dim": 0}, or (from stage 3) the tensor
+            t = d.get("param") if isinstance(d, dict) else d
+            if not torch.is_tensor(t) or t.numel() != p.numel:
+                raise CheckpointError(f, f"corrupt: no 'param' tensor of {p.numel} elements")
+            self._whole[k] = t.reshape(-1)
+        return self._whole[k]
+
     def read(self, p: _Param, key: str, lo: int, n: int, buf=None) -> torch.Tensor:
         """Elements [lo, lo + n) of param ``p``'s flattened ``key`` (fp32), in the first ``n``
         elements of ``buf`` where given."""
@@ -221,7 +251,7 @@ class DeepSpeedCheckpoint:
         for r, so, sn, pos in p.sources:
             a, b = max(lo, so), min(lo + n, so + sn)
             if b > a:
-                out[a - lo : b - lo].copy_(self.flat(r, p.group, key)[pos + a - so : pos + b - so])
+                out[a - lo : b - lo].copy_(self.holder(r, p, key)[pos + a - so : pos + b - so])
                 covered += b - a
         if covered != n:
             raise CheckpointError(self.folder, f"corrupt: {p.name} covered {covered} of {n}")
@@ -247,6 +277,8 @@ def read_deepspeed_checkpoint(path) -> DeepSpeedCheckpoint:
     the folder holding ``latest``); no process group needed. Every file's pickled part is read,
     no tensor data. See [Note: DeepSpeed checkpoints]."""
     folder = _resolve(path)
+    if _is_universal(folder):
+        return _read_universal(folder)
     found: dict[int, str] = {}
     for n in sorted(os.listdir(folder)):
         m = _OPTIM_RE.match(n)
@@ -322,6 +354,62 @@ def read_deepspeed_checkpoint(path) -> DeepSpeedCheckpoint:
     ck.model_dtype = dts.pop() if len(dts) == 1 else None
     ck._module = mod
     return ck
+
+
+def _read_universal(folder: str) -> DeepSpeedCheckpoint:
+    """ds_to_universal's folder: ``mp_rank_00_model_states.pt``, ``zero/optimizer_state.pt``
+    (param groups, loss scaler) and ``zero/<param>/{fp32,exp_avg,exp_avg_sq}.pt`` (``{"param":
+    the whole tensor, "cat_dim": 0}``), ``step.pt`` (an int): each param one piece."""
+    model_file = os.path.join(folder, "mp_rank_00_model_states.pt")
+    if not os.path.isfile(model_file):  # from stage 3: the model states of each rank, kept
+        model_file = os.path.join(folder, "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    ms = safe_load(model_file)
+    shapes = ms.get("param_shapes")
+    if not isinstance(shapes, list) or not all(isinstance(d, dict) for d in shapes):
+        raise CheckpointError(model_file, "corrupt: no param_shapes (a list of dicts)")
+    of = os.path.join(folder, "zero", "optimizer_state.pt")
+    osd = safe_load(of)
+    params = [
+        _Param(str(n), tuple(int(x) for x in sh), g, [(0, 0, math.prod(sh), 0)])
+        for g, d in enumerate(shapes)
+        for n, sh in d.items()
+    ]
+    step = None
+    if params:
+        sf = os.path.join(folder, "zero", params[0].name, "step.pt")
+        if os.path.isfile(sf):
+            step = _safe_any(sf)
+            if isinstance(step, bool) or not isinstance(step, (int, float)):
+                raise CheckpointError(sf, f"corrupt: step {step!r} is not a number")
+    if step is None:  # from stage 3: Adam's step in the rank-0 optimizer state kept there
+        inner = osd.get("optimizer_state_dict") or osd.get("base_optimizer_state") or {}
+        steps = [st.get("step") for st in (inner.get("state") or {}).values()]
+        steps = [int(x) for x in steps if isinstance(x, (int, float)) and not isinstance(x, bool)]
+        step = max(steps) if steps else None
+    groups = osd.get("param_groups")
+    if not isinstance(groups, list):
+        raise CheckpointError(of, "corrupt: no param_groups")
+    mod = ms.get("module") or {}
+    names = {p.name for p in params}
+    dts = {t.dtype for n, t in mod.items() if torch.is_tensor(t) and n in names}
+    return DeepSpeedCheckpoint(
+        folder=folder,
+        stage=int(osd.get("zero_stage", 0)),
+        world_size=1,
+        params=params,
+        param_groups=[{k: v for k, v in g.items() if k != "params"} for g in groups],
+        steps=int(ms.get("global_steps") or 0),
+        adam_step=None if step is None else int(step),
+        scaler=_scaler(osd.get("loss_scaler")),
+        lr_scheduler=ms.get("lr_scheduler"),
+        ds_config=ms.get("ds_config"),
+        ds_version=ms.get("ds_version"),
+        model_dtype=dts.pop() if len(dts) == 1 else None,
+        optim_files=[of],
+        model_file=model_file,
+        universal=True,
+        _module=mod,
+    )
 
 
 def _layout(ck: DeepSpeedCheckpoint, shapes: list[dict]) -> None:
@@ -422,7 +510,7 @@ class _DSReader:
         s, so = int(s), int(so)
         k = "fp32" if kind == "p" else key[0]
         pos = self.pos[(r, s, so)]
-        return self.ck.flat(r, self.ck.params[s].group, k)[pos + a : pos + b]
+        return self.ck.holder(r, self.ck.params[s], k)[pos + a : pos + b]
 
     def tensor(self, file: str, name: str) -> torch.Tensor:
         if file == MODEL_FILE:
