@@ -268,6 +268,8 @@ def find(every: dict[int, torch.Tensor], names: dict[int, str], module, dp_group
     dts = {i: p for i, p in every.items() if is_dtensor(p)}
     if not dts:
         return None
+    if module is not None and any(type(m).__name__.startswith("FSDP") for m in module.modules()):
+        return None  # FSDP2's fully_shard: its DTensors are refused by `validate.check_params`
     mesh = None
     found = {}
     for i, p in dts.items():
@@ -293,10 +295,13 @@ def find(every: dict[int, torch.Tensor], names: dict[int, str], module, dp_group
     tp_ranks = set(comm.group_ranks(mesh.get_group()))
     dp_ranks = set(comm.group_ranks(dp_group))
     if len(tp_ranks & dp_ranks) != 1:
-        raise ValueError(
-            f"tensor parallelism over ranks {sorted(tp_ranks)} and process_group= over ranks "
-            f"{sorted(dp_ranks)}: the dp group must cross the tp mesh (one rank in common); "
-            "pass process_group=mesh['dp'].get_group() or the 2-D mesh"
+        i, p = next(iter(dts.items()))
+        raise TypeError(
+            f"param {names.get(i) or tuple(p.shape)} is a DTensor (placements "
+            f"{tuple(p.placements)}) of tensor parallelism over ranks {sorted(tp_ranks)}, and "
+            f"process_group= spans ranks {sorted(dp_ranks)}: the dp group must cross the tp "
+            "mesh (one rank in common); pass process_group=mesh['dp'].get_group() or the 2-D "
+            "mesh"
         )
     if module is not None:
         for n, b in module.named_buffers():
