@@ -544,6 +544,37 @@ def check_fsdp2_reference(rank, world):
     return worst
 
 
+def check_memory_formula(rank, world):
+    """memory_report at stages 1-3 against each stage's formula over each rank's local
+    elements / dp (fp32 AdamW: params 4 bytes, grads 4, moments 8): the model's params are
+    split by tp (local = about params / tp), then sharded over dp."""
+    torch.manual_seed(0)
+    out = {}
+    for stage in (1, 2, 3):
+        m = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256))
+        parallelize_module(m, mesh()["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        whole = sum(p.numel() for p in m.parameters())
+        n = sum(local(p).numel() for p in m.parameters())
+        assert n <= whole // 2 + 256, (n, whole)  # only the Rowwise bias is replicated
+        opt = zero(m, stage, bucket_size_mb=1)
+        x = torch.randn(4, 256, generator=torch.Generator().manual_seed(0))
+        m(x).square().mean().backward()
+        opt.step()  # the moments exist from the first step
+        rep = opt.memory_report()
+        per = n / 2  # dp = 2
+        want = {
+            "optim_state_bytes": 8 * per,
+            "param_bytes": 4 * (per if stage == 3 else n),
+            "grad_bytes": 4 * (n if stage == 1 else per),
+        }
+        got = {k: rep[k] / v for k, v in want.items()}
+        out[stage] = {k: round(v, 4) for k, v in got.items()}
+        # stage 2's grads: the shard plus no full buffer (the in-flight buckets are apart)
+        assert all(1.0 <= v <= 1.02 for v in got.values()), (stage, got)
+        opt.close()
+    return out
+
+
 CHECKS = [
     "check_stages_match_ddp_of_tp",
     "check_clip_whole_model",
@@ -555,6 +586,7 @@ CHECKS = [
     "check_full_access",
     "check_gpt_sequence_parallel",
     "check_fsdp2_reference",
+    "check_memory_formula",
 ]
 
 
