@@ -252,14 +252,17 @@ def test_mics_tutorial():
 
 def test_refused_keys_are_listed_in_one_error():
     cfg = {
-        "zero_optimization": {"stage": 2, "cpu_offload_params": True, "offload_optimizer": {
-            "device": "cpu", "ratio": 0.3}},
+        "zero_optimization": {
+            "stage": 2,
+            "cpu_offload_params": True,
+            "offload_optimizer": {"device": "cpu", "ratio": 0.3},
+        },
         "optimizer": {"type": "Lamb", "params": {"lr": 1e-3}},
         "scheduler": {"type": "OneCycle", "params": {}},
         "amp": {"enabled": True},
         "fp16": {"enabled": True, "loss_scale": 128},
         "some_typo": 1,
-    }  # fmt: skip
+    }
     m = map_deepspeed_config(cfg)
     with pytest.raises(NotImplementedError) as e:
         m.check()
@@ -325,8 +328,12 @@ def test_auto_values_resolve_as_transformers():
     }
     m = map_deepspeed_config(cfg, model=Model(2, 2), hf_args=Args(), num_training_steps=100)
     assert not m.refused, m.explain()
-    assert m.optimizer_kwargs == {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-6,
-                                  "weight_decay": 0.1}  # fmt: skip
+    assert m.optimizer_kwargs == {
+        "lr": 3e-4,
+        "betas": (0.9, 0.95),
+        "eps": 1e-6,
+        "weight_decay": 0.1,
+    }
     assert m.clip_grad_norm == 0.5 and m.dtype is torch.bfloat16
     assert m.batch == {
         "train_batch_size": 8,
@@ -340,9 +347,12 @@ def test_auto_values_resolve_as_transformers():
     assert p["scheduler.params.total_num_steps"] == 100
     assert p["scheduler.params.warmup_min_lr"] == 0
     # nothing to resolve from: refused by name, as transformers raises
-    bare = map_deepspeed_config({"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"},
-                                 "scheduler": {"type": "WarmupDecayLR",
-                                               "params": {"total_num_steps": "auto"}}})  # fmt: skip
+    bare = map_deepspeed_config(
+        {
+            "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"},
+            "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto"}},
+        }
+    )
     assert sorted(ln.key for ln in bare.refused) == [
         "scheduler.params.total_num_steps",
         "zero_optimization.reduce_bucket_size",
@@ -358,8 +368,12 @@ def _schedules() -> list[dict]:
 def test_schedules_equal_deepspeeds(i):
     """Our LambdaLR gives the learning rate DeepSpeed's scheduler gave at every step."""
     case = _schedules()[i]
-    m = map_deepspeed_config({"zero_optimization": {"stage": 1}, "scheduler": {
-        "type": case["type"], "params": case["params"]}})  # fmt: skip
+    m = map_deepspeed_config(
+        {
+            "zero_optimization": {"stage": 1},
+            "scheduler": {"type": case["type"], "params": case["params"]},
+        }
+    )
     assert not m.refused, m.explain()
     opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=case["optimizer_lr"])
     sched = m.scheduler(opt)
@@ -397,13 +411,23 @@ def _tiny():
 
 RUN_CFG = {
     "gradient_clipping": 0.05,
-    "optimizer": {"type": "Adam", "params": {"lr": 0.02, "betas": [0.8, 0.9],
-                                             "weight_decay": 0.1}},
-    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.002, "warmup_max_lr": 0.02,
-                                                 "warmup_num_steps": 3, "warmup_type": "linear"}},
-    "zero_optimization": {"stage": 2, "reduce_bucket_size": 40, "overlap_comm": True,
-                          "allgather_bucket_size": 40},
-}  # fmt: skip
+    "optimizer": {"type": "Adam", "params": {"lr": 0.02, "betas": [0.8, 0.9], "weight_decay": 0.1}},
+    "scheduler": {
+        "type": "WarmupLR",
+        "params": {
+            "warmup_min_lr": 0.002,
+            "warmup_max_lr": 0.02,
+            "warmup_num_steps": 3,
+            "warmup_type": "linear",
+        },
+    },
+    "zero_optimization": {
+        "stage": 2,
+        "reduce_bucket_size": 40,
+        "overlap_comm": True,
+        "allgather_bucket_size": 40,
+    },
+}
 
 
 def _built_run(rank: int, world: int) -> list:
@@ -415,8 +439,9 @@ def _built_run(rank: int, world: int) -> list:
         run = ZeroOptimizer.from_deepspeed_config(a_model, RUN_CFG)
     b_model = _tiny()
     pol = ZeroPolicy.resolve(stage=2, bucket_size_mb=40 * 4 / 2**20, overlap_comm=True)
-    b_opt = ZeroOptimizer(b_model, torch.optim.AdamW, policy=pol, lr=0.02, betas=(0.8, 0.9),
-                          weight_decay=0.1)  # fmt: skip
+    b_opt = ZeroOptimizer(
+        b_model, torch.optim.AdamW, policy=pol, lr=0.02, betas=(0.8, 0.9), weight_decay=0.1
+    )
     for g in b_opt.param_groups:
         g["lr"] = 0.02
     b_sched = torch.optim.lr_scheduler.LambdaLR(
@@ -462,7 +487,56 @@ def test_build_refuses_before_touching_the_model():
                 "zero_optimization": {"stage": 1},
                 "bf16": {"enabled": True},
                 "optimizer": {"type": "Lamb"},
-            },  # fmt: skip
+            },
         )
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_zero_for_trainer_checks_the_trainers_arguments(tmp_path):
+    """ZeroTrainer's zero= from a config written for TrainingArguments(deepspeed=...): "auto"
+    from the arguments, other Trainer-owned values must agree, the scheduler block refused."""
+    from transformers import TrainingArguments
+
+    from zero_kernels.integrations.ds_config import zero_for_trainer
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        learning_rate=3e-4,
+        weight_decay=0.1,
+        per_device_train_batch_size=4,
+        report_to=[],
+    )
+    hf = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
+        },
+        "zero_optimization": {
+            "stage": 3,
+            "overlap_comm": True,
+            "stage3_param_persistence_threshold": 100,
+        },
+    }
+    assert zero_for_trainer(hf, args) == ZeroPolicy.resolve(
+        stage=3, overlap_comm=True, persist_below=100
+    )
+    bad = copy.deepcopy(hf)
+    bad["optimizer"]["params"]["lr"] = 1e-3
+    bad["train_micro_batch_size_per_gpu"] = 8
+    bad["scheduler"] = {"type": "WarmupDecayLR", "params": {"total_num_steps": 10}}
+    bad["fp16"] = {"enabled": True, "loss_scale": 128}
+    with pytest.raises(NotImplementedError) as e:
+        zero_for_trainer(bad, args)
+    msg = str(e.value)
+    for key in (
+        "optimizer.params.lr=0.001",
+        "train_micro_batch_size_per_gpu=8",
+        "scheduler.type='WarmupDecayLR'",
+        "fp16.enabled=True",
+    ):
+        assert key in msg, (key, msg)
+    assert "says 0.0003" in msg

@@ -64,6 +64,7 @@ __all__ = [
     "Line",
     "build_from_deepspeed_config",
     "map_deepspeed_config",
+    "zero_for_trainer",
 ]
 
 KINDS = ("mapped", "caller", "same", "speed", "differs", "refused")
@@ -359,3 +360,57 @@ def build_from_deepspeed_config(
         opt.close()
         raise
     return DeepSpeedRun(opt, sched, m.clip_grad_norm, m)
+
+
+# ---------------------------------------------------------------------------- HF's Trainer
+def zero_for_trainer(config, args, *, model=None, allow_differences: bool = False) -> ZeroPolicy:
+    """The ``zero=`` of `zero_kernels.integrations.transformers.ZeroTrainer` for a run that
+    passed DeepSpeed config ``config`` to ``TrainingArguments(deepspeed=...)``: give ``args``
+    without ``deepspeed`` and ``zero=zero_for_trainer(config, args, model=model)``. As
+    transformers does, ``"auto"`` values come from ``args`` and every other value the Trainer
+    owns must equal its argument (optimizer lr/betas/eps/weight_decay, gradient_clipping,
+    batch sizes, bf16): a mismatch is listed with the refused keys in one error. The Trainer
+    builds the optimizer and the scheduler from ``args``: a ``scheduler`` block is refused (its
+    warmup differs from the Trainer's; set ``lr_scheduler_type``/``warmup_steps``), and so is
+    fp16 (ZeroTrainer takes bf16, or fp16 params)."""
+    m = map_deepspeed_config(config, model=model, hf_args=args, allow_differences=allow_differences)
+    want = {
+        "optimizer.params.lr": getattr(args, "learning_rate", None),
+        "optimizer.params.betas": [
+            getattr(args, "adam_beta1", None),
+            getattr(args, "adam_beta2", None),
+        ],
+        "optimizer.params.eps": getattr(args, "adam_epsilon", None),
+        "optimizer.params.weight_decay": getattr(args, "weight_decay", None),
+        "gradient_clipping": getattr(args, "max_grad_norm", None),
+        "train_micro_batch_size_per_gpu": getattr(args, "per_device_train_batch_size", None),
+        "gradient_accumulation_steps": getattr(args, "gradient_accumulation_steps", None),
+    }
+    for ln in list(m.lines):
+        if ln.key in want and ln.kind != "refused" and ln.value != "(absent)":
+            got = list(ln.value) if isinstance(ln.value, (list, tuple)) else ln.value
+            if got != want[ln.key]:
+                m.add(
+                    ln.key,
+                    ln.value,
+                    "refused",
+                    f"the Trainer's argument says {want[ln.key]!r} "
+                    "(set it to 'auto', or make them agree)",
+                )
+        elif ln.key == "scheduler.type":
+            m.add(
+                ln.key,
+                ln.value,
+                "refused",
+                "the Trainer builds the scheduler from "
+                "TrainingArguments (lr_scheduler_type, warmup_steps); drop the block",
+            )
+        elif ln.key == "fp16.enabled" and ln.value is True:
+            m.add(ln.key, ln.value, "refused", "ZeroTrainer takes bf16=True, or fp16 params")
+    if m.dtype is torch.bfloat16 and not getattr(args, "bf16", False):
+        m.add("bf16.enabled", True, "refused", "TrainingArguments(bf16=False): make them agree")
+    if m.optimizer_class not in (None, torch.optim.AdamW):
+        m.add("optimizer.type", "Adam", "refused", "the Trainer builds AdamW (adam_w_mode)")
+    m.lines = [ln for ln in m.lines if not (ln.kind == "caller" and ln.key == "optimizer")]
+    m.check()
+    return m.policy()
