@@ -80,9 +80,7 @@ def load_checkpoint(
     ad = adapter_for(model, optimizer)
     ctl = control_for(ad, os.fspath(path), "load")  # see [Note: checkpoint timeouts]
     ctl.arrive("load_checkpoint")
-    path = _agree(ctl, lambda: tp_dir(os.fspath(path), ad.tp, saving=False), "tensor parallelism")
-    plan = _agree(ctl, lambda: plan_load(path, ad), "reading meta.json")
-    _agree(ctl, lambda: _check_placements(plan, ad), "tensor parallelism")
+    plan = _agree(ctl, lambda: _plan(os.fspath(path), ad), "reading meta.json")
     ctl.step = plan.meta.get("steps")
     names = sorted(plan.meta["files"])
     mine = [n for j, n in enumerate(names) if j % ad.world_size == ad.rank]
@@ -98,6 +96,14 @@ def load_checkpoint(
         if ad.rank < plan.meta["world_size"]:
             _set_rng(rd, ad.rank)
     return decode(plan.meta["extra"])
+
+
+def _plan(path: str, ad: Adapter):
+    """`plan_load` of the checkpoint under ``path`` that this rank loads: with tensor
+    parallelism its tp column's (`tp_dir`), the placements checked."""
+    plan = plan_load(tp_dir(path, ad.tp, saving=False), ad)
+    _check_placements(plan, ad)
+    return plan
 
 
 def _check_placements(plan, ad: Adapter) -> None:
