@@ -5,7 +5,8 @@ zero_kernels/comm/hier_quant.py) instead of one hop.
 Each rank proves hosts in a /dev/shm folder of its node's (`comm.hosts.SHM_DIR`), as the
 network-namespace nodes of the testbed do with their own tmpfs, so `comm.host_groups` finds
 ``--nodes`` nodes of world / nodes ranks; every quantized run asserts that it chose two hops.
-Adds the variants ``g8`` (int8 gradients alone) and ``g8_ef`` (with error feedback); every
+Adds the variants ``g8`` (int8 gradients alone), ``g8_ef`` and ``g4_ef`` (int8 / int4 with
+error feedback); every
 other argument is bench_quant_convergence's (its file names get ``_nodesK`` appended to --tag).
 
     python bench/bench_hier_quant_convergence.py --nodes 2 --world 4 --variant g8 \
@@ -25,6 +26,7 @@ import bench_quant_convergence as bqc  # noqa: E402
 EXTRA = {
     "g8": {"quantize_grads": "int8"},
     "g8_ef": {"quantize_grads": "int8", "grad_error_feedback": True},
+    "g4_ef": {"quantize_grads": "int4", "grad_error_feedback": True},
 }
 
 

@@ -247,7 +247,11 @@ class CommPolicy:
     """None or "int8"/"int4" (ZeRO++'s qgZ): each gradient bucket's reduce-scatter sends the
     other ranks' chunks blockwise-quantized and sums in fp32, the own chunk exact; inf/NaN
     still reach ``nonfinite``; params of one dimension reduce exact in buckets of their own
-    ([Note: quantized reduce-scatter] in `zero_kernels.comm.quant`)."""
+    ([Note: quantized reduce-scatter] in `zero_kernels.comm.quant`). A flat group whose ranks
+    are on several nodes of >= 2 ranks each reduces in two hops instead: exact among a node's
+    ranks, then quantized across the nodes on the node's slice, 1/L of one hop's bytes across
+    ([Note: two-hop quantized reduce-scatter] in `zero_kernels.comm.hier_quant`;
+    ``ZERO_KERNELS_GRAD_HOPS=1`` keeps one hop)."""
     grad_error_feedback: bool = False
     """With ``quantize_grads``: what each quantization drops is kept per rank (fp32, one
     gradient shard's bytes) and added to the next step's gradient before it is quantized
