@@ -329,6 +329,7 @@ def check_checkpoint_other_stage_and_dp(rank, world):
         opt.step()
         opt.zero_grad()
     where = save_checkpoint(root, m, opt)
+    out = {}
     tp_rank = mesh()["tp"].get_local_rank()
     assert f"tp{tp_rank}-of-2" in where, where
     meta = json.load(open(os.path.join(where, "meta.json")))
@@ -336,12 +337,25 @@ def check_checkpoint_other_stage_and_dp(rank, world):
     assert tpm["size"] == 2 and tpm["rank"] == tp_rank, tpm
     assert tpm["placements"]["up.weight"] == ["Shard(dim=0)"], tpm
     assert tpm["placements"]["down.bias"] == ["Replicate()"], tpm
+    # export: one file of whole tensors (Shard params concatenated across the tp columns)
+    whole = {n: opt.full_param(p) for n, p in m.named_parameters()}
+    dist.barrier()
+    if dist.get_rank() == 0:
+        from safetensors.torch import load_file
+
+        from zero_kernels.checkpoint import export_model
+
+        export_model(root, os.path.join(root, "whole.safetensors"))
+        got = load_file(os.path.join(root, "whole.safetensors"))
+        for n, w in whole.items():
+            assert got[n].shape == w.shape and torch.equal(got[n], w), n
+        out["export"] = len(got)
+    dist.barrier()
     x, y = batches(5)[0]
     loss_of(m, x, y).backward()
     opt.step()  # the saving run's next step: the reference
     want = {n: local(p).detach().clone() for n, p in m.named_parameters()}
     opt.close()
-    out = {}
     # another stage at the same dp size
     m3 = tp_model(seed=1)
     o3 = zero(m3, 3)

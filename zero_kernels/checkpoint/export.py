@@ -16,7 +16,15 @@ import os
 import torch
 
 from ..layout import Layout, pieces
-from .format import MODEL_FILE, CheckpointError, decode, rank_file, read_meta, resolve
+from .format import (
+    MODEL_FILE,
+    CheckpointError,
+    decode,
+    rank_file,
+    read_meta,
+    resolve,
+    tp_columns,
+)
 from .storage import Entry, Reader, verify_file, write_safetensors
 
 __all__ = ["export_model", "inspect_checkpoint", "verify_checkpoint"]
@@ -135,6 +143,9 @@ def export_model(
     frozen params too), streaming; see [Note: streaming export]. Returns name, bytes, sha256."""
     if dtype is not None and dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or None, got dtype={dtype!r}")
+    columns = tp_columns(os.fspath(path))
+    if columns:
+        return _export_tp(columns, to, dtype, verify)
     d = resolve(path)
     meta = read_meta(d)
     if verify:
@@ -178,6 +189,82 @@ def export_model(
         os.replace(tmp, to)
     finally:
         rd.close()
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return {"path": to, "tensors": len(entries), **info}
+
+
+def _export_tp(columns: list[str], to, dtype: str | None, verify: bool) -> dict:
+    """`export_model` of a tensor-parallel save ([Note: tensor parallelism] in
+    zero_kernels/optimizer/tensor_parallel.py): each tp column's checkpoint holds its local
+    tensors; a ``Shard(dim=k)`` param is their concatenation along k in tp-rank order (the
+    slices ``torch.chunk`` cut), a ``Replicate()`` one (and every buffer or plain param) column
+    0's. A sharded param is read whole from every column, one param at a time (not streamed)."""
+    dirs = [resolve(c) for c in columns]
+    metas = [read_meta(d) for d in dirs]
+    steps = {m.get("steps") for m in metas}
+    if len(steps) != 1:
+        raise CheckpointError(
+            os.path.dirname(columns[0]), f"the tp columns' latest checkpoints differ: steps {steps}"
+        )
+    if verify:
+        for d in dirs:
+            bad = verify_checkpoint(d)
+            if bad:
+                raise CheckpointError(bad[0].split(": ")[0], "; ".join(bad))
+    out_dt = _DTYPES.get(dtype) if dtype else None
+    readers = [Reader(d) for d in dirs]
+    srcs = [_sources(m) for m in metas]
+    placements = (metas[0].get("tensor_parallel") or {}).get("placements", {})
+    entries: list[Entry] = []
+    for j, p in enumerate(metas[0]["params"]):
+        s = p["index"]
+        dt = out_dt or getattr(torch, p["dtype"])
+        shard = [x for x in placements.get(p["name"], []) if x.startswith("Shard(dim=")]
+        k = int(shard[0][len("Shard(dim=") : -1]) if shard else None
+
+        def local(c: int, s=s, j=j):
+            q = metas[c]["params"][j]
+            flat = torch.cat(
+                [
+                    readers[c].range(rank_file(r), f"p/{q['index']}/{so}", 0, sn)
+                    for r, so, sn in srcs[c].get(q["index"], ())
+                ]
+                or [torch.zeros(0)]
+            )
+            return flat.view(tuple(q["shape"]))
+
+        if k is None:
+            shape = tuple(p["shape"])
+
+            def chunks(dt=dt, local=local):
+                yield local(0).to(dt)
+
+        else:
+            shape = list(p["shape"])
+            shape[k] = sum(metas[c]["params"][j]["shape"][k] for c in range(len(metas)))
+            shape = tuple(shape)
+
+            def chunks(dt=dt, k=k, local=local):
+                yield torch.cat([local(c) for c in range(len(metas))], dim=k).to(dt)
+
+        entries.append(Entry(p["name"], dt, shape, chunks))
+    for n, info in metas[0]["model"]["tensors"].items():
+        own = getattr(torch, info["dtype"])
+        dt = (out_dt or own) if own.is_floating_point else own
+
+        def whole(n=n, dt=dt):
+            yield readers[0].tensor(MODEL_FILE, n).to(dt)
+
+        entries.append(Entry(n, dt, tuple(info["shape"]), whole))
+    to = os.fspath(to)
+    tmp = f"{to}.tmp-{os.getpid()}"
+    try:
+        info = write_safetensors(tmp, entries, {"format": "pt", "source": dirs[0]})
+        os.replace(tmp, to)
+    finally:
+        for rd in readers:
+            rd.close()
         if os.path.exists(tmp):
             os.unlink(tmp)
     return {"path": to, "tensors": len(entries), **info}

@@ -90,6 +90,7 @@ __all__ = [
     "encode",
     "rank_file",
     "read_latest",
+    "tp_columns",
     "tp_dir",
     "read_meta",
     "write_latest",
@@ -296,6 +297,26 @@ def tp_dir(root: str, tp: dict | None, saving: bool) -> str:
             "across tensor-parallel sizes is not built; load at the saved tp size",
         )
     return root
+
+
+def tp_columns(root: str) -> list[str]:
+    """The tp columns' directories under ``root`` (``tp<r>-of-<n>``, by r), all of one size
+    n; [] where ``root`` holds none."""
+    if not os.path.isdir(root):
+        return []
+    found = {}
+    for n in os.listdir(root):
+        m = _TP_DIR.match(n)
+        if m:
+            found.setdefault(int(m.group(2)), {})[int(m.group(1))] = os.path.join(root, n)
+    if not found:
+        return []
+    if len(found) > 1:
+        raise CheckpointError(root, f"tp columns of several tp sizes: {sorted(found)}")
+    ((size, cols),) = found.items()
+    if sorted(cols) != list(range(size)):
+        raise CheckpointError(root, f"tp columns {sorted(cols)} of {size}: some are missing")
+    return [cols[r] for r in range(size)]
 
 
 def resolve(path: str | os.PathLike) -> str:
