@@ -298,10 +298,17 @@ def check_refusals(rank, world):
         lambda: check_not_wrapped(m, "ZeroTrainer"), NotImplementedError, "tensor-parallel"
     )
     opt = zero(m, 2)  # nothing was left behind
+    out["second"] = _raises(lambda: zero(m, 2), ValueError, "held by another live")
     x, y = batches(0)[0]
     loss_of(m, x, y).backward()
     opt.step()
     opt.close()
+    # after close the DTensor params train on their own (torch's AdamW over them)
+    before = [local(p).detach().clone() for p in m.parameters()]
+    plain = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    loss_of(m, x, y).backward()
+    plain.step()
+    assert all(not torch.equal(a, local(p)) for a, p in zip(before, m.parameters()))
     return out
 
 

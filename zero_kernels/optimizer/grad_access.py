@@ -38,6 +38,8 @@ class GradContract:
     def __init__(self, core: Core, scaler, join, nonfinite: str):
         self.core, self.scaler, self.join, self.nonfinite = core, scaler, join, nonfinite
         self.views = GradViews(self, core.device, core.shard_group, core.comm_log)
+        if core.tp is not None:  # close(): no DTensor .grad over a closed optimizer's views
+            self.views.on_close = core.tp.drop_grads
         for _i, _, pc, _, g in core.runner.all_pieces():
             self.views.by_index.setdefault(pc.index, []).append((g.reshape(-1), pc.offset))
         self.factor = 1.0 / scaler.scale

@@ -521,7 +521,8 @@ class GradViews:
         self.device = device
         self.group = group
         self.log = log
-        self.closed = False
+        self._closed = False
+        self.on_close = None  # the owner's callback when the optimizer closes (or None)
         self.views: dict[int, ShardedGrad] = {}
         self.active: set[int] = set()
         # pieces per param index: (inner param's grad view, offset in the param)
@@ -530,6 +531,18 @@ class GradViews:
         # params that had a gradient when computed ([Note: one collective per clip])
         self._norms: dict[float, tuple[dict[int, int], torch.Tensor]] = {}
         self._params: dict[int, torch.Tensor] = {}  # the params, index -> param (`install`)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @closed.setter
+    def closed(self, value: bool) -> None:
+        """Set by the optimizer's close(); the owner's ``on_close`` runs then (tensor
+        parallelism: the DTensor params' ``.grad`` wrappers dropped)."""
+        self._closed = bool(value)
+        if self._closed and self.on_close is not None:
+            self.on_close()
 
     # ---- the optimizer's side
     def owner(self):
