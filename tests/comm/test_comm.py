@@ -198,7 +198,7 @@ def _shm_checks(r: int, n: int) -> None:
                 want = _ref_sum(xs, r, s, _ring_order(r, n)) / (n if i == 2 else 1)
             _assert_equal(out, want, f"shm in flight #{i} shard={s} rank={r}/{n}")
     shm.SLOT_BYTES = piece
-    ch = shm._channels[shm._key(None)]
+    ch = shm.CHANNELS[shm.channel_key(None)]
     comm.barrier()  # every rank has mapped every file: each was unlinked by the last to map it
     prefix = os.path.basename(ch.base)
     assert not [f for f in os.listdir(comm.hosts.SHM_DIR) if f.startswith(prefix)], prefix
@@ -226,7 +226,7 @@ def _shm_checks(r: int, n: int) -> None:
     assert shm.capable(g3) is None
     comm.barrier()
     if r == n - 1:
-        shm._channels[shm._key(g3)].close()
+        shm.CHANNELS[shm.channel_key(g3)].close()
     comm.barrier()
     if r != n - 1:
         t0 = time.monotonic()
@@ -277,7 +277,7 @@ def _probe_checks(r: int, n: int, sizes: tuple[int, ...]) -> dict:
         assert again == picks and len(comm.probe_results()) == len(results)
         assert len(rec.lines) == n_lines, rec.lines[n_lines:]  # logged once per choice
         if n > 1:
-            assert len(results) == 2 * len({comm._size_class(b) for b in sizes})
+            assert len(results) == 2 * len({comm.size_class(b) for b in sizes})
             assert n_lines == len(results), rec.lines
         # a collective of a probed class uses the probe's choice, and is correct
         s = sizes[-1] // 4 // n
@@ -399,8 +399,8 @@ def test_size_classes():
     cases = {0: 0, (64 << 10) - 1: 0, 64 << 10: 1, 1 << 20: 3, (4 << 20) - 1: 3, 4 << 20: 4}
     cases.update({(16 << 20) - 1: 4, 16 << 20: 5, 76 << 20: 5})
     for nbytes, c in cases.items():
-        assert comm._size_class(nbytes) == c, (nbytes, c)
-    labels = [comm._class_label(c) for c in range(6)]
+        assert comm.size_class(nbytes) == c, (nbytes, c)
+    labels = [comm.class_label(c) for c in range(6)]
     assert labels == [
         "< 64 KiB",
         "[64 KiB, 256 KiB)",

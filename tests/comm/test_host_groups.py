@@ -88,8 +88,11 @@ def test_private_shm_is_another_host():
 
 def test_grouping_needs_both_ways():
     t, f = True, False
-    assert hosts._group([[t, t, f], [t, t, f], [f, f, t]]) == ((0, 1), (2,))
-    assert hosts._group([[t, t, t], [f, t, t], [t, t, t]]) == ((0, 2), (1,))  # 1 cannot read 0
+    assert hosts.mutual_groups([[t, t, f], [t, t, f], [f, f, t]]) == ((0, 1), (2,))
+    assert hosts.mutual_groups([[t, t, t], [f, t, t], [t, t, t]]) == (
+        (0, 2),
+        (1,),
+    )  # 1 cannot read 0
     # 0-1 and 1-2 mutual but 0-2 not: 2 does not join 0's group
-    assert hosts._group([[t, t, f], [t, t, t], [f, t, t]]) == ((0, 1), (2,))
-    assert hosts._group([[t]]) == ((0,),)
+    assert hosts.mutual_groups([[t, t, f], [t, t, t], [f, t, t]]) == ((0, 1), (2,))
+    assert hosts.mutual_groups([[t]]) == ((0,),)

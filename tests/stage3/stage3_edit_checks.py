@@ -280,8 +280,8 @@ def check_reused_id(rank: int, world: int) -> dict:
         comm.choose_algorithm("all_gather", 1 << 16, group=g2)  # probed (collective)
         comm.avg_supported(g)
         for _ in range(5):
-            p2p._next_tag(g)
-            p2p._next_tag(twin)
+            p2p.next_tag(g)
+            p2p.next_tag(twin)
         olds = {"group": g, "twin": twin, "probed group": g2}
         assert comm.probe_results(g2), "the probe left no results"
         for o in olds.values():
@@ -298,7 +298,7 @@ def check_reused_id(rank: int, world: int) -> dict:
                     stale.append(f"{name}: algorithm {algo}")
                 if comm.probe_results(h):
                     stale.append(f"{name}: probe results {comm.probe_results(h)}")
-                tag = p2p._next_tag(h) - p2p._TAG_BASE
+                tag = p2p.next_tag(h) - p2p.TAG_BASE
                 if tag != 0:
                     stale.append(f"{name}: p2p tag {tag}")
             # a new group's AVG check is a collective on it, not the old group's answer

@@ -134,10 +134,10 @@ def check_bytes_by_link(rank, world):
     one entry per step and its entries add up to comm_stats."""
     from zero_kernels import comm
     from zero_kernels.comm import hosts, links
-    from zero_kernels.comm.quant import _packed, reduce_scatter_quantized
+    from zero_kernels.comm.quant import packed_sizes, reduce_scatter_quantized
 
     key = comm.base.group_key(None)
-    saved = hosts._groups.get(key)
+    saved = hosts.PROVEN.get(key)
     numel, c = 1024, 1024  # the full buffer (fp32: 4096 bytes), a chunk in bytes
     x, out, full = torch.ones(numel), torch.zeros(numel // world), torch.zeros(numel)
 
@@ -152,16 +152,16 @@ def check_bytes_by_link(rank, world):
 
     got = {}
     try:
-        links._reset()
+        links.forget()
         assert links.learn() == [[0, 1, 2, 3]]
         for algo in ("pairwise", "ring", "shm", "native"):
             rs = 6 * c if algo == "native" else 3 * c  # gloo's reduce-scatter: an all-reduce
             assert sent("rs", algo) == (rs, 0), (algo, sent("rs", algo))
             assert sent("ag", algo) == (3 * c, 0), algo
-        hosts._groups[key] = ((0, 1), (2, 3))  # as the proof finds two nodes (the testbed)
+        hosts.PROVEN[key] = ((0, 1), (2, 3))  # as the proof finds two nodes (the testbed)
         real = hosts.host_groups  # every group's proof (the optimizer's side group's too)
         hosts.host_groups = lambda group=None: [[0, 1], [2, 3]]
-        links._reset()
+        links.forget()
         assert links.learn() == [[0, 1], [2, 3]]
         nxt_inside = rank in (0, 2)
         for algo in ("pairwise", "ring", "native"):
@@ -174,7 +174,7 @@ def check_bytes_by_link(rank, world):
                 assert got[f"{op} {algo}"] == want, (op, algo, got[f"{op} {algo}"], want)
         log = comm.CommLog()
         reduce_scatter_quantized(out, x, bits=8, block=256, group=None, log=log).wait()
-        per = _packed(numel // world, 8, 256)[2]
+        per = packed_sizes(numel // world, 8, 256)[2]
         assert (log.inside_node_bytes, log.cross_node_bytes) == (per, 2 * per), (log, per)
         assert log.reduce_scatter_bytes == world * per
         comm.set_algorithm("all", "pairwise")
@@ -204,10 +204,10 @@ def check_bytes_by_link(rank, world):
         if "real" in locals():
             hosts.host_groups = real
         if saved is None:
-            hosts._groups.pop(key, None)
+            hosts.PROVEN.pop(key, None)
         else:
-            hosts._groups[key] = saved
-        links._reset()
+            hosts.PROVEN[key] = saved
+        links.forget()
     return got
 
 

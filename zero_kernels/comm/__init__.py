@@ -35,13 +35,13 @@ from .base import (
 from .choose import (
     ALGORITHMS,
     ENV_ALGO,
-    _class_label,
-    _size_class,
     choose_algorithm,
+    class_label,
     probe_ahead,
     probe_results,
     register_twin,
     set_algorithm,
+    size_class,
 )
 from .collectives import (
     all_gather,
@@ -129,4 +129,4 @@ __all__ = [
     "Watch",
     "world_size",
 ]
-__all__ += ["_class_label", "_size_class"]  # tests read the size classes
+__all__ += ["class_label", "size_class"]  # tests read the size classes

@@ -69,12 +69,12 @@ from .p2p import (
     _ag_ring,
     _check_p2p,
     _group_key,
-    _next_tag,
     _rs_pairwise,
     _rs_ring,
     _scratch,
     _tags,
     free_scratch,
+    next_tag,
 )
 
 ALGORITHMS = ("native", "pairwise", "ring", "shm")
@@ -101,7 +101,7 @@ def _reduce_scatter_with(algo: str, output, input, group, avg: bool, log, bound=
     if algo == "shm":
         work = shm.launch("reduce_scatter", output.view(-1), input.view(-1), group, *bound)
         return Handle(work, (output, input), float(n) if avg else 1.0, log)
-    tag = _next_tag(group)
+    tag = next_tag(group)
     launch = _rs_pairwise if algo == "pairwise" else _rs_ring
     work = launch(output.view(-1), input.view(-1), group, tag)
     return Handle(work, (output, input), float(n) if avg else 1.0, log)  # sum, then divide once
@@ -122,7 +122,7 @@ def _all_gather_with(algo: str, output, input, group, log, bound=()) -> Handle:
     if algo == "shm":
         work = shm.launch("all_gather", output.view(-1), input.view(-1), group, *bound)
         return Handle(work, (output, input), 1.0, log)
-    tag = _next_tag(group)
+    tag = next_tag(group)
     launch = _ag_pairwise if algo == "pairwise" else _ag_ring
     return Handle(launch(output.view(-1), input.view(-1), group, tag), (output, input), 1.0, log)
 
@@ -153,11 +153,11 @@ def register_twin(twin, parent) -> None:
 _logged: set = set()
 
 
-def _size_class(nbytes: int) -> int:
+def size_class(nbytes: int) -> int:
     return bisect.bisect_right(_CLASS_BOUNDS, nbytes)
 
 
-def _class_label(c: int) -> str:
+def class_label(c: int) -> str:
     def kib(b: int) -> str:
         return f"{b >> 20} MiB" if b >= 1 << 20 else f"{b >> 10} KiB"
 
@@ -246,7 +246,7 @@ def choose_with_reason(op: str, nbytes: int, *, group=None, device="cpu") -> tup
         return "copy", "world size 1"
     if not _p2p_capable(group, torch.device(device)):
         return "native", "not gloo on the CPU"
-    key, c = _choice_key(group), _size_class(nbytes)
+    key, c = _choice_key(group), size_class(nbytes)
     algo = _overrides.get((key, op)) or _overrides.get((None, op))
     why = "set_algorithm"
     if algo is None:
@@ -268,7 +268,7 @@ def choose_with_reason(op: str, nbytes: int, *, group=None, device="cpu") -> tup
             "comm: %s on %d gloo ranks, buffers %s: %s (%s)",
             op,
             world_size(group),
-            _class_label(c),
+            class_label(c),
             algo,
             why,
         )
@@ -285,7 +285,7 @@ def probe_ahead(sizes, *, group=None, device="cpu") -> None:
     optimizer state (+1.0 byte/param of the first step's peak at stage 2, 4 ranks, measured)."""
     seen = set()
     for op, nbytes in sorted(sizes):  # choose_algorithm checks ``op``
-        c = _size_class(nbytes)
+        c = size_class(nbytes)
         if (op, c) not in seen:
             seen.add((op, c))
             choose_algorithm(op, nbytes, group=group, device=device)
@@ -294,7 +294,7 @@ def probe_ahead(sizes, *, group=None, device="cpu") -> None:
 def probe_results(group=None) -> dict:
     """What the probe measured on ``group``: {(op, size class label): result}."""
     key = _choice_key(group)
-    return {(op, _class_label(c)): dict(v) for (k, op, c), v in _choices.items() if k == key}
+    return {(op, class_label(c)): dict(v) for (k, op, c), v in _choices.items() if k == key}
 
 
 def _decide(op: str, group, c: int) -> dict:

@@ -24,12 +24,12 @@ from .base import (
 )
 from .choose import (
     _all_gather_with,
-    _class_label,
     _reduce_scatter_with,
     _reset_choices,
-    _size_class,
     choose_with_reason,
+    class_label,
     register_twin,
+    size_class,
 )
 from .groups import is_fake
 
@@ -100,7 +100,7 @@ def _choose(op: str, nbytes: int, group, device, log: CommLog | None) -> str:
     ``choices``, by operation, size class and group size."""
     algo, why = choose_with_reason(op, nbytes, group=group, device=device)
     if log is not None:
-        label = f"{op} {_class_label(_size_class(nbytes))} on {world_size(group)} ranks"
+        label = f"{op} {class_label(size_class(nbytes))} on {world_size(group)} ranks"
         if log.choices.get(label, (None,))[0] != algo:
             log.choices[label] = (algo, why)
     return algo

@@ -180,7 +180,7 @@ class _QuantAllReduce:
     __slots__ = ("out", "group", "bits", "block", "buf", "chunk", "rs", "ag", "errors", "log")
 
     def __init__(self, out: torch.Tensor, group, bits: int, block: int, log, errors=None):
-        from .quant import _packed, reduce_scatter_quantized
+        from .quant import packed_sizes, reduce_scatter_quantized
 
         n, c = world_size(group), out.numel()
         per = -(-c // n)
@@ -196,7 +196,7 @@ class _QuantAllReduce:
         self.ag = None
         self.log = log
         if log is not None:
-            log._add_bytes("replica_all_reduce", n * _packed(per, bits, block)[2])
+            log._add_bytes("replica_all_reduce", n * packed_sizes(per, bits, block)[2])
 
     def _second(self, timeout_s=None, what="", watch=None) -> None:
         from .quant import all_gather_quantized

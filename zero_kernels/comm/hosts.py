@@ -34,7 +34,7 @@ __all__ = ["SHM_DIR", "host_groups"]
 # (`zero_kernels.comm.shm`); read at each use: tests point ranks at different folders.
 SHM_DIR = "/dev/shm"
 
-_groups: dict = {}  # group_key -> tuple of tuples of group ranks
+PROVEN: dict = {}  # group_key -> tuple of tuples of group ranks
 
 
 def host_groups(group=None) -> list[list[int]]:
@@ -43,9 +43,9 @@ def host_groups(group=None) -> list[list[int]]:
     are proven]); the same answer on every rank. Collective on its first call for a group (call
     it on every rank), cached for the group after that. ``[[0]]`` at world size 1."""
     key = group_key(group)
-    got = _groups.get(key)
+    got = PROVEN.get(key)
     if got is None:
-        got = _groups[key] = _prove(group)
+        got = PROVEN[key] = _prove(group)
     return [list(g) for g in got]
 
 
@@ -79,7 +79,7 @@ def _prove(group) -> tuple:
                 os.unlink(path)
             except OSError:
                 pass
-    return _group(matrix)
+    return mutual_groups(matrix)
 
 
 def _reads(shm_dir: str, name: str | None, token: str) -> bool:
@@ -101,7 +101,7 @@ def _reads(shm_dir: str, name: str | None, token: str) -> bool:
         os.close(fd)
 
 
-def _group(matrix: list[list[bool]]) -> tuple:
+def mutual_groups(matrix: list[list[bool]]) -> tuple:
     """Groups of ranks that all see one another both ways, in rank order (a pure function of
     the matrix every rank has)."""
     groups: list[list[int]] = []
@@ -115,5 +115,5 @@ def _group(matrix: list[list[bool]]) -> tuple:
     return tuple(tuple(g) for g in groups)
 
 
-def _reset() -> None:
-    _groups.clear()
+def forget() -> None:
+    PROVEN.clear()

@@ -148,6 +148,6 @@ def _plan(group) -> tuple:
     return got
 
 
-def _reset() -> None:
+def forget() -> None:
     _host_of.clear()
     _plans.clear()

@@ -60,7 +60,7 @@ def _check_p2p(op: str, output: torch.Tensor, input: torch.Tensor, group) -> Non
         raise ValueError(f"{op}: {s} overlaps the full buffer but is not this rank's chunk of it")
 
 
-_TAG_BASE = 1 << 20  # clear of the small tags user code picks
+TAG_BASE = 1 << 20  # clear of the small tags user code picks
 _TAG_SPAN = 1 << 30
 _tags: dict = {}  # group key -> next tag offset
 
@@ -69,11 +69,11 @@ def _group_key(group) -> tuple:
     return group_key(group)  # a token per group object, never its id ([Note: group keys])
 
 
-def _next_tag(group) -> int:
+def next_tag(group) -> int:
     key = _group_key(group)
     t = _tags.get(key, 0)
     _tags[key] = (t + 1) % _TAG_SPAN
-    return _TAG_BASE + t
+    return TAG_BASE + t
 
 
 def _p2p(op, t: torch.Tensor, peer: int, group, tag: int) -> dist.P2POp:

@@ -92,7 +92,7 @@ class _Unpack:
 
     def _chunks(self, c: int):
         """``(k, values, scales)`` of every other rank's chunk received."""
-        qb, nq, per = _packed(c, self.bits, self.block)
+        qb, nq, per = packed_sizes(c, self.bits, self.block)
         for k in range(self.n):
             if k != self.me:
                 chunk = self.recv[k * per : (k + 1) * per]
@@ -115,7 +115,7 @@ class _Dequantize(_Unpack):
         out = self.output.view(-1)
         own = out[self.me * c : (self.me + 1) * c]
         if self.send is not None:
-            qb, nq, _ = _packed(c, self.bits, self.block)
+            qb, nq, _ = packed_sizes(c, self.bits, self.block)
             q, scales = self.send[:qb], self.send[nq:].view(torch.float32)
             dequantize_blockwise(q, scales, self.bits, self.block, c, out=own)
             self.send = None
@@ -156,7 +156,7 @@ def all_gather_quantized(
         )
     if n == 1 and own_exact:
         return all_gather(output, input, group=group, log=log, kind=kind, **bound)
-    qb, nq, per = _packed(c, bits, block)
+    qb, nq, per = packed_sizes(c, bits, block)
     send = torch.empty(per, dtype=torch.uint8, device=input.device)
     src = input.view(-1)
     if not src.is_contiguous():
@@ -190,7 +190,7 @@ class _QuantReduce(_Unpack):
         self.own = None
 
 
-def _packed(c: int, bits: int, block: int) -> tuple[int, int, int]:
+def packed_sizes(c: int, bits: int, block: int) -> tuple[int, int, int]:
     """(bytes of the values, their padded size, bytes per chunk with the fp32 scales)."""
     from ..ops.quant import quantized_sizes
 
@@ -260,7 +260,7 @@ def reduce_scatter_quantized(
     if n == 1:
         output.view(-1).copy_(own)
         return Handle(None, (output,), 1.0, log)
-    qb, nq, per = _packed(c, bits, block)
+    qb, nq, per = packed_sizes(c, bits, block)
     send = torch.zeros(per * n, dtype=torch.uint8, device=input.device)
     err = feedback_buffer(errors, "reduce_scatter", src.numel(), input.device)
     for k in range(n):

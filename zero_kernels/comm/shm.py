@@ -386,7 +386,7 @@ def _launch_piece(
     return work
 
 
-_channels: dict = {}  # group key -> _Channel
+CHANNELS: dict = {}  # group key -> _Channel
 _capable: dict = {}  # group key -> None (capable) or why not
 
 
@@ -394,7 +394,7 @@ def _pg(group):
     return dist.group.WORLD if group is None else group
 
 
-def _key(group) -> tuple:
+def channel_key(group) -> tuple:
     # by id, the group object held in `_capable` and compared by identity there: a reused id
     # is found stale and its channel closed (the other caches: [Note: group keys] in base.py)
     return (id(_pg(group)), world_size(group))
@@ -414,10 +414,10 @@ def capable(group) -> str | None:
     rank wrote and every other read (`hosts.host_groups`, [Note: hosts are proven]), and the
     group's channel is set up; else why not (a group whose ranks span hosts names them). The
     same answer on every rank. Collective on first call."""
-    key, pg = _key(group), _pg(group)
+    key, pg = channel_key(group), _pg(group)
     known = _capable.get(key)
     if known is None or known[0] is not pg:  # new, or another group object with a reused id
-        stale = _channels.pop(key, None)
+        stale = CHANNELS.pop(key, None)
         if stale is not None:
             stale.close()
         _capable[key] = known = (pg, _check(group))  # holds pg: its id is not reused meanwhile
@@ -437,14 +437,14 @@ def _check(group) -> str | None:
 def mapped_bytes() -> int:
     """Bytes of the shared slot files this process maps (every channel): memory the ranks of a
     host share, each rank's RSS counting the pages it touched."""
-    return sum(d.numel() for ch in _channels.values() for d in ch.data if d is not None)
+    return sum(d.numel() for ch in CHANNELS.values() for d in ch.data if d is not None)
 
 
 def channel(group) -> _Channel:
     why = capable(group)
     if why is not None:
         raise ValueError(f"the shm collective algorithm cannot run on this group: {why}")
-    return _channels[_key(group)]
+    return CHANNELS[channel_key(group)]
 
 
 def _open(group) -> str | None:
@@ -515,7 +515,7 @@ def _open(group) -> str | None:
             os.close(fd)
         return f"rank {bad[0][0]} of the group: {bad[0][1]}"
     ch = _Channel(group, base, ctrl, fd, _timeout_s(group))
-    _channels[_key(group)] = ch
+    CHANNELS[channel_key(group)] = ch
     return None
 
 
@@ -528,18 +528,18 @@ def poison(*groups) -> None:
     rank, raises at once. Stage 3's order check does it once it knows the ranks' collectives
     differ, so that no rank stays blocked in one (`zero_kernels.partition.order`)."""
     for g in groups:
-        ch = _channels.get(_key(g))
-        if ch is not None and _capable.get(_key(g), (None,))[0] is _pg(g):
+        ch = CHANNELS.get(channel_key(g))
+        if ch is not None and _capable.get(channel_key(g), (None,))[0] is _pg(g):
             ch.poison()
 
 
 def close_all() -> None:
     """Unmap every channel and unlink what is left of its files (process groups are gone)."""
-    for ch in _channels.values():
+    for ch in CHANNELS.values():
         ch.close()
-    _channels.clear()
+    CHANNELS.clear()
     _capable.clear()
-    _hosts._reset()
+    _hosts.forget()
 
 
 atexit.register(close_all)
