@@ -540,3 +540,32 @@ def test_zero_for_trainer_checks_the_trainers_arguments(tmp_path):
     ):
         assert key in msg, (key, msg)
     assert "says 0.0003" in msg
+
+
+def test_zero_trainer_takes_the_deepspeed_file(tmp_path):
+    """ZeroTrainer(zero="ds_config.json"): the file a run gave TrainingArguments(deepspeed=...),
+    read as zero_for_trainer reads it; a mismatch with the Trainer's arguments raises at
+    construction, naming the key."""
+    import json
+
+    from transformers import TrainingArguments
+
+    from zero_kernels.integrations.transformers import ZeroTrainer
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path), learning_rate=3e-4, use_cpu=True, report_to=[]
+    )
+    cfg = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100},
+    }
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(cfg))
+    want = ZeroPolicy.resolve(stage=3, persist_below=100)
+    for given in (str(path), path, cfg):
+        tr = ZeroTrainer(model=nn.Linear(4, 2), args=args, zero=given)
+        assert tr.zero["policy"] == want, given
+    cfg["optimizer"]["params"]["lr"] = 1e-3
+    with pytest.raises(NotImplementedError, match=r"optimizer.params.lr=0.001"):
+        ZeroTrainer(model=nn.Linear(4, 2), args=args, zero=cfg)
