@@ -10,7 +10,7 @@ import tempfile
 import torch
 from dist_utils import run_checks
 
-from zero_kernels.policy import CommPolicy
+from zero_kernels.policy import CommPolicy, GatherPolicy
 
 VOCAB, SEQ = 64, 16
 
@@ -207,7 +207,7 @@ def lora_shard_frozen(rank, world):
         return m
 
     ddp, want = train(Trainer, f"{TMP}/lora_ddp", steps=4, model=lora())
-    zero = {"stage": 3, "shard_frozen": True}
+    zero = {"stage": 3, "gather": GatherPolicy(shard_frozen=True)}
     tr, got = train(ZeroTrainer, f"{TMP}/lora_z3", steps=4, model=lora(), zero=zero)
     core = tr.zero_optimizer.parts.core
     assert len(core.frozen) > 10 and all(not p.requires_grad for p in core.frozen.values())
