@@ -84,7 +84,7 @@ def anon():
         for line in f:
             if line.startswith("RssAnon:"):
                 return int(line.split()[1]) * 1024
-from zero_kernels.checkpoint.deepspeed import convert_deepspeed_checkpoint
+from zero_kernels.checkpoint.deepspeed_convert import convert_deepspeed_checkpoint
 base = anon(); peak = [base]; done = [False]
 def sample():
     while not done[0]:

@@ -24,11 +24,8 @@ import torch
 
 from zero_kernels import ZeroOptimizer
 from zero_kernels.checkpoint import CheckpointError, load_checkpoint
-from zero_kernels.checkpoint.deepspeed import (
-    convert_deepspeed_checkpoint,
-    load_deepspeed_checkpoint,
-    read_deepspeed_checkpoint,
-)
+from zero_kernels.checkpoint.deepspeed import load_deepspeed_checkpoint, read_deepspeed_checkpoint
+from zero_kernels.checkpoint.deepspeed_convert import convert_deepspeed_checkpoint
 from zero_kernels.integrations.ds_config import map_deepspeed_config
 
 HERE = os.path.dirname(os.path.abspath(__file__))

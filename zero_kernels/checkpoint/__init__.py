@@ -51,7 +51,8 @@ optimizer state for FSDP2: `save_dcp_checkpoint` (gathered to rank 0, not sharde
 """
 
 from .dcp import load_dcp_checkpoint, save_dcp_checkpoint
-from .deepspeed import convert_deepspeed_checkpoint, load_deepspeed_checkpoint
+from .deepspeed import load_deepspeed_checkpoint
+from .deepspeed_convert import convert_deepspeed_checkpoint
 from .export import export_model, inspect_checkpoint, verify_checkpoint
 from .format import FORMAT_VERSION, CheckpointError, CheckpointsBelow
 from .load import load_checkpoint

@@ -108,7 +108,8 @@ def run(args) -> int:
 
 def _deepspeed(args) -> int:
     from ..checkpoint import CheckpointError
-    from ..checkpoint.deepspeed import convert_deepspeed_checkpoint, inspect_deepspeed_checkpoint
+    from ..checkpoint.deepspeed import inspect_deepspeed_checkpoint
+    from ..checkpoint.deepspeed_convert import convert_deepspeed_checkpoint
 
     try:
         if args.action == "convert":
