@@ -15,6 +15,15 @@ from __future__ import annotations
 
 from ._version import __version__
 from .fused_adam import FusedAdam, FusedAdamW
+from .policy import (
+    CommPolicy,
+    ExecutionPolicy,
+    GatherPolicy,
+    OffloadPolicy,
+    PrecisionPolicy,
+    ShardPolicy,
+    ZeroPolicy,
+)
 
 __all__ = [
     "CheckpointError",
@@ -34,15 +43,6 @@ __all__ = [
     "save_checkpoint",
 ]
 _CHECKPOINT = ("CheckpointError", "load_checkpoint", "save_checkpoint")
-_POLICIES = (
-    "CommPolicy",
-    "ExecutionPolicy",
-    "GatherPolicy",
-    "OffloadPolicy",
-    "PrecisionPolicy",
-    "ShardPolicy",
-    "ZeroPolicy",
-)
 
 
 def __getattr__(name: str):
@@ -55,10 +55,6 @@ def __getattr__(name: str):
         from .optimizer.materialize import init_module_
 
         return init_module_
-    if name in _POLICIES:
-        from . import policy
-
-        return getattr(policy, name)
     if name in _CHECKPOINT:
         from . import checkpoint
 
