@@ -42,6 +42,7 @@ from . import replicas, tensor_parallel, validate, wrappers
 from .core import Core
 from .groups import param_groups
 from .materialize import materialize_modules_
+from .tp_grads import PartialSums
 
 __all__ = ["communication", "lay_out", "runner", "store", "units"]
 
@@ -455,6 +456,7 @@ def communication(core: Core) -> None:
         core.layout, core.params, core.grads, core.rank, core.rs_group, core.comm_log, core.mesh,
         leaves=tp.leaves(core.params) if tp is not None else None,
         local_grad=tp.local_grad if tp is not None else None,
+        partial_sums=PartialSums(tp) if tp is not None else None,
     )  # fmt: skip
     core.reducer.overlap = bool(p.comm.overlap_comm)
     core.reducer.phase = core.phase

@@ -97,6 +97,7 @@ class GradBucket:
         "written",
         "handle",
         "tmp",
+        "partial",
     )
 
     def __init__(self, i: int, b: int, need: int):
@@ -112,6 +113,9 @@ class GradBucket:
         # the bucket took its buffer
         self.handle: comm.Handle | None = None
         self.tmp: torch.Tensor | None = None  # stage 2: reduced values added to the shard after
+        # tensor parallelism, stages 2/3: slots holding parts of a sum over tp, summed before
+        # the reduction ([Note: deferred tp sums] in zero_kernels/optimizer/tp_grads.py)
+        self.partial: set[int] = set()
 
     def move(self, to: BucketState) -> None:
         assert to in _MOVES[self.state], f"bucket {self.key}: {self.state} -> {to}"
@@ -130,6 +134,7 @@ class Reducer:
         mesh=None,
         leaves: dict[int, torch.Tensor] | None = None,
         local_grad=None,
+        partial_sums=None,
     ):
         self.layout, self.grads, self.rank, self.group, self.log = layout, grads, rank, group, log
         # hierarchical sharding: each bucket's shard is then all-reduced across the replica
@@ -186,6 +191,9 @@ class Reducer:
         # out by its local tensor, and take the local tensor of its gradient ([Note: tensor
         # parallelism] in zero_kernels/optimizer/tensor_parallel.py)
         self._local_grad = local_grad
+        # stages 2/3: Partial gradients summed over tp per bucket, not per param ([Note:
+        # deferred tp sums] in zero_kernels/optimizer/tp_grads.py); stage 1 redistributes each
+        self._partial = partial_sums if not self.whole else None
         me = weakref.ref(self)  # hooks must not keep the reducer (and its optimizer) alive
         for i, buf in enumerate(layout.buffers):
             for pos, slot in enumerate(buf.slots):
@@ -255,7 +263,10 @@ class Reducer:
             p.grad = None
             if g is None:
                 return
-            if self._local_grad is not None:
+            part = False
+            if self._partial is not None:
+                g, part = self._partial.split(slot.index, g)
+            elif self._local_grad is not None:
                 g = self._local_grad(slot.index, g)
             if g.layout != torch.strided:
                 raise NotImplementedError(
@@ -279,11 +290,16 @@ class Reducer:
             else:
                 self._ready(bk)
                 dst = static
+            if part != (pos in bk.partial):  # parts and a whole grad in one range
+                g = self._as_part(bk, pos, dst, g, part)
             if pos not in bk.written:  # copy, not add: a mixed-dtype add (fp32 grad into a
                 # bf16 bucket) costs 5-8x a converting copy (docs/benchmarks.md, bf16 reduction)
-                dst.copy_(g.reshape(-1))
+                if g is None:
+                    dst.zero_()
+                else:
+                    dst.copy_(g.reshape(-1))
                 bk.written.add(pos)
-            else:
+            elif g is not None:
                 dst.add_(g.reshape(-1))
             self.dirty = True
             if syncing:
@@ -294,6 +310,28 @@ class Reducer:
                     self._launch_ready()
 
         return hook
+
+    def _as_part(self, bk: GradBucket, pos: int, dst, g, part: bool):
+        """A range that holds parts of a sum over tp takes a whole gradient as a part: on tp
+        rank 0 only (None elsewhere: nothing to add); a range that held whole values becomes
+        one of parts, its values kept on tp rank 0 ([Note: deferred tp sums])."""
+        if part:
+            if pos in bk.written and self._partial.rank != 0:
+                dst.zero_()
+            bk.partial.add(pos)
+            return g
+        return g if self._partial.rank == 0 else None
+
+    def _sum_partial(self, bk: GradBucket, inp: torch.Tensor, **bound) -> None:
+        """The ranges of ``bk`` holding parts, summed over tp in one all-reduce."""
+        i, b = bk.key
+        buf = self.layout.buffers[i]
+        base = buf.buckets[b].start
+        spans = sorted(
+            (buf.slots[pos].start - base, buf.slots[pos].end - base) for pos in bk.partial
+        )
+        self._partial.sum_([inp[lo:hi] for lo, hi in spans], **bound)
+        bk.partial.clear()
 
     def _launch_ready(self) -> None:
         while self.next < len(self.order):
@@ -337,6 +375,7 @@ class Reducer:
             while self.inflight and not self.grads.fits(*bk.key):
                 self._finalize(self.inflight.pop(0))
         if not self.whole and bk.key not in self.grads.live:
+            bk.partial.clear()
             bk.written.clear()  # a fresh buffer: each slot's first grad is copied in (and what
             # gets none is zeroed before the reduction, `_zero_unwritten`)
         if bk.state is not BucketState.FILLING:
@@ -387,6 +426,11 @@ class Reducer:
         tmp = None
         shard = self.grads.shard(*bk.key)
         self._zero_unwritten(bk)
+        if bk.partial:
+            self._sum_partial(
+                bk, inp, timeout_s=self.timeout, what=f"{self.describe()}, backward: the tp sum "
+                f"of bucket {bk.key[1]} of buffer {bk.key[0]}"
+            )  # fmt: skip
         if self.whole:
             out = shard  # in place: the rank's slice of ``inp``
         elif not bk.fresh or inp.dtype != shard.dtype:  # added (or cast) into the shard after
@@ -487,6 +531,7 @@ class Reducer:
                 bk.move(BucketState.CLEAN)
             bk.fresh = True
             bk.written.clear()
+            bk.partial.clear()
         self._reset_pass()
         self.dirty = False
 

@@ -1,0 +1,68 @@
+"""The tp sum of ``Partial`` gradients, deferred to their bucket's reduction (stages 2 and 3).
+
+[Note: deferred tp sums]
+Under sequence parallelism a ``Replicate`` param (a SequenceParallel norm's weight and bias)
+gets a gradient ``Partial`` over tp: each tp rank holds the part of its own sequence shard.
+Redistributing it to ``Replicate`` as it arrives (what `TensorParallel.local_grad` does, and
+FSDP2 in its post-backward) is one blocking all-reduce over tp per such param: 4 per block of
+`zero_kernels.tools.tp_models.TPGPT`, each a point where the two tp ranks wait for each other
+in the middle of the backward (40-48 ms of a 350 ms step of bench/bench_tp.py's model on 2
+cores). A sum is linear, so the parts can be added into the bucket as they are and summed over
+tp once, for every such param of the bucket together, just before the bucket's dp
+reduce-scatter: one all-reduce over tp per bucket that holds one, of the concatenated ranges
+(the same sum in the same order, tp first and then dp: the results are FSDP2's bitwise).
+
+The ranges of a bucket that hold parts (`GradBucket.partial`) are learnt from the gradients'
+placements, the same on the tp ranks of a dp rank (they run the same graph), so the ranges and
+the order of the all-reduces match. A whole (Replicate) gradient that meets parts in the same
+range (a param used twice, once each way) enters as a part: on tp rank 0 only. Stage 1
+accumulates into its whole buffer across ``no_sync`` micro-batches and rebases it after a
+reduction, so it keeps the per-param redistribution.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import comm
+from .tensor_parallel import TensorParallel, is_dtensor
+
+__all__ = ["PartialSums"]
+
+
+class PartialSums:
+    """What the reducer needs to defer the tp sum of ``Partial`` gradients (see the Note)."""
+
+    def __init__(self, tp: TensorParallel):
+        from torch.distributed.tensor import Partial, Replicate
+
+        self.tp = tp
+        self.rank = tp.rank
+        self.group = tp.group
+        self._partial = (Partial("sum"),)
+        # the params whose grads may come as parts: Replicate over the (1-D) tp mesh
+        self._replicated = {i for i, t in tp.by_index.items() if t.placements == (Replicate(),)}
+
+    def split(self, index: int, g: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """The local tensor of gradient ``g`` of param ``index`` and whether it is a part (a
+        ``Partial`` sum over tp, of a ``Replicate`` param, left unsummed); any other gradient
+        as `TensorParallel.local_grad` gives it, whole."""
+        if not is_dtensor(g):
+            return g, False
+        if index in self._replicated and tuple(g.placements) == self._partial:
+            return g._local_tensor, True
+        return self.tp.local_grad(index, g), False
+
+    def sum_(self, parts: list[torch.Tensor], **bound) -> None:
+        """Each of ``parts`` (views of a bucket) summed over tp in place, in one all-reduce."""
+        if self.tp.size == 1:
+            return
+        if len(parts) == 1:
+            comm.all_reduce(parts[0], "sum", group=self.group, **bound)
+            return
+        flat = torch.cat(parts)
+        comm.all_reduce(flat, "sum", group=self.group, **bound)
+        off = 0
+        for p in parts:
+            p.copy_(flat[off : off + p.numel()])
+            off += p.numel()
