@@ -53,6 +53,7 @@ def cross_node(
     precision: str = "fp32",
     reshard_after_forward: bool = True,
     grad_hops: int | str = "auto",
+    tp: int = 1,
 ) -> list[dict]:
     """Bytes per node per step that cross the nodes' links, for each of `CROSS_NODE_CONFIGS`:
     ring collectives over ranks numbered node-major (a ring leaves each node once, so a node
@@ -73,7 +74,17 @@ def cross_node(
     nodes: only the forward's gathers cross. The bench (bench/bench_testbed.py) measured these
     on its testbed within the 4.7-5.0% of headers. Each row also names the algorithms
     (``algorithms``) and the gradients' hops (``grad_hops``; the argument: 1, 2 or "auto", as
-    ``ZERO_KERNELS_GRAD_HOPS``)."""
+    ``ZERO_KERNELS_GRAD_HOPS``).
+
+    ``tp``: tensor parallelism of that size inside each node beside the dp ranks (dp outer,
+    tp inner, as ``init_device_mesh(..., (dp, tp), ("dp", "tp"))`` over node-major ranks):
+    ``n_params`` is then one rank's local elements (params / tp, the replicated ones whole)
+    and ``ranks_per_node`` one dp group's ranks on a node; a node holds tp such ranks, each in
+    a dp group of its own, and sends tp times their bytes (tp's own collectives stay inside
+    the node: bench/bench_testbed_tp.py measures both). Of the rows, ZeroOptimizer builds the
+    plain stages under tp (docs/tensor_parallel.md, "Not built")."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"--tp must be an int >= 1, got {tp!r}")
     if nodes < 1 or ranks_per_node < 1:
         raise ValueError(
             f"--nodes and ranks per node must be >= 1; got nodes={nodes}, "
@@ -123,7 +134,7 @@ def cross_node(
                 "quantize_weights": qw,
                 "quantize_grads": qg,
                 "secondary_shard": ss,
-                "bytes": b,
+                "bytes": tp * b,
                 "algorithms": {} if sg == "node" or stage == 0 else dict(algos),
                 "grad_hops": (hops if sg != "node" else 2) if qg else None,
             }
