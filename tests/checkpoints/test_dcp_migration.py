@@ -1,10 +1,11 @@
 """FSDP2 checkpoints (torch.distributed.checkpoint of get_state_dict, 2 gloo ranks on the CPU,
 fp32 AdamW; tests/checkpoints/fixtures/make_fsdp2_fixtures.py) loaded by
-zero_kernels.checkpoint.dcp at world sizes 1 and 3 into every stage: the loaded params and
-moments equal FSDP2's own at the save bit for bit, and the next 3 steps equal FSDP2's own run
-within 1e-6 (measured 6e-8). Entries are found by the model's names whatever the top level
-(``optim``, torchtitan's ``optimizer``, flat keys); a hostile ``.metadata`` and a truncated item
-raise CheckpointError naming the file, and nothing runs."""
+zero_kernels.checkpoint.dcp at world sizes 1, 2 and 3 into every stage (world size 4:
+test_migration_world4.py): the loaded params and moments equal FSDP2's own at the save bit for
+bit, and the next 3 steps equal FSDP2's own run within 1e-6 (measured 6e-8). Entries are found
+by the model's names whatever the top level (``optim``, torchtitan's ``optimizer``, flat keys);
+a hostile ``.metadata`` and a truncated item raise CheckpointError naming the file, and nothing
+runs."""
 
 from __future__ import annotations
 
@@ -58,7 +59,10 @@ def _err(model, opt, ref: dict) -> float:
     return e
 
 
-def resume(stage: int, rank: int, world: int, path: str = CK) -> dict:
+def resume(stage: int, rank: int, world: int, path: str = CK, probe=None) -> dict:
+    """Load the fixture into a fresh model at ``stage``, compare with FSDP2's state at the
+    save, take 3 steps of this rank's rows of the global batches; the errors.
+    ``probe(model, opt, at_save)``, called right after the load: its result is ``"probe"``."""
     import torch.distributed as dist
 
     ref = _ref()
@@ -66,6 +70,8 @@ def resume(stage: int, rank: int, world: int, path: str = CK) -> dict:
     info = load_dcp_checkpoint(path, model, opt)
     sched.last_epoch = 3  # the run's own step: get_state_dict holds no scheduler
     out = {"at_save": _err(model, opt, ref["at_save"]), "info": info}
+    if probe is not None:
+        out["probe"] = probe(model, opt, ref["at_save"])
     rows = 12 // world
     losses, lrs = [], []
     for x, y in ref["batches"]:
@@ -102,7 +108,7 @@ def _results(world: int) -> list[dict]:
     return run_workers(_worker, world, timeout=240)
 
 
-@pytest.mark.parametrize("world", [1, 3])
+@pytest.mark.parametrize("world", [1, 2, 3])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_resume_equals_fsdp2s_own(stage, world):
     for rank, res in enumerate(_results(world)):

@@ -1,13 +1,14 @@
-"""DeepSpeed checkpoints (zero_kernels.checkpoint.deepspeed) written by real DeepSpeed 0.19.8
-(CPU accelerator, gloo, 2 ranks; tests/checkpoints/fixtures/make_deepspeed_fixtures.py) at
-stages 1-3, fp32 and bf16, loaded at world size 1 into every stage, at 2 into the saved stage
-and at 3 into another: the loaded fp32 masters and Adam moments equal DeepSpeed's own at the
-save bit for bit, and the next 3 steps equal DeepSpeed's own resumed run (losses, learning
-rates, masters, moments, step count): fp32 within 1e-6 (measured 1.2e-7); bf16 within 5e-4 on
-the state and 2e-3 on the loss (DeepSpeed reduces bf16 gradients in bf16, we in fp32: measured
-7.3e-5 on the masters). A hostile pickle and a truncated file raise CheckpointError naming the
-file, and nothing runs. The conversion to our format, inspect and the CLI. DeepSpeed is not
-needed (the fixture test regenerates the fixtures where it is installed)."""
+"""DeepSpeed checkpoints (zero_kernels.checkpoint.deepspeed) written by real DeepSpeed 0.19.8 (CPU
+accelerator, gloo, 2 ranks; tests/checkpoints/fixtures/make_deepspeed_fixtures.py) at stages
+1-3, fp32 and bf16, loaded at world size 1 into every stage, at 2 into the saved stage and at 3
+into another (at 4 into the third: test_migration_world4.py): the loaded fp32 masters and Adam
+moments equal DeepSpeed's own at the save bit for bit, and the next 3 steps equal DeepSpeed's
+own resumed run (losses, learning rates, masters, moments, step count): fp32 within 1e-6
+(measured 1.2e-7); bf16 within 5e-4 on the state and 2e-3 on the loss (DeepSpeed reduces bf16
+gradients in bf16, we in fp32: measured 7.3e-5 on the masters, 9.2e-5 at world size 4). A
+hostile pickle and a truncated file raise CheckpointError naming the file, and nothing runs. The
+conversion to our format, inspect and the CLI. DeepSpeed is not needed (the fixture test
+regenerates the fixtures where it is installed)."""
 
 from __future__ import annotations
 
@@ -65,9 +66,12 @@ def _err(model, opt, ref: dict) -> float:
     return e
 
 
-def resume(case: str, stage: int, rank: int, world: int, path: str | None = None) -> dict:
+def resume(
+    case: str, stage: int, rank: int, world: int, path: str | None = None, probe=None
+) -> dict:
     """Load fixture ``case`` into a fresh model at ``stage``, compare with DeepSpeed's state
-    at the save, take 3 steps of this rank's rows of the global batches; the errors."""
+    at the save, take 3 steps of this rank's rows of the global batches; the errors.
+    ``probe(model, opt, at_save)``, called right after the load: its result is ``"probe"``."""
     import torch.distributed as dist
 
     d = path or os.path.join(DS, case)
@@ -82,6 +86,8 @@ def resume(case: str, stage: int, rank: int, world: int, path: str | None = None
     sched = m.scheduler(opt)
     info = load_deepspeed_checkpoint(d, model, opt, scheduler=sched)
     out = {"at_save": _err(model, opt, ref["at_save"]), "global_steps": info["global_steps"]}
+    if probe is not None:
+        out["probe"] = probe(model, opt, ref["at_save"])
     rows = 12 // world
     losses, lrs = [], []
     for x, y in ref["batches"]:
