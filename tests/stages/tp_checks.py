@@ -322,8 +322,8 @@ def _ckpt_dir() -> str:
 def check_checkpoint_other_stage_and_dp(rank, world):
     """save_checkpoint over tp writes each tp column's local tensors (its tp rank, size and
     placements in meta.json); load_checkpoint into stage 3, and into dp size 1 (a 3-D mesh
-    rep x dp x tp), continues exactly as the saving run does; another tp size and other
-    placements are refused naming them."""
+    rep x dp x tp), continues exactly as the saving run does; placements that do not give the
+    model's whole shapes are refused naming them; a plain model (tp 1) takes the whole params."""
     from zero_kernels.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
     from zero_kernels.checkpoint.format import write_meta
 
@@ -389,6 +389,15 @@ def check_checkpoint_other_stage_and_dp(rank, world):
     out["dp1"] = max(rel_err(got[n], local(p)) for n, p in m2.named_parameters())
     assert out["dp1"] == 0.0, out
     o1.close()
+    # a model without tp (plain params over the same dp group): the tp columns redistributed
+    # (tests/stages/test_tp_checkpoint.py), the saved whole params
+    torch.manual_seed(0)
+    plain = Block()
+    op = zero(plain, 2)
+    load_checkpoint(root, plain, op)
+    out["no tp"] = max(rel_err(op.full_param(p), whole[n]) for n, p in plain.named_parameters())
+    assert out["no tp"] == 0.0, out
+    op.close()
     # other placements (same local shapes): refused, naming the param
     meta["tensor_parallel"]["placements"]["up.weight"] = ["Shard(dim=1)"]
     dist.barrier()
@@ -399,14 +408,6 @@ def check_checkpoint_other_stage_and_dp(rank, world):
         lambda: load_checkpoint(root, m2, o2), CheckpointError, "up.weight", "placements"
     )
     o2.close()
-    # a model without tp (plain params over the same dp group): refused, naming tp
-    torch.manual_seed(0)
-    plain = Block()
-    op = zero(plain, 2)
-    out["no tp"] = _raises(
-        lambda: load_checkpoint(root, plain, op), CheckpointError, "tensor parallelism"
-    )
-    op.close()
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(root, ignore_errors=True)
@@ -416,7 +417,7 @@ def check_checkpoint_other_stage_and_dp(rank, world):
 def check_full_access(rank, world):
     """full_param/full_grad/full_state of a DTensor param are whole tensors (its global shape,
     the reference's values gathered over tp); set_full_param/set_full_grad take whole ones;
-    model.state_dict() holds the DTensors; consolidated_state_dict refuses, naming tp."""
+    model.state_dict() holds the DTensors; consolidated_state_dict holds whole tensors."""
     out = {}
     for stage in (2, 3):
         ref, m = tp_model(), tp_model()
@@ -445,9 +446,14 @@ def check_full_access(rank, world):
             assert rel_err(opt.full_param(p), whole) == 0.0, (stage, n)
         opt.set_full_grad(m.up.weight, torch.ones(tuple(m.up.weight.shape)))
         assert bool((opt.full_grad(m.up.weight) == 1.0).all())
-        out[f"consolidated{stage}"] = _raises(
-            opt.consolidated_state_dict, NotImplementedError, "tensor parallelism"
-        )
+        sd = opt.consolidated_state_dict()  # whole tensors (tests/stages/test_tp_checkpoint.py)
+        st = opt.full_state(m.up.weight)
+        if mesh()["dp"].get_local_rank() == 0:
+            i = list(m.parameters()).index(m.up.weight)
+            assert torch.equal(sd["state"][i]["exp_avg"], st["exp_avg"])
+        else:
+            assert sd is None
+        out[f"consolidated{stage}"] = "whole"
         opt.close()
     return out
 

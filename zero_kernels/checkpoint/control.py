@@ -21,7 +21,7 @@ import os
 from .. import comm
 from .format import CheckpointError
 
-__all__ = ["Control", "control_for"]
+__all__ = ["Control", "control_for", "tp_control_for"]
 
 _ENV = "ZERO_KERNELS_CHECKPOINT_TIMEOUT"
 # (id of the process group, timeout) -> (the process group, its control group): one control group
@@ -93,8 +93,24 @@ def control_for(ad, where: str, phase: str) -> Control:
     t = _timeout(ad.optimizer)
     if ad.dp_size == 1:
         return Control(None, t, ad.dp_rank, 1, where, phase)
-    pg = comm.group_or_world(ad.group)
+    return Control(_side(ad.group, t), t, ad.dp_rank, ad.dp_size, where, phase)
+
+
+def _side(group, t: float):
+    pg = comm.group_or_world(group)
     key = (id(pg), t)
     if key not in _groups:
-        _groups[key] = (pg, comm.side_group(ad.group, timeout_s=t))
-    return Control(_groups[key][1], t, ad.dp_rank, ad.dp_size, where, phase)
+        _groups[key] = (pg, comm.side_group(group, timeout_s=t))
+    return _groups[key][1]
+
+
+def tp_control_for(ad, where: str, phase: str) -> Control | None:
+    """The control group over the tp mesh of ``ad``'s tensor-parallel params (None without tp
+    or at tp size 1): a load that redistributes across tp sizes reads every column's files, so
+    its ranks agree over dp (`control_for`) and then over tp (each rank of a tp group carries
+    its dp group's verdict). Made at the first such load: collective over the world."""
+    if ad.tp is None or ad.tp["size"] == 1:
+        return None
+    t = _timeout(ad.optimizer)
+    mesh = next(p.device_mesh for p in ad.leaves().values() if hasattr(p, "device_mesh"))
+    return Control(_side(mesh.get_group(), t), t, ad.tp["rank"], ad.tp["size"], where, phase)

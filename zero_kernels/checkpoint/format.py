@@ -274,8 +274,9 @@ def tp_dir(root: str, tp: dict | None, saving: bool) -> str:
     """Where the checkpoints of this rank's tp column live under ``root`` ([Note: tensor
     parallelism] in zero_kernels/optimizer/tensor_parallel.py): ``root/tp<r>-of-<n>``, each
     column a checkpoint of its local tensors sharded over dp (loadable at another dp size and
-    stage); ``root`` itself without tp. Loading refuses, naming both, a root saved at another
-    tp size or with and without tp (redistributing across tp sizes is not built)."""
+    stage); ``root`` itself without tp. A load at another tp size or placements, or with and
+    without tp, does not come here: it reads every column ([Note: redistributing across tp
+    sizes] in redistribution.py); what is left raises naming both sides."""
     if tp is not None:
         mine = os.path.join(root, f"tp{tp['rank']}-of-{tp['size']}")
         if saving or os.path.isdir(mine):
@@ -287,14 +288,13 @@ def tp_dir(root: str, tp: dict | None, saving: bool) -> str:
         raise CheckpointError(
             root,
             f"saved with tensor parallelism (tp size {sizes}), loaded into a model without "
-            "DTensor params: loading across tp sizes is not built",
+            "DTensor params: read it through load_checkpoint (it redistributes the columns)",
         )
-    if tp is not None:
-        saved = f"tp size {sizes}" if sizes else "without tensor parallelism"
+    if tp is not None and sizes:
         raise CheckpointError(
             root,
-            f"saved {saved}, loaded at tp size {tp['size']}: redistributing the params "
-            "across tensor-parallel sizes is not built; load at the saved tp size",
+            f"saved at tp size {sizes}, loaded at tp size {tp['size']}: read it through "
+            "load_checkpoint (it redistributes the columns)",
         )
     return root
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import random
 import sys
@@ -35,7 +36,7 @@ import torch
 
 from ..layout import Layout, pieces
 from .adapters import Adapter, adapter_for
-from .control import Control, control_for
+from .control import Control, control_for, tp_control_for
 from .format import (
     META,
     MODEL_FILE,
@@ -46,6 +47,7 @@ from .format import (
     resolve,
     tp_dir,
 )
+from .redistribution import ParamMap, columns_to_redistribute, param_map, read_piece
 from .storage import Reader, verify_file
 
 __all__ = ["load_checkpoint", "Plan", "plan_load", "read_decoded", "read_range"]
@@ -80,6 +82,18 @@ def load_checkpoint(
     ad = adapter_for(model, optimizer)
     ctl = control_for(ad, os.fspath(path), "load")  # see [Note: checkpoint timeouts]
     ctl.arrive("load_checkpoint")
+    tctl = tp_control_for(ad, os.fspath(path), "load")
+    if tctl is not None:  # tensor parallelism: a load may read every tp column's files
+        tctl.arrive("load_checkpoint")
+    ctls = (ctl,) if tctl is None else (ctl, tctl)
+    columns = _agree_all(
+        ctls,
+        lambda: _columns(os.fspath(path), ad),
+        "reading meta.json",
+        same=lambda cols: cols is None,
+    )
+    if columns is not None:  # another tp size or placements: [Note: redistributing ...]
+        return _load_redistributed(columns, ad, ctls, scheduler)
     plan = _agree(ctl, lambda: _plan(os.fspath(path), ad), "reading meta.json")
     ctl.step = plan.meta.get("steps")
     names = sorted(plan.meta["files"])
@@ -100,42 +114,42 @@ def load_checkpoint(
 
 def _plan(path: str, ad: Adapter):
     """`plan_load` of the checkpoint under ``path`` that this rank loads: with tensor
-    parallelism its tp column's (`tp_dir`), the placements checked."""
-    plan = plan_load(tp_dir(path, ad.tp, saving=False), ad)
-    _check_placements(plan, ad)
-    return plan
-
-
-def _check_placements(plan, ad: Adapter) -> None:
-    """Each DTensor param's tp placements as saved: a Shard(0) slice loaded as a Shard(1) one
-    can have the same local shape and would load wrong values silently."""
-    saved = (plan.meta.get("tensor_parallel") or {}).get("placements", {})
-    now = {ad.name_of(i): p for i, p in (ad.tp or {}).get("placements", {}).items()}
-    bad = [
-        f"{n}: saved {saved.get(n)}, now {p}" for n, p in sorted(now.items()) if saved.get(n) != p
-    ]
-    if bad:
-        raise CheckpointError(
-            os.path.join(plan.directory, META),
-            "tensor-parallel placements differ (" + "; ".join(bad[:4]) + "): redistributing "
-            "across placements is not built",
-        )
+    parallelism its tp column's (`tp_dir`; the saved tp size and placements are this model's,
+    else `_columns` redistributes)."""
+    return plan_load(tp_dir(path, ad.tp, saving=False), ad)
 
 
 def _agree(ctl: Control, fn, what: str):
     """``fn()`` on every rank; if it failed anywhere, every rank raises the first failure."""
+    return _agree_all((ctl,), fn, what)
+
+
+def _agree_all(ctls, fn, what: str, same=None):
+    """`_agree` over each control group in turn (dp, then tp: each rank of a tp group carries
+    its dp group's verdict, so every rank of the dp x tp grid raises the same failure).
+    ``same``: a function of the result whose value must be the same on every rank (the ranks
+    take the same path after)."""
     try:
         out, err = fn(), None
     except CheckpointError as e:
         out, err = None, e
     except Exception as e:  # noqa: BLE001 - an I/O error, a bug: still raised on every rank
         out, err = None, CheckpointError("(load)", f"{type(e).__name__}: {e}")
-    errs = ctl.all_gather(err, what)
-    for r, e in enumerate(errs):
-        if e is not None:
-            if ctl.world > 1 and e is not err:
-                raise CheckpointError(e.file, f"{e.problem} (found by rank {r})")
-            raise e
+    key = same(out) if same is not None and err is None else None
+    for ctl in ctls:
+        got = ctl.all_gather((err, key), what)
+        for r, (e, _) in enumerate(got):
+            if e is not None:
+                if ctl.world > 1 and e is not err:
+                    err = CheckpointError(e.file, f"{e.problem} (found by rank {r})")
+                else:
+                    err = e
+                break
+        keys = {k for e, k in got if e is None}
+        if err is None and len(keys) > 1:
+            err = CheckpointError(ctl.where, f"{what}: the ranks found different checkpoints")
+    if err is not None:
+        raise err
     return out
 
 
@@ -202,9 +216,15 @@ def plan_load(path, ad: Adapter) -> Plan:
                 f"incompatible model: {name} has shape {tuple(t.shape)} here, "
                 f"{tuple(shape)} in the checkpoint",
             )
+    return saved_plan(d, meta)
+
+
+def saved_plan(d: str, meta: dict) -> Plan:
+    """The `Plan` of checkpoint directory ``d`` (its verified ``meta``): which saved rank file
+    holds which elements of each param, from the saved layout."""
     layout = Layout.from_dict(meta["layout"])
     if layout.world_size != meta["world_size"]:
-        raise CheckpointError(where, "corrupt: layout world size differs from world_size")
+        raise CheckpointError(f"{d}/{META}", "corrupt: layout world size differs from world_size")
     sources: dict[int, list[tuple[int, int, int]]] = {}
     for r in range(layout.world_size):
         for buf in pieces(layout, r):
@@ -212,7 +232,8 @@ def plan_load(path, ad: Adapter) -> Plan:
                 sources.setdefault(pc.index, []).append((r, pc.offset, pc.numel))
     for v in sources.values():
         v.sort(key=lambda x: x[1])
-    return Plan(d, meta, saved, sources, model_tensors)
+    saved = {p["name"]: p for p in meta["params"]}
+    return Plan(d, meta, saved, sources, meta["model"]["tensors"])
 
 
 # ---------------------------------------------------------------------------- 2. verify
@@ -441,3 +462,248 @@ def _set_rng(rd: Reader, rank: int) -> None:
         kind, pos, has_gauss, cached = meta["numpy"]
         keys = rd.tensor(f, "rng/numpy").numpy().astype("uint32")
         np.random.set_state((kind, keys, pos, has_gauss, cached))
+
+
+# ---------------------------------------------------------------------------- 5. another tp size
+def _columns(path: str, ad: Adapter) -> list[str] | None:
+    """The saved tp columns to redistribute from ([Note: redistributing across tp sizes]), or
+    None: the ordinary load (of this rank's own column, where there is tp)."""
+    placements = {ad.name_of(i): p for i, p in (ad.tp or {}).get("placements", {}).items()}
+    return columns_to_redistribute(path, ad.tp, placements)
+
+
+@dataclass
+class _Redistribution:
+    """What a load across tp sizes reads: each saved column's `Plan`, and where each param of
+    the loading model is in them (`ParamMap`): ``maps`` for the optimizer's params,
+    ``model_maps`` for model tensors (frozen now) that were trained when saved."""
+
+    plans: list[Plan]
+    maps: dict[str, ParamMap]
+    model_maps: dict[str, ParamMap]
+    tp_rank: int
+    tp_size: int
+
+
+def _plan_redistributed(columns: list[str], ad: Adapter) -> _Redistribution:
+    """Read and check every column's meta.json; map every param of the loading model onto
+    them (raising, naming the param and both sides, where that cannot be done)."""
+    plans = [saved_plan(d, read_meta(d)) for d in (resolve(c) for c in columns)]
+    n, first = len(plans), plans[0]
+    where = first.where()
+    steps = [p.meta.get("steps") for p in plans]
+    if len(set(steps)) != 1:
+        raise CheckpointError(
+            os.path.dirname(columns[0]),
+            f"the tp columns' latest checkpoints differ: steps {steps} (a save interrupted "
+            "between columns): load one of them by name",
+        )
+    for c, p in enumerate(plans):
+        tpm = p.meta.get("tensor_parallel")
+        if (tpm is None and n > 1) or (tpm is not None and (tpm["size"], tpm["rank"]) != (n, c)):
+            raise CheckpointError(p.where(), f"corrupt: tp column {c} of {n} records {tpm}")
+    saved_pl = [(p.meta.get("tensor_parallel") or {}).get("placements", {}) for p in plans]
+    groups = first.meta["param_groups"]
+    if len(groups) != len(ad.optimizer.param_groups):
+        raise CheckpointError(
+            where,
+            f"incompatible optimizer: {len(groups)} param groups saved, "
+            f"{len(ad.optimizer.param_groups)} here",
+        )
+    tp = ad.tp or {"size": 1, "rank": 0, "placements": {}}
+    leaves = ad.leaves()
+    maps: dict[str, ParamMap] = {}
+    for p in ad.table:
+        name, i = p["name"], p["index"]
+        leaf = leaves[i]
+        if ad.tp is None and hasattr(leaf, "device_mesh"):
+            raise CheckpointError(
+                where,
+                f"param {name} is a DTensor under a plain torch optimizer: load a "
+                "tensor-parallel model through its ZeroOptimizer",
+            )
+        here = (tp["placements"].get(i), tp["size"], tp["rank"], tuple(leaf.shape))
+        entries = [pl.saved.get(name) for pl in plans]
+        if entries[0] is None:  # trained here, not in the saved optimizer: column 0's model file
+            mt = first.model_tensors.get(name)
+            if mt is None:
+                raise CheckpointError(where, f"incompatible model: param {name} is not in it")
+            maps[name] = param_map(name, None, [mt["shape"]], [-1], *here, p["shape"], where)
+            continue
+        if any(e is None for e in entries):
+            raise CheckpointError(where, f"corrupt: param {name} is not in every tp column")
+        if entries[0]["group"] != p["group"]:
+            raise CheckpointError(
+                where,
+                f"incompatible optimizer: param {name} is in param group {p['group']} here, "
+                f"{entries[0]['group']} in the checkpoint",
+            )
+        if any(x.get(name) != saved_pl[0].get(name) for x in saved_pl):
+            raise CheckpointError(where, f"corrupt: the tp columns' placements of {name} differ")
+        pm = param_map(
+            name,
+            saved_pl[0].get(name),
+            [e["shape"] for e in entries],
+            [e["index"] for e in entries],
+            *here,
+            p["shape"],
+            where,
+        )
+        _check_state(pm, [e.get("state") for e in entries], where)
+        maps[name] = pm
+    model_maps = {}
+    for name, t in ad.model_entries().items():
+        if hasattr(t, "device_mesh"):
+            raise CheckpointError(where, f"{name} is a DTensor buffer or frozen DTensor param")
+        entries = [pl.saved.get(name) for pl in plans]
+        if entries[0] is not None:  # trained then, frozen (or outside the optimizer) now
+            sp = saved_pl[0].get(name)
+            shapes, idx = [e["shape"] for e in entries], [e["index"] for e in entries]
+            shape = tuple(t.shape)
+            model_maps[name] = param_map(name, sp, shapes, idx, None, 1, 0, shape, shape, where)
+        elif list(first.model_tensors.get(name, {}).get("shape", [-1])) != list(t.shape):
+            raise CheckpointError(
+                where, f"incompatible model: {name} of shape {tuple(t.shape)} is not in it"
+            )
+    known = set(maps) | set(ad.model_entries())
+    for name in first.saved:
+        if name not in known:
+            raise CheckpointError(where, f"incompatible model: it has no param {name}")
+    return _Redistribution(plans, maps, model_maps, tp["rank"], tp["size"])
+
+
+def _check_state(pm: ParamMap, schemas: list, where: str) -> None:
+    """The saved optimizer state of ``pm`` can be redistributed: the same entries in every
+    column; per-tensor tensors only where they are scalars or the param is cut alike."""
+    if any((s or {}).get("elem") != (schemas[0] or {}).get("elem") for s in schemas):
+        raise CheckpointError(where, f"corrupt: the tp columns' state entries of {pm.name} differ")
+    for k, info in ((schemas[0] or {}).get("tensor") or {}).items():
+        if math.prod(info["shape"]) > 1 and not pm.same_cut:
+            raise CheckpointError(
+                where,
+                f"param {pm.name}: its optimizer state {k!r} of shape {tuple(info['shape'])} "
+                f"is kept per tensor, not per element; it cannot be redistributed "
+                f"({pm.describe})",
+            )
+
+
+def _load_redistributed(columns: list[str], ad: Adapter, ctls, scheduler) -> dict:
+    """`load_checkpoint` from tp columns of another size or placements (or a save without
+    tp into a tp model, or the converse): the steps of the ordinary load, each rank reading
+    its pieces from every column that holds part of them."""
+    rd_plan = _agree_all(ctls, lambda: _plan_redistributed(columns, ad), "reading meta.json")
+    meta = rd_plan.plans[0].meta
+    for c in ctls:
+        c.step = meta.get("steps")
+    # every column's files, each verified once on the dp x tp grid
+    files = [(c, f) for c, p in enumerate(rd_plan.plans) for f in sorted(p.meta["files"])]
+    me = rd_plan.tp_rank * ad.dp_size + ad.dp_rank
+    grid = rd_plan.tp_size * ad.dp_size
+
+    def verify():
+        for j, (c, f) in enumerate(files):
+            if j % grid == me:
+                _verify(rd_plan.plans[c], [f])
+
+    _agree_all(ctls, verify, "verifying the files")
+    readers = [Reader(p.directory) for p in rd_plan.plans]
+    try:
+        _agree_all(ctls, lambda: _read_redistributed(rd_plan, ad, readers), "reading the pieces")
+        ad.finish_install(decode(meta["param_groups"]), meta)
+        with ad.frozen_whole(write=True):
+            _load_model_redistributed(rd_plan, ad, readers)
+        if scheduler is not None and meta.get("scheduler") is not None:
+            scheduler.load_state_dict(decode(meta["scheduler"]))
+        c = rd_plan.tp_rank % len(readers)  # the RNG states of the same tp rank's column
+        if ad.rank < rd_plan.plans[c].meta["world_size"]:
+            _set_rng(readers[c], ad.rank)
+    finally:
+        for rd in readers:
+            rd.close()
+    return decode(meta["extra"])
+
+
+def _flat(rdp: _Redistribution, readers: list[Reader], pm: ParamMap, key: str, dtype):
+    """``read_flat(c, lo, n)`` of `read_piece`: saved tensor ``key`` of ``pm`` in column c,
+    elements ``[lo, lo + n)`` of its flattened local tensor, as ``dtype``."""
+    whole = {}
+
+    def read_flat(c: int, lo: int, n: int) -> torch.Tensor:
+        plan, s = rdp.plans[c], pm.index[c]
+        if s < 0:  # a model tensor of column 0 (frozen when saved): read whole, once
+            if "t" not in whole:
+                whole["t"] = readers[0].tensor(MODEL_FILE, pm.name).reshape(-1)
+            return whole["t"][lo : lo + n].to(dtype)
+        out = torch.empty(n, dtype=dtype)
+        kind, _, k = key.partition("/")
+        low = (plan.saved[pm.name].get("state") or {}).get("lowbit")
+        if kind == "s" and low and k in _MOMENTS:  # int8 moments: their blocks decoded
+            both = {m: torch.empty(n, dtype=dtype) for m in _MOMENTS}
+            read_decoded(readers[c], plan, s, int(low["block"]), low["origin"], lo, n, both)
+            return both[k]
+        read_range(readers[c], plan, s, key, lo, n, out)
+        return out
+
+    return read_flat
+
+
+def _read_redistributed(rdp: _Redistribution, ad: Adapter, readers: list[Reader]) -> None:
+    """`_read_windows` from the columns: each target piece's values and element-wise state
+    cut from the saved columns' (`read_piece`), per-tensor state from one column."""
+    targets, others = ad.targets(), {}
+    for which, ctx in ad.windows(read=True, write=True):
+        js = range(len(targets)) if which is None else which
+        with ctx(), torch.no_grad():
+            states = [_read_target(rdp, ad, readers, j, targets[j], others) for j in js]
+            ad.install_pieces(which, states)
+
+
+def _read_target(rdp: _Redistribution, ad: Adapter, readers, j: int, t, others: dict):
+    pm = rdp.maps[ad.name_of(t.index)]
+    read_piece(pm, _flat(rdp, readers, pm, "p", t.values.dtype), t.offset, t.numel, t.values)
+    sp = rdp.plans[0].saved.get(pm.name)
+    sc = sp.get("state") if sp else None
+    if not sc:
+        return None
+    elem = {}
+    for k, dt in sc["elem"].items():
+        dtype = getattr(torch, dt)
+        if sc.get("lowbit") and k in _MOMENTS:  # decoded to the values' dtype, encoded again
+            dtype = t.values.dtype
+        elif dtype.is_floating_point:
+            dtype = ad.float_state_dtype(j, t.values.dtype)
+        elem[k] = ad.state_buffer(j, k, dtype)
+        read_piece(pm, _flat(rdp, readers, pm, f"s/{k}", dtype), t.offset, t.numel, elem[k])
+    if pm.name not in others:
+        o = {k: decode(v) for k, v in sc["value"].items()}
+        for k, info in sc["tensor"].items():  # scalars: column 0's; else the same cut's own
+            c = pm.rank if math.prod(info["shape"]) > 1 and pm.saved.dim is not None else 0
+            o[k] = readers[c].tensor(_first_file(rdp.plans[c], pm.index[c]), f"o/{pm.index[c]}/{k}")
+        others[pm.name] = o
+    other = {}
+    for k, v in others[pm.name].items():
+        if isinstance(v, torch.Tensor):
+            v = v.clone()
+            if k != "step" and v.is_floating_point():
+                v = v.to(ad.float_state_dtype(j, t.values.dtype))
+        other[k] = v
+    return {"elem": elem, "other": other}
+
+
+@torch.no_grad()
+def _load_model_redistributed(rdp: _Redistribution, ad: Adapter, readers) -> None:
+    """`_load_model_state` from column 0 (buffers and frozen params are whole in every
+    column); a tensor trained when saved is cut from the columns like a param."""
+    for name, t in ad.model_entries().items():
+        pm = rdp.model_maps.get(name)
+        if pm is None:
+            t.copy_(readers[0].tensor(MODEL_FILE, name))
+            continue
+        dt = torch.float64 if t.dtype == torch.float64 else torch.float32
+        buf = torch.empty(t.numel(), dtype=dt)
+        read_piece(pm, _flat(rdp, readers, pm, "p", dt), 0, t.numel(), buf)
+        t.copy_(buf.view(t.shape))
+    modules = ad.model_values()
+    for n, v in (rdp.plans[0].meta["model"].get("values") or {}).items():
+        if n in modules:
+            modules[n].set_extra_state(decode(v))

@@ -401,6 +401,8 @@ class ShardedState:
             for old, new in zip(g["params"], mine)
         }
         full = {remap[int(k)]: v for k, v in state_dict["state"].items()}
+        if self._core.tp is not None:  # whole tensors: this tp rank's part of each
+            full = self._core.tp.local_state(full)
         st = shard_state(self.layout, self._runner, self.rank, full)
         inner_groups = []
         k = 0  # inner indices: enumeration order of the inner params

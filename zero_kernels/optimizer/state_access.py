@@ -28,27 +28,24 @@ class FullState:
         """On rank ``to``: the state dict of the unsharded ``optimizer_class`` (torch's format,
         loadable by it; its tensors on the host: every rank's pieces travel as host copies,
         `zero_kernels.partition.state.to_host`); None on the other ranks. Collective: call it
-        on every rank."""
+        on every rank. With tensor parallelism: on every rank whose dp rank is ``to`` (one per
+        tp rank), each entry of a DTensor param gathered over dp and then over tp to its whole
+        shape (the param's global one, as `full_state` gives it)."""
         core = self.core
-        if core.tp is not None:
-            raise NotImplementedError(
-                "consolidated_state_dict() with tensor parallelism (DTensor params): torch's "
-                "format has no place for tp slices; use opt.full_state(p) (whole tensors), or "
-                "save_checkpoint/load_checkpoint"
-            )
         if not 0 <= to < core.dp_size:
             raise ValueError(f"to must be a rank in [0, {core.dp_size}), got to={to!r}")
         comm.check_arrival(core.side, "ZeroOptimizer.consolidated_state_dict()", core.timeout)
         mesh = core.mesh
         # the pieces of one shard group make the whole state: that of rank ``to``
         holders = next(rs for rs in mesh.shard_ranks if to in rs)
-        if core.dp_rank not in holders:
-            return None
-        payload = local_payload(core.layout, core.runner, masters=True)
-        got = comm.gather_object(payload, holders.index(to), group=core.shard_group)
-        if core.dp_rank != to:
-            return None
-        return consolidate(self.core.layout, got, self.param_groups(), self.core.group_indices)
+        out = None
+        if core.dp_rank in holders:
+            payload = local_payload(core.layout, core.runner, masters=True)
+            got = comm.gather_object(payload, holders.index(to), group=core.shard_group)
+            if core.dp_rank == to:
+                out = consolidate(core.layout, got, self.param_groups(), core.group_indices)
+        # tensor parallelism: the local tensors' entries made whole over tp (collective)
+        return out if core.tp is None else core.tp.whole_state(out)
 
     @torch.no_grad()
     def refresh_params(self) -> None:

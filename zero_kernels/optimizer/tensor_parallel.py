@@ -43,6 +43,7 @@ import math
 import torch
 
 from .. import comm
+from ..partition.state import elementwise
 
 __all__ = ["TPParam", "TensorParallel", "dp_group_of", "find", "is_dtensor"]
 
@@ -160,6 +161,67 @@ class TensorParallel:
         from torch.distributed.tensor import DTensor
 
         return DTensor(local.contiguous(), tpp.param._spec, requires_grad=False)
+
+    def whole_state(self, sd: dict | None) -> dict | None:
+        """``sd``, a consolidated state dict of the local tensors (torch's format) on the ranks
+        that hold it (None elsewhere), with each DTensor param's element-wise entries (moments,
+        fp32 masters) made whole over tp, on the host. Collective over tp: every rank calls it;
+        the ranks of a tp group hold ``sd`` all or none (they have one dp rank)."""
+        held = comm.all_gather_object(sd is not None, group=self.group)
+        if len(set(held)) > 1:
+            raise ValueError(
+                f"consolidated_state_dict: the ranks of tp group {comm.group_ranks(self.group)} "
+                f"have different dp ranks (holding the state: {held}): the dp group "
+                "(process_group=) and the tp mesh must come from one DeviceMesh"
+            )
+        if sd is None:
+            return None
+        keys = {
+            i: sorted(
+                k
+                for k, v in sd["state"].get(i, {}).items()
+                if elementwise(k, v, tuple(t.local.shape))
+            )
+            for i, t in sorted(self.by_index.items())
+        }
+        every = comm.all_gather_object(keys, group=self.group)
+        bad = [i for i in keys if any(e[i] != keys[i] for e in every)]
+        if bad:
+            raise ValueError(
+                f"consolidated_state_dict: the tp ranks' state entries of param #{bad[0]} "
+                f"differ ({[e[bad[0]] for e in every]}): a param stepped on some tp ranks only"
+            )
+        dev = self.by_index[next(iter(keys))].local.device if keys else None
+        for i, ks in keys.items():
+            for k in ks:
+                v = sd["state"][i][k]
+                sd["state"][i][k] = self.whole(i, v.to(dev)).to(v.device)
+        return sd
+
+    def local_state(self, state: dict) -> dict:
+        """``state`` (torch's per-param format, by index) of whole tensors, the same on every
+        rank (``consolidated_state_dict``'s) with each DTensor param's element-wise entries cut
+        to this tp rank's part: no communication (Replicate to Shard is a local cut). An entry
+        of the local shape, not the whole one, raises naming it."""
+        out = dict(state)
+        for i, t in self.by_index.items():
+            st = state.get(i)
+            if not st:
+                continue
+            whole, local = tuple(t.param.shape), tuple(t.local.shape)
+            new = {}
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor) and elementwise(k, v, whole):
+                    v = self.local_part(i, v.to(t.local.device))
+                elif isinstance(v, torch.Tensor) and whole != local and tuple(v.shape) == local:
+                    raise ValueError(
+                        f"load_state_dict: state entry {k!r} of param #{i} (placements "
+                        f"{t.placements}) has this tp rank's local shape {local}: give whole "
+                        f"tensors of shape {whole} (opt.consolidated_state_dict()'s)"
+                    )
+                new[k] = v
+            out[i] = new
+        return out
 
     # ------------------------------------------------------------------ gradients
     def local_grad(self, index: int, g: torch.Tensor) -> torch.Tensor:

@@ -501,7 +501,11 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
 
     def consolidated_state_dict(self, to: int = 0) -> dict | None:
         """On rank ``to``: the state dict of the unsharded ``optimizer_class`` (torch's format,
-        loadable by it); None on the other ranks. Collective: call it on every rank."""
+        loadable by it; tensors on the host); None on the other ranks. Collective: call it on
+        every rank. With tensor parallelism (DTensor params): on every rank whose dp rank is
+        ``to`` (one per tp rank, all alike), a DTensor param's entries are whole tensors of its
+        global shape, gathered over dp and then over tp (as `full_state` gives them), and
+        ``load_state_dict`` takes such a dict at any dp and tp size."""
         if not 0 <= to < self.world_size:
             raise ValueError(f"to must be a rank in [0, {self.world_size}), got to={to!r}")
         self._check_open("consolidated_state_dict")
