@@ -35,13 +35,17 @@ Against what they should send:
                 twice; ZeroOptimizer and FSDP2 keep it gathered from forward to backward, so
                 they send one gather of it less (``counted``: ZeroOptimizer's own ledger of
                 its bytes across nodes).
-    tp payload  DTensor's collectives over the tp group, counted in one warm-up step by a
-                dispatch mode (the functional collectives' inputs), priced as gloo sends them
-                across a link with one rank of the group on each node (all-gather: its chunk
-                to each of the g-1 others; all-reduce: ring, 2 (g-1)/g; reduce-scatter:
-                gloo's is an all-reduce and a cut, 2 (g-1)/g too), times the ranks of a node.
-                It must be ~0 on the link with tp inside the nodes and is what the transposed
-                control sends.
+    tp payload  the collectives over the tp group, counted in one warm-up step by a
+                dispatch mode: DTensor's (functional collectives on the local tensors) and
+                ZeroOptimizer's own (c10d: at stages 2-3 the deferred tp sums of Partial
+                gradients, [Note: deferred tp sums]), priced as gloo sends them across a link
+                with one rank of the group on each node (all-gather: its chunk to each of the
+                g-1 others; all-reduce: ring, 2 (g-1)/g; reduce-scatter: gloo's is an
+                all-reduce and a cut, 2 (g-1)/g too), times the ranks of a node. It must be ~0
+                on the link with tp inside the nodes and is what the transposed control sends.
+
+Output: the table (MB per node per step, the busier node's) and ``--out`` (default
+bench/results/testbed_tp_<nodes>x<ranks>.json: every node's figures, the groups, the losses).
 """
 
 from __future__ import annotations
@@ -66,51 +70,68 @@ SIZES = {  # name -> (GPTConfig kwargs, sequences per dp rank)
 
 
 def _tp_counter():
-    """A dispatch mode that sums, per functional collective and process group, the bytes of
-    its inputs (DTensor's redistributions run these on local tensors; ZeroOptimizer's and
-    FSDP2's own collectives are c10d ops, not counted)."""
+    """A dispatch mode that sums, per collective and process group, the bytes of its inputs:
+    the functional collectives DTensor's redistributions run on local tensors, and the c10d
+    collectives (``dist.all_reduce`` and the like: ZeroOptimizer's deferred tp sums of
+    ``Partial`` gradients, its norms and flags, FSDP2's and ZeroOptimizer's dp collectives);
+    the caller keeps the tp group's."""
     import torch
+    from torch.distributed import ProcessGroup
+    from torch.distributed.distributed_c10d import _resolve_process_group
     from torch.distributed.tensor import DTensor
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    fc = torch.ops._c10d_functional
-    ops = {
-        fc.all_gather_into_tensor: "all_gather",
-        fc.reduce_scatter_tensor: "reduce_scatter",
-        fc.all_reduce: "all_reduce",
-        fc.all_reduce_: "all_reduce",
-        fc.all_to_all_single: "all_to_all",
+    fc, c10d = torch.ops._c10d_functional, torch.ops.c10d
+    funcol = {  # op -> (name, index of the group's name)
+        fc.all_gather_into_tensor: ("all_gather", 2),
+        fc.reduce_scatter_tensor: ("reduce_scatter", 3),
+        fc.all_reduce: ("all_reduce", 2),
+        fc.all_reduce_: ("all_reduce", 2),
+        fc.all_to_all_single: ("all_to_all", 3),
     }
+    c10d_ops = {  # op -> (name, index of the input, of the ProcessGroup)
+        c10d.allreduce_: ("all_reduce", 0, 1),
+        c10d._allgather_base_: ("all_gather", 1, 2),
+        c10d._reduce_scatter_base_: ("reduce_scatter", 1, 2),
+        c10d.broadcast_: ("broadcast", 0, 1),
+    }
+
+    def nbytes(t) -> int:
+        ts = t if isinstance(t, (list, tuple)) else [t]
+        return sum(x.numel() * x.element_size() for x in ts)
 
     class Counter(TorchDispatchMode):
         def __init__(self):
             super().__init__()
-            self.bytes: dict = {}  # (op, group_name, group_size) -> input bytes
+            self.bytes: dict = {}  # (op, group_name, group_size, "funcol"|"c10d") -> bytes
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if any(t is DTensor or issubclass(t, DTensor) for t in types):
+            if any(issubclass(t, DTensor) for t in types):
                 return NotImplemented  # let DTensor turn it into collectives on local tensors
-            kwargs = kwargs or {}
-            op = ops.get(getattr(func, "overloadpacket", None))
-            if op is not None:
-                from torch.distributed.distributed_c10d import _resolve_process_group
-
-                name = args[-1] if op != "all_to_all" else args[3]
-                size = _resolve_process_group(name).size()
-                t = args[0]
-                key = (op, name, size)
-                self.bytes[key] = self.bytes.get(key, 0) + t.numel() * t.element_size()
-            return func(*args, **kwargs)
+            packet = getattr(func, "overloadpacket", None)
+            key = None
+            if packet in funcol:
+                op, i = funcol[packet]
+                pg = _resolve_process_group(args[i])
+                key, n = (op, args[i], pg.size(), "funcol"), nbytes(args[0])
+            elif packet in c10d_ops:
+                op, i, j = c10d_ops[packet]
+                pg = ProcessGroup.unbox(args[j])  # a ScriptObject here
+                key, n = (op, pg.group_name, pg.size(), "c10d"), nbytes(args[i])
+            if key is not None:
+                self.bytes[key] = self.bytes.get(key, 0) + n
+            return func(*args, **(kwargs or {}))
 
     return Counter()
 
 
 def link_send_bytes(op: str, in_bytes: float, g: int) -> float:
-    """What one rank sends of a functional collective of ``in_bytes`` of input over a gloo group
-    of ``g`` with one rank per node: an all-gather its chunk to the g-1 others, an all-reduce
-    2 (g-1)/g (ring), a reduce-scatter the same (gloo's ``reduce_scatter_tensor`` all-reduces
-    the input and keeps its chunk), an all-to-all (g-1)/g."""
+    """What one rank sends of a collective of ``in_bytes`` of input over a gloo group of ``g``
+    with one rank per node: an all-gather its chunk to the g-1 others, an all-reduce 2 (g-1)/g
+    (ring), a reduce-scatter the same (gloo's ``reduce_scatter_tensor`` all-reduces the input
+    and keeps its chunk), an all-to-all (g-1)/g, a broadcast at most its input."""
     return {
+        "broadcast": in_bytes,
         "all_gather": (g - 1) * in_bytes,
         "reduce_scatter": 2 * (g - 1) / g * in_bytes,
         "all_reduce": 2 * (g - 1) / g * in_bytes,
@@ -243,9 +264,9 @@ def _layout(layout: str, args) -> dict:
         row = {
             "local_elements": local,
             "params": sum(p.numel() for p in model.parameters()),
-            "tp_payload": {f"{op} g{g}": b for (op, _, g), b in tp_in.items()},
-            "tp_send": sum(link_send_bytes(op, b, g) for (op, _, g), b in tp_in.items()),
-            "other_funcol_bytes": sum(v for k, v in counter.bytes.items() if k[1] != tp_name),
+            "tp_payload": {f"{op} g{g} {src}": b for (op, _, g, src), b in tp_in.items()},
+            "tp_send": sum(link_send_bytes(op, b, g) for (op, _, g, _), b in tp_in.items()),
+            "other_groups_bytes": sum(v for k, v in counter.bytes.items() if k[1] != tp_name),
             "counted": counted,
             "losses": losses,
         }
@@ -253,7 +274,7 @@ def _layout(layout: str, args) -> dict:
         if rank == 0:
             c = {k: rows[0][k] for k in ("local_elements", "params", "tp_payload", "losses")}
             c["tp_send_bytes_per_node"] = per_node_sum(r["tp_send"] for r in rows)
-            c["other_funcol_bytes"] = max(r["other_funcol_bytes"] for r in rows)
+            c["other_groups_bytes"] = max(r["other_groups_bytes"] for r in rows)
             c["counted_cross_bytes_per_node"] = (
                 None if counted is None else per_node_sum(r["counted"] for r in rows)
             )
