@@ -6,6 +6,13 @@ A DDP script changes in two lines (the import and the ``prepare`` call)::
     model, opt, dl, sched = accelerator.prepare(model, opt, dl, sched)  # DDP
     model, opt, dl, sched = zka.prepare(accelerator, model, opt, dl, sched, zero={"stage": 3})
 
+A script that ran with accelerate's DeepSpeed plugin keeps its config file (and its
+``DummyOptim``/``DummyScheduler``); the Accelerator is built without the plugin::
+
+    model, opt, dl, sched = zka.prepare(accelerator, model, opt, dl, sched, zero="ds_config.json")
+
+([Note: accelerate and a DeepSpeed config] in `zero_kernels.integrations.accelerate_ds`.)
+
 ``accelerator.backward``, ``accelerator.accumulate(model)``, ``accelerator.clip_grad_norm_``,
 ``opt.step()``/``opt.zero_grad()``, ``sched.step()``, ``accelerator.save_state(dir)`` and
 ``accelerator.load_state(dir)`` then do what they do with DDP, on the sharded optimizer.
@@ -74,6 +81,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import warnings
 import weakref
 
 import torch
@@ -82,16 +90,19 @@ from torch import nn
 try:
     from accelerate import Accelerator
     from accelerate.optimizer import AcceleratedOptimizer
+    from accelerate.scheduler import AcceleratedScheduler
     from accelerate.utils import (
         DistributedType,
         convert_outputs_to_fp32,
         get_mixed_precision_context_manager,
     )
+    from accelerate.utils.deepspeed import DummyOptim, DummyScheduler  # without DeepSpeed too
 except ImportError as e:  # pragma: no cover - exercised without accelerate installed
     raise ImportError(
         "zero_kernels.integrations.accelerate needs accelerate (pip install accelerate)"
     ) from e
 
+from .accelerate_ds import plan_from_deepspeed_config
 from .common import (
     check_not_wrapped,
     from_torch_optimizer,
@@ -100,6 +111,7 @@ from .common import (
     with_broadcast_buffers,
     zero_kwargs,
 )
+from .ds_config import is_deepspeed_config
 
 __all__ = ["ZeroAcceleratedOptimizer", "load_state", "prepare", "save_state"]
 
@@ -116,12 +128,33 @@ _REFUSED = {
 class ZeroAcceleratedOptimizer(AcceleratedOptimizer):
     """accelerate's optimizer wrapper over a `ZeroOptimizer` (``.optimizer``): ``step`` and
     ``zero_grad`` only when ``accelerator.sync_gradients``; any attribute the wrapper lacks is
-    the ZeroOptimizer's (``opt.no_sync()``, ``opt.full_param(p)``, ``opt.comm_stats``)."""
+    the ZeroOptimizer's (``opt.no_sync()``, ``opt.full_param(p)``, ``opt.comm_stats``).
+    ``max_grad_norm``: the DeepSpeed config's ``gradient_clipping`` when ``zero=`` was one (to
+    pass to ``accelerator.clip_grad_norm_``), else None."""
 
-    def __init__(self, optimizer):
+    def __init__(self, optimizer, max_grad_norm: float | None = None):
         # device_placement=False: accelerate's placement is state_dict -> .to -> load_state_dict,
         # a per-rank shard round trip for nothing (the state lives with the params already)
         super().__init__(optimizer, device_placement=False, scaler=None)
+        self.max_grad_norm = max_grad_norm
+        self.clip_due = max_grad_norm is not None  # set by each step, cleared by each clip
+        self._warned = False
+
+    def step(self, closure=None):
+        if self.clip_due and self.gradient_state.sync_gradients and not self._warned:
+            self._warned = True
+            warnings.warn(
+                "zero_kernels.integrations.accelerate: optimizer.step() with no "
+                "accelerator.clip_grad_norm_ before it: the DeepSpeed config's gradient_clipping="
+                f"{self.max_grad_norm} is the script's to apply (DeepSpeed's engine clipped "
+                "inside its step). Call accelerator.clip_grad_norm_(model.parameters(), "
+                "optimizer.max_grad_norm) when accelerator.sync_gradients",
+                stacklevel=2,
+            )
+        out = super().step(closure)
+        if self.max_grad_norm is not None and self.gradient_state.sync_gradients:
+            self.clip_due = True
+        return out
 
     def __getattr__(self, name):
         inner = self.__dict__.get("optimizer")
@@ -302,7 +335,20 @@ def prepare(accelerator, model: nn.Module, optimizer, *objects, zero=None):
     keyword arguments, e.g. ``{"stage": 3}``, or a ZeroPolicy; default stage 2), or a
     ZeroOptimizer over the model. ``objects``: data loaders and LR schedulers (built over
     ``optimizer``), prepared by accelerate. The accelerator's ``save_state``/``load_state`` become
-    this module's. See [Note: accelerate without DDP]."""
+    this module's. See [Note: accelerate without DDP].
+
+    ``zero`` may also be the DeepSpeed config an accelerate run gave its DeepSpeed plugin (a
+    path, a ``Path`` or its dict), read as accelerate reads it: with an ``optimizer`` block the
+    optimizer is ``accelerate.utils.DummyOptim(params)``, with a ``scheduler`` block the objects
+    hold an ``accelerate.utils.DummyScheduler`` (the block's scheduler is returned in its
+    place); a torch optimizer or scheduler beside the block is a ValueError naming it. "auto"
+    values come from what accelerate knows (the data loaders' batch size, the Accelerator's
+    accumulation and precision, the model's ``config.hidden_size``, the DummyOptim and
+    DummyScheduler); others raise naming the key. Clipping stays the script's call: the
+    config's ``gradient_clipping`` is the returned optimizer's ``max_grad_norm``, to pass to
+    ``accelerator.clip_grad_norm_(model.parameters(), optimizer.max_grad_norm)`` (another
+    ``max_norm`` raises; a step with no clip before it warns once). See [Note: accelerate and a
+    DeepSpeed config] in `zero_kernels.integrations.accelerate_ds`."""
     _check_accelerator(accelerator)
     if not isinstance(model, nn.Module):
         raise TypeError(f"{_WHERE}: model must be an nn.Module, got {type(model).__name__}")
@@ -330,7 +376,24 @@ def prepare(accelerator, model: nn.Module, optimizer, *objects, zero=None):
             f"{_WHERE}: the optimizer was prepared by accelerate already "
             f"({type(optimizer).__name__}); pass the plain torch optimizer (or a ZeroOptimizer)"
         )
-    kwargs = zero_kwargs(zero, _WHERE)
+    if is_zero(optimizer) and zero is not None:
+        raise ValueError(
+            f"{_WHERE}: zero={zero!r} given with a ready ZeroOptimizer; its options are set. "
+            "Pass zero only with a plain torch optimizer"
+        )
+    plan = None
+    if is_deepspeed_config(zero):  # [Note: accelerate and a DeepSpeed config]
+        plan = plan_from_deepspeed_config(zero, accelerator, model, optimizer, objects, _WHERE)
+        kwargs = {"policy": plan.policy}
+    else:
+        dummies = [type(o).__name__ for o in (optimizer, *objects) if _is_dummy(o)]
+        if dummies:
+            raise TypeError(
+                f"{_WHERE}: {', '.join(dummies)} given with zero={zero!r}: accelerate's "
+                "DeepSpeed placeholders need zero= a DeepSpeed config (its path or dict) with "
+                "the 'optimizer'/'scheduler' blocks they stand for"
+            )
+        kwargs = zero_kwargs(zero, _WHERE)
     # DDP's broadcast_buffers as the accelerator would pass it to DDP
     # (DistributedDataParallelKwargs; its to_kwargs() holds only the values set)
     handler = getattr(accelerator, "ddp_handler", None)
@@ -343,11 +406,6 @@ def prepare(accelerator, model: nn.Module, optimizer, *objects, zero=None):
         with_broadcast_buffers({"policy": optimizer.policy}, value, source, _WHERE)
     else:
         kwargs = with_broadcast_buffers(kwargs, value, source, _WHERE)
-    if is_zero(optimizer) and zero is not None:
-        raise ValueError(
-            f"{_WHERE}: zero={zero!r} given with a ready ZeroOptimizer; its options are set. "
-            "Pass zero only with a plain torch optimizer"
-        )
     shard = optimizer.policy.shard if is_zero(optimizer) else shard_of(kwargs)
     _check_autocast(accelerator, resharded=not shard.params)
     if not shard.params and not accelerator.even_batches:
@@ -358,20 +416,36 @@ def prepare(accelerator, model: nn.Module, optimizer, *objects, zero=None):
             "waiting until the timeout. Keep even_batches=True (the default) at stage 3, or "
             "use stage 1 or 2"
         )
+    if plan is not None and plan.dtype is not None:
+        model.to(plan.dtype)  # as DeepSpeed's engine casts it (fp32 masters are kept)
     _place(accelerator, model, optimizer)
-    zopt = from_torch_optimizer(model, optimizer, kwargs, _WHERE)
-    if not is_zero(optimizer):
+    if plan is not None:
+        zopt = plan.build_optimizer(model, optimizer, kwargs, _WHERE)
+    else:
+        zopt = from_torch_optimizer(model, optimizer, kwargs, _WHERE)
+    if isinstance(optimizer, torch.optim.Optimizer):
         for obj in objects:
             _rebind(obj, optimizer, zopt)
     _wrap_forward(accelerator, model)
     model.no_sync = _NoSync(zopt)
-    wrapped = ZeroAcceleratedOptimizer(zopt)
+    wrapped = ZeroAcceleratedOptimizer(zopt, plan.max_grad_norm if plan is not None else None)
     wrapped._is_accelerate_prepared = True
     accelerator._optimizers.append(wrapped)
     if model not in accelerator._models:
         accelerator._models.append(model)
-    prepared = accelerator.prepare(*objects) if objects else ()
-    prepared = [prepared] if len(objects) == 1 else list(prepared)  # one object: not a tuple
+    at = plan.scheduler_at if plan is not None else None
+    rest = [o for i, o in enumerate(objects) if i != at]
+    prepared = accelerator.prepare(*rest) if rest else ()
+    prepared = [prepared] if len(rest) == 1 else list(prepared)  # one object: not a tuple
+    if at is not None:
+        # the config's (or the DummyScheduler's callable's) scheduler, stepped once per
+        # optimizer step as DeepSpeed's engine steps it (split_batches=True: not once per rank)
+        sched = AcceleratedScheduler(
+            plan.make_scheduler(zopt), wrapped, step_with_optimizer=True, split_batches=True
+        )
+        sched._is_accelerate_prepared = True
+        accelerator._schedulers.append(sched)
+        prepared.insert(at, sched)
     schedulers = [o for o in prepared if hasattr(o, "scheduler") and hasattr(o, "optimizers")]
     accelerator._zero_kernels = _Registered(model, zopt, schedulers)
     accelerator.save_state = functools.partial(save_state, accelerator)
@@ -379,6 +453,10 @@ def prepare(accelerator, model: nn.Module, optimizer, *objects, zero=None):
     for name in ("clip_grad_norm_", "clip_grad_value_"):
         setattr(accelerator, name, _clip_at_sync(accelerator, getattr(accelerator, name), name))
     return (model, wrapped, *prepared)
+
+
+def _is_dummy(obj) -> bool:
+    return isinstance(obj, (DummyOptim, DummyScheduler))
 
 
 def _clip_at_sync(accelerator, clip, name: str):
@@ -398,6 +476,20 @@ def _clip_at_sync(accelerator, clip, name: str):
                 "partial gradient to clip there, as DDP's would. Clip once per optimizer step: "
                 f"`if accelerator.sync_gradients: accelerator.{name}(...)`"
             )
+        reg = getattr(accelerator, "_zero_kernels", None)
+        opt = None
+        if reg is not None:
+            opt = next((o for o in accelerator._optimizers if o.optimizer is reg.optimizer), None)
+        if name == "clip_grad_norm_" and opt is not None and opt.max_grad_norm is not None:
+            max_norm = kwargs.get("max_norm", args[1] if len(args) > 1 else None)
+            if max_norm is None or float(max_norm) != opt.max_grad_norm:
+                raise ValueError(
+                    f"accelerator.clip_grad_norm_(max_norm={max_norm!r}) and the DeepSpeed "
+                    f"config's gradient_clipping={opt.max_grad_norm} differ (DeepSpeed clipped "
+                    "at the config's value and ignored max_norm): pass optimizer.max_grad_norm, "
+                    "or change gradient_clipping"
+                )
+            opt.clip_due = False
         return clip(*args, **kwargs)
 
     return guarded

@@ -62,8 +62,11 @@ __all__ = [
     "DeepSpeedMapping",
     "DeepSpeedRun",
     "Line",
+    "auto_keys",
     "build_from_deepspeed_config",
+    "is_deepspeed_config",
     "map_deepspeed_config",
+    "read_deepspeed_config",
     "zero_for_trainer",
 ]
 
@@ -253,6 +256,51 @@ def _resolve_auto(cfg: dict, m: DeepSpeedMapping, model, hf_args, num_training_s
         fill("zero_optimization.stage3_param_persistence_threshold", 10 * h)
 
 
+# ---------------------------------------------------------------------------- reading
+_TOP_KEYS = ("zero_optimization", "train_micro_batch_size_per_gpu", "train_batch_size")
+
+
+def is_deepspeed_config(zero) -> bool:
+    """Whether an integration's ``zero=`` is a DeepSpeed config: a path to its JSON (str or
+    ``os.PathLike``), or its dict (holding one of DeepSpeed's top-level keys
+    ``zero_optimization``, ``train_micro_batch_size_per_gpu``, ``train_batch_size``), rather
+    than ZeroOptimizer keyword arguments."""
+    if isinstance(zero, (str, os.PathLike)):
+        return True
+    return isinstance(zero, dict) and any(k in zero for k in _TOP_KEYS)
+
+
+def read_deepspeed_config(config: str | os.PathLike | dict) -> dict:
+    """DeepSpeed config ``config`` as a dict of its own (a JSON file read, or a dict copied)."""
+    if isinstance(config, (str, os.PathLike)):
+        where = os.fspath(config)
+        if not os.path.isfile(where):
+            raise FileNotFoundError(f"DeepSpeed config {where!r}: no such file")
+        with open(where) as f:
+            try:
+                cfg = json.load(f)
+            except ValueError as e:
+                raise ValueError(f"DeepSpeed config {where!r}: not JSON ({e})") from None
+    elif isinstance(config, dict):
+        cfg = copy.deepcopy(config)
+    else:
+        raise TypeError(f"config must be a path or a dict, got {type(config).__name__}: {config!r}")
+    if not isinstance(cfg, dict):
+        raise ValueError(f"DeepSpeed config: a JSON object expected, got {type(cfg).__name__}")
+    return cfg
+
+
+def auto_keys(cfg: dict, prefix: str = "") -> list[str]:
+    """The dotted keys of ``cfg`` whose value is ``"auto"``, in the config's order."""
+    out = []
+    for k, v in cfg.items():
+        if isinstance(v, dict):
+            out += auto_keys(v, f"{prefix}{k}.")
+        elif v == "auto":
+            out.append(f"{prefix}{k}")
+    return out
+
+
 # ---------------------------------------------------------------------------- the mapping
 def map_deepspeed_config(
     config: str | os.PathLike | dict,
@@ -266,19 +314,7 @@ def map_deepspeed_config(
     raises for a key it cannot map: those are its ``refused`` lines (`DeepSpeedMapping.check`
     raises on them). ``model``, ``hf_args``, ``num_training_steps``: what ``"auto"`` values
     resolve from (see [Note: DeepSpeed config])."""
-    if isinstance(config, (str, os.PathLike)):
-        with open(config) as f:
-            try:
-                cfg = json.load(f)
-            except ValueError as e:
-                where = os.fspath(config)
-                raise ValueError(f"DeepSpeed config {where!r}: not JSON ({e})") from None
-    elif isinstance(config, dict):
-        cfg = copy.deepcopy(config)
-    else:
-        raise TypeError(f"config must be a path or a dict, got {type(config).__name__}")
-    if not isinstance(cfg, dict):
-        raise ValueError(f"DeepSpeed config: a JSON object expected, got {type(cfg).__name__}")
+    cfg = read_deepspeed_config(config)
     m = DeepSpeedMapping(allow_differences=bool(allow_differences))
     _resolve_auto(cfg, m, model, hf_args, num_training_steps)
     for key, value in cfg.items():

@@ -74,6 +74,7 @@ from .common import (
     with_broadcast_buffers,
     zero_kwargs,
 )
+from .ds_config import is_deepspeed_config, zero_for_trainer
 
 __all__ = ["OVERRIDES", "TESTED", "ZERO_DIR", "ZeroTrainer"]
 
@@ -139,15 +140,6 @@ def _inner(optimizer):
     return optimizer
 
 
-def _is_ds_config(zero) -> bool:
-    """``zero=`` given as a DeepSpeed config: a path to its JSON, or its dict (holding one of
-    DeepSpeed's top-level keys)."""
-    if isinstance(zero, (str, os.PathLike)):
-        return True
-    keys = ("zero_optimization", "train_micro_batch_size_per_gpu", "train_batch_size")
-    return isinstance(zero, dict) and any(k in zero for k in keys)
-
-
 class ZeroTrainer(transformers.Trainer):
     """A ``transformers.Trainer`` taking every Trainer argument plus ``zero=``: `ZeroOptimizer`
     keyword arguments as a dict, a `ZeroPolicy` (default stage 2), or the DeepSpeed config a run
@@ -156,7 +148,7 @@ class ZeroTrainer(transformers.Trainer):
 
     def __init__(self, *args, zero=None, **kwargs):
         check_version()
-        ds_config = zero if _is_ds_config(zero) else None  # DeepSpeed's file, read below
+        ds_config = zero if is_deepspeed_config(zero) else None  # DeepSpeed's file, read below
         self.zero = zero_kwargs(None if ds_config is not None else zero, "ZeroTrainer")
         super().__init__(*args, **kwargs)
         a = self.args
@@ -167,8 +159,6 @@ class ZeroTrainer(transformers.Trainer):
                 f"the same file as ZeroTrainer(..., zero={a.deepspeed!r})"
             )
         if ds_config is not None:  # as TrainingArguments(deepspeed=...) would read it
-            from .ds_config import zero_for_trainer
-
             policy = zero_for_trainer(ds_config, a, model=self.model)
             self.zero = zero_kwargs(policy, "ZeroTrainer")
         if getattr(a, "fsdp", None):
