@@ -293,3 +293,31 @@ def test_torch_optimizer_and_clipping_left_to_the_script(fresh_state):
             zopt.step()
     finally:
         zopt.optimizer.close()
+
+
+def test_dummy_scheduler_callable_without_a_block(fresh_state):
+    """No scheduler block: the DummyScheduler's lr_scheduler_callable builds the scheduler over
+    the ZeroOptimizer (DeepSpeed's client scheduler), stepped once per optimizer step."""
+    acc = _accelerator()
+    model, cfg = _model_and_cfg(optimizer=ADAMW)
+    dummy = DummyOptim(model.parameters())
+    made = []
+
+    def make(opt):
+        made.append(opt)
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s)
+
+    model, zopt, sched = zka.prepare(
+        acc, model, dummy, DummyScheduler(dummy, lr_scheduler_callable=make), zero=cfg
+    )
+    try:
+        assert made == [zopt.optimizer] and sched.scheduler.optimizer is zopt.optimizer
+        assert zopt.optimizer.optimizer_class is torch.optim.AdamW
+        assert zopt.param_groups[0]["betas"] == (0.9, 0.99) and zopt.param_groups[0]["lr"] == 1e-3
+        acc.backward(model(torch.randn(2, 12)).pow(2).mean())
+        acc.clip_grad_norm_(model.parameters(), zopt.max_grad_norm)
+        zopt.step()
+        sched.step()
+        assert zopt.param_groups[0]["lr"] == 5e-4  # one step, not num_processes
+    finally:
+        zopt.optimizer.close()
