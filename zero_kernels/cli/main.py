@@ -343,8 +343,10 @@ def _cmd_estimate(args) -> int:
     )
     if args.nodes is not None:
         cross = cross_node(
-            e.n_params, args.nodes, args.world_size // args.nodes, precision=e.precision
+            e.n_params, args.nodes, args.world_size // args.nodes, precision=e.precision, tp=e.tp
         )
+        if e.tp > 1:  # the plain stages: hierarchy, hpZ and quantization are refused under tp
+            cross = [c for c in cross if c["config"] in ("DDP", "stage 1", "stage 2", "stage 3")]
     if args.json:
         d = e.as_dict()
         if cross is not None:
@@ -424,8 +426,10 @@ def _cmd_estimate(args) -> int:
             )
     if cross is not None:
         print(
-            f"across nodes ({args.nodes} nodes x {args.world_size // args.nodes} ranks, ring "
-            "collectives, fp32 gradient reduction unless quantized), bytes per node per step:"
+            f"across nodes ({args.nodes} nodes x {args.world_size * e.tp // args.nodes} ranks"
+            + (f": {args.world_size // args.nodes} dp x tp {e.tp}, tp inside" if e.tp > 1 else "")
+            + ", ring collectives, fp32 gradient reduction unless quantized), bytes per node per "
+            "step:"
         )
         w = max(len(c["config"]) for c in cross)
         for c in cross:
