@@ -9,8 +9,11 @@ FSDP2 in its post-backward) is one blocking all-reduce over tp per such param: 4
 in the middle of the backward (40-48 ms of a 350 ms step of bench/bench_tp.py's model on 2
 cores). A sum is linear, so the parts can be added into the bucket as they are and summed over
 tp once, for every such param of the bucket together, just before the bucket's dp
-reduce-scatter: one all-reduce over tp per bucket that holds one, of the concatenated ranges
-(the same sum in the same order, tp first and then dp: the results are FSDP2's bitwise).
+reduce-scatter: one all-reduce over tp per bucket that holds one, of the concatenated ranges.
+It is the same sum in the same order, tp first and then dp, rounded to the gradients' own dtype
+where the bucket is wider (bf16 gradients in an fp32 bucket: what redistributing each bf16
+gradient gives), so stages 2/3 give stage 1's and FSDP2's results (bitwise in the fp32 bench;
+tests/stages/tp_bf16_checks.py for bf16 params).
 
 The ranges of a bucket that hold parts (`GradBucket.partial`) are learnt from the gradients'
 placements, the same on the tp ranks of a dp rank (they run the same graph), so the ranges and

@@ -115,7 +115,7 @@ class GradBucket:
         self.tmp: torch.Tensor | None = None  # stage 2: reduced values added to the shard after
         # tensor parallelism, stages 2/3: slots holding parts of a sum over tp, summed before
         # the reduction ([Note: deferred tp sums] in zero_kernels/optimizer/tp_grads.py)
-        self.partial: set[int] = set()
+        self.partial: dict[int, torch.dtype] = {}  # slot -> its gradients' dtype
 
     def move(self, to: BucketState) -> None:
         assert to in _MOVES[self.state], f"bucket {self.key}: {self.state} -> {to}"
@@ -318,7 +318,7 @@ class Reducer:
         if part:
             if pos in bk.written and self._partial.rank != 0:
                 dst.zero_()
-            bk.partial.add(pos)
+            bk.partial[pos] = g.dtype
             return g
         return g if self._partial.rank == 0 else None
 
@@ -328,9 +328,14 @@ class Reducer:
         buf = self.layout.buffers[i]
         base = buf.buckets[b].start
         spans = sorted(
-            (buf.slots[pos].start - base, buf.slots[pos].end - base) for pos in bk.partial
+            (buf.slots[pos].start - base, buf.slots[pos].end - base, dt)
+            for pos, dt in bk.partial.items()
         )
-        self._partial.sum_([inp[lo:hi] for lo, hi in spans], **bound)
+        parts = [inp[lo:hi] for lo, hi, _ in spans]
+        self._partial.sum_(parts, **bound)
+        for t, (_, _, dt) in zip(parts, spans, strict=True):
+            if dt != t.dtype:  # the sum as the gradient's own dtype holds it (what the
+                t.copy_(t.to(dt))  # redistribution of the gradient gives) in a wider bucket
         bk.partial.clear()
 
     def _launch_ready(self) -> None:
