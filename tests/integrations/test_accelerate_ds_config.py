@@ -321,3 +321,20 @@ def test_dummy_scheduler_callable_without_a_block(fresh_state):
         assert zopt.param_groups[0]["lr"] == 5e-4  # one step, not num_processes
     finally:
         zopt.optimizer.close()
+
+
+def test_gradient_clipping_zero_means_no_clip(fresh_state):
+    acc = _accelerator()
+    model, cfg = _model_and_cfg(gradient_clipping=0)
+    model, zopt = zka.prepare(acc, model, torch.optim.AdamW(model.parameters()), zero=cfg)
+    try:
+        assert zopt.max_grad_norm is None
+        acc.backward(model(torch.randn(2, 12)).pow(2).mean())
+        with pytest.raises(ValueError, match=r"gradient_clipping=0 \(no clipping\).*'inf'"):
+            acc.clip_grad_norm_(model.parameters(), 1.0)
+        assert acc.clip_grad_norm_(model.parameters(), float("inf")) > 0
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            zopt.step()  # nothing to clip: no warning
+    finally:
+        zopt.optimizer.close()

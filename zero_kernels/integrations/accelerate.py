@@ -80,6 +80,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import warnings
 import weakref
@@ -130,13 +131,14 @@ class ZeroAcceleratedOptimizer(AcceleratedOptimizer):
     ``zero_grad`` only when ``accelerator.sync_gradients``; any attribute the wrapper lacks is
     the ZeroOptimizer's (``opt.no_sync()``, ``opt.full_param(p)``, ``opt.comm_stats``).
     ``max_grad_norm``: the DeepSpeed config's ``gradient_clipping`` when ``zero=`` was one (to
-    pass to ``accelerator.clip_grad_norm_``), else None."""
+    pass to ``accelerator.clip_grad_norm_``; None where it is 0: no clipping), else None."""
 
-    def __init__(self, optimizer, max_grad_norm: float | None = None):
+    def __init__(self, optimizer, max_grad_norm: float | None = None, ds_config: bool = False):
         # device_placement=False: accelerate's placement is state_dict -> .to -> load_state_dict,
         # a per-rank shard round trip for nothing (the state lives with the params already)
         super().__init__(optimizer, device_placement=False, scaler=None)
         self.max_grad_norm = max_grad_norm
+        self.ds_config = ds_config  # prepared from a DeepSpeed config
         self.clip_due = max_grad_norm is not None  # set by each step, cleared by each clip
         self._warned = False
 
@@ -423,12 +425,15 @@ def prepare(accelerator, model: nn.Module, optimizer, *objects, zero=None):
         zopt = plan.build_optimizer(model, optimizer, kwargs, _WHERE)
     else:
         zopt = from_torch_optimizer(model, optimizer, kwargs, _WHERE)
-    if isinstance(optimizer, torch.optim.Optimizer):
+    if not is_zero(optimizer) and not _is_dummy(optimizer):
         for obj in objects:
             _rebind(obj, optimizer, zopt)
     _wrap_forward(accelerator, model)
     model.no_sync = _NoSync(zopt)
-    wrapped = ZeroAcceleratedOptimizer(zopt, plan.max_grad_norm if plan is not None else None)
+    if plan is not None:
+        wrapped = ZeroAcceleratedOptimizer(zopt, plan.max_grad_norm, ds_config=True)
+    else:
+        wrapped = ZeroAcceleratedOptimizer(zopt)
     wrapped._is_accelerate_prepared = True
     accelerator._optimizers.append(wrapped)
     if model not in accelerator._models:
@@ -480,14 +485,20 @@ def _clip_at_sync(accelerator, clip, name: str):
         opt = None
         if reg is not None:
             opt = next((o for o in accelerator._optimizers if o.optimizer is reg.optimizer), None)
-        if name == "clip_grad_norm_" and opt is not None and opt.max_grad_norm is not None:
+        if name == "clip_grad_norm_" and opt is not None and opt.ds_config:
             max_norm = kwargs.get("max_norm", args[1] if len(args) > 1 else None)
-            if max_norm is None or float(max_norm) != opt.max_grad_norm:
+            want = opt.max_grad_norm
+            ok = max_norm is not None and (
+                float(max_norm) == want if want is not None else math.isinf(float(max_norm))
+            )
+            if not ok:
+                config = f"{want}" if want is not None else "0 (no clipping)"
+                alone = "" if want is not None else "; max_norm=float('inf') gives the norm alone"
                 raise ValueError(
                     f"accelerator.clip_grad_norm_(max_norm={max_norm!r}) and the DeepSpeed "
-                    f"config's gradient_clipping={opt.max_grad_norm} differ (DeepSpeed clipped "
-                    "at the config's value and ignored max_norm): pass optimizer.max_grad_norm, "
-                    "or change gradient_clipping"
+                    f"config's gradient_clipping={config} differ (DeepSpeed clipped at the "
+                    "config's value and ignored max_norm): pass optimizer.max_grad_norm, or "
+                    f"change gradient_clipping{alone}"
                 )
             opt.clip_due = False
         return clip(*args, **kwargs)
