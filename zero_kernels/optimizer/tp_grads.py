@@ -8,8 +8,16 @@ FSDP2 in its post-backward) is one blocking all-reduce over tp per such param: 4
 `zero_kernels.tools.tp_models.TPGPT`, each a point where the two tp ranks wait for each other
 in the middle of the backward (40-48 ms of a 350 ms step of bench/bench_tp.py's model on 2
 cores). A sum is linear, so the parts can be added into the bucket as they are and summed over
-tp once, for every such param of the bucket together, just before the bucket's dp
-reduce-scatter: one all-reduce over tp per bucket that holds one, of the concatenated ranges.
+tp once, for every such param of the bucket together, before the bucket's dp
+reduce-scatter: one all-reduce over tp per bucket that holds one, of a copy of the concatenated
+ranges, started when the bucket is complete and waited for at the reducer's next call (the next
+gradient, or the end of backward: a point every rank reaches alike, where the reduce-scatter is
+launched), so it runs while autograd computes the next gradients:
+
+    autograd   | grads of bucket k | next grad | ...
+    tp         |          AR(parts of k) |
+    dp                                   | RS k ...
+
 It is the same sum in the same order, tp first and then dp, rounded to the gradients' own dtype
 where the bucket is wider (bf16 gradients in an fp32 bucket: what redistributing each bf16
 gradient gives), so stages 2/3 give stage 1's and FSDP2's results (bitwise in the fp32 bench;
@@ -30,7 +38,7 @@ import torch
 from .. import comm
 from .tensor_parallel import TensorParallel, is_dtensor
 
-__all__ = ["PartialSums"]
+__all__ = ["PartialSums", "PendingSum"]
 
 
 class PartialSums:
@@ -56,16 +64,28 @@ class PartialSums:
             return g._local_tensor, True
         return self.tp.local_grad(index, g), False
 
-    def sum_(self, parts: list[torch.Tensor], **bound) -> None:
-        """Each of ``parts`` (views of a bucket) summed over tp in place, in one all-reduce."""
-        if self.tp.size == 1:
-            return
-        if len(parts) == 1:
-            comm.all_reduce(parts[0], "sum", group=self.group, **bound)
-            return
-        flat = torch.cat(parts)
-        comm.all_reduce(flat, "sum", group=self.group, **bound)
+    def start(self, parts: list[torch.Tensor], dtypes: list[torch.dtype]) -> PendingSum:
+        """Start the sum over tp of ``parts`` (views of a bucket, of gradients of ``dtypes``)
+        in one all-reduce of a copy; `PendingSum.finish` writes it back."""
+        flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+        handle = comm.all_reduce_start(flat, "sum", group=self.group) if self.tp.size > 1 else None
+        return PendingSum(handle, flat, parts, dtypes)
+
+
+class PendingSum:
+    """A tp sum in flight: the copy being reduced and the views it goes back into."""
+
+    def __init__(self, handle, flat: torch.Tensor, parts: list, dtypes: list):
+        self.handle, self.flat, self.parts, self.dtypes = handle, flat, parts, dtypes
+
+    def finish(self, timeout_s: float | None, what: str) -> None:
+        """Wait for the sum and write it into the bucket, rounded to each gradient's own dtype
+        where the bucket is wider (what redistributing that gradient gives)."""
+        if self.handle is not None:
+            self.handle.wait(timeout_s, what)
         off = 0
-        for p in parts:
-            p.copy_(flat[off : off + p.numel()])
-            off += p.numel()
+        for t, dt in zip(self.parts, self.dtypes, strict=True):
+            v = self.flat[off : off + t.numel()]
+            off += t.numel()
+            t.copy_(v.to(dt) if dt != t.dtype else v)
+        self.handle = self.flat = self.parts = None

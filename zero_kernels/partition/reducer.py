@@ -98,6 +98,7 @@ class GradBucket:
         "handle",
         "tmp",
         "partial",
+        "summing",
     )
 
     def __init__(self, i: int, b: int, need: int):
@@ -116,6 +117,7 @@ class GradBucket:
         # tensor parallelism, stages 2/3: slots holding parts of a sum over tp, summed before
         # the reduction ([Note: deferred tp sums] in zero_kernels/optimizer/tp_grads.py)
         self.partial: dict[int, torch.dtype] = {}  # slot -> its gradients' dtype
+        self.summing = None  # their tp sum in flight (a PendingSum), before the launch
 
     def move(self, to: BucketState) -> None:
         assert to in _MOVES[self.state], f"bucket {self.key}: {self.state} -> {to}"
@@ -281,6 +283,8 @@ class Reducer:
                     self.phase.defer(self.finish)
                 else:
                     torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+            if bk.summing is not None:  # a grad after its tp sum started (retain_graph)
+                self._finish_sum(bk)
             if bk.launched:  # a second grad for it in this pass (retain_graph)
                 self.wait_all()
                 bk.launched = False
@@ -322,8 +326,8 @@ class Reducer:
             return g
         return g if self._partial.rank == 0 else None
 
-    def _sum_partial(self, bk: GradBucket, inp: torch.Tensor, **bound) -> None:
-        """The ranges of ``bk`` holding parts, summed over tp in one all-reduce."""
+    def _start_sum(self, bk: GradBucket) -> None:
+        """Start the tp sum of the ranges of ``bk`` holding parts (one all-reduce)."""
         i, b = bk.key
         buf = self.layout.buffers[i]
         base = buf.buckets[b].start
@@ -331,12 +335,17 @@ class Reducer:
             (buf.slots[pos].start - base, buf.slots[pos].end - base, dt)
             for pos, dt in bk.partial.items()
         )
-        parts = [inp[lo:hi] for lo, hi, _ in spans]
-        self._partial.sum_(parts, **bound)
-        for t, (_, _, dt) in zip(parts, spans, strict=True):
-            if dt != t.dtype:  # the sum as the gradient's own dtype holds it (what the
-                t.copy_(t.to(dt))  # redistribution of the gradient gives) in a wider bucket
+        t = self.grads.bucket(i, b)
+        parts = [t[lo:hi] for lo, hi, _ in spans]
+        bk.summing = self._partial.start(parts, [dt for _, _, dt in spans])
         bk.partial.clear()
+
+    def _finish_sum(self, bk: GradBucket) -> None:
+        bk.summing.finish(
+            self.timeout,
+            f"{self.describe()}, backward: the tp sum of bucket {bk.key[1]} of buffer {bk.key[0]}",
+        )
+        bk.summing = None
 
     def _launch_ready(self) -> None:
         while self.next < len(self.order):
@@ -344,6 +353,9 @@ class Reducer:
             if not bk.launched and bk.arrived + bk.skipped < bk.need:
                 return
             if not bk.launched:
+                if bk.partial:  # its tp sum first, in flight while autograd goes on; the
+                    self._start_sum(bk)  # reduce-scatter at the next call (the next grad,
+                    return  # or the end of backward): a point every rank reaches alike
                 self._launch(bk)
             self.next += 1
 
@@ -431,11 +443,10 @@ class Reducer:
         tmp = None
         shard = self.grads.shard(*bk.key)
         self._zero_unwritten(bk)
-        if bk.partial:
-            self._sum_partial(
-                bk, inp, timeout_s=self.timeout, what=f"{self.describe()}, backward: the tp sum "
-                f"of bucket {bk.key[1]} of buffer {bk.key[0]}"
-            )  # fmt: skip
+        if bk.partial:  # launched without a head start (the end of backward)
+            self._start_sum(bk)
+        if bk.summing is not None:
+            self._finish_sum(bk)
         if self.whole:
             out = shard  # in place: the rank's slice of ``inp``
         elif not bk.fresh or inp.dtype != shard.dtype:  # added (or cast) into the shard after
@@ -537,6 +548,7 @@ class Reducer:
             bk.fresh = True
             bk.written.clear()
             bk.partial.clear()
+            bk.summing = None
         self._reset_pass()
         self.dirty = False
 
