@@ -9,6 +9,12 @@ about one param's fp32 tensor (plus the writer's chunk), whatever the checkpoint
 file pages the OS maps in (``torch.load(mmap=True)``) are page cache, counted apart (RssFile).
 
     python bench/bench_deepspeed_convert.py [--params 24] [--numel 2000000] [--world 2]
+        [--memory-limit-mb M]
+
+``--memory-limit-mb``: the converting process runs in a memory cgroup of its own limited to M
+MiB (page cache included, which the kernel reclaims under the limit; root and cgroup v1's
+memory controller at /sys/fs/cgroup/memory needed), so a checkpoint larger than the budget
+shows it converts within it: the kernel kills the process if it does not.
 """
 
 from __future__ import annotations
@@ -98,18 +104,52 @@ print(json.dumps({"peak_anon_above_start": peak[0] - base, "seconds": dt, "out":
 """
 
 
-def measure(params: int, numel: int, world: int, tmp: str | None = None) -> dict:
+CGROUP_V1 = "/sys/fs/cgroup/memory"
+
+
+def _limited(limit_mb: int):
+    """A fresh v1 memory cgroup of ``limit_mb`` MiB; returns (its path, a preexec_fn that moves
+    the child into it)."""
+    path = os.path.join(CGROUP_V1, f"zk-convert-{os.getpid()}")
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "memory.limit_in_bytes"), "w") as f:
+        f.write(str(limit_mb * 2**20))
+
+    def enter():
+        with open(os.path.join(path, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+
+    return path, enter
+
+
+def measure(
+    params: int, numel: int, world: int, tmp: str | None = None, limit_mb: int | None = None
+) -> dict:
     with tempfile.TemporaryDirectory(dir=tmp) as d:
         src = os.path.join(d, "ds")
         os.makedirs(src)
         state = make_synthetic(src, params, numel, world)
-        r = subprocess.run(
-            [sys.executable, "-c", _CHILD, src, os.path.join(d, "ours")],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        out = json.loads(r.stdout.strip().splitlines()[-1])
+        cg, enter = _limited(limit_mb) if limit_mb else (None, None)
+        try:
+            r = subprocess.run(
+                [sys.executable, "-c", _CHILD, src, os.path.join(d, "ours")],
+                capture_output=True,
+                text=True,
+                preexec_fn=enter,
+            )
+            if r.returncode:
+                raise RuntimeError(
+                    f"convert exited {r.returncode} (-9: the cgroup's OOM kill)\n{r.stderr}"
+                )
+            out = json.loads(r.stdout.strip().splitlines()[-1])
+            if cg:
+                with open(os.path.join(cg, "memory.max_usage_in_bytes")) as f:
+                    out["cgroup_peak"] = int(f.read())
+                with open(os.path.join(cg, "memory.failcnt")) as f:
+                    out["cgroup_failcnt"] = int(f.read())
+        finally:
+            if cg:
+                os.rmdir(cg)
         out.update(state_bytes=state, param_bytes=4 * numel, params=params, world=world)
         return out
 
@@ -119,9 +159,11 @@ def main() -> None:
     ap.add_argument("--params", type=int, default=24)
     ap.add_argument("--numel", type=int, default=2_000_000)
     ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--memory-limit-mb", type=int, default=None)
+    ap.add_argument("--tmp", default=None, help="where the checkpoints go (default: TMPDIR)")
     a = ap.parse_args()
     t0 = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    r = measure(a.params, a.numel, a.world)
+    r = measure(a.params, a.numel, a.world, a.tmp, a.memory_limit_mb)
     mb = 2**20
     print(
         f"{t0}, torch {torch.__version__}: state {r['state_bytes'] / mb:.0f} MiB "
@@ -129,6 +171,12 @@ def main() -> None:
         f"{r['seconds']:.1f} s, peak anonymous memory above start "
         f"{r['peak_anon_above_start'] / mb:.1f}"
         f" MiB (one param's fp32: {r['param_bytes'] / mb:.1f} MiB)"
+        + (
+            f"; in a cgroup of {a.memory_limit_mb} MiB: its peak (page cache included) "
+            f"{r['cgroup_peak'] / mb:.0f} MiB, {r['cgroup_failcnt']} reclaims at the limit"
+            if a.memory_limit_mb
+            else ""
+        )
     )
 
 
