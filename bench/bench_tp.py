@@ -1,23 +1,35 @@
 """ZeRO over tensor parallelism (issue 49, "Measured"): step time of ZeroOptimizer stages 1-3 over
 a tensor-parallel GPT against FSDP2 + TP, side by side in one run, and their losses.
 
-    torchrun --nproc_per_node 4 bench/bench_tp.py [--steps 4] [--rounds 5] [--out DIR]
+    torchrun --nproc_per_node 4 bench/bench_tp.py [--steps 4] [--rounds 5] [--config base|wide]
+        [--candidates fsdp2_tp,zero3,...] [--out DIR]
+    python bench/bench_tp.py --memory [--config base|wide] [--steps 3]    (no torchrun)
 
 4 ranks = dp 2 x tp 2 (``init_device_mesh("cpu", (2, 2), ("dp", "tp"))``), gloo, 1 thread per
 rank. The model: `zero_kernels.tools.tp_models.TPGPT` split by `parallelize_gpt` (sequence
-parallel) over the tp dim; every candidate built from the same seed and trained on the same
-per-dp-rank batches with the same AdamW hyper-parameters:
+parallel) over the tp dim; ``--config base`` (the first table: width 128, 8x64 tokens per dp
+rank) or ``wide`` (width 512, 2x64 tokens: ~64x the dp bytes, params, per tp byte, activations).
+Every candidate built from the same seed and trained on the same per-dp-rank batches with the
+same AdamW hyper-parameters:
 
-    fsdp2_tp    fully_shard on each block, then the root, mesh=mesh["dp"] (torchtitan's
-                composition), torch AdamW(fused=True) (it steps DTensor params on CPU)
-    zero1/2/3   ZeroOptimizer(model, AdamW, policy=ZeroPolicy.resolve(stage=s),
-                process_group=mesh["dp"].get_group(), lr=...) (the fused sharded AdamW)
+    fsdp2_tp       fully_shard on each block, then the root, mesh=mesh["dp"] (torchtitan's
+                   composition), torch AdamW(fused=True) (it steps DTensor params on CPU)
+    fsdp2_tp_keep  the same with reshard_after_forward=False (no all-gather in the backward)
+    zero1/2/3      ZeroOptimizer(model, AdamW, policy=ZeroPolicy.resolve(stage=s),
+                   process_group=mesh["dp"].get_group(), lr=...) (the fused sharded AdamW)
+    zero3_keep     stage 3 with reshard_after_forward=False (the pair of fsdp2_tp_keep)
 
 All candidates live in the same 4 processes; each round runs ``--steps`` steps of each, in an
 order that rotates every round (A B C D / B C D A / ...); the first round is warm-up. A step's time
 is the slowest rank's (a max all-reduce of each rank's time); the table gives the median over the
-measured rounds and the paired ratio to fsdp2_tp (median over rounds of the ratio in the same
-round). Losses: each candidate's first ``--steps`` losses against fsdp2_tp's (relative).
+measured rounds and the paired ratios (median over rounds of the ratio in the same round) to
+fsdp2_tp and to the stronger (faster) FSDP2 of each round. Losses: each candidate's first
+``--steps`` losses against fsdp2_tp's (relative).
+
+``--memory``: each candidate alone in 4 spawned processes: the peak RSS per rank (VmHWM, reset
+before the model is built), its growth over the RSS before the build, and the bytes of params,
+grads and optimizer state a rank holds after a step (before zero_grad) against the formula over
+(params / tp) / dp.
 """
 
 from __future__ import annotations
@@ -48,7 +60,7 @@ CONFIGS = {
     "wide": (GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=8, n_embd=512), 2),
 }
 CFG, BATCH = CONFIGS["base"]
-NAMES = ["fsdp2_tp", "fsdp2_tp_keep", "zero1", "zero2", "zero3"]
+NAMES = ["fsdp2_tp", "fsdp2_tp_keep", "zero1", "zero2", "zero3", "zero3_keep"]
 FSDP2 = ("fsdp2_tp", "fsdp2_tp_keep")
 
 
@@ -64,11 +76,13 @@ def build(name: str, mesh):
         fully_shard(model, mesh=mesh["dp"], reshard_after_forward=not keep)
         opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
     else:
-        stage = int(name[-1])
+        stage = int(name[4])
+        # zero3_keep: reshard_after_forward=False, the pair of fsdp2_tp_keep
+        kw = {"reshard_after_forward": False} if name.endswith("_keep") else {}
         opt = ZeroOptimizer(
             model,
             torch.optim.AdamW,
-            policy=ZeroPolicy.resolve(stage=stage),
+            policy=ZeroPolicy.resolve(stage=stage, **kw),
             process_group=mesh["dp"].get_group(),
             lr=LR,
         )
@@ -149,7 +163,7 @@ def model_state_bytes(name: str, model, opt) -> int:
 def formula_bytes(name: str, n: int, dp: int) -> float:
     """The stage's formula over this rank's local elements ``n`` / dp (fp32 params and grads,
     AdamW's two fp32 moments, no master): FSDP2 shards all three like stage 3."""
-    stage = 3 if name in FSDP2 else int(name[-1])
+    stage = 3 if name in FSDP2 else int(name[4])
     return {1: 8 * n + 8 * n / dp, 2: 4 * n + 12 * n / dp, 3: 16 * n / dp}[stage]
 
 
