@@ -222,7 +222,8 @@ def check_refusals_and_other_placements(rank, world):
     """A dim that tp 4 does not divide (saved at tp 2) raises a CheckpointError on every rank,
     naming the param, the saved placements and tp size and the loading ones. Placements that
     differ but map (up.weight saved Shard(dim=0) at tp 2, loaded Shard(dim=1) at tp 4: the
-    plan's Colwise and Rowwise swapped) load: the whole params are the saved ones."""
+    plan's Colwise and Rowwise swapped; saved at stage 3) load: the whole params are the saved
+    ones."""
     root = _ckpt_dir()
     ref = build(2, 2, seed=0, model=Odd)
     step(ref, 0)
@@ -242,7 +243,7 @@ def check_refusals_and_other_placements(rank, world):
     close(run)
     _rmtree(root)
     root = _ckpt_dir()
-    ref = build(2, 1, seed=0)
+    ref = build(2, 3, seed=0)  # saved at stage 3
     step(ref, 0)
     save_checkpoint(root, ref.model, ref.opt)
     want = whole(ref)
@@ -259,11 +260,66 @@ def check_refusals_and_other_placements(rank, world):
     return out
 
 
+def _zero_run(tp: int, seed: int, optimizer=torch.optim.AdamW, **fields) -> Run:
+    """Block at tp ``tp`` x dp 4 / tp under a ZeroOptimizer of ``optimizer`` at stage 2 and
+    policy ``fields``."""
+    torch.manual_seed(seed)
+    m = Block()
+    mm = mesh(dist.get_world_size() // tp, tp)
+    parallelize_module(m, mm["tp"], PLAN)
+    pol = ZeroPolicy.resolve(stage=2, bucket_size_mb=0.001, **fields)
+    opt = ZeroOptimizer(m, optimizer, policy=pol, process_group=mm["dp"].get_group(), lr=LR)
+    return Run(m, opt, mm["dp"].get_group(), mm["dp"].size(), mm["dp"].get_local_rank())
+
+
+def check_int8_moments_and_per_tensor_state(rank, world):
+    """int8 moments (state_dtype="int8") saved at tp 2 load at tp 4: decoded from the saved
+    blocks and encoded again on the loading rank's (one more rounding: within 1.5e-2 of the
+    saved moments, where misplaced elements would be O(1) off). Adafactor's row/column factors
+    are per tensor (of a local slice): at another tp size they are refused, naming the entry."""
+    out = {}
+    root = _ckpt_dir()
+    ref = _zero_run(2, 0, state_dtype="int8")
+    for s in range(2):
+        step(ref, s)
+    save_checkpoint(root, ref.model, ref.opt)
+    saved = {n: ref.opt.full_state(p) for n, p in ref.model.named_parameters()}
+    close(ref)
+    run = _zero_run(4, 7, state_dtype="int8")
+    load_checkpoint(root, run.model, run.opt)
+    got = {n: run.opt.full_state(p) for n, p in run.model.named_parameters()}
+    out["int8"] = max(
+        rel_err(got[n][k], saved[n][k]) for n in saved for k in ("exp_avg", "exp_avg_sq")
+    )
+    assert all(int(got[n]["step"]) == 2 for n in got), {n: got[n]["step"] for n in got}
+    close(run)
+    _rmtree(root)
+    root = _ckpt_dir()
+    ref = _zero_run(2, 0, torch.optim.Adafactor)
+    step(ref, 0)
+    save_checkpoint(root, ref.model, ref.opt)
+    close(ref)
+    run = _zero_run(4, 1, torch.optim.Adafactor)
+    out["adafactor"] = _raises(
+        lambda: load_checkpoint(root, run.model, run.opt),
+        CheckpointError,
+        "param up.weight",
+        "per tensor",
+        "at tp size 2",
+        "at tp size 4",
+    )
+    close(run)
+    _rmtree(root)
+    assert out["int8"] <= 1.5e-2, out
+    return out
+
+
 CHECKS = [
     "check_tp2_to_other_sizes",
     "check_no_tp_to_tp",
     "check_consolidated_state_dict",
     "check_refusals_and_other_placements",
+    "check_int8_moments_and_per_tensor_state",
 ]
 
 

@@ -25,6 +25,7 @@ from .format import (
     resolve,
     tp_columns,
 )
+from .redistribution import param_map, read_piece, saved_split
 from .storage import Entry, Reader, verify_file, write_safetensors
 
 __all__ = ["export_model", "inspect_checkpoint", "verify_checkpoint"]
@@ -199,7 +200,8 @@ def _export_tp(columns: list[str], to, dtype: str | None, verify: bool) -> dict:
     zero_kernels/optimizer/tensor_parallel.py): each tp column's checkpoint holds its local
     tensors; a ``Shard(dim=k)`` param is their concatenation along k in tp-rank order (the
     slices ``torch.chunk`` cut), a ``Replicate()`` one (and every buffer or plain param) column
-    0's. A sharded param is read whole from every column, one param at a time (not streamed)."""
+    0's. Streamed like the rest: each `_CHUNK` elements of the whole tensor are cut from the
+    rows of the columns that hold them ([Note: redistributing across tp sizes])."""
     dirs = [resolve(c) for c in columns]
     metas = [read_meta(d) for d in dirs]
     steps = {m.get("steps") for m in metas}
@@ -217,38 +219,36 @@ def _export_tp(columns: list[str], to, dtype: str | None, verify: bool) -> dict:
     srcs = [_sources(m) for m in metas]
     placements = (metas[0].get("tensor_parallel") or {}).get("placements", {})
     entries: list[Entry] = []
-    for j, p in enumerate(metas[0]["params"]):
-        s = p["index"]
+    for p in metas[0]["params"]:
         dt = out_dt or getattr(torch, p["dtype"])
-        shard = [x for x in placements.get(p["name"], []) if x.startswith("Shard(dim=")]
-        k = int(shard[0][len("Shard(dim=") : -1]) if shard else None
+        cols = [{q["name"]: q for q in m["params"]}.get(p["name"]) for m in metas]
+        if any(q is None for q in cols):
+            raise CheckpointError(dirs[0], f"param {p['name']} is not in every tp column")
+        shapes, index = [q["shape"] for q in cols], [q["index"] for q in cols]
+        saved = saved_split(placements.get(p["name"]), shapes, f"param {p['name']}", dirs[0])
+        pm = param_map(
+            p["name"], placements.get(p["name"]), shapes, index, None, 1, 0, saved.shape,
+            saved.shape, dirs[0],
+        )  # fmt: skip
+        # the stepped values: fp32 (masters of bf16/fp16 params), float64 as they are
+        wide = torch.float64 if p["dtype"] == "float64" else torch.float32
 
-        def local(c: int, s=s, j=j):
-            q = metas[c]["params"][j]
-            flat = torch.cat(
-                [
-                    readers[c].range(rank_file(r), f"p/{q['index']}/{so}", 0, sn)
-                    for r, so, sn in srcs[c].get(q["index"], ())
-                ]
-                or [torch.zeros(0)]
-            )
-            return flat.view(tuple(q["shape"]))
+        def read_flat(c: int, lo: int, n: int, pm=pm, wide=wide) -> torch.Tensor:
+            s, parts = pm.index[c], []
+            for r, so, sn in srcs[c].get(s, ()):
+                a, b = max(lo, so), min(lo + n, so + sn)
+                if b > a:
+                    parts.append(readers[c].range(rank_file(r), f"p/{s}/{so}", a - so, b - so))
+            return torch.cat(parts).to(wide) if parts else torch.zeros(0, dtype=wide)
 
-        if k is None:
-            shape = tuple(p["shape"])
+        def chunks(pm=pm, dt=dt, wide=wide, read_flat=read_flat):
+            total = _numel(pm.target.shape)
+            for a in range(0, total, _CHUNK):
+                out = torch.empty(min(_CHUNK, total - a), dtype=wide)
+                read_piece(pm, read_flat, a, out.numel(), out)
+                yield out.to(dt)
 
-            def chunks(dt=dt, local=local):
-                yield local(0).to(dt)
-
-        else:
-            shape = list(p["shape"])
-            shape[k] = sum(metas[c]["params"][j]["shape"][k] for c in range(len(metas)))
-            shape = tuple(shape)
-
-            def chunks(dt=dt, k=k, local=local):
-                yield torch.cat([local(c) for c in range(len(metas))], dim=k).to(dt)
-
-        entries.append(Entry(p["name"], dt, shape, chunks))
+        entries.append(Entry(p["name"], dt, saved.shape, chunks))
     for n, info in metas[0]["model"]["tensors"].items():
         own = getattr(torch, info["dtype"])
         dt = (out_dt or own) if own.is_floating_point else own

@@ -20,6 +20,12 @@ raises the same `CheckpointError` on every rank and never leaves ranks in differ
 4. install: optimizer state, hyper-parameters, loss scale, params (collective for ZeRO), the
    model's buffers and frozen params, the scheduler, the RNG states (rank r gets saved rank r's,
    where the saved world had a rank r).
+
+With tensor parallelism each tp column is such a checkpoint of its local tensors, loaded by the
+ranks of the same tp rank; at another tp size or placements (5.) every step reads every column:
+file j is verified on rank j mod (dp x tp) of the grid, a piece is cut from the columns that hold
+its rows, the ranks agree over dp and then over tp, and the RNG states are those of the column
+of the same tp rank (mod the saved tp size).
 """
 
 from __future__ import annotations
@@ -78,7 +84,10 @@ def load_checkpoint(
     into ``model``, ``optimizer`` (a `ZeroOptimizer` of any stage, world size, bucket size and
     mode, or a plain torch optimizer) and ``scheduler``; returns the ``extra`` dict it was
     saved with. Collective. Raises `CheckpointError` (on every rank) naming the file and the
-    problem. See [Note: resharding at load]."""
+    problem. See [Note: resharding at load]. A tensor-parallel model loads a save of another
+    tp size or placements, or one without tp (and a plain model a tp one): each rank cuts its
+    pieces from the saved tp columns ([Note: redistributing across tp sizes] in
+    redistribution.py); every rank of the dp x tp grid calls it then."""
     ad = adapter_for(model, optimizer)
     ctl = control_for(ad, os.fspath(path), "load")  # see [Note: checkpoint timeouts]
     ctl.arrive("load_checkpoint")
