@@ -26,6 +26,11 @@ What the tp dimension changes:
   the whole model, each element once (`norm_inputs`, `reduce`);
 - the non-finite verdict: a NaN in one tp rank's slice must skip the step on every rank, so it
   is all-reduced over tp too;
+- whole tensors: `whole` gathers a local tensor over tp (``full_param``, ``full_state``);
+  ``consolidated_state_dict`` makes each element-wise entry of its dict whole the same way
+  (`whole_state`), and ``load_state_dict`` of such a dict keeps each rank's part
+  (`local_state`); checkpoints at another tp size are cut from the saved columns by the
+  loader ([Note: redistributing across tp sizes] in zero_kernels/checkpoint/redistribution.py);
 - ``p.grad`` of the DTensor param, for torch's tools: the local `ShardedGrad` wrapped as a
   DTensor of the param's placements (`publish_grads`); torch's ``clip_grad_norm_`` over such
   grads reduces over dp inside each local norm and over tp in DTensor's own norm of the stack.
