@@ -12,6 +12,8 @@ another order, so within 1e-6 relative, not bitwise)."""
 from __future__ import annotations
 
 import dataclasses
+import glob
+import os
 import shutil
 
 import torch
@@ -261,6 +263,21 @@ def check_refusals_and_other_placements(rank, world):
     load_checkpoint(root, run.model, run.opt)
     got = whole(run)
     out["swapped"] = max(rel_err(got[n], want[n]) for n in want)
+    # one flipped byte in column 1's rank-1 file: found by the one rank that verifies it,
+    # raised on every rank (agreed over dp, then tp), nothing installed
+    dist.barrier()
+    if rank == 0:
+        (d,) = glob.glob(os.path.join(root, "tp1-of-2", "step-*", "rank-00001.safetensors"))
+        with open(d, "r+b") as f:
+            f.seek(-1, os.SEEK_END)
+            b = f.read(1)
+            f.seek(-1, os.SEEK_END)
+            f.write(bytes([b[0] ^ 1]))
+    dist.barrier()
+    out["corrupt"] = _raises(
+        lambda: load_checkpoint(root, run.model, run.opt), CheckpointError, "sha256"
+    )
+    assert max(rel_err(whole(run)[n], want[n]) for n in want) == 0.0
     close(run)
     _rmtree(root)
     assert out["swapped"] == 0.0, out
