@@ -3,6 +3,9 @@
 - `save_checkpoint` / `load_checkpoint`: the training state (params at full precision, optimizer
   state, hyper-parameters, scheduler, loss scaler, RNG states, the user's ``extra``), one
   safetensors file per rank plus JSON metadata; see [Note: checkpoint format] in `.format`.
+  A tensor-parallel model saves one such checkpoint per tp column and loads at any tp size
+  too, each rank cutting its pieces from the saved columns ([Note: redistributing across tp
+  sizes] in `.redistribution`).
 - `inspect_checkpoint`, `verify_checkpoint`, `export_model`: what ``zero-kernels checkpoint``
   runs (no process group needed).
 - `load_deepspeed_checkpoint`, `convert_deepspeed_checkpoint`: DeepSpeed's ZeRO checkpoints
