@@ -3,11 +3,21 @@
 Several concerns per spawned group (spawning ranks is slow), one result per concern: a worker
 runs its checks through `run_checks` (an assertion failing in one check is that check's result,
 and the next check runs), and the tests read them through `SharedRun` (one spawned group per
-world size, each concern its own pytest test)."""
+world size, each concern its own pytest test).
+
+Ranks fork from one server process that imported torch, dynamo and the package once (Python's
+forkserver): a rank starts in ~0.2 s, where a fresh interpreter spends 3-10 s importing them on
+these 2 cores, and the suite has a few hundred ranks. What a spawned rank had, a forked one has
+too: the parent's environment as it is at the call (applied before the test's function and its
+arguments are unpickled, so a checks module reading a variable at import sees it), its
+sys.path, one intra-op thread. What it cannot have is what a process reads only at its start
+(glibc's ``MALLOC_*``, ``LD_PRELOAD``): a test that needs one passes ``start_method="spawn"``.
+``ZK_TEST_START_METHOD=spawn`` runs every group the old way."""
 
 from __future__ import annotations
 
 import os
+import pickle
 import queue as _queue
 import socket
 import sys
@@ -23,13 +33,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn, rank: int, world: int, port: int, args: tuple, q) -> None:
+# what the server imports once; each rank then imports only its checks module
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "zero_kernels", "zero_kernels.optimizer"]
+
+
+def stop_forkserver() -> None:
+    """Stop Python's forkserver if it runs (the next forkserver start begins a fresh one). It is
+    one per process: a test whose own code starts one with its own environment or preload
+    (`zero-kernels tune`) calls this before and after, so neither runs on the other's server.
+    Uses the stdlib's ``ForkServer._stop``, there for its own tests."""
+    from multiprocessing import forkserver
+
+    forkserver._forkserver._stop()
+
+
+def _entry(env, rank: int, world: int, port: int, payload: bytes, q) -> None:
+    os.environ.clear()
+    os.environ.update(env)
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
+        fn, args = pickle.loads(payload)  # imports the checks module, with the env above
         dist.init_process_group(
             "gloo",
             init_method=f"tcp://127.0.0.1:{port}",
@@ -46,13 +73,23 @@ def _entry(fn, rank: int, world: int, port: int, args: tuple, q) -> None:
             dist.destroy_process_group()
 
 
-def run_workers(fn, world: int, *args, timeout: float = 300.0) -> list:
-    """Run ``fn(rank, world, *args)`` on ``world`` spawned gloo ranks; return their results."""
-    ctx = mp.get_context("spawn")
+def run_workers(
+    fn, world: int, *args, timeout: float = 300.0, start_method: str | None = None
+) -> list:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return their results.
+    ``start_method``: "forkserver" (the default, see the module's docstring) or "spawn"."""
+    method = start_method or os.environ.get("ZK_TEST_START_METHOD") or "forkserver"
+    if method not in ("forkserver", "spawn"):
+        raise ValueError(f"start_method={method!r}: use 'forkserver' or 'spawn'")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)  # read when the server starts, once
     q = ctx.Queue()
     port = free_port()
+    payload = pickle.dumps((fn, args))
+    env = dict(os.environ)
     procs = [
-        ctx.Process(target=_entry, args=(fn, r, world, port, args, q), daemon=True)
+        ctx.Process(target=_entry, args=(env, r, world, port, payload, q), daemon=True)
         for r in range(world)
     ]
     for p in procs:

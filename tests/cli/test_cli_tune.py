@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from dist_utils import stop_forkserver
 from torch import nn
 
 from zero_kernels.cli import tune_plan
@@ -25,12 +26,15 @@ def _fixed_mmap_threshold():
     mmap threshold fixed: with its default dynamic threshold the peak RSS of the same trial
     moved by up to 3 bytes/param between runs (stage 2 on big_mlp: 11.6-14.5, once above the
     15.9 limit below), with it by 0.02 (10.63-10.65; docs/benchmarks.md, "The host block
-    cache")."""
+    cache"). tune's server is its own: one the tests' ranks started (tests/dist_utils.py) is
+    stopped first, and tune's is stopped at the end."""
     import os
 
     old = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    stop_forkserver()
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
     yield
+    stop_forkserver()
     if old is None:
         del os.environ["MALLOC_MMAP_THRESHOLD_"]
     else:

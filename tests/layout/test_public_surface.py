@@ -5,6 +5,7 @@ file, so a new reach into a private name fails here, naming the file and the lin
 
 import ast
 import pathlib
+from multiprocessing import forkserver
 
 import torch
 from torch import nn
@@ -29,8 +30,10 @@ def _package_privates() -> set[str]:
             elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
                 out.add(n.id)
     # names torch itself has (torch._dynamo, Tensor._foreach..., Module._forward_hooks) are
-    # torch's, whatever the package also calls a local
+    # torch's, whatever the package also calls a local; so are the stdlib forkserver's the
+    # tests' ranks fork from (tests/dist_utils.py stops it)
     theirs = set(dir(torch)) | set(dir(torch.Tensor)) | set(dir(nn.Module)) | set(dir(nn))
+    theirs |= set(dir(forkserver)) | set(dir(forkserver.ForkServer))
     return {n for n in out if _private(n) and n not in theirs}
 
 
