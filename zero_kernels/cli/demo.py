@@ -10,7 +10,9 @@ Without torchrun the command starts its own ranks and is their supervisor. They 
 Python's forkserver, which imports torch and the package once (`PRELOAD`): a rank starts in a
 fraction of a second instead of importing torch itself, which matters where ranks outnumber cores
 and where one process runs several demos (the tests); each rank takes the launching process's
-environment as it is at the call. As supervisor it polls them, and when one fails it
+environment as it is at the call, and its standard output and error (`_Fd`: passed as file
+descriptors, as multiprocessing passes its pipes; without them a rank would write where the
+server's were when it started). As supervisor it polls them, and when one fails it
 terminates the others, prints the failed rank's error on one line and exits 1, so no process is
 left behind. Under torchrun (RANK /
 WORLD_SIZE / LOCAL_RANK in the environment) the process is one rank and torchrun supervises.
@@ -415,9 +417,32 @@ def _one_line(e: BaseException) -> str:
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "zero_kernels.optimizer", __name__]
 
 
-def _spawned(local_rank: int, cfg: DemoConfig, nproc: int, port: int, errors, env) -> None:
+class _Fd:
+    """A file descriptor of the launcher that reaches the rank as a descriptor of its own (sent
+    with the process's data, ``multiprocessing.reduction.DupFd``; pickled only when a process
+    starts)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        return (_Fd._received, (reduction.DupFd(self.fd),))
+
+    @staticmethod
+    def _received(dup) -> int:
+        return dup.detach()
+
+
+def _spawned(
+    local_rank: int, cfg: DemoConfig, nproc: int, port: int, errors, env, out: int, err: int
+) -> None:
     os.environ.clear()  # the launcher's environment now, not the forkserver's at its start
     os.environ.update(env)
+    for mine, theirs in ((1, out), (2, err)):  # the launcher's stdout and stderr now
+        os.dup2(theirs, mine)
+        os.close(theirs)
     rank = cfg.node_rank * nproc + local_rank
     world = cfg.nnodes * nproc
     # a rank that dies of a signal (an abort in native code at exit included) says where every
@@ -463,7 +488,11 @@ def run_demo(cfg: DemoConfig) -> int:
     errors = ctx.Queue()
     env = dict(os.environ)
     procs = [
-        ctx.Process(target=_spawned, args=(i, cfg, nproc, port, errors, env), daemon=False)
+        ctx.Process(
+            target=_spawned,
+            args=(i, cfg, nproc, port, errors, env, _Fd(1), _Fd(2)),
+            daemon=False,
+        )
         for i in range(nproc)
     ]
     for p in procs:
