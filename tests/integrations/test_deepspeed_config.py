@@ -180,8 +180,9 @@ def test_zero2_tutorial():
     }
     assert m.stage == 2 and m.options["overlap_comm"] is False
     assert [ln.key for ln in m.warnings] == ["zero_optimization.allgather_bucket_size"]
-    with pytest.warns(UserWarning, match="allgather_bucket_size"):
+    with pytest.warns(UserWarning, match="allgather_bucket_size") as got:
         m.check()
+    assert got[0].filename == __file__, got[0].filename  # the caller's line, not ours
     assert m.policy() == ZeroPolicy.resolve(
         stage=2, overlap_comm=False, bucket_size_mb=5e8 * 4 / 2**20
     )

@@ -48,6 +48,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -71,6 +72,17 @@ __all__ = [
 ]
 
 KINDS = ("mapped", "caller", "same", "speed", "differs", "refused")
+
+
+def _user_level() -> int:
+    """``warnings.warn``'s stacklevel that names the first caller outside zero_kernels (the
+    user's line, whichever entry point read the config: from_deepspeed_config, ZeroTrainer,
+    accelerate's prepare), for a ``warn`` in the function that calls this one."""
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    f, level = sys._getframe(2), 2  # the caller of the function that warns
+    while f is not None and os.path.abspath(f.f_code.co_filename).startswith(pkg):
+        f, level = f.f_back, level + 1
+    return level
 
 
 @dataclass(frozen=True)
@@ -138,7 +150,7 @@ class DeepSpeedMapping:
                 "DeepSpeed config: keys that tune speed or memory only, decided here by "
                 "zero_kernels: "
                 + "; ".join(f"{ln.key}={ln.value!r} ({ln.becomes})" for ln in soft),
-                stacklevel=3,
+                stacklevel=_user_level(),
             )
 
     def explain(self) -> str:
