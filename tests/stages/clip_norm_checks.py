@@ -404,6 +404,25 @@ def check_norms_follow_grads(rank: int, world: int) -> dict:
     return out
 
 
+def check_max_norm_inf(rank: int, world: int) -> dict:
+    """``max_norm=inf`` reads the norm and leaves the gradients as they are (torch clamps the
+    coefficient at 1), for the optimizer's own clip and torch's, repeated, at stages 1-3:
+    DDP's norm and grads each time (the host path multiplied them by inf)."""
+    for stage in (1, 2, 3):
+        m1, m2, zo, ddp, _ = _net_pair(stage, rank)
+        inf = float("inf")
+        for i in range(2):
+            ours = float(zo.clip_grad_norm_(inf))  # fp32; torch's: the grads' widest dtype
+            want = float(torch.nn.utils.clip_grad_norm_(m2.parameters(), inf))
+            assert abs(ours - want) <= 1e-5 * want, (stage, i, ours, want)
+            _same_grads(zo, m1, m2, ("opt.clip_grad_norm_(inf)", stage, i))
+            n1 = torch.nn.utils.clip_grad_norm_(m1.parameters(), inf)
+            _same_norm(n1, torch.nn.utils.clip_grad_norm_(m2.parameters(), inf), (stage, i))
+            _same_grads(zo, m1, m2, ("torch clip_grad_norm_(inf)", stage, i))
+        zo.close()
+    return {}
+
+
 def clip_checks(world: int) -> tuple:
     """The checks `clip_all` runs at ``world`` ranks, in order (the float64 one at 2 only)."""
     extra = (check_clip_norms,) if world == 2 else ()
@@ -412,6 +431,7 @@ def clip_checks(world: int) -> tuple:
         check_torch_clip_one_collective,
         check_torch_clip_cases,
         check_norms_follow_grads,
+        check_max_norm_inf,
     )
 
 

@@ -82,7 +82,12 @@ def test_clip_grad_norm_matches_float64():
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize(
     "check",
-    ["check_torch_clip_one_collective", "check_torch_clip_cases", "check_norms_follow_grads"],
+    [
+        "check_torch_clip_one_collective",
+        "check_torch_clip_cases",
+        "check_norms_follow_grads",
+        "check_max_norm_inf",
+    ],
 )
 def test_torch_clip_sharded_grads(world, check):
     """torch's clip over ShardedGrads: DDP's norm and grads with one collective (p = 2, inf, 1,

@@ -231,7 +231,7 @@ class GradContract:
             )
         out = torch.tensor(total, dtype=torch.float32)
         coef = float(max_norm) / (float(out) + 1e-6)
-        self.factor *= min(coef, 1.0) if math.isfinite(coef) else coef
+        self.factor *= coef if math.isnan(coef) else min(coef, 1.0)  # torch: clamp(coef, max=1)
         return out
 
     def _reduce_norm(self, t: torch.Tensor, norm_type: float) -> torch.Tensor:
