@@ -261,10 +261,11 @@ def test_values_the_accelerator_owns_must_agree(fresh_state, tmp_path):
         zka.prepare(acc, model, torch.optim.AdamW(model.parameters()), zero=tmp_path / "nope.json")
 
 
-def test_torch_optimizer_and_clipping_left_to_the_script(fresh_state):
+def test_torch_optimizer_and_clipping_left_to_the_script(fresh_state, monkeypatch):
     """No optimizer block: the torch optimizer's class and groups; bf16 from mixed_precision
     casts the model (accelerate's plugin adds bf16 under bf16); clipping at the config's norm
-    through accelerator.clip_grad_norm_, another max_norm refused, a step unclipped warned."""
+    through accelerator.clip_grad_norm_, another max_norm refused, a step unclipped
+    clipped inside it (as DeepSpeed's engine) and warned."""
     acc = _accelerator(mixed_precision="bf16")
     model, cfg = _model_and_cfg()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -289,8 +290,24 @@ def test_torch_optimizer_and_clipping_left_to_the_script(fresh_state):
             zopt.step()  # clipped first: no warning
         zopt.zero_grad()
         backward()
-        with pytest.warns(UserWarning, match="gradient_clipping=0.5 is the script's to apply"):
+        before = float(zopt.optimizer.clip_grad_norm_(float("inf")))  # the norm alone
+        assert before > 0.5
+        inner, clipped = zopt.optimizer, []
+
+        def clip(max_norm, *a, **k):  # records what the step clips (the gradients it leaves)
+            norm = type(inner).clip_grad_norm_(inner, max_norm, *a, **k)
+            after = type(inner).clip_grad_norm_(inner, float("inf"))
+            clipped.append((max_norm, float(norm), float(after)))
+            return norm
+
+        monkeypatch.setattr(inner, "clip_grad_norm_", clip)
+        with pytest.warns(UserWarning, match=r"clipped at .* gradient_clipping=0.5"):
             zopt.step()
+        # clipped inside the step, as DeepSpeed's engine does, before the update
+        assert len(clipped) == 1 and clipped[0][0] == 0.5, clipped
+        assert clipped[0][1] == pytest.approx(before) and clipped[0][2] == pytest.approx(
+            0.5, rel=1e-3
+        )
     finally:
         zopt.optimizer.close()
 

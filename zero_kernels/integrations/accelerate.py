@@ -143,16 +143,21 @@ class ZeroAcceleratedOptimizer(AcceleratedOptimizer):
         self._warned = False
 
     def step(self, closure=None):
-        if self.clip_due and self.gradient_state.sync_gradients and not self._warned:
-            self._warned = True
-            warnings.warn(
-                "zero_kernels.integrations.accelerate: optimizer.step() with no "
-                "accelerator.clip_grad_norm_ before it: the DeepSpeed config's gradient_clipping="
-                f"{self.max_grad_norm} is the script's to apply (DeepSpeed's engine clipped "
-                "inside its step). Call accelerator.clip_grad_norm_(model.parameters(), "
-                "optimizer.max_grad_norm) when accelerator.sync_gradients",
-                stacklevel=2,
-            )
+        if self.clip_due and self.gradient_state.sync_gradients:
+            # DeepSpeed's engine clipped inside its step: a script written for it never calls
+            # accelerator.clip_grad_norm_, and would otherwise train unclipped
+            self.optimizer.clip_grad_norm_(self.max_grad_norm)
+            if not self._warned:
+                self._warned = True
+                warnings.warn(
+                    "zero_kernels.integrations.accelerate: optimizer.step() with no "
+                    "accelerator.clip_grad_norm_ before it: clipped at the DeepSpeed config's "
+                    f"gradient_clipping={self.max_grad_norm} inside the step, as DeepSpeed's "
+                    "engine did. Call accelerator.clip_grad_norm_(model.parameters(), "
+                    "optimizer.max_grad_norm) when accelerator.sync_gradients to clip (and see "
+                    "the norm) in the script",
+                    stacklevel=2,
+                )
         out = super().step(closure)
         if self.max_grad_norm is not None and self.gradient_state.sync_gradients:
             self.clip_due = True
@@ -349,7 +354,8 @@ def prepare(accelerator, model: nn.Module, optimizer, *objects, zero=None):
     DummyScheduler); others raise naming the key. Clipping stays the script's call: the
     config's ``gradient_clipping`` is the returned optimizer's ``max_grad_norm``, to pass to
     ``accelerator.clip_grad_norm_(model.parameters(), optimizer.max_grad_norm)`` (another
-    ``max_norm`` raises; a step with no clip before it warns once). See [Note: accelerate and a
+    ``max_norm`` raises; a step with no clip before it clips at ``gradient_clipping``
+    itself, as DeepSpeed's engine did, and warns once). See [Note: accelerate and a
     DeepSpeed config] in `zero_kernels.integrations.accelerate_ds`."""
     _check_accelerator(accelerator)
     if not isinstance(model, nn.Module):

@@ -49,8 +49,9 @@ file an accelerate run passed to its DeepSpeed plugin (``DeepSpeedPlugin(hf_ds_c
   optimizer.max_grad_norm)`` when ``accelerator.sync_gradients``. DeepSpeed's engine clipped
   inside its step and ignored ``max_norm``; here ``accelerator.clip_grad_norm_`` with another
   ``max_norm`` is a ValueError naming ``gradient_clipping`` (with ``gradient_clipping: 0``
-  only ``max_norm=float("inf")``, the norm alone), and a step taken with no clip before it
-  warns once.
+  only ``max_norm=float("inf")``, the norm alone); a step taken with no clip before it clips
+  at ``gradient_clipping`` itself, as DeepSpeed's engine did (a script written for DeepSpeed
+  trains as it did there), and warns once.
 """
 
 from __future__ import annotations
